@@ -1,0 +1,568 @@
+//! The embedded backend: one SQLite file holds the jobs queue (with visibility
+//! timeouts), the dead-letter queue, quota usage, pacer snapshot, circuit, cool-down and
+//! lease; the in-process invoker keeps each hand-off durable until its worker finishes.
+//!
+//! Durability: WAL with `synchronous=NORMAL` survives a killed process (not a power cut
+//! on every filesystem). Each port call is one short transaction. Calls are synchronous
+//! under a mutex: they take microseconds, and staying off `spawn_blocking` keeps paused
+//! tokio time deterministic in tests.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use rusqlite::{params, Connection, OptionalExtension};
+
+use crate::breaker::Circuit;
+use crate::job::{DeadLetterReason, WorkerPayload};
+use crate::pacer::PacerState;
+use crate::ports::{
+    DeadLetter, Invoker, JobQueue, Lease, OutgoingMessage, PortError, PortResult, QueueDepth, QueuedMessage, StateStore,
+    WorkerHandler,
+};
+use crate::time::{Clock, UnixMillis};
+
+const SCHEMA: &str = "
+PRAGMA journal_mode = WAL;
+PRAGMA synchronous = NORMAL;
+CREATE TABLE IF NOT EXISTS messages (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    message_id TEXT NOT NULL UNIQUE,
+    body TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    visible_at INTEGER NOT NULL,
+    receipt TEXT,
+    receive_count INTEGER NOT NULL DEFAULT 0,
+    enqueued_at INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS messages_visible ON messages (visible_at, seq);
+CREATE TABLE IF NOT EXISTS dead_letters (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    message_id TEXT NOT NULL,
+    body TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    reason TEXT NOT NULL,
+    dead_at INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS usage (key TEXT PRIMARY KEY, used INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS invocations (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    payload TEXT NOT NULL,
+    created_at INTEGER NOT NULL
+);
+";
+
+/// How often `receive` looks again while long polling an empty queue.
+const POLL_STEP: Duration = Duration::from_millis(50);
+
+/// The embedded store: queue, DLQ and state in one SQLite database.
+pub struct EmbeddedStore {
+    conn: Mutex<Connection>,
+    clock: Arc<dyn Clock>,
+}
+
+fn fatal(e: impl std::fmt::Display) -> PortError {
+    PortError::Fatal(format!("embedded store: {e}"))
+}
+
+fn sql_err(e: rusqlite::Error) -> PortError {
+    match e.sqlite_error_code() {
+        Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) => PortError::Transient(e.to_string()),
+        _ => fatal(e),
+    }
+}
+
+fn to_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn to_u64(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+impl EmbeddedStore {
+    /// Opens (creating if needed) the database at `path`.
+    ///
+    /// # Errors
+    /// `Fatal` naming the path when it cannot be opened or initialised.
+    pub fn open(path: &Path, clock: Arc<dyn Clock>) -> PortResult<Self> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| fatal(format!("cannot create {}: {e}", dir.display())))?;
+        }
+        let conn = Connection::open(path).map_err(|e| fatal(format!("cannot open {}: {e}", path.display())))?;
+        Self::init(conn, clock)
+    }
+
+    /// A private in-memory database, for tests.
+    ///
+    /// # Errors
+    /// `Fatal` if SQLite cannot initialise.
+    pub fn in_memory(clock: Arc<dyn Clock>) -> PortResult<Self> {
+        Self::init(Connection::open_in_memory().map_err(fatal)?, clock)
+    }
+
+    fn init(conn: Connection, clock: Arc<dyn Clock>) -> PortResult<Self> {
+        conn.busy_timeout(Duration::from_secs(5)).map_err(fatal)?;
+        conn.execute_batch(SCHEMA).map_err(fatal)?;
+        Ok(Self { conn: Mutex::new(conn), clock })
+    }
+
+    fn conn(&self) -> MutexGuard<'_, Connection> {
+        self.conn.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn get_kv<T: serde::de::DeserializeOwned>(&self, key: &str) -> PortResult<Option<T>> {
+        let text: Option<String> = self
+            .conn()
+            .query_row("SELECT value FROM kv WHERE key = ?1", [key], |r| r.get(0))
+            .optional()
+            .map_err(sql_err)?;
+        text.map(|t| serde_json::from_str(&t).map_err(|e| fatal(format!("stored {key} is unreadable: {e}")))).transpose()
+    }
+
+    fn put_kv<T: serde::Serialize>(conn: &Connection, key: &str, value: &T) -> PortResult<()> {
+        let text = serde_json::to_string(value).map_err(fatal)?;
+        conn.execute("INSERT INTO kv (key, value) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET value = ?2", params![key, text])
+            .map_err(sql_err)?;
+        Ok(())
+    }
+
+    fn try_receive(&self, max: usize, visibility: Duration) -> PortResult<Vec<QueuedMessage>> {
+        let now = self.clock.now();
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(sql_err)?;
+        let mut received = Vec::new();
+        {
+            let mut select = tx
+                .prepare_cached("SELECT seq, message_id, body, attempt FROM messages WHERE visible_at <= ?1 ORDER BY visible_at, seq LIMIT ?2")
+                .map_err(sql_err)?;
+            let rows = select
+                .query_map(params![to_i64(now.0), i64::try_from(max.min(10)).unwrap_or(10)], |r| {
+                    Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, u32>(3)?))
+                })
+                .map_err(sql_err)?;
+            let mut update = tx
+                .prepare_cached("UPDATE messages SET visible_at = ?1, receipt = ?2, receive_count = receive_count + 1 WHERE seq = ?3")
+                .map_err(sql_err)?;
+            for row in rows {
+                let (seq, message_id, body, attempt) = row.map_err(sql_err)?;
+                let receipt = uuid::Uuid::new_v4().to_string();
+                update.execute(params![to_i64(now.plus(visibility).0), receipt, seq]).map_err(sql_err)?;
+                received.push(QueuedMessage { message_id, receipt, body, attempt });
+            }
+        }
+        tx.commit().map_err(sql_err)?;
+        Ok(received)
+    }
+
+    /// Every dead letter, oldest first.
+    ///
+    /// # Errors
+    /// `Fatal` on a database failure.
+    pub fn dead_letters(&self) -> PortResult<Vec<DeadLetter>> {
+        let conn = self.conn();
+        let mut select = conn
+            .prepare("SELECT message_id, body, attempt, reason, dead_at FROM dead_letters ORDER BY seq")
+            .map_err(sql_err)?;
+        let rows = select
+            .query_map([], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, u32>(2)?, r.get::<_, String>(3)?, r.get::<_, i64>(4)?))
+            })
+            .map_err(sql_err)?;
+        rows.map(|row| {
+            let (message_id, body, attempt, reason, dead_at) = row.map_err(sql_err)?;
+            let reason: DeadLetterReason = serde_json::from_str(&reason).map_err(fatal)?;
+            Ok(DeadLetter { message_id, body, attempt, reason, dead_at: UnixMillis(to_u64(dead_at)) })
+        })
+        .collect()
+    }
+
+    /// Takes the lease whoever holds it. Only for a caller that knows no other process
+    /// can (it holds the database's file lock, see [`lock_exclusive`]).
+    ///
+    /// # Errors
+    /// `Fatal` on a database failure.
+    pub fn clear_lease(&self) -> PortResult<()> {
+        self.conn().execute("DELETE FROM kv WHERE key = 'lease_holder'", []).map_err(sql_err)?;
+        Ok(())
+    }
+
+    fn record_invocation(&self, payload: &WorkerPayload) -> PortResult<i64> {
+        let conn = self.conn();
+        conn.execute("INSERT INTO invocations (payload, created_at) VALUES (?1, ?2)", params![payload.to_json(), to_i64(self.clock.now().0)])
+            .map_err(sql_err)?;
+        Ok(conn.last_insert_rowid())
+    }
+
+    fn finish_invocation(&self, seq: i64) -> PortResult<()> {
+        self.conn().execute("DELETE FROM invocations WHERE seq = ?1", [seq]).map_err(sql_err)?;
+        Ok(())
+    }
+
+    /// Puts the jobs of invocations a killed process left unfinished back on the queue
+    /// (to be paced again) and forgets its health checks. Returns how many jobs.
+    ///
+    /// # Errors
+    /// `Fatal` on a database failure.
+    pub fn recover_invocations(&self) -> PortResult<usize> {
+        let now = to_i64(self.clock.now().0);
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(sql_err)?;
+        let payloads: Vec<String> = {
+            let mut select = tx.prepare("SELECT payload FROM invocations ORDER BY seq").map_err(sql_err)?;
+            let rows = select.query_map([], |r| r.get(0)).map_err(sql_err)?;
+            rows.collect::<Result<_, _>>().map_err(sql_err)?
+        };
+        let mut jobs = 0;
+        for text in payloads {
+            if let Ok(WorkerPayload::Job { job, attempt, .. }) = WorkerPayload::from_json(&text) {
+                insert_message(&tx, &job.to_json(), attempt, now)?;
+                jobs += 1;
+            }
+        }
+        tx.execute("DELETE FROM invocations", []).map_err(sql_err)?;
+        tx.commit().map_err(sql_err)?;
+        Ok(jobs)
+    }
+}
+
+fn insert_message(conn: &Connection, body: &str, attempt: u32, visible_at: i64) -> PortResult<()> {
+    conn.execute(
+        "INSERT INTO messages (message_id, body, attempt, visible_at, enqueued_at) VALUES (?1, ?2, ?3, ?4, ?4)",
+        params![uuid::Uuid::new_v4().to_string(), body, attempt, visible_at],
+    )
+    .map_err(sql_err)?;
+    Ok(())
+}
+
+/// Takes an exclusive lock on a file beside the database, held as long as the returned
+/// handle lives: proof that no other `paceline run` uses it. The OS drops the lock when
+/// the process dies, however it dies.
+///
+/// # Errors
+/// `Conflict` when another process holds it; `Fatal` when the file cannot be opened.
+pub fn lock_exclusive(db_path: &Path) -> PortResult<std::fs::File> {
+    let lock_path = db_path.with_extension("lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|e| fatal(format!("cannot open {}: {e}", lock_path.display())))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(PortError::Conflict(format!(
+            "another paceline run is using {} (lock file {})",
+            db_path.display(),
+            lock_path.display()
+        ))),
+        Err(std::fs::TryLockError::Error(e)) => Err(fatal(format!("cannot lock {}: {e}", lock_path.display()))),
+    }
+}
+
+#[async_trait]
+impl JobQueue for EmbeddedStore {
+    async fn receive(&self, max: usize, wait: Duration, visibility: Duration) -> PortResult<Vec<QueuedMessage>> {
+        let until = self.clock.now().plus(wait);
+        loop {
+            let received = self.try_receive(max, visibility)?;
+            let now = self.clock.now();
+            if !received.is_empty() || now >= until {
+                return Ok(received);
+            }
+            self.clock.sleep_until(now.plus(POLL_STEP).min(until)).await;
+        }
+    }
+
+    async fn delete(&self, receipts: &[String]) -> PortResult<()> {
+        let conn = self.conn();
+        for receipt in receipts {
+            conn.execute("DELETE FROM messages WHERE receipt = ?1", [receipt]).map_err(sql_err)?;
+        }
+        Ok(())
+    }
+
+    async fn release(&self, receipts: &[String]) -> PortResult<()> {
+        let now = to_i64(self.clock.now().0);
+        let conn = self.conn();
+        for receipt in receipts {
+            conn.execute("UPDATE messages SET visible_at = ?1, receipt = NULL WHERE receipt = ?2", params![now, receipt])
+                .map_err(sql_err)?;
+        }
+        Ok(())
+    }
+
+    async fn send(&self, messages: &[OutgoingMessage]) -> PortResult<()> {
+        let now = self.clock.now();
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(sql_err)?;
+        for m in messages {
+            insert_message(&tx, &m.body, m.attempt, to_i64(now.plus(m.delay).0))?;
+        }
+        tx.commit().map_err(sql_err)
+    }
+
+    async fn dead_letter(&self, message_id: &str, body: &str, attempt: u32, reason: &DeadLetterReason) -> PortResult<()> {
+        let reason = serde_json::to_string(reason).map_err(fatal)?;
+        self.conn()
+            .execute(
+                "INSERT INTO dead_letters (message_id, body, attempt, reason, dead_at) VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![message_id, body, attempt, reason, to_i64(self.clock.now().0)],
+            )
+            .map_err(sql_err)?;
+        Ok(())
+    }
+
+    async fn depth(&self) -> PortResult<QueueDepth> {
+        let now = to_i64(self.clock.now().0);
+        let conn = self.conn();
+        let count = |sql: &str, p: &[&dyn rusqlite::ToSql]| conn.query_row(sql, p, |r| r.get::<_, i64>(0)).map(to_u64).map_err(sql_err);
+        Ok(QueueDepth {
+            visible: count("SELECT COUNT(*) FROM messages WHERE visible_at <= ?1", &[&now])?,
+            not_visible: count("SELECT COUNT(*) FROM messages WHERE visible_at > ?1", &[&now])?
+                + count("SELECT COUNT(*) FROM invocations", &[])?,
+            dead: count("SELECT COUNT(*) FROM dead_letters", &[])?,
+        })
+    }
+}
+
+#[async_trait]
+impl StateStore for EmbeddedStore {
+    async fn acquire_lease(&self, holder: &str, ttl: Duration, now: UnixMillis) -> PortResult<Lease> {
+        let current: Option<Lease> = self.get_kv("lease_holder")?;
+        let epoch = match current {
+            Some(lease) if lease.expires_at > now && lease.holder != holder => {
+                return Err(PortError::Conflict(format!("lease held by {} until {}", lease.holder, lease.expires_at)));
+            }
+            Some(lease) => lease.epoch + 1,
+            None => self.get_kv::<u64>("lease_epoch")?.unwrap_or(0) + 1,
+        };
+        let lease = Lease { holder: holder.to_owned(), epoch, expires_at: now.plus(ttl) };
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(sql_err)?;
+        Self::put_kv(&tx, "lease_holder", &lease)?;
+        Self::put_kv(&tx, "lease_epoch", &epoch)?;
+        tx.commit().map_err(sql_err)?;
+        Ok(lease)
+    }
+
+    async fn renew_lease(&self, lease: &Lease, ttl: Duration, now: UnixMillis) -> PortResult<Lease> {
+        match self.get_kv::<Lease>("lease_holder")? {
+            Some(current) if current.epoch == lease.epoch && current.holder == lease.holder => {
+                let renewed = Lease { expires_at: now.plus(ttl), ..current };
+                Self::put_kv(&self.conn(), "lease_holder", &renewed)?;
+                Ok(renewed)
+            }
+            _ => Err(PortError::Conflict(format!("lease epoch {} was lost", lease.epoch))),
+        }
+    }
+
+    async fn release_lease(&self, lease: &Lease) -> PortResult<()> {
+        if self.get_kv::<Lease>("lease_holder")?.is_some_and(|c| c.epoch == lease.epoch) {
+            self.conn().execute("DELETE FROM kv WHERE key = 'lease_holder'", []).map_err(sql_err)?;
+        }
+        Ok(())
+    }
+
+    async fn lease(&self) -> PortResult<Option<Lease>> {
+        self.get_kv("lease_holder")
+    }
+
+    async fn load_usage(&self, keys: &[String]) -> PortResult<Vec<u64>> {
+        let conn = self.conn();
+        keys.iter()
+            .map(|k| {
+                conn.query_row("SELECT used FROM usage WHERE key = ?1", [k], |r| r.get::<_, i64>(0))
+                    .optional()
+                    .map(|v| v.map_or(0, to_u64))
+                    .map_err(sql_err)
+            })
+            .collect()
+    }
+
+    async fn add_usage(&self, deltas: &[(String, u64)]) -> PortResult<()> {
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(sql_err)?;
+        for (key, delta) in deltas {
+            tx.execute("INSERT INTO usage (key, used) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET used = used + ?2", params![key, to_i64(*delta)])
+                .map_err(sql_err)?;
+        }
+        tx.commit().map_err(sql_err)
+    }
+
+    async fn load_pacer(&self) -> PortResult<Option<PacerState>> {
+        self.get_kv("pacer")
+    }
+
+    async fn save_pacer(&self, lease: &Lease, state: &PacerState) -> PortResult<()> {
+        let current: Option<Lease> = self.get_kv("lease_holder")?;
+        if current.is_none_or(|c| c.epoch != lease.epoch) {
+            return Err(PortError::Conflict(format!("lease epoch {} was lost", lease.epoch)));
+        }
+        Self::put_kv(&self.conn(), "pacer", state)
+    }
+
+    async fn circuit(&self) -> PortResult<Circuit> {
+        Ok(self.get_kv("circuit")?.unwrap_or_default())
+    }
+
+    async fn swap_circuit(&self, expected_epoch: u64, next: &Circuit) -> PortResult<()> {
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(sql_err)?;
+        let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = 'circuit'", [], |r| r.get(0)).optional().map_err(sql_err)?;
+        let current: Circuit = stored.and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
+        if current.epoch != expected_epoch {
+            return Err(PortError::Conflict(format!("circuit is at epoch {}, not {expected_epoch}", current.epoch)));
+        }
+        Self::put_kv(&tx, "circuit", next)?;
+        tx.commit().map_err(sql_err)
+    }
+
+    async fn cool_down(&self) -> PortResult<UnixMillis> {
+        Ok(self.get_kv("cool_down")?.unwrap_or_default())
+    }
+
+    async fn extend_cool_down(&self, until: UnixMillis) -> PortResult<()> {
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(sql_err)?;
+        let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = 'cool_down'", [], |r| r.get(0)).optional().map_err(sql_err)?;
+        let current: UnixMillis = stored.and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
+        Self::put_kv(&tx, "cool_down", &current.max(until))?;
+        tx.commit().map_err(sql_err)
+    }
+}
+
+/// Runs workers in this process. Each hand-off is first written to the database (like
+/// Lambda's async event queue), so a killed process loses nothing: on restart,
+/// [`EmbeddedStore::recover_invocations`] re-queues what had not finished.
+pub struct EmbeddedInvoker {
+    store: Arc<EmbeddedStore>,
+    handler: Arc<dyn WorkerHandler>,
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl EmbeddedInvoker {
+    #[must_use]
+    pub fn new(store: Arc<EmbeddedStore>, handler: Arc<dyn WorkerHandler>) -> Self {
+        Self { store, handler, in_flight: Arc::new(AtomicUsize::new(0)) }
+    }
+}
+
+#[async_trait]
+impl Invoker for EmbeddedInvoker {
+    async fn invoke(&self, payload: &WorkerPayload) -> PortResult<()> {
+        let seq = self.store.record_invocation(payload)?;
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        let (store, handler, in_flight, payload) = (self.store.clone(), self.handler.clone(), self.in_flight.clone(), payload.clone());
+        tokio::spawn(async move {
+            handler.handle(payload).await;
+            if let Err(e) = store.finish_invocation(seq) {
+                tracing::error!(error = %e, "could not mark an invocation finished; it will be re-queued on restart");
+            }
+            in_flight.fetch_sub(1, Ordering::SeqCst);
+        });
+        Ok(())
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::job::DeadLetterCause;
+    use crate::time::ManualClock;
+
+    fn store() -> (Arc<ManualClock>, EmbeddedStore) {
+        let clock = Arc::new(ManualClock::new(UnixMillis(1_000_000)));
+        let store = EmbeddedStore::in_memory(clock.clone()).unwrap();
+        (clock, store)
+    }
+
+    fn msg(body: &str, attempt: u32) -> OutgoingMessage {
+        OutgoingMessage { body: body.into(), attempt, delay: Duration::ZERO }
+    }
+
+    #[tokio::test]
+    async fn received_messages_hide_until_released_deleted_or_timed_out() {
+        let (clock, q) = store();
+        q.send(&[msg("a", 0), msg("b", 2), msg("c", 0)]).await.unwrap();
+        let got = q.receive(2, Duration::ZERO, Duration::from_secs(30)).await.unwrap();
+        assert_eq!(got.iter().map(|m| (m.body.as_str(), m.attempt)).collect::<Vec<_>>(), vec![("a", 0), ("b", 2)]);
+        assert_eq!(q.depth().await.unwrap(), QueueDepth { visible: 1, not_visible: 2, dead: 0 });
+        q.delete(&[got[0].receipt.clone()]).await.unwrap();
+        q.release(&[got[1].receipt.clone()]).await.unwrap();
+        let again = q.receive(10, Duration::ZERO, Duration::from_secs(30)).await.unwrap();
+        assert_eq!(again.iter().map(|m| m.body.as_str()).collect::<Vec<_>>(), vec!["b", "c"]);
+        clock.advance(Duration::from_secs(31));
+        assert_eq!(q.receive(10, Duration::ZERO, Duration::from_secs(30)).await.unwrap().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn delayed_messages_wait_and_long_polling_finds_them() {
+        let (clock, q) = store();
+        q.send(&[OutgoingMessage { body: "later".into(), attempt: 1, delay: Duration::from_secs(2) }]).await.unwrap();
+        assert!(q.receive(10, Duration::ZERO, Duration::from_secs(30)).await.unwrap().is_empty());
+        let got = q.receive(10, Duration::from_secs(5), Duration::from_secs(30)).await.unwrap();
+        assert_eq!(got[0].body, "later");
+        assert!(clock.now() >= UnixMillis(1_002_000));
+    }
+
+    #[tokio::test]
+    async fn dead_letters_keep_body_attempt_and_reason() {
+        let (_, q) = store();
+        let reason = DeadLetterReason { cause: DeadLetterCause::Malformed, detail: "not a job: EOF".into() };
+        q.dead_letter("m1", "{", 0, &reason).await.unwrap();
+        let dead = q.dead_letters().unwrap();
+        assert_eq!((dead[0].message_id.as_str(), dead[0].body.as_str(), &dead[0].reason), ("m1", "{", &reason));
+        assert_eq!(q.depth().await.unwrap().dead, 1);
+    }
+
+    #[tokio::test]
+    async fn lease_excludes_others_until_it_expires_and_fences_by_epoch() {
+        let (_, s) = store();
+        let ttl = Duration::from_secs(10);
+        let a = s.acquire_lease("a", ttl, UnixMillis(0)).await.unwrap();
+        assert!(matches!(s.acquire_lease("b", ttl, UnixMillis(5_000)).await, Err(PortError::Conflict(_))));
+        let b = s.acquire_lease("b", ttl, UnixMillis(10_000)).await.unwrap();
+        assert_eq!((a.epoch, b.epoch), (1, 2));
+        assert!(matches!(s.renew_lease(&a, ttl, UnixMillis(10_001)).await, Err(PortError::Conflict(_))));
+        let state = PacerState { tiers: vec![], hold_until: UnixMillis(7) };
+        assert!(matches!(s.save_pacer(&a, &state).await, Err(PortError::Conflict(_))));
+        s.save_pacer(&b, &state).await.unwrap();
+        assert_eq!(s.load_pacer().await.unwrap(), Some(state));
+        s.release_lease(&b).await.unwrap();
+        assert_eq!(s.acquire_lease("c", ttl, UnixMillis(10_002)).await.unwrap().epoch, 3);
+    }
+
+    #[tokio::test]
+    async fn usage_adds_up_and_circuit_swaps_only_from_the_expected_epoch() {
+        let (_, s) = store();
+        s.add_usage(&[("10/day@0".into(), 3)]).await.unwrap();
+        s.add_usage(&[("10/day@0".into(), 4)]).await.unwrap();
+        assert_eq!(s.load_usage(&["10/day@0".into(), "other".into()]).await.unwrap(), vec![7, 0]);
+        let open = s.circuit().await.unwrap().open(0, "503", UnixMillis(1)).unwrap();
+        s.swap_circuit(0, &open).await.unwrap();
+        assert!(matches!(s.swap_circuit(0, &open).await, Err(PortError::Conflict(_))));
+        assert_eq!(s.circuit().await.unwrap(), open);
+        s.extend_cool_down(UnixMillis(50)).await.unwrap();
+        s.extend_cool_down(UnixMillis(20)).await.unwrap();
+        assert_eq!(s.cool_down().await.unwrap(), UnixMillis(50));
+    }
+
+    #[test]
+    fn the_file_lock_admits_one_process_at_a_time() {
+        let dir = std::env::temp_dir().join(format!("paceline-lock-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let db = dir.join("lane.db");
+        let held = lock_exclusive(&db).unwrap();
+        assert!(matches!(lock_exclusive(&db), Err(PortError::Conflict(_))));
+        drop(held);
+        assert!(lock_exclusive(&db).is_ok());
+    }
+}

@@ -1,0 +1,61 @@
+//! In-memory doubles for tests: an invoker that records every hand-off with its time,
+//! can refuse some with scripted errors, and can pass payloads on to a worker.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+
+use crate::job::WorkerPayload;
+use crate::ports::{Invoker, PortError, PortResult, WorkerHandler};
+use crate::time::{Clock, UnixMillis};
+
+/// Records each accepted invocation as `(time, payload)`.
+pub struct RecordingInvoker {
+    clock: Arc<dyn Clock>,
+    accepted: Mutex<Vec<(UnixMillis, WorkerPayload)>>,
+    scripted_errors: Mutex<VecDeque<PortError>>,
+    forward_to: Option<Arc<dyn WorkerHandler>>,
+}
+
+impl RecordingInvoker {
+    #[must_use]
+    pub fn new(clock: Arc<dyn Clock>) -> Self {
+        Self { clock, accepted: Mutex::default(), scripted_errors: Mutex::default(), forward_to: None }
+    }
+
+    /// Also runs each accepted payload on `handler` (awaited inline).
+    #[must_use]
+    pub fn forwarding_to(mut self, handler: Arc<dyn WorkerHandler>) -> Self {
+        self.forward_to = Some(handler);
+        self
+    }
+
+    /// The next invocations fail with these errors, in order, before any is accepted.
+    pub fn fail_next(&self, errors: impl IntoIterator<Item = PortError>) {
+        self.scripted_errors.lock().unwrap_or_else(std::sync::PoisonError::into_inner).extend(errors);
+    }
+
+    /// Every accepted invocation so far.
+    #[must_use]
+    pub fn accepted(&self) -> Vec<(UnixMillis, WorkerPayload)> {
+        self.accepted.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+}
+
+#[async_trait]
+impl Invoker for RecordingInvoker {
+    async fn invoke(&self, payload: &WorkerPayload) -> PortResult<()> {
+        if let Some(error) = self.scripted_errors.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop_front() {
+            return Err(error);
+        }
+        self.accepted
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push((self.clock.now(), payload.clone()));
+        if let Some(handler) = &self.forward_to {
+            handler.handle(payload.clone()).await;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,88 @@
+//! Independent checkers of quota compliance, for tests, the demo's fake API and
+//! simulations. They share no code with the pacer on purpose: an oracle that reused the
+//! pacer's arithmetic would agree with its bugs.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use crate::time::UnixMillis;
+
+/// The largest number of units found in any window of length `window` (half-open:
+/// a call at `t` and one at `t + window` are in different windows), whatever its start.
+/// `arrivals` must be sorted by time.
+#[must_use]
+pub fn peak_in_any_window(arrivals: &[(UnixMillis, u64)], window: Duration) -> u64 {
+    let window = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
+    let mut first = 0;
+    let mut units = 0;
+    let mut peak = 0;
+    for (t, cost) in arrivals {
+        units += cost;
+        while arrivals[first].0 .0 + window <= t.0 {
+            units -= arrivals[first].1;
+            first += 1;
+        }
+        peak = peak.max(units);
+    }
+    peak
+}
+
+/// A strict sliding-window limiter, as a provider would enforce it: a call that would
+/// put more than `limit` units into any window of length `window` is refused.
+#[derive(Debug)]
+pub struct StrictWindowLimiter {
+    limit: u64,
+    window_ms: u64,
+    arrivals: VecDeque<(u64, u64)>,
+    units: u64,
+}
+
+impl StrictWindowLimiter {
+    /// A limiter of `limit` units per `window`.
+    #[must_use]
+    pub fn new(limit: u64, window: Duration) -> Self {
+        let window_ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
+        Self { limit, window_ms, arrivals: VecDeque::new(), units: 0 }
+    }
+
+    /// Admits and records the call if it fits; refuses (and records nothing) if not.
+    pub fn try_admit(&mut self, now: UnixMillis, cost: u64) -> bool {
+        while let Some((t, c)) = self.arrivals.front() {
+            if t + self.window_ms > now.0 {
+                break;
+            }
+            self.units -= c;
+            self.arrivals.pop_front();
+        }
+        if self.units + cost > self.limit {
+            return false;
+        }
+        self.units += cost;
+        self.arrivals.push_back((now.0, cost));
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peak_counts_half_open_windows() {
+        let at = |ms: &[u64]| ms.iter().map(|t| (UnixMillis(*t), 1)).collect::<Vec<_>>();
+        assert_eq!(peak_in_any_window(&at(&[0, 1000, 2000]), Duration::from_secs(1)), 1);
+        assert_eq!(peak_in_any_window(&at(&[0, 999, 1000]), Duration::from_secs(1)), 2);
+        assert_eq!(peak_in_any_window(&[(UnixMillis(5), 3), (UnixMillis(6), 4)], Duration::from_secs(1)), 7);
+    }
+
+    #[test]
+    fn strict_limiter_refuses_the_call_that_would_overfill_a_window() {
+        let mut limiter = StrictWindowLimiter::new(2, Duration::from_secs(1));
+        assert!(limiter.try_admit(UnixMillis(0), 1));
+        assert!(limiter.try_admit(UnixMillis(500), 1));
+        assert!(!limiter.try_admit(UnixMillis(999), 1));
+        assert!(limiter.try_admit(UnixMillis(1_000), 1));
+        assert!(!limiter.try_admit(UnixMillis(1_200), 1));
+        assert!(limiter.try_admit(UnixMillis(1_500), 1));
+    }
+}

@@ -1,0 +1,353 @@
+//! The lane's configuration file (TOML), parsed once into checked types.
+//!
+//! Every key is known (a typo is an error naming it), every value is parsed where it is
+//! read (tiers, durations, time zone, URL), and secrets are read from the environment
+//! into `SecretString`s that never print. Errors say which key is wrong and why.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use secrecy::SecretString;
+use serde::{Deserialize, Deserializer};
+
+use crate::job::ApiRequest;
+use crate::quota::{Quota, Tier};
+
+/// Why the configuration cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config {path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+/// A whole lane.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub api: ApiConfig,
+    pub quota: Quota,
+    pub circuit: CircuitConfig,
+    pub retry: RetryConfig,
+    pub orchestrator: OrchestratorConfig,
+    pub backend: Backend,
+}
+
+/// The third-party API.
+#[derive(Debug, Clone)]
+pub struct ApiConfig {
+    pub base_url: url::Url,
+    pub timeout: Duration,
+    /// Headers added to every call, secrets included.
+    pub headers: Vec<(String, SecretString)>,
+    pub health_check: ApiRequest,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CircuitConfig {
+    #[serde(deserialize_with = "duration", default = "defaults::health_check_interval")]
+    pub health_check_interval: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryConfig {
+    /// Calls per job at most; a job that failed this often goes to the DLQ.
+    #[serde(default = "defaults::max_attempts")]
+    pub max_attempts: u32,
+    /// Cool-down after a 429 that says nothing of when to come back.
+    #[serde(deserialize_with = "duration", default = "defaults::default_cool_down")]
+    pub default_cool_down: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OrchestratorConfig {
+    #[serde(deserialize_with = "duration", default = "defaults::lease_ttl")]
+    pub lease_ttl: Duration,
+    #[serde(deserialize_with = "duration", default = "defaults::visibility_timeout")]
+    pub visibility_timeout: Duration,
+    /// How often quota usage is written back (also at exit).
+    #[serde(deserialize_with = "duration", default = "defaults::flush_interval")]
+    pub flush_interval: Duration,
+    /// How often the circuit and cool-down are re-read.
+    #[serde(deserialize_with = "duration", default = "defaults::state_refresh")]
+    pub state_refresh: Duration,
+    /// Stop dispatching this long before the run's deadline.
+    #[serde(deserialize_with = "duration", default = "defaults::deadline_margin")]
+    pub deadline_margin: Duration,
+}
+
+/// Where queue and state live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backend {
+    /// One SQLite file (resolved against the config file's folder).
+    Embedded { path: PathBuf },
+    /// AWS resources by name; `endpoint_url` points every client elsewhere (tests).
+    Aws { queue_url: String, dlq_url: String, table: String, worker_function: String, endpoint_url: Option<String> },
+}
+
+mod defaults {
+    use std::time::Duration;
+    pub fn health_check_interval() -> Duration { Duration::from_secs(5) }
+    pub fn max_attempts() -> u32 { 5 }
+    pub fn default_cool_down() -> Duration { Duration::from_secs(1) }
+    pub fn lease_ttl() -> Duration { Duration::from_secs(30) }
+    pub fn visibility_timeout() -> Duration { Duration::from_secs(60) }
+    pub fn flush_interval() -> Duration { Duration::from_secs(2) }
+    pub fn state_refresh() -> Duration { Duration::from_secs(1) }
+    pub fn deadline_margin() -> Duration { Duration::from_secs(5) }
+    pub fn timeout() -> Duration { Duration::from_secs(10) }
+    pub fn safety_margin() -> Duration { Duration::from_millis(10) }
+}
+
+impl Default for CircuitConfig {
+    fn default() -> Self {
+        Self { health_check_interval: defaults::health_check_interval() }
+    }
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self { max_attempts: defaults::max_attempts(), default_cool_down: defaults::default_cool_down() }
+    }
+}
+
+impl Default for OrchestratorConfig {
+    fn default() -> Self {
+        Self {
+            lease_ttl: defaults::lease_ttl(),
+            visibility_timeout: defaults::visibility_timeout(),
+            flush_interval: defaults::flush_interval(),
+            state_refresh: defaults::state_refresh(),
+            deadline_margin: defaults::deadline_margin(),
+        }
+    }
+}
+
+fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    let text = String::deserialize(d)?;
+    humantime::parse_duration(&text)
+        .map_err(|e| serde::de::Error::custom(format!("`{text}` is not a duration ({e}); write for example 500ms, 10s, 5m")))
+}
+
+fn time_zone<'de, D: Deserializer<'de>>(d: D) -> Result<chrono_tz::Tz, D::Error> {
+    let text = String::deserialize(d)?;
+    text.parse()
+        .map_err(|_| serde::de::Error::custom(format!("unknown time zone `{text}` (use an IANA name such as UTC or America/New_York)")))
+}
+
+fn base_url<'de, D: Deserializer<'de>>(d: D) -> Result<url::Url, D::Error> {
+    let text = String::deserialize(d)?;
+    let url = url::Url::parse(&text).map_err(|e| serde::de::Error::custom(format!("`{text}` is not a URL: {e}")))?;
+    if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+        return Err(serde::de::Error::custom(format!("`{text}` must be an http or https URL with a host")));
+    }
+    Ok(url)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    api: RawApi,
+    quota: RawQuota,
+    #[serde(default)]
+    circuit: CircuitConfig,
+    #[serde(default)]
+    retry: RetryConfig,
+    #[serde(default)]
+    orchestrator: OrchestratorConfig,
+    #[serde(default)]
+    backend: RawBackend,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawApi {
+    #[serde(deserialize_with = "base_url")]
+    base_url: url::Url,
+    #[serde(deserialize_with = "duration", default = "defaults::timeout")]
+    timeout: Duration,
+    #[serde(default)]
+    headers: BTreeMap<String, HeaderSource>,
+    health_check: Option<ApiRequest>,
+}
+
+/// Where a header's value comes from: literally, or from an environment variable
+/// (optionally with a prefix such as `Bearer `).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, untagged)]
+enum HeaderSource {
+    Value { value: String },
+    Env { env: String, #[serde(default)] prefix: String },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawQuota {
+    tiers: Vec<Tier>,
+    #[serde(deserialize_with = "time_zone", default = "utc")]
+    time_zone: chrono_tz::Tz,
+    #[serde(deserialize_with = "duration", default = "defaults::safety_margin")]
+    safety_margin: Duration,
+}
+
+fn utc() -> chrono_tz::Tz {
+    chrono_tz::UTC
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, tag = "kind", rename_all = "snake_case")]
+enum RawBackend {
+    Embedded { #[serde(default = "default_db")] path: PathBuf },
+    Aws { queue_url: String, dlq_url: String, table: String, worker_function: String, endpoint_url: Option<String> },
+}
+
+fn default_db() -> PathBuf {
+    PathBuf::from("paceline.db")
+}
+
+impl Default for RawBackend {
+    fn default() -> Self {
+        Self::Embedded { path: default_db() }
+    }
+}
+
+impl Config {
+    /// Reads and checks a config file; secrets come from `env` (the process environment
+    /// in production, a map in tests).
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the file, the key and the problem.
+    pub fn load(path: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        let base_dir = path.parent().unwrap_or(Path::new("."));
+        Self::parse(&text, base_dir, env).map_err(|message| ConfigError::Invalid { path: path.to_owned(), message })
+    }
+
+    /// Parses config text; relative paths are resolved against `base_dir`.
+    ///
+    /// # Errors
+    /// A message naming the key and the problem.
+    pub fn parse(text: &str, base_dir: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, String> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| e.to_string().trim_end().to_owned())?;
+        let quota = Quota::new(raw.quota.tiers, raw.quota.time_zone, raw.quota.safety_margin).map_err(|e| format!("quota.tiers: {e}"))?;
+        if raw.retry.max_attempts == 0 {
+            return Err("retry.max_attempts: must be at least 1".into());
+        }
+        if raw.orchestrator.lease_ttl < Duration::from_secs(2) {
+            return Err("orchestrator.lease_ttl: must be at least 2s".into());
+        }
+        if raw.orchestrator.visibility_timeout < Duration::from_secs(1) {
+            return Err("orchestrator.visibility_timeout: must be at least 1s".into());
+        }
+        let mut headers = Vec::new();
+        for (name, source) in raw.api.headers {
+            let value = match source {
+                HeaderSource::Value { value } => value,
+                HeaderSource::Env { env: var, prefix } => {
+                    let value = env(&var).ok_or_else(|| format!("api.headers.{name}: environment variable {var} is not set"))?;
+                    format!("{prefix}{value}")
+                }
+            };
+            headers.push((name, SecretString::from(value)));
+        }
+        let health_check = match raw.api.health_check {
+            Some(request) => {
+                // The same checks as a job's request: a path on this API, a real method.
+                let probe = serde_json::json!({ "request": request }).to_string();
+                crate::job::Job::parse(&probe).map_err(|e| format!("api.health_check: {e}"))?.request
+            }
+            None => ApiRequest { method: "GET".into(), path: "/".into(), query: BTreeMap::new(), headers: BTreeMap::new(), body: None },
+        };
+        let backend = match raw.backend {
+            RawBackend::Embedded { path } => Backend::Embedded { path: base_dir.join(path) },
+            RawBackend::Aws { queue_url, dlq_url, table, worker_function, endpoint_url } => {
+                Backend::Aws { queue_url, dlq_url, table, worker_function, endpoint_url }
+            }
+        };
+        Ok(Self {
+            api: ApiConfig { base_url: raw.api.base_url, timeout: raw.api.timeout, headers, health_check },
+            quota,
+            circuit: raw.circuit,
+            retry: raw.retry,
+            orchestrator: raw.orchestrator,
+            backend,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use secrecy::ExposeSecret;
+
+    fn env(name: &str) -> Option<String> {
+        (name == "API_TOKEN").then(|| "s3cret".to_owned())
+    }
+
+    fn parse(text: &str) -> Result<Config, String> {
+        Config::parse(text, Path::new("/lanes"), &env)
+    }
+
+    const MINIMAL: &str = "[api]\nbase_url = \"https://api.example.com/v1\"\n[quota]\ntiers = [\"10/s\"]\n";
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let config = parse(MINIMAL).unwrap();
+        assert_eq!(config.quota.tiers.len(), 1);
+        assert_eq!(config.quota.safety_margin, Duration::from_millis(10));
+        assert_eq!(config.retry.max_attempts, 5);
+        assert_eq!(config.backend, Backend::Embedded { path: PathBuf::from("/lanes/paceline.db") });
+        assert_eq!(config.api.health_check.path, "/");
+    }
+
+    #[test]
+    fn full_config_reads_secrets_from_the_environment() {
+        let text = r#"
+[api]
+base_url = "https://api.example.com/v1"
+timeout = "3s"
+headers = { Authorization = { env = "API_TOKEN", prefix = "Bearer " }, "User-Agent" = { value = "paceline" } }
+health_check = { method = "GET", path = "/status" }
+[quota]
+tiers = ["10/s", "500/min", "100000/day"]
+time_zone = "Europe/Paris"
+safety_margin = "5ms"
+[circuit]
+health_check_interval = "2s"
+[retry]
+max_attempts = 3
+[backend]
+kind = "embedded"
+path = "data/lane.db"
+"#;
+        let config = parse(text).unwrap();
+        let auth = config.api.headers.iter().find(|(n, _)| n == "Authorization").unwrap();
+        assert_eq!(auth.1.expose_secret(), "Bearer s3cret");
+        assert!(!format!("{config:?}").contains("s3cret"), "a secret reached Debug output");
+        assert_eq!(config.quota.zone, chrono_tz::Europe::Paris);
+        assert_eq!(config.circuit.health_check_interval, Duration::from_secs(2));
+        assert_eq!(config.backend, Backend::Embedded { path: PathBuf::from("/lanes/data/lane.db") });
+    }
+
+    #[test]
+    fn errors_name_the_key_and_the_problem() {
+        let cases = [
+            (MINIMAL.replace("10/s", "10/fortnight"), "fortnight"),
+            (MINIMAL.replace("tiers", "tierz"), "tierz"),
+            (MINIMAL.replace("https://api.example.com/v1", "ftp://x"), "base_url"),
+            (format!("{MINIMAL}[retry]\nmax_attempts = 0\n"), "retry.max_attempts"),
+            (format!("{MINIMAL}[circuit]\nhealth_check_interval = \"soon\"\n"), "health_check_interval"),
+            (MINIMAL.replace("[quota]", "[quota]\ntime_zone = \"Mars/Olympus\""), "Mars/Olympus"),
+            (MINIMAL.replace("[quota]", "[api.headers]\nX-Key = { env = \"MISSING\" }\n[quota]"), "api.headers.X-Key: environment variable MISSING"),
+            (MINIMAL.replace("[quota]", "[api.health_check]\nmethod = \"GET\"\npath = \"https://evil.example/\"\n[quota]"), "api.health_check"),
+        ];
+        for (text, expected) in cases {
+            let err = parse(&text).unwrap_err();
+            assert!(err.contains(expected), "error for {expected:?} was: {err}");
+        }
+    }
+}

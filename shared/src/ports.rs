@@ -1,0 +1,234 @@
+//! The ports the orchestrator and worker talk through: the job queue (with its DLQ), the
+//! state store (lease, quota usage, pacer snapshot, circuit, cool-down) and the invoker.
+//! Adapters: `adapters::embedded` (SQLite, for `paceline run` and tests) and
+//! `adapters::memory` (a recording invoker for tests); the AWS adapters implement the
+//! same traits.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+use crate::breaker::Circuit;
+use crate::job::{DeadLetterReason, WorkerPayload};
+use crate::pacer::PacerState;
+use crate::time::UnixMillis;
+
+/// What went wrong in an adapter, by what the caller can do about it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PortError {
+    /// A conditional write lost: someone else changed the item first. Re-read and decide.
+    #[error("conflict: {0}")]
+    Conflict(String),
+    /// The service asked us to slow down. Retry later with backoff.
+    #[error("throttled: {0}")]
+    Throttled(String),
+    /// A passing fault (network, 5xx). Retry.
+    #[error("transient: {0}")]
+    Transient(String),
+    /// Retrying will not help (missing resource, permissions, bad configuration).
+    #[error("{0}")]
+    Fatal(String),
+}
+
+impl PortError {
+    /// Whether retrying the same call may succeed.
+    #[must_use]
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Self::Throttled(_) | Self::Transient(_))
+    }
+}
+
+pub type PortResult<T> = Result<T, PortError>;
+
+/// A message received from the jobs queue, invisible to others until released,
+/// deleted, or its visibility timeout passes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QueuedMessage {
+    pub message_id: String,
+    /// The handle for `delete` and `release`, valid for this receive only.
+    pub receipt: String,
+    pub body: String,
+    /// How many times the job was tried before (carried across re-queues).
+    pub attempt: u32,
+}
+
+/// A message to put on the queue.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutgoingMessage {
+    pub body: String,
+    pub attempt: u32,
+    pub delay: Duration,
+}
+
+/// How many messages are where.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueDepth {
+    /// Ready to be received.
+    pub visible: u64,
+    /// Received and not yet deleted or released, or delayed.
+    pub not_visible: u64,
+    /// In the jobs dead-letter queue.
+    pub dead: u64,
+}
+
+/// A dead-lettered message as stored.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadLetter {
+    pub message_id: String,
+    pub body: String,
+    pub attempt: u32,
+    pub reason: DeadLetterReason,
+    pub dead_at: UnixMillis,
+}
+
+/// The jobs queue and its dead-letter queue.
+#[async_trait]
+pub trait JobQueue: Send + Sync {
+    /// Receives up to `max` messages (at most 10), waiting up to `wait` for the first,
+    /// and hides them for `visibility`.
+    ///
+    /// # Errors
+    /// `Throttled`/`Transient` when the queue service is unavailable; `Fatal` when the
+    /// queue does not exist or may not be read.
+    async fn receive(&self, max: usize, wait: Duration, visibility: Duration) -> PortResult<Vec<QueuedMessage>>;
+
+    /// Deletes received messages for good. Unknown or expired receipts are ignored.
+    ///
+    /// # Errors
+    /// As for `receive`; a message not deleted comes back after its visibility timeout.
+    async fn delete(&self, receipts: &[String]) -> PortResult<()>;
+
+    /// Makes received messages visible again now.
+    ///
+    /// # Errors
+    /// As for `receive`; a message not released comes back after its visibility timeout.
+    async fn release(&self, receipts: &[String]) -> PortResult<()>;
+
+    /// Puts messages on the queue (at most 10 at a time). All or nothing is not promised:
+    /// the error lists nothing, so callers resend the whole batch (jobs carry ids).
+    ///
+    /// # Errors
+    /// As for `receive`.
+    async fn send(&self, messages: &[OutgoingMessage]) -> PortResult<()>;
+
+    /// Moves a message's body to the dead-letter queue with its reason.
+    ///
+    /// # Errors
+    /// As for `receive`; the caller must not delete the original unless this succeeded.
+    async fn dead_letter(&self, message_id: &str, body: &str, attempt: u32, reason: &DeadLetterReason) -> PortResult<()>;
+
+    /// Counts messages by where they are.
+    ///
+    /// # Errors
+    /// As for `receive`.
+    async fn depth(&self) -> PortResult<QueueDepth>;
+}
+
+/// A held lease: one pacer per lane. The epoch grows with every new holder, so writes
+/// conditioned on it fence out a holder that lost the lease without knowing.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    pub holder: String,
+    pub epoch: u64,
+    pub expires_at: UnixMillis,
+}
+
+/// Lease, quota usage, pacer snapshot, circuit and cool-down.
+#[async_trait]
+pub trait StateStore: Send + Sync {
+    /// Takes the lease if it is free or expired.
+    ///
+    /// # Errors
+    /// `Conflict` naming the current holder when it is held; others as for any call.
+    async fn acquire_lease(&self, holder: &str, ttl: Duration, now: UnixMillis) -> PortResult<Lease>;
+
+    /// Extends a held lease.
+    ///
+    /// # Errors
+    /// `Conflict` when the lease was lost (expired and taken, or released).
+    async fn renew_lease(&self, lease: &Lease, ttl: Duration, now: UnixMillis) -> PortResult<Lease>;
+
+    /// Gives the lease up (no-op if it is no longer ours).
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn release_lease(&self, lease: &Lease) -> PortResult<()>;
+
+    /// The current lease, if any, expired or not.
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn lease(&self) -> PortResult<Option<Lease>>;
+
+    /// Units used under each usage key (0 for unknown keys), in the order given.
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn load_usage(&self, keys: &[String]) -> PortResult<Vec<u64>>;
+
+    /// Atomically adds each delta to its key, so concurrent writers never under-count.
+    ///
+    /// # Errors
+    /// Transport errors only; on error nothing or some keys were added (retry the rest).
+    async fn add_usage(&self, deltas: &[(String, u64)]) -> PortResult<()>;
+
+    /// The pacer snapshot the last run left.
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn load_pacer(&self) -> PortResult<Option<PacerState>>;
+
+    /// Saves the pacer snapshot, only while `lease` is still the current lease.
+    ///
+    /// # Errors
+    /// `Conflict` when the lease was lost.
+    async fn save_pacer(&self, lease: &Lease, state: &PacerState) -> PortResult<()>;
+
+    /// The circuit (closed at epoch 0 if never written).
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn circuit(&self) -> PortResult<Circuit>;
+
+    /// Writes `next` only if the stored circuit is still at `expected_epoch`.
+    ///
+    /// # Errors
+    /// `Conflict` when it is not.
+    async fn swap_circuit(&self, expected_epoch: u64, next: &Circuit) -> PortResult<()>;
+
+    /// Until when the provider asked us to hold off (0 if never).
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn cool_down(&self) -> PortResult<UnixMillis>;
+
+    /// Extends the cool-down to `until` (never shortens it).
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn extend_cool_down(&self, until: UnixMillis) -> PortResult<()>;
+}
+
+/// Hands a payload to a worker without waiting for it to run (Lambda's `Event` invoke).
+#[async_trait]
+pub trait Invoker: Send + Sync {
+    /// Returns once the payload is durably handed off.
+    ///
+    /// # Errors
+    /// `Throttled` (retry with backoff), `Transient` (retry), `Fatal` (stop dispatching).
+    async fn invoke(&self, payload: &WorkerPayload) -> PortResult<()>;
+
+    /// Invocations handed off whose worker has not finished, where the invoker can know
+    /// (in-process); 0 where it cannot (Lambda owns them once accepted).
+    fn in_flight(&self) -> usize {
+        0
+    }
+}
+
+/// Runs one payload: what an in-process invoker calls.
+#[async_trait]
+pub trait WorkerHandler: Send + Sync {
+    /// Handles the payload to the end (API call, classification, follow-up writes).
+    async fn handle(&self, payload: WorkerPayload);
+}

@@ -1,0 +1,209 @@
+//! Wall-clock time in epoch milliseconds and the one `Clock` port every component reads.
+//!
+//! DynamoDB items and Lambda's deadline are epoch milliseconds, so the domain speaks
+//! [`UnixMillis`] everywhere. Three clocks implement [`Clock`]:
+//! - [`SystemClock`]: the real wall clock (the only place `SystemTime::now` is read),
+//! - [`TokioClock`]: wall time anchored once, then advanced by tokio's clock, so
+//!   `#[tokio::test(start_paused = true)]` drives the real loops deterministically,
+//! - [`ManualClock`]: set by hand; `sleep_until` jumps straight to the target, which makes
+//!   whole simulated runs finish in microseconds.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+/// Milliseconds since the Unix epoch (UTC).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct UnixMillis(pub u64);
+
+impl UnixMillis {
+    /// The later of two instants.
+    #[must_use]
+    pub fn max(self, other: Self) -> Self {
+        Ord::max(self, other)
+    }
+
+    /// This instant plus a duration, saturating at the far future.
+    #[must_use]
+    pub fn plus(self, d: Duration) -> Self {
+        Self(self.0.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)))
+    }
+
+    /// This instant minus a duration, saturating at the epoch.
+    #[must_use]
+    pub fn minus(self, d: Duration) -> Self {
+        Self(self.0.saturating_sub(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)))
+    }
+
+    /// Time from `earlier` to `self`, zero if `earlier` is later.
+    #[must_use]
+    pub fn since(self, earlier: Self) -> Duration {
+        Duration::from_millis(self.0.saturating_sub(earlier.0))
+    }
+
+    /// RFC 3339 rendering in UTC, for reports and logs.
+    #[must_use]
+    pub fn to_rfc3339(self) -> String {
+        i64::try_from(self.0)
+            .ok()
+            .and_then(chrono::DateTime::from_timestamp_millis)
+            .map_or_else(|| format!("{}ms", self.0), |t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
+    }
+}
+
+impl fmt::Display for UnixMillis {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_rfc3339())
+    }
+}
+
+/// The source of time for every component: read `now`, sleep until an instant.
+#[async_trait]
+pub trait Clock: Send + Sync {
+    /// The current wall-clock time.
+    fn now(&self) -> UnixMillis;
+
+    /// Returns once `now() >= deadline` (at once if it already is).
+    async fn sleep_until(&self, deadline: UnixMillis);
+}
+
+/// The real wall clock. Sleeps with tokio's timer.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SystemClock;
+
+/// Reads the operating system's wall clock. The only place in the workspace allowed to.
+#[allow(clippy::disallowed_methods)]
+#[must_use]
+pub fn system_now() -> UnixMillis {
+    let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    UnixMillis(u64::try_from(since_epoch.as_millis()).unwrap_or(u64::MAX))
+}
+
+#[async_trait]
+impl Clock for SystemClock {
+    fn now(&self) -> UnixMillis {
+        system_now()
+    }
+
+    async fn sleep_until(&self, deadline: UnixMillis) {
+        loop {
+            let now = self.now();
+            if now >= deadline {
+                return;
+            }
+            tokio::time::sleep(deadline.since(now)).await;
+        }
+    }
+}
+
+/// Wall time read once at construction, then advanced by tokio's (pausable) clock.
+#[derive(Clone, Copy, Debug)]
+pub struct TokioClock {
+    anchor_wall: UnixMillis,
+    anchor_instant: tokio::time::Instant,
+}
+
+impl TokioClock {
+    /// Anchors at the system wall clock now.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::anchored_at(system_now())
+    }
+
+    /// Anchors at a chosen wall time: tests get literal, repeatable instants.
+    #[must_use]
+    pub fn anchored_at(wall: UnixMillis) -> Self {
+        Self { anchor_wall: wall, anchor_instant: tokio::time::Instant::now() }
+    }
+
+    fn instant_of(&self, t: UnixMillis) -> tokio::time::Instant {
+        self.anchor_instant + Duration::from_millis(t.0.saturating_sub(self.anchor_wall.0))
+    }
+}
+
+impl Default for TokioClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[async_trait]
+impl Clock for TokioClock {
+    fn now(&self) -> UnixMillis {
+        self.anchor_wall.plus(self.anchor_instant.elapsed())
+    }
+
+    async fn sleep_until(&self, deadline: UnixMillis) {
+        tokio::time::sleep_until(self.instant_of(deadline)).await;
+    }
+}
+
+/// A clock moved only by hand (or by `sleep_until`, which jumps to its target).
+#[derive(Debug, Default)]
+pub struct ManualClock {
+    now: AtomicU64,
+}
+
+impl ManualClock {
+    /// A clock reading `start`.
+    #[must_use]
+    pub fn new(start: UnixMillis) -> Self {
+        Self { now: AtomicU64::new(start.0) }
+    }
+
+    /// Moves the clock forward by `d`.
+    pub fn advance(&self, d: Duration) {
+        self.now.fetch_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX), Ordering::SeqCst);
+    }
+
+    /// Sets the clock, never backwards.
+    pub fn set(&self, t: UnixMillis) {
+        self.now.fetch_max(t.0, Ordering::SeqCst);
+    }
+}
+
+#[async_trait]
+impl Clock for ManualClock {
+    fn now(&self) -> UnixMillis {
+        UnixMillis(self.now.load(Ordering::SeqCst))
+    }
+
+    async fn sleep_until(&self, deadline: UnixMillis) {
+        self.set(deadline);
+        tokio::task::yield_now().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn tokio_clock_follows_paused_time_to_the_millisecond() {
+        let clock = TokioClock::anchored_at(UnixMillis(1_000));
+        clock.sleep_until(UnixMillis(1_250)).await;
+        assert_eq!(clock.now(), UnixMillis(1_250));
+        tokio::time::advance(Duration::from_millis(5)).await;
+        assert_eq!(clock.now(), UnixMillis(1_255));
+    }
+
+    #[tokio::test]
+    async fn manual_clock_jumps_on_sleep_and_never_goes_back() {
+        let clock = ManualClock::new(UnixMillis(10));
+        clock.sleep_until(UnixMillis(500)).await;
+        assert_eq!(clock.now(), UnixMillis(500));
+        clock.set(UnixMillis(100));
+        assert_eq!(clock.now(), UnixMillis(500));
+        clock.advance(Duration::from_millis(7));
+        assert_eq!(clock.now(), UnixMillis(507));
+    }
+
+    #[test]
+    fn renders_rfc3339() {
+        assert_eq!(UnixMillis(1_700_000_000_123).to_rfc3339(), "2023-11-14T22:13:20.123Z");
+    }
+}
