@@ -1,1 +1,458 @@
-//! placeholder
+//! The orchestrator's drain loop: take the lease, hydrate quota and circuit state,
+//! receive jobs in batches, dead-letter what is malformed, wait for the pacer's slot,
+//! hand each job to a worker, and write usage back, until the deadline or, in drain
+//! mode, until nothing is left. The same loop runs in Lambda and in `paceline run`.
+//!
+//! All waiting happens here, on the [`Clock`] port, so tests drive it under paused tokio
+//! time and assert exact dispatch instants.
+
+mod report;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use paceline_shared::breaker::Circuit;
+use paceline_shared::config::{CircuitConfig, OrchestratorConfig};
+use paceline_shared::job::{DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
+use paceline_shared::pacer::{Decision, Hold, PacerState};
+use paceline_shared::ports::{Invoker, JobQueue, Lease, PortError, QueuedMessage, StateStore};
+use paceline_shared::quota::Quota;
+use paceline_shared::time::{Clock, UnixMillis};
+use tracing::{debug, info, warn};
+
+pub use report::{Progress, RunReport, StopReason, TierReport};
+use report::TierMeter;
+
+/// Longest long poll (SQS allows 20 s).
+const MAX_POLL: Duration = Duration::from_secs(20);
+/// First and longest pause after a throttled or failed invoke.
+const INVOKE_BACKOFF: (Duration, Duration) = (Duration::from_millis(50), Duration::from_secs(5));
+/// Receipts deleted in one call at most (SQS batch size).
+const DELETE_BATCH: usize = 10;
+
+/// Why a run could not go on.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("another orchestrator holds the lease: {0}")]
+    LeaseHeld(String),
+    #[error(transparent)]
+    Port(#[from] PortError),
+}
+
+/// The settings the loop needs.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub quota: Quota,
+    pub orchestrator: OrchestratorConfig,
+    pub circuit: CircuitConfig,
+}
+
+/// One run's options.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// Who takes the lease (shown to operators).
+    pub holder: String,
+    /// Hard end of the run (Lambda's deadline); dispatching stops a margin before.
+    pub deadline: UnixMillis,
+    /// End as soon as the queue is empty and nothing is in flight.
+    pub drain: bool,
+}
+
+/// The drain loop's dependencies, built once (in Lambda, at cold start).
+pub struct Orchestrator {
+    pub queue: Arc<dyn JobQueue>,
+    pub store: Arc<dyn StateStore>,
+    pub invoker: Arc<dyn Invoker>,
+    pub clock: Arc<dyn Clock>,
+    pub settings: Settings,
+    pub progress: Arc<Progress>,
+}
+
+/// A message taken off the queue, with when it came into hand.
+struct InHand {
+    message: QueuedMessage,
+    since: UnixMillis,
+}
+
+/// The mutable state of one run.
+struct Run<'a> {
+    o: &'a Orchestrator,
+    opts: &'a RunOptions,
+    lease: Lease,
+    pacer: PacerState,
+    circuit: Circuit,
+    buffer: VecDeque<InHand>,
+    pending_deletes: Vec<String>,
+    pending_usage: BTreeMap<String, u64>,
+    last_health_check: Option<UnixMillis>,
+    last_dispatch: Option<UnixMillis>,
+    next_renew: UnixMillis,
+    next_refresh: UnixMillis,
+    next_flush: UnixMillis,
+    stop_at: UnixMillis,
+    meter: TierMeter,
+    exhausted_logged_until: UnixMillis,
+    report: RunReport,
+}
+
+impl Orchestrator {
+    /// Runs the drain loop once.
+    ///
+    /// # Errors
+    /// [`RunError::LeaseHeld`] when another orchestrator runs this lane;
+    /// [`RunError::Port`] on a fatal adapter error (after releasing what it held).
+    #[tracing::instrument(skip_all, fields(holder = %opts.holder))]
+    pub async fn run(&self, opts: &RunOptions) -> Result<RunReport, RunError> {
+        let started = self.clock.now();
+        let cfg = &self.settings.orchestrator;
+        let lease = match self.store.acquire_lease(&opts.holder, cfg.lease_ttl, started).await {
+            Ok(lease) => lease,
+            Err(PortError::Conflict(why)) => return Err(RunError::LeaseHeld(why)),
+            Err(e) => return Err(e.into()),
+        };
+        info!(epoch = lease.epoch, "lease taken");
+        let mut run = Run {
+            o: self,
+            opts,
+            pacer: PacerState::new(&self.settings.quota),
+            circuit: Circuit::default(),
+            buffer: VecDeque::new(),
+            pending_deletes: Vec::new(),
+            pending_usage: BTreeMap::new(),
+            last_health_check: None,
+            last_dispatch: None,
+            next_renew: started.plus(cfg.lease_ttl / 3),
+            next_refresh: started.plus(cfg.state_refresh),
+            next_flush: started.plus(cfg.flush_interval),
+            stop_at: opts.deadline.minus(cfg.deadline_margin),
+            meter: TierMeter::new(&self.settings.quota),
+            exhausted_logged_until: UnixMillis(0),
+            report: RunReport {
+                started_at: started,
+                ended_at: started,
+                stop: StopReason::Deadline,
+                dispatched: 0,
+                health_checks: 0,
+                dead_lettered: 0,
+                released: 0,
+                paced_ms: 0,
+                tiers: Vec::new(),
+            },
+            lease,
+        };
+        let outcome = match run.hydrate().await {
+            Ok(()) => run.drain().await,
+            Err(e) => Err(e),
+        };
+        let finished = run.finish(outcome.as_ref().err()).await;
+        outcome.and(finished).map(|()| run.report)
+    }
+}
+
+impl Run<'_> {
+    fn quota(&self) -> &Quota {
+        &self.o.settings.quota
+    }
+
+    async fn hydrate(&mut self) -> Result<(), RunError> {
+        let now = self.o.clock.now();
+        if let Some(snapshot) = self.o.store.load_pacer().await? {
+            self.pacer = PacerState::restored(self.quota(), &snapshot);
+        }
+        let calendar: Vec<(usize, String)> = self
+            .quota()
+            .tiers
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.is_calendar())
+            .map(|(i, t)| (i, t.usage_key(self.quota().zone, now)))
+            .collect();
+        let keys: Vec<String> = calendar.iter().map(|(_, k)| k.clone()).collect();
+        let used = self.o.store.load_usage(&keys).await?;
+        for ((index, _), used) in calendar.iter().zip(used) {
+            self.pacer.set_calendar_used(&self.o.settings.quota, *index, used, now);
+        }
+        self.refresh_shared_state().await
+    }
+
+    async fn refresh_shared_state(&mut self) -> Result<(), RunError> {
+        let circuit = self.o.store.circuit().await?;
+        if circuit.status != self.circuit.status || circuit.epoch != self.circuit.epoch {
+            info!(status = %circuit.status, epoch = circuit.epoch, reason = %circuit.reason, "circuit");
+            self.o.progress.circuit_open.store(!circuit.is_closed(), std::sync::atomic::Ordering::Relaxed);
+        }
+        self.circuit = circuit;
+        let cool_down = self.o.store.cool_down().await?;
+        self.pacer.hold_until = self.pacer.hold_until.max(cool_down);
+        self.next_refresh = self.o.clock.now().plus(self.o.settings.orchestrator.state_refresh);
+        Ok(())
+    }
+
+    /// The next moment housekeeping is due: the loop never sleeps past it.
+    fn next_wake(&self) -> UnixMillis {
+        self.next_renew.min(self.next_refresh).min(self.next_flush).min(self.stop_at)
+    }
+
+    async fn sleep_until(&self, t: UnixMillis) {
+        self.o.clock.sleep_until(t.min(self.next_wake())).await;
+    }
+
+    async fn drain(&mut self) -> Result<(), RunError> {
+        loop {
+            let now = self.o.clock.now();
+            if now >= self.stop_at {
+                self.report.stop = StopReason::Deadline;
+                return Ok(());
+            }
+            if now >= self.next_renew {
+                match self.o.store.renew_lease(&self.lease, self.o.settings.orchestrator.lease_ttl, now).await {
+                    Ok(lease) => {
+                        self.lease = lease;
+                        self.next_renew = now.plus(self.o.settings.orchestrator.lease_ttl / 3);
+                    }
+                    Err(PortError::Conflict(why)) => {
+                        warn!(%why, "lease lost: dispatching stops now");
+                        self.report.stop = StopReason::LeaseLost;
+                        return Ok(());
+                    }
+                    Err(e) if e.is_retryable() => self.next_renew = now.plus(Duration::from_secs(1)),
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            if now >= self.next_refresh {
+                self.refresh_shared_state().await?;
+            }
+            if now >= self.next_flush {
+                self.flush().await?;
+            }
+            if !self.circuit.is_closed() {
+                self.while_open(now).await?;
+                continue;
+            }
+            let Some(in_hand) = self.buffer.front() else {
+                if self.fill_buffer(now).await? {
+                    self.report.stop = StopReason::Drained;
+                    return Ok(());
+                }
+                continue;
+            };
+            let (message, since) = (in_hand.message.clone(), in_hand.since);
+            let job = match Job::parse(&message.body) {
+                Ok(job) => job,
+                Err(e) => {
+                    self.dead_letter(&message, DeadLetterCause::Malformed, e.to_string()).await?;
+                    continue;
+                }
+            };
+            match self.quota().decide(&self.pacer, job.cost, now) {
+                Decision::Never { tier } => {
+                    let detail = format!("cost {} exceeds the whole {tier} tier", job.cost);
+                    self.dead_letter(&message, DeadLetterCause::NeverFits, detail).await?;
+                }
+                Decision::WaitUntil { at, by } => {
+                    self.log_exhausted(at, by);
+                    self.sleep_until(at).await;
+                }
+                Decision::Allow => {
+                    let payload = WorkerPayload::Job { job: job.clone(), attempt: message.attempt, circuit_epoch: self.circuit.epoch, dispatched_at: now };
+                    if !self.invoke(&payload).await? {
+                        continue;
+                    }
+                    let now = self.o.clock.now();
+                    let paced = now.since(self.last_dispatch.unwrap_or(since).max(since));
+                    self.commit(job.cost, now, paced);
+                    self.buffer.pop_front();
+                    self.pending_deletes.push(message.receipt);
+                    if self.pending_deletes.len() >= DELETE_BATCH {
+                        self.flush_deletes().await?;
+                    }
+                    self.report.dispatched += 1;
+                    Progress::bump(&self.o.progress.dispatched);
+                    debug!(job_id = %job.id, attempt = message.attempt, cost = job.cost, "dispatched");
+                }
+            }
+        }
+    }
+
+    fn log_exhausted(&mut self, at: UnixMillis, by: Hold) {
+        if let Hold::Tier(i) = by {
+            let tier = self.o.settings.quota.tiers[i];
+            if tier.is_calendar() && at > self.exhausted_logged_until {
+                warn!(tier = %tier, resets_at = %at, "quota exhausted: no dispatch until it resets");
+                self.exhausted_logged_until = at;
+            }
+        }
+    }
+
+    fn commit(&mut self, cost: u64, now: UnixMillis, paced: Duration) {
+        let quota = &self.o.settings.quota;
+        self.pacer.commit(quota, cost, now);
+        for tier in quota.tiers.iter().filter(|t| t.is_calendar()) {
+            *self.pending_usage.entry(tier.usage_key(quota.zone, now)).or_default() += cost;
+        }
+        self.meter.record(now, cost, paced);
+        self.last_dispatch = Some(now);
+    }
+
+    /// Hands a payload off, retrying throttling and passing faults with backoff until the
+    /// run must stop. `false` when it stopped trying (the message stays in hand).
+    async fn invoke(&mut self, payload: &WorkerPayload) -> Result<bool, RunError> {
+        let mut pause = INVOKE_BACKOFF.0;
+        loop {
+            match self.o.invoker.invoke(payload).await {
+                Ok(()) => return Ok(true),
+                Err(e) if e.is_retryable() => {
+                    warn!(error = %e, pause_ms = pause.as_millis(), "invoke refused; retrying");
+                    let resume = self.o.clock.now().plus(pause);
+                    if resume >= self.stop_at {
+                        self.o.clock.sleep_until(self.stop_at).await;
+                        return Ok(false);
+                    }
+                    self.o.clock.sleep_until(resume).await;
+                    pause = (pause * 2).min(INVOKE_BACKOFF.1);
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Receives the next batch: no more than the quota can use before the visibility
+    /// timeout. Returns `true` when draining and nothing is left anywhere.
+    async fn fill_buffer(&mut self, now: UnixMillis) -> Result<bool, RunError> {
+        self.flush_deletes().await?;
+        let cfg = &self.o.settings.orchestrator;
+        let horizon = now.plus(cfg.visibility_timeout).minus(cfg.visibility_timeout / 5).min(self.stop_at);
+        let capacity = self.quota().capacity_until(&self.pacer, now, horizon, 10);
+        if capacity == 0 {
+            if let Decision::WaitUntil { at, by } = self.quota().decide(&self.pacer, 1, now) {
+                self.log_exhausted(at, by);
+                self.sleep_until(at).await;
+            }
+            return Ok(false);
+        }
+        let poll = if self.opts.drain { Duration::from_millis(500) } else { MAX_POLL };
+        let until_wake = self.next_wake().since(now);
+        let wait = poll.min(until_wake);
+        let received = match self.o.queue.receive(capacity, wait, cfg.visibility_timeout).await {
+            Ok(received) => received,
+            Err(e) if e.is_retryable() => {
+                warn!(error = %e, "receive failed; retrying");
+                self.sleep_until(now.plus(Duration::from_secs(1))).await;
+                return Ok(false);
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if received.is_empty() {
+            return Ok(self.opts.drain && self.nothing_left().await?);
+        }
+        let since = self.o.clock.now();
+        self.buffer.extend(received.into_iter().map(|message| InHand { message, since }));
+        Ok(false)
+    }
+
+    async fn nothing_left(&self) -> Result<bool, RunError> {
+        if self.o.invoker.in_flight() > 0 {
+            return Ok(false);
+        }
+        let depth = self.o.queue.depth().await?;
+        Ok(depth.visible == 0 && depth.not_visible == 0)
+    }
+
+    /// While the circuit is open: hold no messages, send a health check when due.
+    async fn while_open(&mut self, now: UnixMillis) -> Result<(), RunError> {
+        self.release_buffer().await?;
+        let interval = self.o.settings.circuit.health_check_interval;
+        let due = self.circuit.next_health_check(self.last_health_check, interval).unwrap_or(now);
+        if now < due {
+            self.sleep_until(due).await;
+            return Ok(());
+        }
+        match self.quota().decide(&self.pacer, 1, now) {
+            Decision::Allow => {
+                let payload = WorkerPayload::HealthCheck { circuit_epoch: self.circuit.epoch, sent_at: now };
+                if self.invoke(&payload).await? {
+                    self.commit(1, self.o.clock.now(), Duration::ZERO);
+                    self.last_health_check = Some(now);
+                    self.report.health_checks += 1;
+                    Progress::bump(&self.o.progress.health_checks);
+                    info!(epoch = self.circuit.epoch, "health check sent");
+                }
+            }
+            Decision::WaitUntil { at, .. } => self.sleep_until(at).await,
+            Decision::Never { .. } => unreachable!("a 1-unit health check fits every tier"),
+        }
+        Ok(())
+    }
+
+    async fn dead_letter(&mut self, message: &QueuedMessage, cause: DeadLetterCause, detail: String) -> Result<(), RunError> {
+        warn!(message_id = %message.message_id, cause = %cause.label(), %detail, "dead-lettered");
+        let reason = DeadLetterReason { cause, detail };
+        self.o.queue.dead_letter(&message.message_id, &message.body, message.attempt, &reason).await?;
+        self.buffer.pop_front();
+        self.pending_deletes.push(message.receipt.clone());
+        self.report.dead_lettered += 1;
+        Progress::bump(&self.o.progress.dead_lettered);
+        Ok(())
+    }
+
+    async fn flush_deletes(&mut self) -> Result<(), RunError> {
+        for batch in self.pending_deletes.chunks(DELETE_BATCH) {
+            self.o.queue.delete(batch).await?;
+        }
+        self.pending_deletes.clear();
+        Ok(())
+    }
+
+    async fn release_buffer(&mut self) -> Result<(), RunError> {
+        if self.buffer.is_empty() {
+            return Ok(());
+        }
+        let receipts: Vec<String> = self.buffer.drain(..).map(|h| h.message.receipt).collect();
+        for batch in receipts.chunks(DELETE_BATCH) {
+            self.o.queue.release(batch).await?;
+        }
+        self.report.released += receipts.len() as u64;
+        Ok(())
+    }
+
+    /// Writes deletes, usage deltas and (while the lease is ours) the pacer snapshot.
+    async fn flush(&mut self) -> Result<(), RunError> {
+        self.flush_deletes().await?;
+        if !self.pending_usage.is_empty() {
+            let deltas: Vec<(String, u64)> = std::mem::take(&mut self.pending_usage).into_iter().collect();
+            if let Err(e) = self.o.store.add_usage(&deltas).await {
+                self.pending_usage.extend(deltas);
+                return Err(e.into());
+            }
+        }
+        match self.o.store.save_pacer(&self.lease, &self.pacer).await {
+            // A lost lease: the new holder's snapshot wins.
+            Ok(()) | Err(PortError::Conflict(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+        self.next_flush = self.o.clock.now().plus(self.o.settings.orchestrator.flush_interval);
+        Ok(())
+    }
+
+    /// Ends the run: release what is in hand, write everything back, give up the lease.
+    /// Runs after errors too, so a failing run leaves no message hidden for long.
+    async fn finish(&mut self, failed: Option<&RunError>) -> Result<(), RunError> {
+        if let Some(e) = failed {
+            warn!(error = %e, "run failed; releasing what it held");
+        }
+        let released = self.release_buffer().await;
+        let flushed = self.flush().await;
+        let lease = self.o.store.release_lease(&self.lease).await.map_err(RunError::from);
+        let now = self.o.clock.now();
+        let calendar_used = self.pacer.usage(self.quota(), now);
+        self.report.tiers = self.meter.report(self.quota(), &calendar_used);
+        self.report.paced_ms = self.meter.paced_ms;
+        self.report.ended_at = now;
+        info!(dispatched = self.report.dispatched, dead_lettered = self.report.dead_lettered, stop = ?self.report.stop, "run ended");
+        released.and(flushed).and(lease)
+    }
+}
+
+#[cfg(test)]
+mod tests;

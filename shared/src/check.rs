@@ -48,7 +48,7 @@ impl StrictWindowLimiter {
     /// Admits and records the call if it fits; refuses (and records nothing) if not.
     pub fn try_admit(&mut self, now: UnixMillis, cost: u64) -> bool {
         while let Some((t, c)) = self.arrivals.front() {
-            if t + self.window_ms > now.0 {
+            if t.saturating_add(self.window_ms) > now.0 {
                 break;
             }
             self.units -= c;
@@ -63,6 +63,43 @@ impl StrictWindowLimiter {
     }
 }
 
+/// Tracks, online, the most units seen in any window of one length: bounded memory
+/// (only the arrivals of the current window), for run reports.
+#[derive(Debug)]
+pub struct WindowPeak {
+    window_ms: u64,
+    arrivals: VecDeque<(u64, u64)>,
+    units: u64,
+    peak: u64,
+}
+
+impl WindowPeak {
+    #[must_use]
+    pub fn new(window: Duration) -> Self {
+        Self { window_ms: u64::try_from(window.as_millis()).unwrap_or(u64::MAX), arrivals: VecDeque::new(), units: 0, peak: 0 }
+    }
+
+    /// Adds an arrival; arrivals must come in time order.
+    pub fn push(&mut self, at: UnixMillis, cost: u64) {
+        while let Some((t, c)) = self.arrivals.front() {
+            if t.saturating_add(self.window_ms) > at.0 {
+                break;
+            }
+            self.units -= c;
+            self.arrivals.pop_front();
+        }
+        self.units += cost;
+        self.arrivals.push_back((at.0, cost));
+        self.peak = self.peak.max(self.units);
+    }
+
+    /// The most units in any window so far.
+    #[must_use]
+    pub fn peak(&self) -> u64 {
+        self.peak
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -73,6 +110,18 @@ mod tests {
         assert_eq!(peak_in_any_window(&at(&[0, 1000, 2000]), Duration::from_secs(1)), 1);
         assert_eq!(peak_in_any_window(&at(&[0, 999, 1000]), Duration::from_secs(1)), 2);
         assert_eq!(peak_in_any_window(&[(UnixMillis(5), 3), (UnixMillis(6), 4)], Duration::from_secs(1)), 7);
+    }
+
+    #[test]
+    fn online_peak_agrees_with_the_batch_checker() {
+        let arrivals: Vec<(UnixMillis, u64)> = (0..200u64).map(|i| (UnixMillis(i * i % 997 + i * 13), 1 + i % 3)).collect();
+        let mut sorted = arrivals.clone();
+        sorted.sort();
+        let mut online = WindowPeak::new(Duration::from_millis(250));
+        for (t, c) in &sorted {
+            online.push(*t, *c);
+        }
+        assert_eq!(online.peak(), peak_in_any_window(&sorted, Duration::from_millis(250)));
     }
 
     #[test]

@@ -40,9 +40,10 @@ pub enum Hold {
     CoolDown,
 }
 
-/// Units admitted per time bucket, oldest first. Buckets are 1 ms for windows up to
-/// about a second and `window / 1024` beyond, which bounds memory; a bucket is treated
-/// as if all of it arrived at its last millisecond, so bucketing only ever errs safe.
+/// Units admitted per time bucket, oldest first. Buckets are 1 ms (exact) while the
+/// limit is small enough that the log stays small anyway, and `window / 1024` for large
+/// limits, which bounds memory; a bucket is treated as if all of it arrived at its last
+/// millisecond, so bucketing only ever errs safe.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SlidingWindowLog {
     window_ms: u64,
@@ -51,11 +52,15 @@ pub struct SlidingWindowLog {
 }
 
 impl SlidingWindowLog {
-    /// An empty log for windows of `window` (at least 1 ms).
+    /// Limits up to this many units are logged to the millisecond.
+    const EXACT_UP_TO: u64 = 4_096;
+
+    /// An empty log for at most `limit` units per `window` (at least 1 ms).
     #[must_use]
-    pub fn new(window: Duration) -> Self {
+    pub fn new(window: Duration, limit: u64) -> Self {
         let window_ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX).max(1);
-        Self { window_ms, bucket_ms: (window_ms / 1024).max(1), entries: VecDeque::new() }
+        let bucket_ms = if limit <= Self::EXACT_UP_TO { 1 } else { (window_ms / 1024).max(1) };
+        Self { window_ms, bucket_ms, entries: VecDeque::new() }
     }
 
     fn expiry(&self, bucket_start: u64) -> u64 {
@@ -215,7 +220,7 @@ impl PacerState {
                 rolling: match tier.period {
                     Period::Rolling(_) => Some(RollingState {
                         tat_scaled: 0,
-                        log: SlidingWindowLog::new(Duration::from_millis(quota.effective_window_ms(tier))),
+                        log: SlidingWindowLog::new(Duration::from_millis(quota.effective_window_ms(tier)), tier.limit),
                     }),
                     Period::Day | Period::Month => None,
                 },
@@ -233,7 +238,7 @@ impl PacerState {
         for tier_state in &mut state.tiers {
             if let Some(old) = snapshot.tiers.iter().find(|old| old.tier == tier_state.tier) {
                 let same_window = match (&old.rolling, &tier_state.rolling) {
-                    (Some(a), Some(b)) => a.log.window_ms == b.log.window_ms,
+                    (Some(a), Some(b)) => a.log.window_ms == b.log.window_ms && a.log.bucket_ms == b.log.bucket_ms,
                     _ => false,
                 };
                 if same_window {

@@ -11,7 +11,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use chrono::{Datelike, NaiveDate, TimeZone};
-use chrono_tz::Tz;
+pub use chrono_tz::{self, Tz};
 use serde::{Deserialize, Serialize};
 
 use crate::time::UnixMillis;
@@ -123,6 +123,12 @@ impl Tier {
     #[must_use]
     pub fn is_calendar(&self) -> bool {
         matches!(self.period, Period::Day | Period::Month)
+    }
+
+    /// The state-store key counting this calendar tier's usage in the window holding `now`.
+    #[must_use]
+    pub fn usage_key(&self, zone: Tz, now: UnixMillis) -> String {
+        format!("usage#{self}#{}", self.window_at(zone, now).0 .0)
     }
 
     /// For a calendar tier, the `[start, end)` of the calendar window holding `now`.

@@ -1,0 +1,125 @@
+//! What a run did: counts, live progress for a progress bar, and per-tier figures
+//! (units, busiest window, utilization while there was work to pace).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use paceline_shared::check::WindowPeak;
+use paceline_shared::quota::{Period, Quota, Tier};
+use paceline_shared::time::UnixMillis;
+use serde::Serialize;
+
+/// Counters the loop bumps as it goes, readable from another task (progress bars).
+#[derive(Debug, Default)]
+pub struct Progress {
+    pub dispatched: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    pub health_checks: AtomicU64,
+    pub circuit_open: AtomicBool,
+}
+
+impl Progress {
+    pub(crate) fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Why the run ended.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// The deadline (minus its margin) came.
+    Deadline,
+    /// `drain` was asked and nothing is left to do.
+    Drained,
+    /// Another orchestrator took the lease: dispatching stopped at once.
+    LeaseLost,
+}
+
+/// One tier's figures for the run.
+#[derive(Clone, Debug, Serialize)]
+pub struct TierReport {
+    pub tier: Tier,
+    /// Units dispatched in the run (jobs and health checks).
+    pub units: u64,
+    /// Most units in any single window of the tier (rolling tiers) or in the run
+    /// (calendar tiers).
+    pub peak_window: u64,
+    /// Achieved rate over the time there was work waiting for this quota, as a fraction
+    /// of the tier's rate (rolling tiers); usage of the current window (calendar tiers).
+    pub utilization: f64,
+}
+
+/// The run's summary.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunReport {
+    pub started_at: UnixMillis,
+    pub ended_at: UnixMillis,
+    pub stop: StopReason,
+    pub dispatched: u64,
+    pub health_checks: u64,
+    pub dead_lettered: u64,
+    /// Messages received but not dispatched, made visible again at the end.
+    pub released: u64,
+    /// Time with a job in hand, circuit closed, waiting only for the pacer.
+    pub paced_ms: u64,
+    pub tiers: Vec<TierReport>,
+}
+
+/// Accumulates the per-tier figures during a run.
+pub(crate) struct TierMeter {
+    peaks: Vec<WindowPeak>,
+    units: Vec<u64>,
+    /// Time spent waiting for the pacer with a job in hand, and the units dispatched
+    /// after such a wait: their ratio is the achieved rate while the quota was the limit.
+    pub(crate) paced_ms: u64,
+    paced_units: u64,
+}
+
+impl TierMeter {
+    pub(crate) fn new(quota: &Quota) -> Self {
+        Self {
+            peaks: quota
+                .tiers
+                .iter()
+                .map(|t| WindowPeak::new(match t.period {
+                    Period::Rolling(d) => d,
+                    Period::Day | Period::Month => Duration::MAX,
+                }))
+                .collect(),
+            units: vec![0; quota.tiers.len()],
+            paced_ms: 0,
+            paced_units: 0,
+        }
+    }
+
+    /// Records a dispatch at `at` that waited `paced` for the pacer.
+    pub(crate) fn record(&mut self, at: UnixMillis, cost: u64, paced: Duration) {
+        if !paced.is_zero() {
+            self.paced_ms += u64::try_from(paced.as_millis()).unwrap_or(u64::MAX);
+            self.paced_units += cost;
+        }
+        for (peak, units) in self.peaks.iter_mut().zip(&mut self.units) {
+            peak.push(at, cost);
+            *units += cost;
+        }
+    }
+
+    pub(crate) fn report(&self, quota: &Quota, calendar_used: &[u64]) -> Vec<TierReport> {
+        quota
+            .tiers
+            .iter()
+            .enumerate()
+            .map(|(i, tier)| {
+                let utilization = if tier.is_calendar() {
+                    calendar_used.get(i).copied().unwrap_or(0) as f64 / tier.limit as f64
+                } else if self.paced_ms == 0 {
+                    0.0
+                } else {
+                    self.paced_units as f64 / (tier.rate_per_second() * self.paced_ms as f64 / 1000.0)
+                };
+                TierReport { tier: *tier, units: self.units[i], peak_window: self.peaks[i].peak(), utilization }
+            })
+            .collect()
+    }
+}

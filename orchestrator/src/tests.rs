@@ -1,0 +1,236 @@
+//! Drain-loop tests under paused tokio time: exact dispatch instants, malformed
+//! messages, the circuit, deadlines, the lease and invoke throttling.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use paceline_shared::adapters::embedded::EmbeddedStore;
+use paceline_shared::adapters::memory::RecordingInvoker;
+use paceline_shared::config::{CircuitConfig, OrchestratorConfig};
+use paceline_shared::job::{DeadLetterCause, WorkerPayload};
+use paceline_shared::ports::{JobQueue, OutgoingMessage, PortError, StateStore, WorkerHandler};
+use paceline_shared::quota::{chrono_tz, Quota};
+use paceline_shared::time::{Clock, TokioClock, UnixMillis};
+
+use super::*;
+
+const T0: UnixMillis = UnixMillis(1_795_824_000_000); // 2026-11-26T00:00:00Z
+
+struct Lane {
+    clock: Arc<TokioClock>,
+    store: Arc<EmbeddedStore>,
+    invoker: Arc<RecordingInvoker>,
+    orchestrator: Orchestrator,
+}
+
+fn lane_with(tiers: &[&str], margin_ms: u64, invoker: impl FnOnce(Arc<TokioClock>) -> RecordingInvoker) -> Lane {
+    let clock = Arc::new(TokioClock::anchored_at(T0));
+    let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap());
+    let invoker = Arc::new(invoker(clock.clone()));
+    let quota = Quota::new(tiers.iter().map(|t| t.parse().unwrap()).collect(), chrono_tz::UTC, Duration::from_millis(margin_ms)).unwrap();
+    let orchestrator = Orchestrator {
+        queue: store.clone(),
+        store: store.clone(),
+        invoker: invoker.clone(),
+        clock: clock.clone(),
+        settings: Settings {
+            quota,
+            orchestrator: OrchestratorConfig { deadline_margin: Duration::from_secs(1), ..OrchestratorConfig::default() },
+            circuit: CircuitConfig { health_check_interval: Duration::from_secs(2) },
+        },
+        progress: Arc::default(),
+    };
+    Lane { clock, store, invoker, orchestrator }
+}
+
+fn lane(tiers: &[&str], margin_ms: u64) -> Lane {
+    lane_with(tiers, margin_ms, |clock| RecordingInvoker::new(clock))
+}
+
+fn job(id: &str) -> String {
+    format!(r#"{{"id":"{id}","request":{{"method":"GET","path":"/items/{id}"}}}}"#)
+}
+
+async fn enqueue(lane: &Lane, bodies: impl IntoIterator<Item = String>) {
+    let messages: Vec<OutgoingMessage> = bodies.into_iter().map(|body| OutgoingMessage { body, attempt: 0, delay: Duration::ZERO }).collect();
+    for batch in messages.chunks(10) {
+        lane.store.send(batch).await.unwrap();
+    }
+}
+
+fn opts(drain: bool, deadline_after: Duration) -> RunOptions {
+    RunOptions { holder: "test".into(), deadline: T0.plus(deadline_after), drain }
+}
+
+fn offsets(lane: &Lane) -> Vec<u64> {
+    lane.invoker.accepted().iter().map(|(t, _)| t.0 - T0.0).collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_per_second_dispatches_exactly_on_the_second() {
+    let lane = lane(&["1/s"], 0);
+    enqueue(&lane, (0..5).map(|i| job(&format!("j{i}")))).await;
+    let report = lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    assert_eq!(offsets(&lane), vec![0, 1_000, 2_000, 3_000, 4_000]);
+    assert_eq!((report.dispatched, report.stop), (5, StopReason::Drained));
+    assert_eq!(lane.store.depth().await.unwrap(), Default::default(), "every dispatched message is deleted");
+    assert!((report.tiers[0].utilization - 1.0).abs() < 1e-9, "{:?}", report.tiers);
+    assert_eq!(report.tiers[0].peak_window, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn multi_tier_quota_paces_at_the_binding_tier_with_the_margin() {
+    let lane = lane(&["10/s", "300/min"], 10);
+    enqueue(&lane, (0..12).map(|i| job(&format!("j{i}")))).await;
+    lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    // 300/min binds: one every (60 s + 10 ms) / 300 = 200.0333 ms, rounded up to the ms.
+    assert_eq!(offsets(&lane), vec![0, 201, 401, 601, 801, 1_001, 1_201, 1_401, 1_601, 1_801, 2_001, 2_201]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn malformed_and_oversized_jobs_go_to_the_dlq_with_a_reason_and_the_rest_flow() {
+    let lane = lane(&["5/s"], 0);
+    let heavy = r#"{"id":"heavy","request":{"method":"GET","path":"/"},"cost":9}"#.to_string();
+    enqueue(&lane, vec![job("a"), "{oops".into(), job("b"), heavy, r#"{"request":{"method":"GET","path":"https://evil.example/"}}"#.into(), job("c")]).await;
+    let report = lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    assert_eq!(offsets(&lane), vec![0, 200, 400]);
+    assert_eq!(report.dead_lettered, 3);
+    let dead = lane.store.dead_letters().unwrap();
+    let causes: Vec<(String, &str)> = dead.iter().map(|d| (d.reason.cause.label(), d.body.as_str())).collect();
+    assert_eq!(causes[0], ("malformed".to_string(), "{oops"));
+    assert_eq!(causes[1].0, "never_fits");
+    assert!(dead[1].reason.detail.contains("5/s"), "{}", dead[1].reason.detail);
+    assert!(dead[2].reason.detail.contains("request.path"), "{}", dead[2].reason.detail);
+}
+
+/// Closes the circuit on the first health check it sees, the way a worker whose API
+/// answered would.
+struct HealthyApi(Arc<EmbeddedStore>, Arc<TokioClock>);
+
+#[async_trait]
+impl WorkerHandler for HealthyApi {
+    async fn handle(&self, payload: WorkerPayload) {
+        if let WorkerPayload::HealthCheck { circuit_epoch, .. } = payload {
+            let current = self.0.circuit().await.unwrap();
+            if let Ok(next) = current.close(circuit_epoch, "health check ok", self.1.now()) {
+                self.0.swap_circuit(current.epoch, &next).await.unwrap();
+            }
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn open_circuit_holds_jobs_sends_health_checks_and_resumes_when_closed() {
+    let lane = lane_with(&["2/s"], 0, |clock| RecordingInvoker::new(clock));
+    let healthy: Arc<dyn WorkerHandler> = Arc::new(HealthyApi(lane.store.clone(), lane.clock.clone()));
+    let invoker = Arc::new(RecordingInvoker::new(lane.clock.clone()).forwarding_to(healthy));
+    let open = lane.store.circuit().await.unwrap().open(0, "HTTP 503", T0).unwrap();
+    lane.store.swap_circuit(0, &open).await.unwrap();
+    enqueue(&lane, (0..3).map(|i| job(&format!("j{i}")))).await;
+    let orchestrator = Orchestrator { invoker: invoker.clone(), ..lane.orchestrator };
+    let report = orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    let sent: Vec<(u64, &str)> = invoker
+        .accepted()
+        .iter()
+        .map(|(t, p)| (t.0 - T0.0, if matches!(p, WorkerPayload::HealthCheck { .. }) { "check" } else { "job" }))
+        .collect();
+    // First check one interval after opening; the circuit is re-read within a second;
+    // then the jobs flow at 2/s after the check's own slot.
+    assert_eq!(sent[0], (2_000, "check"));
+    assert_eq!(sent.iter().filter(|(_, k)| *k == "job").count(), 3);
+    let first_job = sent.iter().find(|(_, k)| *k == "job").unwrap().0;
+    assert!((2_500..=3_000).contains(&first_job), "first job at {first_job}");
+    assert_eq!(report.health_checks, 1);
+    match &invoker.accepted()[1].1 {
+        WorkerPayload::Job { circuit_epoch, .. } => assert_eq!(*circuit_epoch, 2),
+        other => panic!("expected a job, got {other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn deadline_stops_dispatch_with_a_margin_and_releases_what_it_holds() {
+    let lane = lane(&["1/s"], 0);
+    enqueue(&lane, (0..10).map(|i| job(&format!("j{i}")))).await;
+    let report = lane.orchestrator.run(&opts(false, Duration::from_millis(4_500))).await.unwrap();
+    // Deadline 4.5 s, margin 1 s: dispatches at 0..3 s, none after 3.5 s.
+    assert_eq!(offsets(&lane), vec![0, 1_000, 2_000, 3_000]);
+    assert_eq!(report.stop, StopReason::Deadline);
+    assert_eq!(lane.clock.now(), T0.plus(Duration::from_millis(3_500)));
+    let depth = lane.store.depth().await.unwrap();
+    assert_eq!((depth.visible, depth.not_visible), (6, 0), "undispatched messages are visible again");
+    assert_eq!(lane.store.lease().await.unwrap(), None, "lease released");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_held_lease_keeps_a_second_orchestrator_out_and_a_lost_one_stops_dispatch() {
+    let lane = lane(&["1/s"], 0);
+    enqueue(&lane, (0..30).map(|i| job(&format!("j{i}")))).await;
+    let other = lane.store.acquire_lease("other", Duration::from_secs(30), T0).await.unwrap();
+    let err = lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap_err();
+    assert!(matches!(err, RunError::LeaseHeld(ref why) if why.contains("other")), "{err}");
+    assert!(lane.invoker.accepted().is_empty());
+    lane.store.release_lease(&other).await.unwrap();
+
+    // Another holder takes over at 12 s (as if our lease had expired): we stop at the
+    // next renewal (every ttl/3 = 10 s) and dispatch nothing after it.
+    let store = lane.store.clone();
+    let thief = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(12)).await;
+        store.clear_lease().unwrap();
+        store.acquire_lease("thief", Duration::from_secs(30), T0.plus(Duration::from_secs(12))).await.unwrap()
+    });
+    let report = lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    thief.await.unwrap();
+    assert_eq!(report.stop, StopReason::LeaseLost);
+    assert!(offsets(&lane).iter().all(|t| *t <= 20_000));
+    assert_eq!(*offsets(&lane).last().unwrap(), 19_000);
+}
+
+#[tokio::test(start_paused = true)]
+async fn throttled_invokes_are_retried_with_backoff_and_nothing_is_lost() {
+    let lane = lane(&["10/s"], 0);
+    lane.invoker.fail_next([PortError::Throttled("TooManyRequestsException".into()), PortError::Transient("503".into())]);
+    enqueue(&lane, vec![job("a"), job("b")]).await;
+    let report = lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    // 50 ms then 100 ms of backoff before the first hand-off; the next waits its slot.
+    assert_eq!(offsets(&lane), vec![150, 250]);
+    assert_eq!(report.dispatched, 2);
+    assert_eq!(lane.store.depth().await.unwrap(), Default::default());
+}
+
+#[tokio::test(start_paused = true)]
+async fn exhausted_day_tier_is_not_polled_and_counters_survive_the_run() {
+    let lane = lane(&["10/s", "3/day"], 0);
+    enqueue(&lane, (0..5).map(|i| job(&format!("j{i}")))).await;
+    let report = lane.orchestrator.run(&opts(false, Duration::from_secs(30))).await.unwrap();
+    assert_eq!(offsets(&lane), vec![0, 100, 200]);
+    assert_eq!(report.tiers[1].units, 3);
+    let depth = lane.store.depth().await.unwrap();
+    assert_eq!((depth.visible, depth.not_visible), (2, 0), "nothing held while the day is exhausted");
+    let key = "3/day".parse::<paceline_shared::quota::Tier>().unwrap().usage_key(chrono_tz::UTC, T0);
+    assert_eq!(lane.store.load_usage(&[key]).await.unwrap(), vec![3]);
+
+    // A second run the same day dispatches nothing more.
+    let again = lane.orchestrator.run(&RunOptions { deadline: lane.clock.now().plus(Duration::from_secs(10)), ..opts(false, Duration::ZERO) }).await.unwrap();
+    assert_eq!(again.dispatched, 0);
+    assert_eq!(lane.invoker.accepted().len(), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn pacing_carries_over_between_runs() {
+    let lane = lane(&["1/m"], 0);
+    enqueue(&lane, vec![job("a"), job("b")]).await;
+    lane.orchestrator.run(&opts(false, Duration::from_secs(10))).await.unwrap();
+    let second = RunOptions { deadline: lane.clock.now().plus(Duration::from_secs(120)), ..opts(false, Duration::ZERO) };
+    lane.orchestrator.run(&second).await.unwrap();
+    assert_eq!(offsets(&lane), vec![0, 60_000], "the second run waits for the first run's slot");
+}
+
+#[tokio::test(start_paused = true)]
+async fn dead_letter_cause_labels_reach_the_store() {
+    let lane = lane(&["1/s"], 0);
+    enqueue(&lane, vec!["[]".to_string()]).await;
+    lane.orchestrator.run(&opts(true, Duration::from_secs(10))).await.unwrap();
+    assert_eq!(lane.store.dead_letters().unwrap()[0].reason.cause, DeadLetterCause::Malformed);
+}
