@@ -15,7 +15,7 @@ use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 
 use super::*;
 
-const T0: UnixMillis = UnixMillis(1_795_824_000_000); // 2026-11-26T00:00:00Z
+const T0: UnixMillis = UnixMillis(1_795_824_000_000); // 2026-11-28T00:00:00Z
 
 struct Lane {
     clock: Arc<TokioClock>,
@@ -110,13 +110,14 @@ struct HealthyApi(Arc<EmbeddedStore>, Arc<TokioClock>);
 
 #[async_trait]
 impl WorkerHandler for HealthyApi {
-    async fn handle(&self, payload: WorkerPayload) {
+    async fn handle(&self, payload: WorkerPayload) -> Result<(), PortError> {
         if let WorkerPayload::HealthCheck { circuit_epoch, .. } = payload {
             let current = self.0.circuit().await.unwrap();
             if let Ok(next) = current.close(circuit_epoch, "health check ok", self.1.now()) {
-                self.0.swap_circuit(current.epoch, &next).await.unwrap();
+                self.0.swap_circuit(current.epoch, &next).await?;
             }
         }
+        Ok(())
     }
 }
 

@@ -379,7 +379,7 @@ mod tests {
     fn calendar_tier_waits_for_midnight_when_exhausted() {
         let q = quota(&["100/s", "3/day"], 0);
         let mut state = PacerState::new(&q);
-        let day_start = 1_795_824_000_000; // 2026-11-26T00:00:00Z
+        let day_start = 1_795_824_000_000; // 2026-11-28T00:00:00Z
         state.set_calendar_used(&q, 1, 2, UnixMillis(day_start + 5_000));
         assert_eq!(q.decide(&state, 1, UnixMillis(day_start + 5_000)), Decision::Allow);
         state.commit(&q, 1, UnixMillis(day_start + 5_000));

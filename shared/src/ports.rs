@@ -230,5 +230,9 @@ pub trait Invoker: Send + Sync {
 #[async_trait]
 pub trait WorkerHandler: Send + Sync {
     /// Handles the payload to the end (API call, classification, follow-up writes).
-    async fn handle(&self, payload: WorkerPayload);
+    ///
+    /// # Errors
+    /// A follow-up write (re-queue, DLQ, circuit) failed: the payload must be retried
+    /// (Lambda retries the event; the embedded invoker re-queues the job).
+    async fn handle(&self, payload: WorkerPayload) -> PortResult<()>;
 }

@@ -1,1 +1,168 @@
-//! placeholder
+//! The worker: calls the configured API for a job (or a health check), classifies the
+//! outcome, and does what it calls for: done, cool down and re-queue, open the circuit
+//! and re-queue, or dead-letter. The same code runs in Lambda and in `paceline run`.
+
+pub mod classify;
+pub mod http;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use paceline_shared::breaker::{Circuit, Refusal};
+use paceline_shared::config::RetryConfig;
+use paceline_shared::job::{ApiRequest, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
+use paceline_shared::ports::{JobQueue, OutgoingMessage, PortError, PortResult, StateStore, WorkerHandler};
+use paceline_shared::time::{Clock, UnixMillis};
+use serde::Serialize;
+use tracing::{info, warn};
+
+pub use classify::{classify, CallResult, Outcome};
+pub use http::{ApiClient, ApiError};
+
+/// What the workers did, for summaries and progress bars.
+#[derive(Debug, Default, Serialize)]
+pub struct WorkerStats {
+    pub succeeded: AtomicU64,
+    pub requeued: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    pub rate_limited: AtomicU64,
+    pub outages_seen: AtomicU64,
+    pub health_checks_ok: AtomicU64,
+    pub health_checks_failed: AtomicU64,
+    pub circuit_opened: AtomicU64,
+    pub circuit_closed: AtomicU64,
+}
+
+impl WorkerStats {
+    fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Reads a counter.
+    #[must_use]
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+}
+
+/// The worker's dependencies, built once.
+pub struct Worker {
+    pub api: ApiClient,
+    pub queue: Arc<dyn JobQueue>,
+    pub store: Arc<dyn StateStore>,
+    pub clock: Arc<dyn Clock>,
+    pub retry: RetryConfig,
+    pub health_check: ApiRequest,
+    pub stats: Arc<WorkerStats>,
+}
+
+impl Worker {
+    #[tracing::instrument(skip_all, fields(job_id = %job.id, attempt))]
+    async fn run_job(&self, job: &Job, attempt: u32, circuit_epoch: u64) -> PortResult<()> {
+        let result = match self.api.call(&job.request).await {
+            Ok(result) => result,
+            Err(e) => {
+                // Cannot happen for a parsed job; refuse rather than call elsewhere.
+                return self.dead_letter(job, attempt, DeadLetterCause::Rejected { status: 0 }, e.to_string()).await;
+            }
+        };
+        let now = self.clock.now();
+        match classify(&result, now, self.retry.default_cool_down) {
+            Outcome::Success { status } => {
+                WorkerStats::bump(&self.stats.succeeded);
+                info!(status, "succeeded");
+                Ok(())
+            }
+            Outcome::RateLimited { until } => {
+                WorkerStats::bump(&self.stats.rate_limited);
+                warn!(cool_down_until = %until, "rate limited by the API; cooling down");
+                self.store.extend_cool_down(until).await?;
+                self.retry_later(job, attempt, "HTTP 429").await
+            }
+            Outcome::Outage { reason } => {
+                WorkerStats::bump(&self.stats.outages_seen);
+                warn!(%reason, "API failure; opening the circuit");
+                self.transition_circuit(|c, now| c.open(circuit_epoch, &reason, now)).await?;
+                self.retry_later(job, attempt, &reason).await
+            }
+            Outcome::Rejected { status } => {
+                self.dead_letter(job, attempt, DeadLetterCause::Rejected { status }, format!("the API answered HTTP {status}")).await
+            }
+        }
+    }
+
+    async fn run_health_check(&self, circuit_epoch: u64) -> PortResult<()> {
+        let result = self.api.call(&self.health_check).await.unwrap_or(CallResult::Connect("health check is off the API".into()));
+        match classify(&result, self.clock.now(), self.retry.default_cool_down) {
+            Outcome::Success { status } => {
+                WorkerStats::bump(&self.stats.health_checks_ok);
+                info!(status, circuit_epoch, "health check ok; closing the circuit");
+                self.transition_circuit(|c, now| c.close(circuit_epoch, "health check ok", now)).await
+            }
+            other => {
+                WorkerStats::bump(&self.stats.health_checks_failed);
+                info!(outcome = ?other, circuit_epoch, "health check failed; the circuit stays open");
+                Ok(())
+            }
+        }
+    }
+
+    /// Applies a circuit transition with compare-and-swap; a lost race re-reads and
+    /// decides again. A refusal (already there, stale writer) is not an error.
+    async fn transition_circuit(&self, transition: impl Fn(&Circuit, UnixMillis) -> Result<Circuit, Refusal>) -> PortResult<()> {
+        for _ in 0..3 {
+            let current = self.store.circuit().await?;
+            let next = match transition(&current, self.clock.now()) {
+                Ok(next) => next,
+                Err(refusal) => {
+                    info!(%refusal, "circuit unchanged");
+                    return Ok(());
+                }
+            };
+            match self.store.swap_circuit(current.epoch, &next).await {
+                Ok(()) => {
+                    let counter = if next.is_closed() { &self.stats.circuit_closed } else { &self.stats.circuit_opened };
+                    WorkerStats::bump(counter);
+                    info!(status = %next.status, epoch = next.epoch, reason = %next.reason, "circuit changed");
+                    return Ok(());
+                }
+                Err(PortError::Conflict(_)) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(PortError::Transient("circuit kept changing under us".into()))
+    }
+
+    /// Re-queues the job with one more attempt, or dead-letters it if that was the last.
+    async fn retry_later(&self, job: &Job, attempt: u32, reason: &str) -> PortResult<()> {
+        let tries = attempt + 1;
+        if tries >= self.retry.max_attempts {
+            let detail = format!("gave up after {tries} attempts; last: {reason}");
+            return self.dead_letter(job, attempt, DeadLetterCause::AttemptsExhausted, detail).await;
+        }
+        self.queue.send(&[OutgoingMessage { body: job.to_json(), attempt: tries, delay: std::time::Duration::ZERO }]).await?;
+        WorkerStats::bump(&self.stats.requeued);
+        Ok(())
+    }
+
+    async fn dead_letter(&self, job: &Job, attempt: u32, cause: DeadLetterCause, detail: String) -> PortResult<()> {
+        warn!(cause = %cause.label(), %detail, "dead-lettered");
+        self.queue.dead_letter(job.id.as_str(), &job.to_json(), attempt, &DeadLetterReason { cause, detail }).await?;
+        WorkerStats::bump(&self.stats.dead_lettered);
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl WorkerHandler for Worker {
+    async fn handle(&self, payload: WorkerPayload) -> PortResult<()> {
+        match payload {
+            WorkerPayload::Job { job, attempt, circuit_epoch, .. } => self.run_job(&job, attempt, circuit_epoch).await,
+            WorkerPayload::HealthCheck { circuit_epoch, .. } => self.run_health_check(circuit_epoch).await,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -202,18 +202,31 @@ impl EmbeddedStore {
         Ok(())
     }
 
-    /// Puts the jobs of invocations a killed process left unfinished back on the queue
-    /// (to be paced again) and forgets its health checks. Returns how many jobs.
+    /// Makes visible again every message a killed process had received but not deleted,
+    /// and puts back the jobs of invocations it left unfinished. Only for a caller that
+    /// holds the file lock ([`lock_exclusive`]): no live process can own them.
+    /// Returns (messages released, jobs re-queued).
     ///
     /// # Errors
     /// `Fatal` on a database failure.
-    pub fn recover_invocations(&self) -> PortResult<usize> {
+    pub fn recover_after_crash(&self) -> PortResult<(usize, usize)> {
+        let now = to_i64(self.clock.now().0);
+        let released = self
+            .conn()
+            .execute("UPDATE messages SET visible_at = ?1, receipt = NULL WHERE receipt IS NOT NULL AND visible_at > ?1", [now])
+            .map_err(sql_err)?;
+        Ok((released, self.requeue_invocations(None)?))
+    }
+
+    /// Puts the job of one invocation (or of all, with `None`) back on the queue, to be
+    /// paced again, and forgets health checks. Returns how many jobs.
+    fn requeue_invocations(&self, only: Option<i64>) -> PortResult<usize> {
         let now = to_i64(self.clock.now().0);
         let mut conn = self.conn();
         let tx = conn.transaction().map_err(sql_err)?;
         let payloads: Vec<String> = {
-            let mut select = tx.prepare("SELECT payload FROM invocations ORDER BY seq").map_err(sql_err)?;
-            let rows = select.query_map([], |r| r.get(0)).map_err(sql_err)?;
+            let mut select = tx.prepare("SELECT payload FROM invocations WHERE ?1 IS NULL OR seq = ?1 ORDER BY seq").map_err(sql_err)?;
+            let rows = select.query_map([only], |r| r.get(0)).map_err(sql_err)?;
             rows.collect::<Result<_, _>>().map_err(sql_err)?
         };
         let mut jobs = 0;
@@ -223,7 +236,7 @@ impl EmbeddedStore {
                 jobs += 1;
             }
         }
-        tx.execute("DELETE FROM invocations", []).map_err(sql_err)?;
+        tx.execute("DELETE FROM invocations WHERE ?1 IS NULL OR seq = ?1", [only]).map_err(sql_err)?;
         tx.commit().map_err(sql_err)?;
         Ok(jobs)
     }
@@ -458,9 +471,15 @@ impl Invoker for EmbeddedInvoker {
         self.in_flight.fetch_add(1, Ordering::SeqCst);
         let (store, handler, in_flight, payload) = (self.store.clone(), self.handler.clone(), self.in_flight.clone(), payload.clone());
         tokio::spawn(async move {
-            handler.handle(payload).await;
-            if let Err(e) = store.finish_invocation(seq) {
-                tracing::error!(error = %e, "could not mark an invocation finished; it will be re-queued on restart");
+            let finished = match handler.handle(payload).await {
+                Ok(()) => store.finish_invocation(seq),
+                Err(e) => {
+                    tracing::warn!(error = %e, "worker could not finish; its job goes back on the queue");
+                    store.requeue_invocations(Some(seq)).map(|_| ())
+                }
+            };
+            if let Err(e) = finished {
+                tracing::error!(error = %e, "could not settle an invocation; it will be re-queued on restart");
             }
             in_flight.fetch_sub(1, Ordering::SeqCst);
         });

@@ -54,7 +54,7 @@ impl Invoker for RecordingInvoker {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .push((self.clock.now(), payload.clone()));
         if let Some(handler) = &self.forward_to {
-            handler.handle(payload.clone()).await;
+            handler.handle(payload.clone()).await?;
         }
         Ok(())
     }

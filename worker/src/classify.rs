@@ -1,0 +1,142 @@
+//! Pure classification of an API call's result into what the worker does next.
+//!
+//! - 2xx: success.
+//! - 429: a rate limit, not an outage: cool down until the time the provider names
+//!   (`Retry-After` as seconds or an HTTP date, `RateLimit`/`RateLimit-Reset`, or
+//!   `X-RateLimit-Reset[-After]`), then re-queue.
+//! - 5xx, timeouts, connection errors: an outage: open the circuit, re-queue.
+//! - Anything else (other 4xx, unfollowed 3xx): permanent, to the DLQ with the status.
+
+use std::time::Duration;
+
+use paceline_shared::time::UnixMillis;
+
+/// What came back from one call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CallResult {
+    Response { status: u16, headers: Vec<(String, String)> },
+    Timeout,
+    Connect(String),
+}
+
+/// What the worker does about it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Success { status: u16 },
+    RateLimited { until: UnixMillis },
+    Outage { reason: String },
+    Rejected { status: u16 },
+}
+
+/// Epoch values above this are absolute times in seconds, not deltas (year 2001+).
+const EPOCH_SECONDS_FLOOR: u64 = 1_000_000_000;
+
+/// Classifies `result` observed at `now`; a 429 naming no time cools down for `default_cool_down`.
+#[must_use]
+pub fn classify(result: &CallResult, now: UnixMillis, default_cool_down: Duration) -> Outcome {
+    match result {
+        CallResult::Timeout => Outcome::Outage { reason: "timeout".into() },
+        CallResult::Connect(e) => Outcome::Outage { reason: format!("connection error: {e}") },
+        CallResult::Response { status, .. } if (200..300).contains(status) => Outcome::Success { status: *status },
+        CallResult::Response { status: 429, headers } => {
+            Outcome::RateLimited { until: cool_down_until(headers, now).unwrap_or_else(|| now.plus(default_cool_down)) }
+        }
+        CallResult::Response { status, .. } if *status >= 500 => Outcome::Outage { reason: format!("HTTP {status}") },
+        CallResult::Response { status, .. } => Outcome::Rejected { status: *status },
+    }
+}
+
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.trim())
+}
+
+/// The instant the provider says to come back, from the first header that names one.
+#[must_use]
+pub fn cool_down_until(headers: &[(String, String)], now: UnixMillis) -> Option<UnixMillis> {
+    let after_seconds = |s: f64| (s.is_finite() && s >= 0.0).then(|| now.plus(Duration::from_secs_f64(s.min(86_400.0))));
+    if let Some(value) = header(headers, "retry-after") {
+        if let Ok(seconds) = value.parse::<f64>() {
+            return after_seconds(seconds);
+        }
+        if let Ok(date) = httpdate::parse_http_date(value) {
+            let millis = date.duration_since(std::time::UNIX_EPOCH).ok()?.as_millis();
+            return Some(UnixMillis(u64::try_from(millis).ok()?).max(now));
+        }
+    }
+    if let Some(seconds) = header(headers, "ratelimit").and_then(ratelimit_reset) {
+        return after_seconds(seconds);
+    }
+    if let Some(seconds) = header(headers, "ratelimit-reset").and_then(|v| v.parse::<f64>().ok()) {
+        return after_seconds(seconds);
+    }
+    if let Some(seconds) = header(headers, "x-ratelimit-reset-after").and_then(|v| v.parse::<f64>().ok()) {
+        return after_seconds(seconds);
+    }
+    if let Some(reset) = header(headers, "x-ratelimit-reset").and_then(|v| v.parse::<f64>().ok()) {
+        // Providers send either an epoch time (seconds, sometimes milliseconds) or a delta.
+        return if reset >= EPOCH_SECONDS_FLOOR as f64 * 1000.0 {
+            Some(UnixMillis(reset as u64).max(now))
+        } else if reset >= EPOCH_SECONDS_FLOOR as f64 {
+            Some(UnixMillis((reset * 1000.0) as u64).max(now))
+        } else {
+            after_seconds(reset)
+        };
+    }
+    None
+}
+
+/// `reset` (draft 7: `limit=100, remaining=0, reset=30`) or `t` (draft 8+:
+/// `"default";r=0;t=30`) from a `RateLimit` header.
+fn ratelimit_reset(value: &str) -> Option<f64> {
+    value
+        .split([',', ';'])
+        .filter_map(|part| part.trim().split_once('='))
+        .find(|(key, _)| matches!(key.trim(), "reset" | "t"))
+        .and_then(|(_, v)| v.trim().parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: UnixMillis = UnixMillis(1_795_824_000_000); // Sat, 28 Nov 2026 00:00:00 GMT
+    const DEFAULT: Duration = Duration::from_secs(1);
+
+    fn response(status: u16, headers: &[(&str, &str)]) -> CallResult {
+        CallResult::Response { status, headers: headers.iter().map(|(n, v)| ((*n).to_owned(), (*v).to_owned())).collect() }
+    }
+
+    fn until(headers: &[(&str, &str)]) -> Outcome {
+        classify(&response(429, headers), NOW, DEFAULT)
+    }
+
+    #[test]
+    fn statuses_map_to_outcomes() {
+        assert_eq!(classify(&response(204, &[]), NOW, DEFAULT), Outcome::Success { status: 204 });
+        assert_eq!(classify(&response(503, &[]), NOW, DEFAULT), Outcome::Outage { reason: "HTTP 503".into() });
+        assert_eq!(classify(&response(404, &[]), NOW, DEFAULT), Outcome::Rejected { status: 404 });
+        assert_eq!(classify(&response(302, &[]), NOW, DEFAULT), Outcome::Rejected { status: 302 });
+        assert_eq!(classify(&CallResult::Timeout, NOW, DEFAULT), Outcome::Outage { reason: "timeout".into() });
+        assert!(matches!(classify(&CallResult::Connect("refused".into()), NOW, DEFAULT), Outcome::Outage { .. }));
+    }
+
+    #[test]
+    fn rate_limit_headers_set_the_cool_down_to_the_millisecond() {
+        let at = |ms: u64| Outcome::RateLimited { until: UnixMillis(NOW.0 + ms) };
+        assert_eq!(until(&[]), at(1_000));
+        assert_eq!(until(&[("Retry-After", "7")]), at(7_000));
+        assert_eq!(until(&[("retry-after", "0.25")]), at(250));
+        assert_eq!(until(&[("Retry-After", "Sat, 28 Nov 2026 00:00:30 GMT")]), at(30_000));
+        assert_eq!(until(&[("RateLimit", "limit=100, remaining=0, reset=12")]), at(12_000));
+        assert_eq!(until(&[("RateLimit", "\"default\";r=0;t=3")]), at(3_000));
+        assert_eq!(until(&[("RateLimit-Reset", "4")]), at(4_000));
+        assert_eq!(until(&[("X-RateLimit-Reset-After", "2.5")]), at(2_500));
+        assert_eq!(until(&[("X-RateLimit-Reset", "1795824005")]), at(5_000));
+        assert_eq!(until(&[("X-RateLimit-Reset", "1795824000750")]), at(750));
+        assert_eq!(until(&[("X-RateLimit-Reset", "9")]), at(9_000));
+        // Retry-After wins over the others; a date in the past means now.
+        assert_eq!(until(&[("X-RateLimit-Reset", "9"), ("Retry-After", "2")]), at(2_000));
+        assert_eq!(until(&[("Retry-After", "Fri, 27 Nov 2026 00:00:00 GMT")]), at(0));
+        assert_eq!(until(&[("Retry-After", "soon")]), at(1_000));
+    }
+}

@@ -1,0 +1,165 @@
+//! The generic HTTP caller: sends a job's request to the configured API and nowhere else.
+//!
+//! Paths are joined under the base URL, the result must keep the base's origin and
+//! path prefix, redirects are never followed, and the configured headers (secrets) are
+//! marked sensitive so they never show in logs or `Debug` output.
+
+use std::time::Duration;
+
+use paceline_shared::config::ApiConfig;
+use paceline_shared::job::ApiRequest;
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+use reqwest::Url;
+use secrecy::ExposeSecret;
+
+use crate::classify::CallResult;
+
+/// Why a client or request could not be built.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ApiError {
+    #[error("api.headers.{0}: not a valid header name or value")]
+    Header(String),
+    #[error("request would leave the configured API: {0}")]
+    OffApi(String),
+    #[error("cannot build the HTTP client: {0}")]
+    Client(String),
+}
+
+/// A client for one API.
+#[derive(Clone, Debug)]
+pub struct ApiClient {
+    client: reqwest::Client,
+    base: Url,
+}
+
+impl ApiClient {
+    /// Builds the client once (connections are pooled and reused).
+    ///
+    /// # Errors
+    /// [`ApiError`] for a bad header or a client that cannot be built.
+    pub fn new(config: &ApiConfig) -> Result<Self, ApiError> {
+        let mut headers = HeaderMap::new();
+        for (name, value) in &config.headers {
+            let header_name = HeaderName::from_bytes(name.as_bytes()).map_err(|_| ApiError::Header(name.clone()))?;
+            let mut header_value = HeaderValue::from_str(value.expose_secret()).map_err(|_| ApiError::Header(name.clone()))?;
+            header_value.set_sensitive(true);
+            headers.insert(header_name, header_value);
+        }
+        let client = reqwest::Client::builder()
+            .default_headers(headers)
+            .timeout(config.timeout)
+            .connect_timeout(config.timeout.min(Duration::from_secs(5)))
+            .redirect(reqwest::redirect::Policy::none())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build()
+            .map_err(|e| ApiError::Client(e.to_string()))?;
+        Ok(Self { client, base: config.base_url.clone() })
+    }
+
+    /// The URL a request goes to: the base URL's path, then the request's.
+    ///
+    /// # Errors
+    /// [`ApiError::OffApi`] if the result would not be on the configured API.
+    pub fn url_for(&self, request: &ApiRequest) -> Result<Url, ApiError> {
+        let base_path = self.base.path().trim_end_matches('/');
+        let mut url = self.base.clone();
+        url.set_path(&format!("{base_path}{}", request.path));
+        url.set_query(None);
+        url.set_fragment(None);
+        if !request.query.is_empty() {
+            url.query_pairs_mut().extend_pairs(&request.query);
+        }
+        if url.origin() != self.base.origin() || !url.path().starts_with(base_path) || !request.path.starts_with('/') {
+            return Err(ApiError::OffApi(request.path.chars().take(80).collect()));
+        }
+        Ok(url)
+    }
+
+    /// Sends the request; transport failures come back as [`CallResult`] values.
+    ///
+    /// # Errors
+    /// [`ApiError::OffApi`] when the request is not for this API (nothing is sent).
+    pub async fn call(&self, request: &ApiRequest) -> Result<CallResult, ApiError> {
+        let url = self.url_for(request)?;
+        let method = reqwest::Method::from_bytes(request.method.as_bytes()).map_err(|_| ApiError::OffApi(request.method.clone()))?;
+        let mut builder = self.client.request(method, url);
+        for (name, value) in &request.headers {
+            builder = builder.header(name.as_str(), value.as_str());
+        }
+        builder = match &request.body {
+            Some(serde_json::Value::String(text)) => builder.body(text.clone()),
+            Some(json) => builder.header("content-type", "application/json").body(json.to_string()),
+            None => builder,
+        };
+        Ok(match builder.send().await {
+            Ok(response) => {
+                let status = response.status().as_u16();
+                let headers = response
+                    .headers()
+                    .iter()
+                    .filter_map(|(n, v)| v.to_str().ok().map(|v| (n.as_str().to_owned(), v.to_owned())))
+                    .collect();
+                // Drain the body so the connection goes back to the pool.
+                let _ = response.bytes().await;
+                CallResult::Response { status, headers }
+            }
+            Err(e) if e.is_timeout() => CallResult::Timeout,
+            Err(e) => CallResult::Connect(error_chain(&e)),
+        })
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn client(base: &str) -> ApiClient {
+        let config = ApiConfig {
+            base_url: base.parse().unwrap(),
+            timeout: Duration::from_secs(1),
+            headers: vec![("Authorization".into(), "Bearer s3cret".to_owned().into())],
+            health_check: request("GET", "/"),
+        };
+        ApiClient::new(&config).unwrap()
+    }
+
+    fn request(method: &str, path: &str) -> ApiRequest {
+        ApiRequest { method: method.into(), path: path.into(), query: BTreeMap::new(), headers: BTreeMap::new(), body: None }
+    }
+
+    #[test]
+    fn joins_paths_under_the_base_and_encodes_queries() {
+        let api = client("https://api.example.com/v1/");
+        let mut req = request("GET", "/items/7");
+        req.query.insert("q".into(), "a b&c".into());
+        assert_eq!(api.url_for(&req).unwrap().as_str(), "https://api.example.com/v1/items/7?q=a+b%26c");
+    }
+
+    #[test]
+    fn never_leaves_the_configured_api() {
+        let api = client("https://api.example.com/v1");
+        for path in ["//evil.example/x", "/../admin", "https://evil.example/"] {
+            let url = api.url_for(&request("GET", path));
+            assert!(url.as_ref().map_or(true, |u| u.host_str() == Some("api.example.com") && u.path().starts_with("/v1")), "{path} -> {url:?}");
+        }
+        assert!(api.url_for(&request("GET", "https://evil.example/")).is_err());
+    }
+
+    #[test]
+    fn secrets_do_not_show_in_debug_output() {
+        let api = client("https://api.example.com");
+        assert!(!format!("{api:?}").contains("s3cret"));
+    }
+}

@@ -1,0 +1,140 @@
+//! Worker tests against a scripted HTTP server on loopback and an in-memory store.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::Request;
+use axum::http::{HeaderMap, StatusCode};
+use paceline_shared::adapters::embedded::EmbeddedStore;
+use paceline_shared::breaker::CircuitStatus;
+use paceline_shared::config::ApiConfig;
+use paceline_shared::time::TokioClock;
+
+use super::*;
+
+/// Answers `/v1/status/CODE` with CODE (429s carry `Retry-After: 3`) and records the
+/// Authorization header of each call.
+async fn scripted_api() -> (String, Arc<Mutex<Vec<String>>>) {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let record = seen.clone();
+    let app = axum::Router::new().fallback(move |request: Request| {
+        let record = record.clone();
+        async move {
+            let auth = request.headers().get("authorization").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+            record.lock().unwrap().push(format!("{} {}", request.uri().path(), auth));
+            let code: u16 = request.uri().path().rsplit('/').next().and_then(|c| c.parse().ok()).unwrap_or(200);
+            let mut headers = HeaderMap::new();
+            if code == 429 {
+                headers.insert("retry-after", "3".parse().unwrap());
+            }
+            (StatusCode::from_u16(code).unwrap(), headers, "")
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("http://{addr}/v1"), seen)
+}
+
+fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
+    let clock = Arc::new(TokioClock::new());
+    let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap());
+    let health_check = Job::parse(r#"{"request":{"method":"GET","path":"/status/200"}}"#).unwrap().request;
+    let api = ApiClient::new(&ApiConfig {
+        base_url: base.parse().unwrap(),
+        timeout: Duration::from_secs(2),
+        headers: vec![("Authorization".into(), "Bearer s3cret".to_owned().into())],
+        health_check: health_check.clone(),
+    })
+    .unwrap();
+    let worker = Worker {
+        api,
+        queue: store.clone(),
+        store: store.clone(),
+        clock,
+        retry: RetryConfig { max_attempts: 3, default_cool_down: Duration::from_secs(1) },
+        health_check,
+        stats: Arc::default(),
+    };
+    (worker, store)
+}
+
+fn job_to(status: u16) -> WorkerPayload {
+    let job = Job::parse(&format!(r#"{{"id":"job-{status}","request":{{"method":"POST","path":"/status/{status}","body":{{"a":1}}}}}}"#)).unwrap();
+    WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0) }
+}
+
+async fn requeued(store: &EmbeddedStore) -> Vec<(String, u32)> {
+    store
+        .receive(10, Duration::ZERO, Duration::from_secs(30))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| (Job::parse(&m.body).unwrap().id.to_string(), m.attempt))
+        .collect()
+}
+
+#[tokio::test]
+async fn success_is_counted_and_the_auth_header_reaches_only_the_api() {
+    let (base, seen) = scripted_api().await;
+    let (worker, store) = new_worker(&base);
+    worker.handle(job_to(201)).await.unwrap();
+    assert_eq!(WorkerStats::get(&worker.stats.succeeded), 1);
+    assert_eq!(seen.lock().unwrap().as_slice(), ["/v1/status/201 Bearer s3cret"]);
+    assert!(requeued(&store).await.is_empty());
+}
+
+#[tokio::test]
+async fn rate_limit_sets_the_cool_down_and_requeues_without_opening_the_circuit() {
+    let (base, _) = scripted_api().await;
+    let (worker, store) = new_worker(&base);
+    let before = worker.clock.now();
+    worker.handle(job_to(429)).await.unwrap();
+    let cool_down = store.cool_down().await.unwrap();
+    assert!(cool_down >= before.plus(Duration::from_secs(3)), "cool-down {cool_down} not 3 s after {before}");
+    assert_eq!(requeued(&store).await, vec![("job-429".to_string(), 1)]);
+    assert!(store.circuit().await.unwrap().is_closed());
+}
+
+#[tokio::test]
+async fn server_errors_and_dead_connections_open_the_circuit_and_requeue() {
+    let (base, _) = scripted_api().await;
+    let (worker, store) = new_worker(&base);
+    worker.handle(job_to(503)).await.unwrap();
+    let circuit = store.circuit().await.unwrap();
+    assert_eq!((circuit.status, circuit.epoch, circuit.reason.as_str()), (CircuitStatus::Open, 1, "HTTP 503"));
+    assert_eq!(requeued(&store).await, vec![("job-503".to_string(), 1)]);
+
+    // Nothing listens on port 9 of loopback: a connection error, also an outage.
+    let (dead, store) = new_worker("http://127.0.0.1:9/v1");
+    dead.handle(job_to(200)).await.unwrap();
+    assert!(store.circuit().await.unwrap().reason.starts_with("connection error"));
+    assert_eq!(requeued(&store).await.len(), 1);
+}
+
+#[tokio::test]
+async fn other_client_errors_and_exhausted_attempts_are_dead_lettered() {
+    let (base, _) = scripted_api().await;
+    let (worker, store) = new_worker(&base);
+    worker.handle(job_to(404)).await.unwrap();
+    let WorkerPayload::Job { job, .. } = job_to(500) else { unreachable!() };
+    worker.handle(WorkerPayload::Job { job, attempt: 2, circuit_epoch: 0, dispatched_at: UnixMillis(0) }).await.unwrap();
+    let dead = store.dead_letters().unwrap();
+    let causes: Vec<String> = dead.iter().map(|d| d.reason.cause.label()).collect();
+    assert_eq!(causes, vec!["http_404", "attempts_exhausted"]);
+    assert!(dead[1].reason.detail.contains("3 attempts") && dead[1].reason.detail.contains("HTTP 500"), "{}", dead[1].reason.detail);
+    assert!(requeued(&store).await.is_empty());
+}
+
+#[tokio::test]
+async fn healthy_check_closes_the_circuit_but_a_stale_one_cannot() {
+    let (base, _) = scripted_api().await;
+    let (worker, store) = new_worker(&base);
+    worker.handle(job_to(502)).await.unwrap();
+    worker.handle(WorkerPayload::HealthCheck { circuit_epoch: 0, sent_at: UnixMillis(0) }).await.unwrap();
+    assert!(!store.circuit().await.unwrap().is_closed(), "a check from epoch 0 must not close epoch 1");
+    worker.handle(WorkerPayload::HealthCheck { circuit_epoch: 1, sent_at: UnixMillis(0) }).await.unwrap();
+    let circuit = store.circuit().await.unwrap();
+    assert_eq!((circuit.status, circuit.epoch), (CircuitStatus::Closed, 2));
+    assert_eq!(WorkerStats::get(&worker.stats.circuit_closed), 1);
+}
