@@ -1,1 +1,45 @@
-fn main(){}
+//! `paceline`: run a paced lane locally, try the demo, enqueue jobs, inspect state.
+
+use clap::{Parser, Subcommand};
+use paceline_cli::commands::{demo::DemoArgs, enqueue::EnqueueArgs, run::RunArgs, status::StatusArgs};
+
+/// Call rate-limited APIs as fast as their quotas allow, and never faster.
+#[derive(Parser)]
+#[command(name = "paceline", version, about)]
+struct Cli {
+    /// Log filter (error, warn, info, debug, or a tracing directive).
+    #[arg(long, global = true, env = "PACELINE_LOG", default_value = "error")]
+    log: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    Demo(DemoArgs),
+    Run(RunArgs),
+    Enqueue(EnqueueArgs),
+    Status(StatusArgs),
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "error".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match cli.command {
+        Command::Demo(args) => args.run().await,
+        Command::Run(args) => args.run().await,
+        Command::Enqueue(args) => args.run().await,
+        Command::Status(args) => args.run().await,
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -57,6 +57,8 @@ pub struct RunOptions {
     pub deadline: UnixMillis,
     /// End as soon as the queue is empty and nothing is in flight.
     pub drain: bool,
+    /// Ends the run early (Ctrl-C) when it turns `true`.
+    pub stop: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 /// The drain loop's dependencies, built once (in Lambda, at cold start).
@@ -93,6 +95,7 @@ struct Run<'a> {
     stop_at: UnixMillis,
     meter: TierMeter,
     exhausted_logged_until: UnixMillis,
+    stop: Option<tokio::sync::watch::Receiver<bool>>,
     report: RunReport,
 }
 
@@ -128,6 +131,7 @@ impl Orchestrator {
             stop_at: opts.deadline.minus(cfg.deadline_margin),
             meter: TierMeter::new(&self.settings.quota),
             exhausted_logged_until: UnixMillis(0),
+            stop: opts.stop.clone(),
             report: RunReport {
                 started_at: started,
                 ended_at: started,
@@ -194,8 +198,22 @@ impl Run<'_> {
         self.next_renew.min(self.next_refresh).min(self.next_flush).min(self.stop_at)
     }
 
-    async fn sleep_until(&self, t: UnixMillis) {
-        self.o.clock.sleep_until(t.min(self.next_wake())).await;
+    /// Sleeps until `t` or the next housekeeping, whichever is first, or a stop request.
+    async fn sleep_until(&mut self, t: UnixMillis) {
+        let wake = t.min(self.next_wake());
+        match &mut self.stop {
+            Some(stop) => {
+                tokio::select! {
+                    () = self.o.clock.sleep_until(wake) => {}
+                    _ = stop.wait_for(|stopped| *stopped) => {}
+                }
+            }
+            None => self.o.clock.sleep_until(wake).await,
+        }
+    }
+
+    fn stop_requested(&self) -> bool {
+        self.stop.as_ref().is_some_and(|stop| *stop.borrow())
     }
 
     async fn drain(&mut self) -> Result<(), RunError> {
@@ -203,6 +221,10 @@ impl Run<'_> {
             let now = self.o.clock.now();
             if now >= self.stop_at {
                 self.report.stop = StopReason::Deadline;
+                return Ok(());
+            }
+            if self.stop_requested() {
+                self.report.stop = StopReason::Stopped;
                 return Ok(());
             }
             if now >= self.next_renew {
@@ -305,11 +327,12 @@ impl Run<'_> {
                 Err(e) if e.is_retryable() => {
                     warn!(error = %e, pause_ms = pause.as_millis(), "invoke refused; retrying");
                     let resume = self.o.clock.now().plus(pause);
-                    if resume >= self.stop_at {
-                        self.o.clock.sleep_until(self.stop_at).await;
+                    if resume >= self.stop_at || self.stop_requested() {
+                        let stop_at = self.stop_at;
+                        self.sleep_until(stop_at).await;
                         return Ok(false);
                     }
-                    self.o.clock.sleep_until(resume).await;
+                    self.sleep_until(resume).await;
                     pause = (pause * 2).min(INVOKE_BACKOFF.1);
                 }
                 Err(e) => return Err(e.into()),

@@ -34,6 +34,8 @@ pub enum StopReason {
     Drained,
     /// Another orchestrator took the lease: dispatching stopped at once.
     LeaseLost,
+    /// The operator asked it to stop.
+    Stopped,
 }
 
 /// One tier's figures for the run.

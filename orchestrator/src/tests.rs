@@ -60,7 +60,7 @@ async fn enqueue(lane: &Lane, bodies: impl IntoIterator<Item = String>) {
 }
 
 fn opts(drain: bool, deadline_after: Duration) -> RunOptions {
-    RunOptions { holder: "test".into(), deadline: T0.plus(deadline_after), drain }
+    RunOptions { holder: "test".into(), deadline: T0.plus(deadline_after), drain, stop: None }
 }
 
 fn offsets(lane: &Lane) -> Vec<u64> {

@@ -45,8 +45,8 @@ impl StrictWindowLimiter {
         Self { limit, window_ms, arrivals: VecDeque::new(), units: 0 }
     }
 
-    /// Admits and records the call if it fits; refuses (and records nothing) if not.
-    pub fn try_admit(&mut self, now: UnixMillis, cost: u64) -> bool {
+    /// Whether `cost` more units at `now` fit (forgetting what left the window).
+    pub fn fits(&mut self, now: UnixMillis, cost: u64) -> bool {
         while let Some((t, c)) = self.arrivals.front() {
             if t.saturating_add(self.window_ms) > now.0 {
                 break;
@@ -54,12 +54,23 @@ impl StrictWindowLimiter {
             self.units -= c;
             self.arrivals.pop_front();
         }
-        if self.units + cost > self.limit {
-            return false;
-        }
+        self.units + cost <= self.limit
+    }
+
+    /// Records units at `now`, whether they fit or not (for a provider that counts
+    /// refused calls too).
+    pub fn record(&mut self, now: UnixMillis, cost: u64) {
         self.units += cost;
         self.arrivals.push_back((now.0, cost));
-        true
+    }
+
+    /// Admits and records the call if it fits; refuses (and records nothing) if not.
+    pub fn try_admit(&mut self, now: UnixMillis, cost: u64) -> bool {
+        let fits = self.fits(now, cost);
+        if fits {
+            self.record(now, cost);
+        }
+        fits
     }
 }
 

@@ -1,0 +1,88 @@
+//! `paceline enqueue`: JSON lines from a file or stdin onto the jobs queue, checked
+//! first; bad lines are reported with their line numbers and the rest still go.
+
+use std::io::BufRead;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use paceline_shared::job::Job;
+use paceline_shared::ports::{JobQueue, OutgoingMessage};
+
+use crate::commands::ConfigArg;
+use crate::lane::{load_config, open_store};
+
+/// Put jobs (one JSON object per line) on the queue.
+#[derive(Debug, clap::Args)]
+pub struct EnqueueArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// File of JSON lines; `-` or nothing reads standard input.
+    pub file: Option<PathBuf>,
+}
+
+/// The good jobs and the numbered complaints about the bad lines.
+#[must_use]
+pub fn parse_lines(lines: impl Iterator<Item = std::io::Result<String>>) -> (Vec<Job>, Vec<String>) {
+    let mut jobs = Vec::new();
+    let mut errors = Vec::new();
+    for (index, line) in lines.enumerate() {
+        let number = index + 1;
+        match line {
+            Ok(line) if line.trim().is_empty() => {}
+            Ok(line) => match Job::parse(&line) {
+                Ok(job) => jobs.push(job),
+                Err(e) => errors.push(format!("line {number}: {e}")),
+            },
+            Err(e) => errors.push(format!("line {number}: unreadable: {e}")),
+        }
+    }
+    (jobs, errors)
+}
+
+impl EnqueueArgs {
+    /// # Errors
+    /// Bad config, unreadable input, a failed send, or rejected lines (after the good
+    /// ones were sent).
+    pub async fn run(self) -> anyhow::Result<()> {
+        let config = load_config(&self.config.config)?;
+        let store = open_store(&config)?;
+        let (jobs, errors) = match self.file.as_deref() {
+            None => parse_lines(std::io::stdin().lock().lines()),
+            Some(path) if path.as_os_str() == "-" => parse_lines(std::io::stdin().lock().lines()),
+            Some(path) => {
+                let file = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+                parse_lines(std::io::BufReader::new(file).lines())
+            }
+        };
+        for error in &errors {
+            eprintln!("{error}");
+        }
+        let messages: Vec<OutgoingMessage> =
+            jobs.iter().map(|job| OutgoingMessage { body: job.to_json(), attempt: 0, delay: std::time::Duration::ZERO }).collect();
+        for batch in messages.chunks(10) {
+            store.send(batch).await?;
+        }
+        println!("enqueued {} job(s); {} line(s) rejected", messages.len(), errors.len());
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            anyhow::bail!("{} line(s) were not enqueued (see above)", errors.len())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_lines_are_numbered_and_do_not_stop_the_rest() {
+        let input = "{\"request\":{\"method\":\"GET\",\"path\":\"/a\"}}\n\nnot json\n{\"request\":{\"method\":\"GET\",\"path\":\"http://x/\"}}\n{\"id\":\"z\",\"request\":{\"method\":\"GET\",\"path\":\"/b\"}}\n";
+        let (jobs, errors) = parse_lines(std::io::Cursor::new(input).lines());
+        assert_eq!(jobs.len(), 2);
+        assert_eq!(jobs[1].id.as_str(), "z");
+        assert_eq!(errors.len(), 2);
+        assert!(errors[0].starts_with("line 3: not a job"), "{}", errors[0]);
+        assert!(errors[1].starts_with("line 4: request.path"), "{}", errors[1]);
+    }
+}

@@ -1,0 +1,16 @@
+//! One module per `paceline` subcommand, each an `Args` struct with its own `run`.
+
+pub mod demo;
+pub mod enqueue;
+pub mod run;
+pub mod status;
+
+use std::path::PathBuf;
+
+/// The `--config` flag every lane command takes.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ConfigArg {
+    /// The lane's config file.
+    #[arg(long, short, env = "PACELINE_CONFIG", default_value = "paceline.toml")]
+    pub config: PathBuf,
+}

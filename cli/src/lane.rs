@@ -1,0 +1,149 @@
+//! Builds a lane on the embedded backend from a config file: store, worker, in-process
+//! invoker and orchestrator, all sharing one clock. Also runs it with a progress bar.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use indicatif::{ProgressBar, ProgressStyle};
+use paceline_orchestrator::{Orchestrator, Progress, RunOptions, RunReport, Settings};
+use paceline_shared::adapters::embedded::{lock_exclusive, EmbeddedInvoker, EmbeddedStore};
+use paceline_shared::config::{Backend, Config};
+use paceline_shared::ports::{JobQueue, WorkerHandler};
+use paceline_shared::time::{Clock, SystemClock, UnixMillis};
+use paceline_worker::{ApiClient, Worker, WorkerStats};
+
+/// Reads the config file, with secrets from the process environment.
+///
+/// # Errors
+/// The config error, naming the file, key and problem.
+pub fn load_config(path: &Path) -> anyhow::Result<Config> {
+    Ok(Config::load(path, &|name| std::env::var(name).ok())?)
+}
+
+/// The embedded database path of a config, or an error saying what to do.
+///
+/// # Errors
+/// When the config's backend is not embedded.
+pub fn embedded_path(config: &Config) -> anyhow::Result<PathBuf> {
+    match &config.backend {
+        Backend::Embedded { path } => Ok(path.clone()),
+        Backend::Aws { .. } => bail!("this command runs the embedded backend; the config's [backend] kind is \"aws\" (use the Lambda functions, or kind = \"embedded\")"),
+    }
+}
+
+/// Opens the embedded store of a config (no lock: safe beside a running lane).
+///
+/// # Errors
+/// When the backend is not embedded or the database cannot be opened.
+pub fn open_store(config: &Config) -> anyhow::Result<Arc<EmbeddedStore>> {
+    let path = embedded_path(config)?;
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    Ok(Arc::new(EmbeddedStore::open(&path, clock).with_context(|| format!("opening {}", path.display()))?))
+}
+
+/// A lane ready to run in this process.
+pub struct EmbeddedLane {
+    pub store: Arc<EmbeddedStore>,
+    pub orchestrator: Orchestrator,
+    pub worker_stats: Arc<WorkerStats>,
+    _lock: std::fs::File,
+}
+
+/// What a run did, from both sides.
+pub struct LaneOutcome {
+    pub report: RunReport,
+    pub worker: Arc<WorkerStats>,
+    pub dead_letters_total: u64,
+}
+
+impl EmbeddedLane {
+    /// Takes the database's lock, recovers what a killed run left, and wires the lane.
+    ///
+    /// # Errors
+    /// When another run holds the database, or it cannot be opened.
+    pub fn open(config: &Config) -> anyhow::Result<Self> {
+        let path = embedded_path(config)?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        let lock = lock_exclusive(&path)?;
+        let store = open_store(config)?;
+        // We hold the lock: whatever lease or in-flight work is recorded belongs to a
+        // process that is gone.
+        store.clear_lease()?;
+        let (released, requeued) = store.recover_after_crash()?;
+        if released + requeued > 0 {
+            tracing::warn!(released, requeued, "recovered work left by an interrupted run");
+            eprintln!("recovered {released} received and {requeued} in-flight job(s) left by an interrupted run");
+        }
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let worker_stats = Arc::new(WorkerStats::default());
+        let worker: Arc<dyn WorkerHandler> = Arc::new(Worker {
+            api: ApiClient::new(&config.api)?,
+            queue: store.clone(),
+            store: store.clone(),
+            clock: clock.clone(),
+            retry: config.retry,
+            health_check: config.api.health_check.clone(),
+            stats: worker_stats.clone(),
+        });
+        let orchestrator = Orchestrator {
+            queue: store.clone(),
+            store: store.clone(),
+            invoker: Arc::new(EmbeddedInvoker::new(store.clone(), worker)),
+            clock,
+            settings: Settings { quota: config.quota.clone(), orchestrator: config.orchestrator, circuit: config.circuit },
+            progress: Arc::new(Progress::default()),
+        };
+        Ok(Self { store, orchestrator, worker_stats, _lock: lock })
+    }
+
+    /// Runs until drained (`drain`), `for_at_most` passes, or Ctrl-C; shows progress on
+    /// a terminal.
+    ///
+    /// # Errors
+    /// When the run fails (lease held, fatal store error).
+    pub async fn run(&self, drain: bool, for_at_most: Option<Duration>, show_progress: bool) -> anyhow::Result<LaneOutcome> {
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                let _ = stop_tx.send(true);
+            }
+        });
+        let now = self.orchestrator.clock.now();
+        let deadline = for_at_most.map_or(UnixMillis(u64::MAX / 2), |d| now.plus(d).plus(self.orchestrator.settings.orchestrator.deadline_margin));
+        let opts = RunOptions { holder: format!("paceline-run-{}", std::process::id()), deadline, drain, stop: Some(stop_rx) };
+        let bar = show_progress.then(|| self.progress_bar());
+        let report = self.orchestrator.run(&opts).await;
+        if let Some((bar, ticker)) = bar {
+            ticker.abort();
+            bar.finish_and_clear();
+        }
+        let report = report?;
+        let dead_letters_total = self.store.depth().await?.dead;
+        Ok(LaneOutcome { report, worker: self.worker_stats.clone(), dead_letters_total })
+    }
+
+    fn progress_bar(&self) -> (ProgressBar, tokio::task::JoinHandle<()>) {
+        let bar = ProgressBar::new(0);
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {pos}/{len} jobs settled  {per_sec}  ETA {eta}  {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        let (store, stats, progress, ticking) = (self.store.clone(), self.worker_stats.clone(), self.orchestrator.progress.clone(), bar.clone());
+        let ticker = tokio::spawn(async move {
+            loop {
+                let settled = WorkerStats::get(&stats.succeeded) + store.depth().await.map_or(0, |d| d.dead);
+                let waiting = store.depth().await.map_or(0, |d| d.visible + d.not_visible);
+                ticking.set_length(settled + waiting);
+                ticking.set_position(settled);
+                let open = progress.circuit_open.load(std::sync::atomic::Ordering::Relaxed);
+                ticking.set_message(if open { "circuit OPEN: waiting for a healthy check" } else { "" });
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        (bar, ticker)
+    }
+}

@@ -1,0 +1,80 @@
+//! The end-of-run summary: what was dispatched, how it ended, and how much of each
+//! quota tier was used, as a table or as JSON.
+
+use paceline_orchestrator::StopReason;
+use paceline_worker::WorkerStats;
+use serde::Serialize;
+
+use crate::lane::LaneOutcome;
+
+#[derive(Debug, Serialize)]
+pub struct TierLine {
+    pub tier: String,
+    pub units: u64,
+    pub peak_window: u64,
+    pub limit: u64,
+    /// Fraction of the tier's rate achieved while jobs waited for the pacer (rolling
+    /// tiers), or of the current window used (calendar tiers).
+    pub utilization: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Summary {
+    pub stop: StopReason,
+    pub seconds: f64,
+    pub dispatched: u64,
+    pub health_checks: u64,
+    pub succeeded: u64,
+    pub requeued: u64,
+    pub rate_limited: u64,
+    /// Dead-lettered during this run, by the orchestrator (malformed, never fits) and by
+    /// workers (4xx, attempts exhausted).
+    pub dead_lettered: u64,
+    /// Everything in the dead-letter queue now, earlier runs included.
+    pub dead_letters_total: u64,
+    pub circuit_opened: u64,
+    pub circuit_closed: u64,
+    pub tiers: Vec<TierLine>,
+}
+
+impl Summary {
+    #[must_use]
+    pub fn new(outcome: &LaneOutcome) -> Self {
+        let r = &outcome.report;
+        let w = &outcome.worker;
+        Self {
+            stop: r.stop.clone(),
+            seconds: r.ended_at.since(r.started_at).as_secs_f64(),
+            dispatched: r.dispatched,
+            health_checks: r.health_checks,
+            succeeded: WorkerStats::get(&w.succeeded),
+            requeued: WorkerStats::get(&w.requeued),
+            rate_limited: WorkerStats::get(&w.rate_limited),
+            dead_lettered: r.dead_lettered + WorkerStats::get(&w.dead_lettered),
+            dead_letters_total: outcome.dead_letters_total,
+            circuit_opened: WorkerStats::get(&w.circuit_opened),
+            circuit_closed: WorkerStats::get(&w.circuit_closed),
+            tiers: r
+                .tiers
+                .iter()
+                .map(|t| TierLine { tier: t.tier.to_string(), units: t.units, peak_window: t.peak_window, limit: t.tier.limit, utilization: t.utilization })
+                .collect(),
+        }
+    }
+
+    /// The human-readable form.
+    #[must_use]
+    pub fn render(&self) -> String {
+        let mut out = format!("run ended ({:?}) after {:.1} s\n", self.stop, self.seconds);
+        out += &format!("  dispatched     {:>7}   (+ {} health checks)\n", self.dispatched, self.health_checks);
+        out += &format!("  succeeded      {:>7}\n", self.succeeded);
+        out += &format!("  re-queued      {:>7}   ({} after a 429)\n", self.requeued, self.rate_limited);
+        out += &format!("  dead-lettered  {:>7}   ({} in the DLQ in all)\n", self.dead_lettered, self.dead_letters_total);
+        out += &format!("  circuit        opened {}, closed {}\n", self.circuit_opened, self.circuit_closed);
+        out += "  tier           units   peak window   limit   utilization\n";
+        for t in &self.tiers {
+            out += &format!("  {:<12} {:>7}   {:>11}   {:>5}   {:>10.1}%\n", t.tier, t.units, t.peak_window, t.limit, t.utilization * 100.0);
+        }
+        out
+    }
+}
