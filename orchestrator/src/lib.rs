@@ -16,7 +16,7 @@ use paceline_shared::breaker::Circuit;
 use paceline_shared::config::{CircuitConfig, OrchestratorConfig};
 use paceline_shared::job::{DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
 use paceline_shared::pacer::{Decision, Hold, PacerState};
-use paceline_shared::ports::{Invoker, JobQueue, Lease, PortError, QueuedMessage, StateStore};
+use paceline_shared::ports::{Invoker, JobQueue, Lease, PacerSnapshot, PortError, QueuedMessage, StateStore};
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, UnixMillis};
 use tracing::{debug, info, warn};
@@ -162,7 +162,11 @@ impl Run<'_> {
     async fn hydrate(&mut self) -> Result<(), RunError> {
         let now = self.o.clock.now();
         if let Some(snapshot) = self.o.store.load_pacer().await? {
-            self.pacer = PacerState::restored(self.quota(), &snapshot);
+            self.pacer = PacerState::restored(self.quota(), &snapshot.state);
+            if !snapshot.at_exit {
+                warn!("the last run did not stop cleanly: holding dispatch for one window of the longest tier");
+                self.pacer.hold_after_unclean_stop(&self.o.settings.quota, now);
+            }
         }
         let calendar: Vec<(usize, String)> = self
             .quota()
@@ -177,6 +181,9 @@ impl Run<'_> {
         for ((index, _), used) in calendar.iter().zip(used) {
             self.pacer.set_calendar_used(&self.o.settings.quota, *index, used, now);
         }
+        // From here until a clean exit, the stored snapshot says "a run is under way",
+        // so a crash at any point is recognised by the next run.
+        self.flush(false).await?;
         self.refresh_shared_state().await
     }
 
@@ -246,7 +253,7 @@ impl Run<'_> {
                 self.refresh_shared_state().await?;
             }
             if now >= self.next_flush {
-                self.flush().await?;
+                self.flush(false).await?;
             }
             if !self.circuit.is_closed() {
                 self.while_open(now).await?;
@@ -439,8 +446,9 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// Writes deletes, usage deltas and (while the lease is ours) the pacer snapshot.
-    async fn flush(&mut self) -> Result<(), RunError> {
+    /// Writes deletes, usage deltas and (while the lease is ours) the pacer snapshot,
+    /// marked final only at the end of the run.
+    async fn flush(&mut self, at_exit: bool) -> Result<(), RunError> {
         self.flush_deletes().await?;
         if !self.pending_usage.is_empty() {
             let deltas: Vec<(String, u64)> = std::mem::take(&mut self.pending_usage).into_iter().collect();
@@ -449,7 +457,8 @@ impl Run<'_> {
                 return Err(e.into());
             }
         }
-        match self.o.store.save_pacer(&self.lease, &self.pacer).await {
+        let snapshot = PacerSnapshot { state: self.pacer.clone(), at_exit };
+        match self.o.store.save_pacer(&self.lease, &snapshot).await {
             // A lost lease: the new holder's snapshot wins.
             Ok(()) | Err(PortError::Conflict(_)) => {}
             Err(e) => return Err(e.into()),
@@ -465,7 +474,7 @@ impl Run<'_> {
             warn!(error = %e, "run failed; releasing what it held");
         }
         let released = self.release_buffer().await;
-        let flushed = self.flush().await;
+        let flushed = self.flush(true).await;
         let lease = self.o.store.release_lease(&self.lease).await.map_err(RunError::from);
         let now = self.o.clock.now();
         let calendar_used = self.pacer.usage(self.quota(), now);

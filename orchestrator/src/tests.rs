@@ -235,3 +235,20 @@ async fn dead_letter_cause_labels_reach_the_store() {
     lane.orchestrator.run(&opts(true, Duration::from_secs(10))).await.unwrap();
     assert_eq!(lane.store.dead_letters().unwrap()[0].reason.cause, DeadLetterCause::Malformed);
 }
+
+#[tokio::test(start_paused = true)]
+async fn after_a_crashed_run_dispatch_waits_one_window_of_the_longest_tier() {
+    let lane = lane(&["5/s", "60/min"], 0);
+    // A run that crashed leaves a mid-run snapshot behind.
+    let lease = lane.store.acquire_lease("crashed", Duration::from_secs(30), T0).await.unwrap();
+    let snapshot = paceline_shared::ports::PacerSnapshot { state: paceline_shared::pacer::PacerState::new(&lane.orchestrator.settings.quota), at_exit: false };
+    lane.store.save_pacer(&lease, &snapshot).await.unwrap();
+    lane.store.clear_lease().unwrap();
+    enqueue(&lane, vec![job("a"), job("b")]).await;
+    lane.orchestrator.run(&opts(true, Duration::from_secs(300))).await.unwrap();
+    assert_eq!(offsets(&lane), vec![60_000, 61_000]);
+    // That run ended cleanly: the next one trusts its snapshot and waits no extra window.
+    enqueue(&lane, vec![job("c")]).await;
+    lane.orchestrator.run(&RunOptions { deadline: lane.clock.now().plus(Duration::from_secs(60)), ..opts(true, Duration::ZERO) }).await.unwrap();
+    assert_eq!(offsets(&lane)[2], 62_000);
+}

@@ -250,6 +250,14 @@ impl PacerState {
         state
     }
 
+    /// After a run that stopped without saving its final state (a crash), its last
+    /// dispatches are unknown: hold every dispatch for one full window of the longest
+    /// rolling tier, after which nothing it did can share a window with what we do.
+    pub fn hold_after_unclean_stop(&mut self, quota: &Quota, now: UnixMillis) {
+        let longest = quota.tiers.iter().map(|t| quota.effective_window_ms(t)).max().unwrap_or(0);
+        self.hold_until = self.hold_until.max(now.plus(Duration::from_millis(longest)));
+    }
+
     /// Records a dispatch of `cost` units at `now`. Call only after [`Decision::Allow`].
     pub fn commit(&mut self, quota: &Quota, cost: u64, now: UnixMillis) {
         for (tier, tier_state) in quota.tiers.iter().zip(&mut self.tiers) {
@@ -257,10 +265,13 @@ impl PacerState {
                 Some(rolling) => {
                     let limit = u128::from(tier.limit);
                     let step = u128::from(quota.effective_window_ms(tier)) * u128::from(cost);
-                    // Dispatching at `ceil(tat)` keeps the exact schedule: rounding up to
-                    // the millisecond must not push every later slot back.
+                    // A dispatch a little after its slot (rounding to the millisecond,
+                    // a timer waking late) keeps the schedule, so lateness does not push
+                    // every later slot back. "A little" is the safety margin (at least
+                    // 1 ms); the window log still guarantees no window overfills.
                     let now_scaled = u128::from(now.0) * limit;
-                    let base = if now_scaled < rolling.tat_scaled + limit { rolling.tat_scaled } else { now_scaled };
+                    let tolerance = u128::from(millis(quota.safety_margin).max(1)) * limit;
+                    let base = if now_scaled < rolling.tat_scaled + tolerance { rolling.tat_scaled } else { now_scaled };
                     rolling.tat_scaled = base + step;
                     rolling.log.record(now, cost);
                 }
@@ -366,6 +377,31 @@ mod tests {
     }
 
     #[test]
+    fn late_wake_ups_within_the_margin_do_not_drift_the_schedule() {
+        let q = quota(&["20/s"], 10);
+        let mut state = PacerState::new(&q);
+        let mut sent = Vec::new();
+        let mut now = UnixMillis(0);
+        while sent.len() < 200 {
+            match q.decide(&state, 1, now) {
+                Decision::Allow => {
+                    state.commit(&q, 1, now);
+                    sent.push((now, 1));
+                }
+                // Every timer fires 3 ms late.
+                Decision::WaitUntil { at, .. } => now = at.plus(Duration::from_millis(3)),
+                Decision::Never { .. } => unreachable!(),
+            }
+        }
+        // Slots every 50.5 ms: the 200th is due at ceil(199 * 50.5) = 10 050 ms. Without
+        // catching up it would go at 199 * 53.5 = 10 646 ms; the window log (exact on
+        // actual times) may still add the lateness once per window: 10 windows * 3.5 ms.
+        let last = sent.last().unwrap().0 .0;
+        assert!((10_053..=10_100).contains(&last), "200th dispatch at {last} ms");
+        assert!(peak_in_any_window(&sent, Duration::from_secs(1)) <= 20);
+    }
+
+    #[test]
     fn heavy_job_waits_for_the_window_not_just_the_spacing() {
         let q = quota(&["10/s"], 0);
         let mut state = PacerState::new(&q);
@@ -419,6 +455,14 @@ mod tests {
         let changed = quota(&["2/s"], 0);
         let other = PacerState::restored(&changed, &snapshot);
         assert_eq!(changed.decide(&other, 1, UnixMillis(10_400)), Decision::Allow);
+    }
+
+    #[test]
+    fn an_unclean_stop_holds_for_the_longest_rolling_window() {
+        let q = quota(&["10/s", "100/min", "1000/day"], 10);
+        let mut state = PacerState::new(&q);
+        state.hold_after_unclean_stop(&q, UnixMillis(5_000));
+        assert_eq!(q.decide(&state, 1, UnixMillis(5_000)), Decision::WaitUntil { at: UnixMillis(65_010), by: Hold::CoolDown });
     }
 
     #[test]

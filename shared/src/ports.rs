@@ -125,6 +125,15 @@ pub trait JobQueue: Send + Sync {
     async fn depth(&self) -> PortResult<QueueDepth>;
 }
 
+/// The pacer state a run leaves for the next.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PacerSnapshot {
+    pub state: PacerState,
+    /// Written by a run that ended cleanly. A snapshot written mid-run (or none after
+    /// one) means that run may have dispatched more than it says.
+    pub at_exit: bool,
+}
+
 /// A held lease: one pacer per lane. The epoch grows with every new holder, so writes
 /// conditioned on it fence out a holder that lost the lease without knowing.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -177,13 +186,13 @@ pub trait StateStore: Send + Sync {
     ///
     /// # Errors
     /// Transport errors only.
-    async fn load_pacer(&self) -> PortResult<Option<PacerState>>;
+    async fn load_pacer(&self) -> PortResult<Option<PacerSnapshot>>;
 
     /// Saves the pacer snapshot, only while `lease` is still the current lease.
     ///
     /// # Errors
     /// `Conflict` when the lease was lost.
-    async fn save_pacer(&self, lease: &Lease, state: &PacerState) -> PortResult<()>;
+    async fn save_pacer(&self, lease: &Lease, snapshot: &PacerSnapshot) -> PortResult<()>;
 
     /// The circuit (closed at epoch 0 if never written).
     ///

@@ -1,1 +1,92 @@
-//! End-to-end test helpers.
+//! Helpers for the end-to-end tests: find the `paceline` binary, lay out a lane's config
+//! next to a fake API, run commands and read their JSON.
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+/// The `paceline` binary built from this workspace (`cargo build -p paceline-cli`,
+/// which the README's test command runs first), or `PACELINE_BIN`.
+///
+/// # Panics
+/// When it is missing, saying how to build it.
+#[must_use]
+pub fn paceline_bin() -> PathBuf {
+    let path = std::env::var_os("PACELINE_BIN").map_or_else(
+        || {
+            let target = std::env::var_os("CARGO_TARGET_DIR")
+                .map_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"), PathBuf::from);
+            target.join("debug/paceline")
+        },
+        PathBuf::from,
+    );
+    assert!(path.exists(), "{} not found: run `cargo build -p paceline-cli` first (the README's test command does)", path.display());
+    path
+}
+
+/// A fresh folder for one test's lane.
+#[must_use]
+pub fn lane_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("paceline-e2e-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create lane dir");
+    dir
+}
+
+/// Writes a lane config for `base_url` with `tiers` into `dir`; returns its path.
+#[must_use]
+pub fn write_config(dir: &Path, base_url: &str, tiers: &[&str], extra: &str) -> PathBuf {
+    let tiers = tiers.iter().map(|t| format!("\"{t}\"")).collect::<Vec<_>>().join(", ");
+    let text = format!(
+        "[api]\nbase_url = \"{base_url}\"\ntimeout = \"5s\"\nhealth_check = {{ method = \"GET\", path = \"/health\" }}\n\
+         [quota]\ntiers = [{tiers}]\nsafety_margin = \"10ms\"\n\
+         [circuit]\nhealth_check_interval = \"1s\"\n\
+         [orchestrator]\nvisibility_timeout = \"20s\"\n\
+         [backend]\nkind = \"embedded\"\npath = \"lane.db\"\n{extra}"
+    );
+    let path = dir.join("paceline.toml");
+    std::fs::write(&path, text).expect("write config");
+    path
+}
+
+/// One job per id, each calling `/items/ID` (or `/missing/ID` for ids starting `gone`).
+#[must_use]
+pub fn job_lines(ids: &[String]) -> String {
+    ids.iter()
+        .map(|id| {
+            let path = if id.starts_with("gone") { format!("/missing/{id}") } else { format!("/items/{id}") };
+            format!("{{\"id\":\"{id}\",\"request\":{{\"method\":\"POST\",\"path\":\"{path}\",\"body\":{{\"id\":\"{id}\"}}}}}}\n")
+        })
+        .collect()
+}
+
+/// Runs `paceline ARGS` with `stdin`, returning its output.
+pub async fn paceline(args: &[&str], stdin: &str) -> Output {
+    use tokio::io::AsyncWriteExt;
+    let mut child = tokio::process::Command::new(paceline_bin())
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn paceline");
+    let mut input = child.stdin.take().expect("stdin");
+    input.write_all(stdin.as_bytes()).await.expect("write stdin");
+    drop(input);
+    child.wait_with_output().await.expect("paceline output")
+}
+
+/// Parses a command's standard output as JSON, showing its error output if it is not.
+///
+/// # Panics
+/// When the output is not JSON.
+#[must_use]
+pub fn json_of(output: &Output) -> serde_json::Value {
+    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+        panic!(
+            "not JSON ({e}): status {}\nstdout: {}\nstderr: {}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })
+}

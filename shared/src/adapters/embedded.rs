@@ -17,9 +17,8 @@ use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::breaker::Circuit;
 use crate::job::{DeadLetterReason, WorkerPayload};
-use crate::pacer::PacerState;
 use crate::ports::{
-    DeadLetter, Invoker, JobQueue, Lease, OutgoingMessage, PortError, PortResult, QueueDepth, QueuedMessage, StateStore,
+    DeadLetter, PacerSnapshot, Invoker, JobQueue, Lease, OutgoingMessage, PortError, PortResult, QueueDepth, QueuedMessage, StateStore,
     WorkerHandler,
 };
 use crate::time::{Clock, UnixMillis};
@@ -406,16 +405,16 @@ impl StateStore for EmbeddedStore {
         tx.commit().map_err(sql_err)
     }
 
-    async fn load_pacer(&self) -> PortResult<Option<PacerState>> {
+    async fn load_pacer(&self) -> PortResult<Option<PacerSnapshot>> {
         self.get_kv("pacer")
     }
 
-    async fn save_pacer(&self, lease: &Lease, state: &PacerState) -> PortResult<()> {
+    async fn save_pacer(&self, lease: &Lease, snapshot: &PacerSnapshot) -> PortResult<()> {
         let current: Option<Lease> = self.get_kv("lease_holder")?;
         if current.is_none_or(|c| c.epoch != lease.epoch) {
             return Err(PortError::Conflict(format!("lease epoch {} was lost", lease.epoch)));
         }
-        Self::put_kv(&self.conn(), "pacer", state)
+        Self::put_kv(&self.conn(), "pacer", snapshot)
     }
 
     async fn circuit(&self) -> PortResult<Circuit> {
@@ -551,10 +550,10 @@ mod tests {
         let b = s.acquire_lease("b", ttl, UnixMillis(10_000)).await.unwrap();
         assert_eq!((a.epoch, b.epoch), (1, 2));
         assert!(matches!(s.renew_lease(&a, ttl, UnixMillis(10_001)).await, Err(PortError::Conflict(_))));
-        let state = PacerState { tiers: vec![], hold_until: UnixMillis(7) };
-        assert!(matches!(s.save_pacer(&a, &state).await, Err(PortError::Conflict(_))));
-        s.save_pacer(&b, &state).await.unwrap();
-        assert_eq!(s.load_pacer().await.unwrap(), Some(state));
+        let snapshot = PacerSnapshot { state: crate::pacer::PacerState { tiers: vec![], hold_until: UnixMillis(7) }, at_exit: true };
+        assert!(matches!(s.save_pacer(&a, &snapshot).await, Err(PortError::Conflict(_))));
+        s.save_pacer(&b, &snapshot).await.unwrap();
+        assert_eq!(s.load_pacer().await.unwrap(), Some(snapshot));
         s.release_lease(&b).await.unwrap();
         assert_eq!(s.acquire_lease("c", ttl, UnixMillis(10_002)).await.unwrap().epoch, 3);
     }

@@ -1,0 +1,141 @@
+//! End to end on the embedded backend: the real `paceline` binary paces jobs at a fake
+//! API that enforces its quota strictly, through an outage and a `kill -9`.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use paceline_cli::fake_api::{FakeApi, FakeApiLog, FakeApiSpec};
+use paceline_e2e::{job_lines, json_of, lane_dir, paceline, paceline_bin, write_config};
+use paceline_shared::check::peak_in_any_window;
+
+fn ids(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}-{i:04}")).collect()
+}
+
+async fn api(tiers: &[&str], outage: Option<(Duration, Duration)>) -> FakeApi {
+    let spec = FakeApiSpec {
+        tiers: tiers.iter().map(|t| t.parse().unwrap()).collect(),
+        latency: (Duration::from_millis(50), Duration::from_millis(600)),
+        outage,
+    };
+    FakeApi::start(spec).await.unwrap()
+}
+
+fn peak(log: &FakeApiLog, window: Duration) -> u64 {
+    let arrivals: Vec<_> = log.arrivals.iter().map(|t| (*t, 1)).collect();
+    peak_in_any_window(&arrivals, window)
+}
+
+fn succeeded_ids(log: &FakeApiLog) -> BTreeSet<String> {
+    log.ok_by_path.keys().filter_map(|p| p.strip_prefix("/items/")).map(str::to_owned).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_drain_uses_the_quota_fully_and_never_exceeds_it() {
+    let api = api(&["20/s", "1500/min"], None).await;
+    let dir = lane_dir("rate");
+    let config = write_config(&dir, &api.base_url, &["20/s", "1500/min"], "");
+    let config = config.to_str().unwrap();
+    let jobs = ids("rate", 200);
+    let mut input = job_lines(&jobs);
+    input.insert_str(0, "{\"request\": 1}\n");
+    input.push_str("not json at all\n");
+
+    let enqueued = paceline(&["enqueue", "--config", config, "-"], &input).await;
+    let stderr = String::from_utf8_lossy(&enqueued.stderr);
+    assert!(!enqueued.status.success(), "bad lines must fail the command");
+    assert!(stderr.contains("line 1: not a job") && stderr.contains("line 202: not a job"), "{stderr}");
+    assert!(String::from_utf8_lossy(&enqueued.stdout).contains("enqueued 200 job(s); 2 line(s) rejected"));
+
+    let run = paceline(&["run", "--config", config, "--drain", "--json"], "").await;
+    let summary = json_of(&run);
+    assert!(run.status.success());
+    let log = api.log();
+    assert_eq!(summary["succeeded"], 200, "{summary}");
+    assert_eq!(log.quota_rejections, 0, "the API refused calls over its quota");
+    assert_eq!(succeeded_ids(&log), jobs.iter().cloned().collect::<BTreeSet<_>>());
+    assert!(peak(&log, Duration::from_secs(1)) <= 20);
+    let first = log.arrivals.first().unwrap().0;
+    let last = log.arrivals.last().unwrap().0;
+    let achieved = (log.arrivals.len() - 1) as f64 / ((last - first) as f64 / 1000.0);
+    assert!(achieved >= 0.95 * 20.0, "achieved {achieved:.2}/s of 20/s");
+    let utilization = summary["tiers"][0]["utilization"].as_f64().unwrap();
+    assert!((0.95..=1.0).contains(&utilization), "reported utilization {utilization}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_opens_then_closes_the_circuit_and_no_job_is_lost() {
+    let api = api(&["10/s"], Some((Duration::from_secs(2), Duration::from_secs(3)))).await;
+    let dir = lane_dir("outage");
+    let config = write_config(&dir, &api.base_url, &["10/s"], "");
+    let config = config.to_str().unwrap();
+    let jobs = ids("outage", 80);
+    assert!(paceline(&["enqueue", "--config", config], &job_lines(&jobs)).await.status.success());
+
+    let summary = json_of(&paceline(&["run", "--config", config, "--drain", "--json"], "").await);
+    let log = api.log();
+    assert!(log.outage_failures > 0, "the outage was not hit");
+    assert!(summary["circuit_opened"].as_u64().unwrap() >= 1, "{summary}");
+    assert!(summary["circuit_closed"].as_u64().unwrap() >= 1, "{summary}");
+    assert!(summary["health_checks"].as_u64().unwrap() >= 1, "{summary}");
+    assert_eq!(summary["succeeded"], 80, "{summary}");
+    assert_eq!(summary["dead_letters_total"], 0, "{summary}");
+    assert_eq!(log.quota_rejections, 0);
+    assert_eq!(succeeded_ids(&log), jobs.iter().cloned().collect::<BTreeSet<_>>());
+    assert!(peak(&log, Duration::from_secs(1)) <= 10);
+    let status = json_of(&paceline(&["status", "--config", config, "--json"], "").await);
+    assert_eq!(status["circuit"]["status"], "closed", "{status}");
+    assert_eq!(status["queue"]["visible"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_run_then_restart_accounts_for_every_job_exactly_once() {
+    let api = api(&["8/s"], None).await;
+    let dir = lane_dir("kill");
+    let config = write_config(&dir, &api.base_url, &["8/s"], "");
+    let config = config.to_str().unwrap();
+    let mut jobs = ids("kill", 60);
+    jobs.extend(ids("gone", 3));
+    assert!(paceline(&["enqueue", "--config", config], &job_lines(&jobs)).await.status.success());
+
+    let mut child = tokio::process::Command::new(paceline_bin())
+        .args(["run", "--config", config])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    child.kill().await.unwrap(); // SIGKILL: no clean-up runs
+    let calls_before_kill = api.log().arrivals.len();
+    assert!(calls_before_kill > 5, "the first run had barely started");
+
+    let run = paceline(&["run", "--config", config, "--drain", "--json"], "").await;
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let log = api.log();
+    let succeeded = succeeded_ids(&log);
+    let dead = json_of(&paceline(&["status", "--config", config, "--json"], "").await);
+    assert_eq!(dead["queue"]["dead"], 3, "{dead}");
+    assert_eq!(dead["queue"]["visible"], 0);
+    assert_eq!(dead["queue"]["not_visible"], 0);
+    let expected: BTreeSet<String> = jobs.iter().filter(|id| id.starts_with("kill")).cloned().collect();
+    assert_eq!(succeeded, expected, "every job succeeded once the lane restarted");
+    // At-least-once: only calls in flight at the kill may have been repeated.
+    let repeated = log.ok_by_path.values().filter(|n| **n > 1).count();
+    assert!(repeated <= 8, "{repeated} jobs were called twice");
+    assert_eq!(log.quota_rejections, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_config_names_the_key_and_the_problem() {
+    let dir = lane_dir("badconfig");
+    let config = write_config(&dir, "http://127.0.0.1:1", &["10/fortnight"], "");
+    let out = paceline(&["run", "--config", config.to_str().unwrap(), "--drain"], "").await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("tiers") && stderr.contains("fortnight") && stderr.contains("line"), "{stderr}");
+
+    let config = write_config(&dir, "http://127.0.0.1:1", &["10/s"], "[retry]\nmax_attempts = \"many\"\n");
+    let out = paceline(&["run", "--config", config.to_str().unwrap(), "--drain"], "").await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("max_attempts"), "{stderr}");
+}
