@@ -89,7 +89,7 @@ pub enum Backend {
     Aws { queue_url: String, dlq_url: String, table: String, worker_function: String, endpoint_url: Option<String> },
 }
 
-mod defaults {
+pub(crate) mod defaults {
     use std::time::Duration;
     pub fn health_check_interval() -> Duration { Duration::from_secs(5) }
     pub fn max_attempts() -> u32 { 5 }
@@ -179,7 +179,7 @@ struct RawApi {
 /// (optionally with a prefix such as `Bearer `).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, untagged)]
-enum HeaderSource {
+pub(crate) enum HeaderSource {
     Value { value: String },
     Env { env: String, #[serde(default)] prefix: String },
 }
@@ -215,6 +215,38 @@ impl Default for RawBackend {
     }
 }
 
+/// Reads header values, secrets from the environment. `key` names the setting in errors.
+pub(crate) fn resolve_headers(
+    sources: BTreeMap<String, HeaderSource>,
+    key: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Vec<(String, SecretString)>, String> {
+    let mut headers = Vec::new();
+    for (name, source) in sources {
+        let value = match source {
+            HeaderSource::Value { value } => value,
+            HeaderSource::Env { env: var, prefix } => {
+                let value = env(&var).ok_or_else(|| format!("{key}.{name}: environment variable {var} is not set"))?;
+                format!("{prefix}{value}")
+            }
+        };
+        headers.push((name, SecretString::from(value)));
+    }
+    Ok(headers)
+}
+
+/// The health-check request, checked like a job's (a path on this API, a real method);
+/// `GET /` when none is given.
+pub(crate) fn check_health_request(request: Option<ApiRequest>) -> Result<ApiRequest, crate::job::JobError> {
+    match request {
+        Some(request) => {
+            let probe = serde_json::json!({ "request": request }).to_string();
+            Ok(crate::job::Job::parse(&probe)?.request)
+        }
+        None => Ok(ApiRequest { method: "GET".into(), path: "/".into(), query: BTreeMap::new(), headers: BTreeMap::new(), body: None }),
+    }
+}
+
 impl Config {
     /// Reads and checks a config file; secrets come from `env` (the process environment
     /// in production, a map in tests).
@@ -243,25 +275,8 @@ impl Config {
         if raw.orchestrator.visibility_timeout < Duration::from_secs(1) {
             return Err("orchestrator.visibility_timeout: must be at least 1s".into());
         }
-        let mut headers = Vec::new();
-        for (name, source) in raw.api.headers {
-            let value = match source {
-                HeaderSource::Value { value } => value,
-                HeaderSource::Env { env: var, prefix } => {
-                    let value = env(&var).ok_or_else(|| format!("api.headers.{name}: environment variable {var} is not set"))?;
-                    format!("{prefix}{value}")
-                }
-            };
-            headers.push((name, SecretString::from(value)));
-        }
-        let health_check = match raw.api.health_check {
-            Some(request) => {
-                // The same checks as a job's request: a path on this API, a real method.
-                let probe = serde_json::json!({ "request": request }).to_string();
-                crate::job::Job::parse(&probe).map_err(|e| format!("api.health_check: {e}"))?.request
-            }
-            None => ApiRequest { method: "GET".into(), path: "/".into(), query: BTreeMap::new(), headers: BTreeMap::new(), body: None },
-        };
+        let headers = resolve_headers(raw.api.headers, "api.headers", env)?;
+        let health_check = check_health_request(raw.api.health_check).map_err(|e| format!("api.health_check: {e}"))?;
         let backend = match raw.backend {
             RawBackend::Embedded { path } => Backend::Embedded { path: base_dir.join(path) },
             RawBackend::Aws { queue_url, dlq_url, table, worker_function, endpoint_url } => {

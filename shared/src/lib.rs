@@ -6,6 +6,7 @@ pub mod breaker;
 pub mod check;
 pub mod config;
 pub mod job;
+pub mod lambda_env;
 pub mod pacer;
 pub mod ports;
 pub mod quota;

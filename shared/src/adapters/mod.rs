@@ -1,5 +1,7 @@
 //! Adapters behind the ports: the embedded SQLite store, queue and in-process invoker,
 //! and in-memory doubles for tests.
 
+#[cfg(feature = "aws")]
+pub mod aws;
 pub mod embedded;
 pub mod memory;

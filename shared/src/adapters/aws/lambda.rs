@@ -1,0 +1,45 @@
+//! The hand-off: an asynchronous (`Event`) Lambda invoke. Lambda answers 202 once the
+//! event is queued durably on its side; throttling and faults come back as typed port
+//! errors so the drain loop retries them with backoff instead of dropping a job.
+
+use async_trait::async_trait;
+use aws_sdk_lambda::primitives::Blob;
+use aws_sdk_lambda::types::InvocationType;
+use aws_sdk_lambda::Client;
+
+use super::map_sdk_error;
+use crate::job::WorkerPayload;
+use crate::ports::{Invoker, PortError, PortResult};
+
+/// Invokes the worker function.
+#[derive(Clone, Debug)]
+pub struct LambdaInvoker {
+    client: Client,
+    function: String,
+}
+
+impl LambdaInvoker {
+    #[must_use]
+    pub fn new(client: Client, function: impl Into<String>) -> Self {
+        Self { client, function: function.into() }
+    }
+}
+
+#[async_trait]
+impl Invoker for LambdaInvoker {
+    async fn invoke(&self, payload: &WorkerPayload) -> PortResult<()> {
+        let out = self
+            .client
+            .invoke()
+            .function_name(&self.function)
+            .invocation_type(InvocationType::Event)
+            .payload(Blob::new(payload.to_json()))
+            .send()
+            .await
+            .map_err(|e| map_sdk_error("lambda Invoke", &e))?;
+        match out.status_code() {
+            202 => Ok(()),
+            status => Err(PortError::Transient(format!("lambda Invoke: expected 202 for an Event invoke, got {status}"))),
+        }
+    }
+}

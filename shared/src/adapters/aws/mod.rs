@@ -1,0 +1,153 @@
+//! The AWS adapters: SQS for the jobs queue and its DLQ, DynamoDB for lease, usage,
+//! pacer snapshot, circuit and cool-down, Lambda `Event` invokes for the hand-off.
+//!
+//! Clients are built once from one `SdkConfig`; every service honours the standard
+//! endpoint overrides (`AWS_ENDPOINT_URL`, `AWS_ENDPOINT_URL_SQS`, ...), so the same code
+//! runs against a local emulator. SDK errors are mapped to [`PortError`] by what the
+//! caller can do: throttling, passing faults, conflicts (failed conditions), fatal.
+
+mod dynamodb;
+mod lambda;
+mod sqs;
+
+pub use dynamodb::DynamoStateStore;
+pub use lambda::LambdaInvoker;
+pub use sqs::SqsQueue;
+
+use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
+
+use crate::ports::PortError;
+
+/// Error codes that mean "slow down".
+const THROTTLING: &[&str] = &[
+    "Throttling",
+    "ThrottlingException",
+    "ThrottledException",
+    "RequestThrottled",
+    "RequestThrottledException",
+    "TooManyRequestsException",
+    "ProvisionedThroughputExceededException",
+    "RequestLimitExceeded",
+    "LimitExceededException",
+    "EC2ThrottledException",
+];
+
+/// Error codes of passing faults on the service's side.
+const TRANSIENT: &[&str] = &[
+    "InternalFailure",
+    "InternalError",
+    "InternalServerError",
+    "ServiceUnavailable",
+    "ServiceException",
+    "ResourceNotReadyException",
+    "TransactionInProgressException",
+    "KMSThrottlingException",
+];
+
+/// Error codes of a failed condition.
+const CONFLICT: &[&str] = &["ConditionalCheckFailedException", "TransactionCanceledException", "TransactionConflictException"];
+
+/// Maps an error code from any AWS service to a [`PortError`].
+#[must_use]
+pub fn classify_code(what: &str, code: &str, message: &str) -> PortError {
+    let text = format!("{what}: {code}: {message}");
+    if CONFLICT.contains(&code) {
+        PortError::Conflict(text)
+    } else if THROTTLING.contains(&code) {
+        PortError::Throttled(text)
+    } else if TRANSIENT.contains(&code) {
+        PortError::Transient(text)
+    } else {
+        PortError::Fatal(text)
+    }
+}
+
+/// Maps an SDK error (any service) to a [`PortError`].
+pub fn map_sdk_error<E, R>(what: &str, err: &SdkError<E, R>) -> PortError
+where
+    E: ProvideErrorMetadata + std::error::Error + 'static,
+    R: std::fmt::Debug,
+{
+    match err {
+        SdkError::ServiceError(service) => {
+            let e = service.err();
+            classify_code(what, e.code().unwrap_or("Unknown"), e.message().unwrap_or(""))
+        }
+        SdkError::ConstructionFailure(_) => PortError::Fatal(format!("{what}: request could not be built: {err:?}")),
+        SdkError::TimeoutError(_) => PortError::Transient(format!("{what}: timed out")),
+        _ => PortError::Transient(format!("{what}: {}", crate::adapters::aws::chain(err))),
+    }
+}
+
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+/// The names of a lane's AWS resources.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AwsNames {
+    pub queue_url: String,
+    pub dlq_url: String,
+    pub table: String,
+    pub worker_function: String,
+}
+
+impl AwsNames {
+    /// `PACELINE_QUEUE_URL`, `PACELINE_DLQ_URL`, `PACELINE_TABLE` and (for the
+    /// orchestrator) `PACELINE_WORKER_FUNCTION`.
+    ///
+    /// # Errors
+    /// Names the missing variable.
+    pub fn from_env(env: &crate::lambda_env::Env<'_>, with_worker: bool) -> Result<Self, String> {
+        Ok(Self {
+            queue_url: env.required("PACELINE_QUEUE_URL")?,
+            dlq_url: env.required("PACELINE_DLQ_URL")?,
+            table: env.required("PACELINE_TABLE")?,
+            worker_function: if with_worker { env.required("PACELINE_WORKER_FUNCTION")? } else { String::new() },
+        })
+    }
+}
+
+/// The adapters of one lane, built once from one SDK configuration.
+#[derive(Clone, Debug)]
+pub struct AwsAdapters {
+    pub queue: SqsQueue,
+    pub store: DynamoStateStore,
+    pub invoker: LambdaInvoker,
+}
+
+impl AwsAdapters {
+    /// Builds the clients; `lambda_endpoint` overrides Lambda's endpoint alone (tests).
+    #[must_use]
+    pub fn new(config: &aws_config::SdkConfig, names: &AwsNames, lambda_endpoint: Option<&str>) -> Self {
+        let mut lambda = aws_sdk_lambda::config::Builder::from(config);
+        if let Some(url) = lambda_endpoint {
+            lambda = lambda.endpoint_url(url);
+        }
+        Self {
+            queue: SqsQueue::new(aws_sdk_sqs::Client::new(config), &names.queue_url, &names.dlq_url),
+            store: DynamoStateStore::new(aws_sdk_dynamodb::Client::new(config), &names.table),
+            invoker: LambdaInvoker::new(aws_sdk_lambda::Client::from_conf(lambda.build()), &names.worker_function),
+        }
+    }
+}
+
+/// The SDK configuration from the environment (region, credentials, and the standard
+/// `AWS_ENDPOINT_URL*` overrides).
+pub async fn load_sdk_config() -> aws_config::SdkConfig {
+    aws_config::load_defaults(aws_config::BehaviorVersion::latest()).await
+}
+
+fn build_error(e: impl std::fmt::Display) -> PortError {
+    PortError::Fatal(format!("cannot build AWS request: {e}"))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,221 @@
+//! The jobs queue and its dead-letter queue on SQS.
+//!
+//! A job's attempt count travels as the `attempt` message attribute (SQS resets its
+//! receive count for a re-queued message). Dead letters carry their reason as
+//! attributes (`cause`, `detail`, `reason` as JSON) so operators can group them.
+//! FIFO queues (`.fifo`) get a message group and a deduplication id.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use aws_sdk_sqs::types::{
+    ChangeMessageVisibilityBatchRequestEntry, DeleteMessageBatchRequestEntry, MessageAttributeValue, MessageSystemAttributeName,
+    QueueAttributeName, SendMessageBatchRequestEntry,
+};
+use aws_sdk_sqs::Client;
+
+use super::{build_error, map_sdk_error};
+use crate::job::DeadLetterReason;
+use crate::ports::{JobQueue, OutgoingMessage, PortError, PortResult, QueueDepth, QueuedMessage};
+use crate::time::system_now;
+
+/// SQS allows at most this many entries per batch call.
+const BATCH: usize = 10;
+/// SQS delays a message at most 15 minutes.
+const MAX_DELAY_SECONDS: u64 = 900;
+
+/// The jobs queue and its DLQ.
+#[derive(Clone, Debug)]
+pub struct SqsQueue {
+    client: Client,
+    queue_url: String,
+    dlq_url: String,
+}
+
+fn number(value: impl ToString) -> PortResult<MessageAttributeValue> {
+    MessageAttributeValue::builder().data_type("Number").string_value(value.to_string()).build().map_err(build_error)
+}
+
+fn text(value: impl Into<String>) -> PortResult<MessageAttributeValue> {
+    MessageAttributeValue::builder().data_type("String").string_value(value).build().map_err(build_error)
+}
+
+fn is_fifo(url: &str) -> bool {
+    url.ends_with(".fifo")
+}
+
+impl SqsQueue {
+    #[must_use]
+    pub fn new(client: Client, queue_url: impl Into<String>, dlq_url: impl Into<String>) -> Self {
+        Self { client, queue_url: queue_url.into(), dlq_url: dlq_url.into() }
+    }
+
+    /// The DLQ's URL (for operator commands).
+    #[must_use]
+    pub fn dlq_url(&self) -> &str {
+        &self.dlq_url
+    }
+
+    async fn counts(&self, url: &str) -> PortResult<(u64, u64)> {
+        let out = self
+            .client
+            .get_queue_attributes()
+            .queue_url(url)
+            .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
+            .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
+            .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesDelayed)
+            .send()
+            .await
+            .map_err(|e| map_sdk_error("sqs GetQueueAttributes", &e))?;
+        let attributes = out.attributes().cloned().unwrap_or_default();
+        let get = |name: QueueAttributeName| attributes.get(&name).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        Ok((
+            get(QueueAttributeName::ApproximateNumberOfMessages),
+            get(QueueAttributeName::ApproximateNumberOfMessagesNotVisible) + get(QueueAttributeName::ApproximateNumberOfMessagesDelayed),
+        ))
+    }
+}
+
+#[async_trait]
+impl JobQueue for SqsQueue {
+    async fn receive(&self, max: usize, wait: Duration, visibility: Duration) -> PortResult<Vec<QueuedMessage>> {
+        let out = self
+            .client
+            .receive_message()
+            .queue_url(&self.queue_url)
+            .max_number_of_messages(i32::try_from(max.clamp(1, BATCH)).unwrap_or(10))
+            .wait_time_seconds(i32::try_from(wait.as_secs().min(20)).unwrap_or(20))
+            .visibility_timeout(i32::try_from(visibility.as_secs().max(1)).unwrap_or(i32::MAX))
+            .message_attribute_names("attempt")
+            .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
+            .send()
+            .await
+            .map_err(|e| map_sdk_error("sqs ReceiveMessage", &e))?;
+        Ok(out
+            .messages()
+            .iter()
+            .map(|m| QueuedMessage {
+                message_id: m.message_id().unwrap_or_default().to_owned(),
+                receipt: m.receipt_handle().unwrap_or_default().to_owned(),
+                body: m.body().unwrap_or_default().to_owned(),
+                attempt: m
+                    .message_attributes()
+                    .and_then(|a| a.get("attempt"))
+                    .and_then(|v| v.string_value())
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0),
+            })
+            .collect())
+    }
+
+    async fn delete(&self, receipts: &[String]) -> PortResult<()> {
+        for batch in receipts.chunks(BATCH) {
+            let entries = batch
+                .iter()
+                .enumerate()
+                .map(|(i, r)| DeleteMessageBatchRequestEntry::builder().id(i.to_string()).receipt_handle(r).build().map_err(build_error))
+                .collect::<PortResult<Vec<_>>>()?;
+            let out = self
+                .client
+                .delete_message_batch()
+                .queue_url(&self.queue_url)
+                .set_entries(Some(entries))
+                .send()
+                .await
+                .map_err(|e| map_sdk_error("sqs DeleteMessageBatch", &e))?;
+            // An expired receipt is not ours to delete any more; anything else is retried.
+            if let Some(failed) = out.failed().iter().find(|f| f.code() != "ReceiptHandleIsInvalid") {
+                return Err(PortError::Transient(format!("sqs DeleteMessageBatch: {}: {}", failed.code(), failed.message().unwrap_or(""))));
+            }
+        }
+        Ok(())
+    }
+
+    async fn release(&self, receipts: &[String]) -> PortResult<()> {
+        for batch in receipts.chunks(BATCH) {
+            let entries = batch
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    ChangeMessageVisibilityBatchRequestEntry::builder().id(i.to_string()).receipt_handle(r).visibility_timeout(0).build().map_err(build_error)
+                })
+                .collect::<PortResult<Vec<_>>>()?;
+            self.client
+                .change_message_visibility_batch()
+                .queue_url(&self.queue_url)
+                .set_entries(Some(entries))
+                .send()
+                .await
+                .map_err(|e| map_sdk_error("sqs ChangeMessageVisibilityBatch", &e))?;
+        }
+        Ok(())
+    }
+
+    async fn send(&self, messages: &[OutgoingMessage]) -> PortResult<()> {
+        let fifo = is_fifo(&self.queue_url);
+        for batch in messages.chunks(BATCH) {
+            let mut pending: HashMap<String, SendMessageBatchRequestEntry> = HashMap::new();
+            for (i, m) in batch.iter().enumerate() {
+                let mut entry = SendMessageBatchRequestEntry::builder()
+                    .id(i.to_string())
+                    .message_body(&m.body)
+                    .message_attributes("attempt", number(m.attempt)?);
+                if fifo {
+                    entry = entry.message_group_id("paceline").message_deduplication_id(uuid::Uuid::new_v4().to_string());
+                } else {
+                    entry = entry.delay_seconds(i32::try_from(m.delay.as_secs().min(MAX_DELAY_SECONDS)).unwrap_or(0));
+                }
+                pending.insert(i.to_string(), entry.build().map_err(build_error)?);
+            }
+            // Entries that failed for a passing reason are sent once more.
+            for round in 0..2 {
+                let out = self
+                    .client
+                    .send_message_batch()
+                    .queue_url(&self.queue_url)
+                    .set_entries(Some(pending.values().cloned().collect()))
+                    .send()
+                    .await
+                    .map_err(|e| map_sdk_error("sqs SendMessageBatch", &e))?;
+                for ok in out.successful() {
+                    pending.remove(ok.id());
+                }
+                if pending.is_empty() {
+                    break;
+                }
+                if round == 1 || out.failed().iter().any(|f| f.sender_fault()) {
+                    let reason = out.failed().first().map(|f| format!("{}: {}", f.code(), f.message().unwrap_or(""))).unwrap_or_default();
+                    return Err(PortError::Transient(format!("sqs SendMessageBatch: {} message(s) not sent: {reason}", pending.len())));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn dead_letter(&self, message_id: &str, body: &str, attempt: u32, reason: &DeadLetterReason) -> PortResult<()> {
+        let detail: String = reason.detail.chars().take(1000).collect();
+        let mut request = self
+            .client
+            .send_message()
+            .queue_url(&self.dlq_url)
+            .message_body(body)
+            .message_attributes("attempt", number(attempt)?)
+            .message_attributes("cause", text(reason.cause.label())?)
+            .message_attributes("detail", text(if detail.is_empty() { "-".to_owned() } else { detail })?)
+            .message_attributes("reason", text(serde_json::to_string(reason).unwrap_or_default())?)
+            .message_attributes("original_message_id", text(if message_id.is_empty() { "-" } else { message_id })?)
+            .message_attributes("dead_at", number(system_now().0)?);
+        if is_fifo(&self.dlq_url) {
+            request = request.message_group_id("paceline-dlq").message_deduplication_id(uuid::Uuid::new_v4().to_string());
+        }
+        request.send().await.map_err(|e| map_sdk_error("sqs SendMessage (DLQ)", &e))?;
+        Ok(())
+    }
+
+    async fn depth(&self) -> PortResult<QueueDepth> {
+        let (visible, not_visible) = self.counts(&self.queue_url).await?;
+        let (dead_visible, dead_hidden) = self.counts(&self.dlq_url).await?;
+        Ok(QueueDepth { visible, not_visible, dead: dead_visible + dead_hidden })
+    }
+}

@@ -1,0 +1,155 @@
+//! Settings of the Lambda functions, from `PACELINE_*` environment variables. A missing
+//! or invalid variable fails the cold start with its name and the problem, using the
+//! same parsers as the config file.
+
+use std::collections::BTreeMap;
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::config::{check_health_request, defaults, resolve_headers, ApiConfig, CircuitConfig, HeaderSource, OrchestratorConfig, RetryConfig};
+use crate::job::ApiRequest;
+use crate::quota::{Quota, Tier};
+
+/// Reads variables from a source (the process environment, or a map in tests).
+pub struct Env<'a> {
+    get: &'a dyn Fn(&str) -> Option<String>,
+}
+
+impl<'a> Env<'a> {
+    #[must_use]
+    pub fn new(get: &'a dyn Fn(&str) -> Option<String>) -> Self {
+        Self { get }
+    }
+
+    /// A variable that must be set and not empty.
+    ///
+    /// # Errors
+    /// Names the variable.
+    pub fn required(&self, name: &str) -> Result<String, String> {
+        (self.get)(name).filter(|v| !v.trim().is_empty()).ok_or_else(|| format!("{name} is not set"))
+    }
+
+    fn parsed<T>(&self, name: &str, default: T, parse: impl Fn(&str) -> Result<T, String>) -> Result<T, String> {
+        match (self.get)(name).filter(|v| !v.trim().is_empty()) {
+            None => Ok(default),
+            Some(text) => parse(text.trim()).map_err(|e| format!("{name}: {e}")),
+        }
+    }
+
+    fn duration(&self, name: &str, default: Duration) -> Result<Duration, String> {
+        self.parsed(name, default, |t| humantime::parse_duration(t).map_err(|e| format!("`{t}` is not a duration ({e})")))
+    }
+
+    /// `PACELINE_TIERS` (comma-separated, e.g. `10/s,500/min`), `PACELINE_TIME_ZONE`,
+    /// `PACELINE_SAFETY_MARGIN`.
+    ///
+    /// # Errors
+    /// Names the variable and the problem.
+    pub fn quota(&self) -> Result<Quota, String> {
+        let tiers = self
+            .required("PACELINE_TIERS")?
+            .split(',')
+            .map(|t| Tier::from_str(t.trim()).map_err(|e| format!("PACELINE_TIERS: {e}")))
+            .collect::<Result<Vec<_>, _>>()?;
+        let zone = self.parsed("PACELINE_TIME_ZONE", chrono_tz::UTC, |t| t.parse().map_err(|_| format!("unknown time zone `{t}`")))?;
+        let margin = self.duration("PACELINE_SAFETY_MARGIN", defaults::safety_margin())?;
+        Quota::new(tiers, zone, margin).map_err(|e| format!("PACELINE_TIERS: {e}"))
+    }
+
+    /// `PACELINE_LEASE_TTL`, `PACELINE_VISIBILITY_TIMEOUT`, `PACELINE_FLUSH_INTERVAL`,
+    /// `PACELINE_STATE_REFRESH`, `PACELINE_DEADLINE_MARGIN`.
+    ///
+    /// # Errors
+    /// Names the variable and the problem.
+    pub fn orchestrator(&self) -> Result<OrchestratorConfig, String> {
+        Ok(OrchestratorConfig {
+            lease_ttl: self.duration("PACELINE_LEASE_TTL", defaults::lease_ttl())?,
+            visibility_timeout: self.duration("PACELINE_VISIBILITY_TIMEOUT", defaults::visibility_timeout())?,
+            flush_interval: self.duration("PACELINE_FLUSH_INTERVAL", defaults::flush_interval())?,
+            state_refresh: self.duration("PACELINE_STATE_REFRESH", defaults::state_refresh())?,
+            deadline_margin: self.duration("PACELINE_DEADLINE_MARGIN", defaults::deadline_margin())?,
+        })
+    }
+
+    /// `PACELINE_HEALTH_CHECK_INTERVAL`.
+    ///
+    /// # Errors
+    /// Names the variable and the problem.
+    pub fn circuit(&self) -> Result<CircuitConfig, String> {
+        Ok(CircuitConfig { health_check_interval: self.duration("PACELINE_HEALTH_CHECK_INTERVAL", defaults::health_check_interval())? })
+    }
+
+    /// `PACELINE_MAX_ATTEMPTS`, `PACELINE_DEFAULT_COOL_DOWN`.
+    ///
+    /// # Errors
+    /// Names the variable and the problem.
+    pub fn retry(&self) -> Result<RetryConfig, String> {
+        let max_attempts = self.parsed("PACELINE_MAX_ATTEMPTS", defaults::max_attempts(), |t| {
+            t.parse::<u32>().ok().filter(|n| *n >= 1).ok_or_else(|| format!("`{t}` is not a whole number of at least 1"))
+        })?;
+        Ok(RetryConfig { max_attempts, default_cool_down: self.duration("PACELINE_DEFAULT_COOL_DOWN", defaults::default_cool_down())? })
+    }
+
+    /// `PACELINE_API_BASE_URL`, `PACELINE_API_TIMEOUT`, `PACELINE_API_HEADERS` (JSON:
+    /// `{"Authorization": {"env": "API_TOKEN", "prefix": "Bearer "}}`) and
+    /// `PACELINE_HEALTH_CHECK` (JSON request, default `GET /`).
+    ///
+    /// # Errors
+    /// Names the variable and the problem.
+    pub fn api(&self) -> Result<ApiConfig, String> {
+        let base = self.required("PACELINE_API_BASE_URL")?;
+        let base_url = url::Url::parse(&base)
+            .ok()
+            .filter(|u| matches!(u.scheme(), "http" | "https") && u.host_str().is_some())
+            .ok_or_else(|| format!("PACELINE_API_BASE_URL: `{base}` is not an http or https URL with a host"))?;
+        let sources: BTreeMap<String, HeaderSource> =
+            self.parsed("PACELINE_API_HEADERS", BTreeMap::new(), |t| serde_json::from_str(t).map_err(|e| format!("not a JSON object of headers: {e}")))?;
+        let health: Option<ApiRequest> =
+            self.parsed("PACELINE_HEALTH_CHECK", None, |t| serde_json::from_str(t).map(Some).map_err(|e| format!("not a JSON request: {e}")))?;
+        Ok(ApiConfig {
+            base_url,
+            timeout: self.duration("PACELINE_API_TIMEOUT", defaults::timeout())?,
+            headers: resolve_headers(sources, "PACELINE_API_HEADERS", self.get)?,
+            health_check: check_health_request(health).map_err(|e| format!("PACELINE_HEALTH_CHECK: {e}"))?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: BTreeMap<String, String> = pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        move |k| map.get(k).cloned()
+    }
+
+    #[test]
+    fn reads_settings_with_defaults() {
+        let get = env_of(&[
+            ("PACELINE_TIERS", "10/s, 500/min,1000/day"),
+            ("PACELINE_API_BASE_URL", "https://api.example.com"),
+            ("PACELINE_API_HEADERS", r#"{"Authorization":{"env":"TOKEN","prefix":"Bearer "}}"#),
+            ("TOKEN", "t0k"),
+            ("PACELINE_VISIBILITY_TIMEOUT", "45s"),
+        ]);
+        let env = Env::new(&get);
+        assert_eq!(env.quota().unwrap().tiers.len(), 3);
+        assert_eq!(env.orchestrator().unwrap().visibility_timeout, Duration::from_secs(45));
+        assert_eq!(env.retry().unwrap().max_attempts, 5);
+        let api = env.api().unwrap();
+        assert_eq!(api.headers.len(), 1);
+        assert!(!format!("{api:?}").contains("t0k"));
+    }
+
+    #[test]
+    fn missing_or_invalid_variables_are_named() {
+        let get = env_of(&[("PACELINE_TIERS", "10/s,5/fortnight"), ("PACELINE_MAX_ATTEMPTS", "0"), ("PACELINE_API_HEADERS", r#"{"X-Key":{"env":"NOPE"}}"#), ("PACELINE_API_BASE_URL", "https://x")]);
+        let env = Env::new(&get);
+        assert!(env.quota().unwrap_err().starts_with("PACELINE_TIERS: unknown period `fortnight`"));
+        assert!(env.retry().unwrap_err().starts_with("PACELINE_MAX_ATTEMPTS"));
+        assert!(env.api().unwrap_err().contains("NOPE is not set"));
+        let none = env_of(&[]);
+        assert_eq!(Env::new(&none).required("PACELINE_QUEUE_URL").unwrap_err(), "PACELINE_QUEUE_URL is not set");
+    }
+}
