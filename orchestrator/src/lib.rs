@@ -6,6 +6,8 @@
 //! All waiting happens here, on the [`Clock`] port, so tests drive it under paused tokio
 //! time and assert exact dispatch instants.
 
+#[cfg(feature = "lambda")]
+pub mod lambda;
 mod report;
 
 use std::collections::{BTreeMap, VecDeque};

@@ -3,6 +3,8 @@
 //! and re-queue, or dead-letter. The same code runs in Lambda and in `paceline run`.
 
 pub mod classify;
+#[cfg(feature = "lambda")]
+pub mod lambda;
 pub mod http;
 
 use std::sync::atomic::{AtomicU64, Ordering};
