@@ -1,5 +1,8 @@
 //! Helpers for the end-to-end tests: find the `paceline` binary, lay out a lane's config
-//! next to a fake API, run commands and read their JSON.
+//! next to a fake API, run commands and read their JSON; and, for the AWS tests, the
+//! moto server's resources and a fake Lambda Invoke endpoint.
+
+pub mod aws;
 
 use std::path::{Path, PathBuf};
 use std::process::Output;

@@ -1,0 +1,173 @@
+//! The AWS side of the end-to-end tests: an SDK configuration pointed at the moto server
+//! (`PACELINE_TEST_MOTO_URL`, started by `scripts/test.sh`), a lane's queues and table
+//! created there, and a fake Lambda Invoke endpoint that answers 202 at once, records
+//! every invocation with its time, runs the worker, and can throttle on request.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use aws_sdk_dynamodb::types::{AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType};
+use aws_sdk_sqs::types::QueueAttributeName;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use paceline_shared::adapters::aws::AwsNames;
+use paceline_shared::job::WorkerPayload;
+use paceline_shared::ports::WorkerHandler;
+use paceline_shared::time::{system_now, UnixMillis};
+
+/// The moto server's URL.
+///
+/// # Panics
+/// When it is not set, saying how to get one.
+#[must_use]
+pub fn moto_url() -> String {
+    std::env::var("PACELINE_TEST_MOTO_URL").expect("PACELINE_TEST_MOTO_URL is not set: run ./scripts/test.sh, which installs and starts the moto server")
+}
+
+/// An SDK configuration for moto: fixed region, dummy credentials.
+pub async fn moto_sdk_config() -> aws_config::SdkConfig {
+    aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .endpoint_url(moto_url())
+        .region(aws_config::Region::new("us-east-1"))
+        .credentials_provider(aws_sdk_sqs::config::Credentials::new("test", "test", None, None, "paceline-tests"))
+        .load()
+        .await
+}
+
+/// Creates a jobs queue with a DLQ (redrive after 5 receives) and a state table, with
+/// names unique to this call.
+///
+/// # Panics
+/// When moto refuses.
+pub async fn create_lane(sdk: &aws_config::SdkConfig, worker_function: &str) -> AwsNames {
+    let suffix = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+    let sqs = aws_sdk_sqs::Client::new(sdk);
+    let dlq_url = sqs.create_queue().queue_name(format!("paceline-dlq-{suffix}")).send().await.expect("create DLQ").queue_url().unwrap().to_owned();
+    let dlq_arn = sqs
+        .get_queue_attributes()
+        .queue_url(&dlq_url)
+        .attribute_names(QueueAttributeName::QueueArn)
+        .send()
+        .await
+        .expect("DLQ arn")
+        .attributes()
+        .and_then(|a| a.get(&QueueAttributeName::QueueArn).cloned())
+        .unwrap();
+    let redrive = serde_json::json!({ "deadLetterTargetArn": dlq_arn, "maxReceiveCount": "5" }).to_string();
+    let queue_url = sqs
+        .create_queue()
+        .queue_name(format!("paceline-jobs-{suffix}"))
+        .attributes(QueueAttributeName::RedrivePolicy, redrive)
+        .send()
+        .await
+        .expect("create queue")
+        .queue_url()
+        .unwrap()
+        .to_owned();
+    let table = format!("paceline-{suffix}");
+    aws_sdk_dynamodb::Client::new(sdk)
+        .create_table()
+        .table_name(&table)
+        .attribute_definitions(AttributeDefinition::builder().attribute_name("pk").attribute_type(ScalarAttributeType::S).build().unwrap())
+        .key_schema(KeySchemaElement::builder().attribute_name("pk").key_type(KeyType::Hash).build().unwrap())
+        .billing_mode(BillingMode::PayPerRequest)
+        .send()
+        .await
+        .expect("create table");
+    AwsNames { queue_url, dlq_url, table, worker_function: worker_function.to_owned() }
+}
+
+/// One recorded invocation.
+#[derive(Clone, Debug)]
+pub struct Invocation {
+    pub at: UnixMillis,
+    pub function: String,
+    pub invocation_type: String,
+    pub payload: WorkerPayload,
+}
+
+#[derive(Default)]
+struct FakeLambdaState {
+    invocations: Mutex<Vec<Invocation>>,
+    throttle_next: AtomicU32,
+    worker: Mutex<Option<Arc<dyn WorkerHandler>>>,
+    in_flight: AtomicU32,
+}
+
+/// A fake Lambda Invoke endpoint on loopback.
+pub struct FakeLambda {
+    pub url: String,
+    state: Arc<FakeLambdaState>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+async fn invoke(State(state): State<Arc<FakeLambdaState>>, Path(function): Path<String>, headers: HeaderMap, body: Bytes) -> (StatusCode, HeaderMap, String) {
+    let mut reply = HeaderMap::new();
+    if state.throttle_next.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
+        reply.insert("x-amzn-errortype", "TooManyRequestsException".parse().unwrap());
+        return (StatusCode::TOO_MANY_REQUESTS, reply, r#"{"Type":"User","message":"Rate Exceeded."}"#.into());
+    }
+    let Ok(payload) = WorkerPayload::from_json(&String::from_utf8_lossy(&body)) else {
+        return (StatusCode::BAD_REQUEST, reply, r#"{"message":"not a paceline payload"}"#.into());
+    };
+    let invocation_type = headers.get("x-amz-invocation-type").and_then(|v| v.to_str().ok()).unwrap_or("RequestResponse").to_owned();
+    state.invocations.lock().unwrap().push(Invocation { at: system_now(), function, invocation_type, payload: payload.clone() });
+    let worker = state.worker.lock().unwrap().clone();
+    if let Some(worker) = worker {
+        state.in_flight.fetch_add(1, Ordering::SeqCst);
+        let state = state.clone();
+        tokio::spawn(async move {
+            let _ = worker.handle(payload).await;
+            state.in_flight.fetch_sub(1, Ordering::SeqCst);
+        });
+    }
+    (StatusCode::ACCEPTED, reply, String::new())
+}
+
+impl FakeLambda {
+    /// Starts the endpoint on an ephemeral port.
+    ///
+    /// # Panics
+    /// When no port can be bound.
+    pub async fn start() -> Self {
+        let state = Arc::new(FakeLambdaState::default());
+        let app = axum::Router::new().route("/2015-03-31/functions/{name}/invocations", axum::routing::post(invoke)).with_state(state.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let server = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Self { url, state, server }
+    }
+
+    /// Runs every accepted payload on `worker`, in the background, as Lambda would.
+    pub fn run_worker(&self, worker: Arc<dyn WorkerHandler>) {
+        *self.state.worker.lock().unwrap() = Some(worker);
+    }
+
+    /// The next `n` invokes are refused with 429 TooManyRequestsException.
+    pub fn throttle_next(&self, n: u32) {
+        self.state.throttle_next.store(n, Ordering::SeqCst);
+    }
+
+    /// Every accepted invocation so far.
+    #[must_use]
+    pub fn invocations(&self) -> Vec<Invocation> {
+        self.state.invocations.lock().unwrap().clone()
+    }
+
+    /// Waits until no worker run is in flight (at most `limit`).
+    pub async fn settle(&self, limit: std::time::Duration) {
+        let until = tokio::time::Instant::now() + limit;
+        while self.state.in_flight.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < until {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for FakeLambda {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}

@@ -1,0 +1,236 @@
+//! The AWS adapters and Lambda handlers end to end: SQS and DynamoDB on the moto server,
+//! Lambda Invoke on a fake endpoint of ours that runs the real worker, and a strict
+//! fake API. These drive the real drain loop through the real adapters.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lambda_runtime::{Context, LambdaEvent};
+use paceline_cli::fake_api::{FakeApi, FakeApiSpec};
+use paceline_e2e::aws::{create_lane, moto_sdk_config, FakeLambda};
+use paceline_orchestrator::{lambda as orchestrator_lambda, Orchestrator, RunError, RunOptions, StopReason};
+use paceline_shared::adapters::aws::{AwsAdapters, AwsNames, DynamoStateStore, SqsQueue};
+use paceline_shared::check::peak_in_any_window;
+use paceline_shared::job::WorkerPayload;
+use paceline_shared::lambda_env::Env;
+use paceline_shared::ports::{JobQueue, OutgoingMessage, StateStore, WorkerHandler};
+use paceline_shared::time::{system_now, UnixMillis};
+
+/// A lane on moto: resources, a fake Lambda, and the environment its functions read.
+struct Lane {
+    sdk: aws_config::SdkConfig,
+    names: AwsNames,
+    lambda: FakeLambda,
+    env: BTreeMap<String, String>,
+}
+
+async fn lane(tiers: &str) -> Lane {
+    let sdk = moto_sdk_config().await;
+    let names = create_lane(&sdk, "paceline-worker").await;
+    let lambda = FakeLambda::start().await;
+    let env: BTreeMap<String, String> = [
+        ("PACELINE_QUEUE_URL", names.queue_url.as_str()),
+        ("PACELINE_DLQ_URL", names.dlq_url.as_str()),
+        ("PACELINE_TABLE", names.table.as_str()),
+        ("PACELINE_WORKER_FUNCTION", "paceline-worker"),
+        ("PACELINE_TIERS", tiers),
+        ("PACELINE_HEALTH_CHECK_INTERVAL", "1s"),
+        ("PACELINE_DEADLINE_MARGIN", "1s"),
+        ("PACELINE_VISIBILITY_TIMEOUT", "20s"),
+        ("PACELINE_HEALTH_CHECK", r#"{"method":"GET","path":"/health"}"#),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect();
+    Lane { sdk, names, lambda, env }
+}
+
+impl Lane {
+    fn orchestrator(&self) -> Orchestrator {
+        let get = |k: &str| self.env.get(k).cloned();
+        orchestrator_lambda::from_env(&Env::new(&get), &self.sdk, Some(&self.lambda.url)).unwrap()
+    }
+
+    /// Runs the real worker (built from the same environment) behind the fake Lambda.
+    fn with_worker_calling(&mut self, api: &FakeApi) {
+        self.env.insert("PACELINE_API_BASE_URL".into(), api.base_url.clone());
+        let get = |k: &str| self.env.get(k).cloned();
+        let worker: Arc<dyn WorkerHandler> = Arc::new(paceline_worker::lambda::from_env(&Env::new(&get), &self.sdk).unwrap());
+        self.lambda.run_worker(worker);
+    }
+
+    fn adapters(&self) -> AwsAdapters {
+        AwsAdapters::new(&self.sdk, &self.names, Some(&self.lambda.url))
+    }
+
+    fn queue(&self) -> SqsQueue {
+        self.adapters().queue
+    }
+
+    fn store(&self) -> DynamoStateStore {
+        self.adapters().store
+    }
+
+    async fn enqueue(&self, bodies: Vec<String>) {
+        let messages: Vec<OutgoingMessage> = bodies.into_iter().map(|body| OutgoingMessage { body, attempt: 0, delay: Duration::ZERO }).collect();
+        for batch in messages.chunks(10) {
+            self.queue().send(batch).await.unwrap();
+        }
+    }
+
+    fn job_ids(&self) -> Vec<String> {
+        self.lambda
+            .invocations()
+            .into_iter()
+            .filter_map(|i| match i.payload {
+                WorkerPayload::Job { job, .. } => Some(job.id.to_string()),
+                WorkerPayload::HealthCheck { .. } => None,
+            })
+            .collect()
+    }
+}
+
+fn jobs(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!(r#"{{"id":"{prefix}-{i:03}","request":{{"method":"POST","path":"/items/{prefix}-{i:03}"}}}}"#)).collect()
+}
+
+fn drain_opts(holder: &str, within: Duration) -> RunOptions {
+    RunOptions { holder: holder.into(), deadline: system_now().plus(within), drain: true, stop: None }
+}
+
+async fn api(tiers: &[&str], outage: Option<(Duration, Duration)>) -> FakeApi {
+    FakeApi::start(FakeApiSpec { tiers: tiers.iter().map(|t| t.parse().unwrap()).collect(), latency: (Duration::from_millis(20), Duration::from_millis(80)), outage })
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_are_paced_through_sqs_and_lambda_and_deleted_only_once_handed_off() {
+    let mut lane = lane("5/s").await;
+    let api = api(&["5/s"], None).await;
+    lane.with_worker_calling(&api);
+    lane.lambda.throttle_next(2);
+    lane.enqueue(jobs("paced", 15)).await;
+
+    let report = lane.orchestrator().run(&drain_opts("test", Duration::from_secs(60))).await.unwrap();
+    lane.lambda.settle(Duration::from_secs(10)).await;
+
+    assert_eq!(report.stop, StopReason::Drained);
+    let invocations = lane.lambda.invocations();
+    assert!(invocations.iter().all(|i| i.invocation_type == "Event" && i.function == "paceline-worker"));
+    let ids = lane.job_ids();
+    assert_eq!(ids.len(), 15, "each job handed off exactly once, throttled invokes retried: {ids:?}");
+    assert_eq!(ids.iter().collect::<BTreeSet<_>>().len(), 15);
+    let arrivals: Vec<(UnixMillis, u64)> = invocations.iter().map(|i| (i.at, 1)).collect();
+    assert!(peak_in_any_window(&arrivals, Duration::from_secs(1)) <= 5, "more than 5 hand-offs in one second");
+    let span = invocations.last().unwrap().at.since(invocations[0].at);
+    assert!(span >= Duration::from_millis(14 * 200), "15 jobs at 5/s took only {span:?}");
+    let depth = lane.queue().depth().await.unwrap();
+    assert_eq!((depth.visible, depth.not_visible, depth.dead), (0, 0, 0));
+    let log = api.log();
+    assert_eq!((log.ok, log.quota_rejections), (15, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_messages_reach_the_dlq_with_their_reason() {
+    let lane = lane("20/s").await;
+    lane.enqueue(vec!["garbage".into(), r#"{"request":{"method":"GET","path":"https://elsewhere.example/"}}"#.into(), jobs("ok", 1).remove(0)]).await;
+    let report = lane.orchestrator().run(&drain_opts("test", Duration::from_secs(30))).await.unwrap();
+    assert_eq!((report.dispatched, report.dead_lettered), (1, 2));
+
+    let sqs = aws_sdk_sqs::Client::new(&lane.sdk);
+    let out = sqs.receive_message().queue_url(&lane.names.dlq_url).max_number_of_messages(10).message_attribute_names("All").send().await.unwrap();
+    let mut dead: Vec<(String, String, String)> = out
+        .messages()
+        .iter()
+        .map(|m| {
+            let attr = |k: &str| m.message_attributes().and_then(|a| a.get(k)).and_then(|v| v.string_value()).unwrap_or_default().to_owned();
+            (m.body().unwrap_or_default().to_owned(), attr("cause"), attr("detail"))
+        })
+        .collect();
+    dead.sort();
+    assert_eq!(dead.len(), 2);
+    assert_eq!((dead[0].0.as_str(), dead[0].1.as_str()), ("garbage", "malformed"));
+    assert!(dead[0].2.starts_with("not a job"), "{}", dead[0].2);
+    assert!(dead[1].2.contains("request.path"), "{}", dead[1].2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_orchestrators_at_once_only_one_dispatches() {
+    let lane = lane("10/s").await;
+    lane.enqueue(jobs("lease", 12)).await;
+    let (first, second) = (lane.orchestrator(), lane.orchestrator());
+    let (opts_a, opts_b) = (drain_opts("a", Duration::from_secs(30)), drain_opts("b", Duration::from_secs(30)));
+    let (a, b) = tokio::join!(first.run(&opts_a), second.run(&opts_b));
+    let held = [&a, &b].iter().filter(|r| matches!(r, Err(RunError::LeaseHeld(_)))).count();
+    assert_eq!(held, 1, "exactly one was kept out: {:?} / {:?}", a.as_ref().map(|r| r.dispatched), b.as_ref().map(|r| r.dispatched));
+    let ids = lane.job_ids();
+    assert_eq!((ids.len(), ids.iter().collect::<BTreeSet<_>>().len()), (12, 12));
+    // The lease is free again, with a higher epoch next time.
+    let lease = lane.store().acquire_lease("later", Duration::from_secs(5), system_now()).await.unwrap();
+    assert_eq!(lease.epoch, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn day_counters_survive_a_restart() {
+    let lane = lane("20/s,4/day").await;
+    lane.enqueue(jobs("day", 6)).await;
+    let run = |holder: &'static str| {
+        let orchestrator = lane.orchestrator();
+        async move { orchestrator.run(&RunOptions { drain: false, ..drain_opts(holder, Duration::from_secs(4)) }).await.unwrap() }
+    };
+    let first = run("first").await;
+    assert_eq!(first.dispatched, 4);
+    let tier: paceline_shared::quota::Tier = "4/day".parse().unwrap();
+    let key = tier.usage_key(paceline_shared::quota::chrono_tz::UTC, system_now());
+    assert_eq!(lane.store().load_usage(&[key]).await.unwrap(), vec![4]);
+    let second = run("second").await;
+    assert_eq!(second.dispatched, 0, "a new run (a new process) still knows the day is used up");
+    assert_eq!(lane.queue().depth().await.unwrap().visible, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_failure_opens_the_circuit_and_a_health_check_closes_it() {
+    let mut lane = lane("10/s").await;
+    let api = api(&["10/s"], Some((Duration::from_millis(500), Duration::from_secs(2)))).await;
+    lane.with_worker_calling(&api);
+    lane.enqueue(jobs("outage", 25)).await;
+    let report = lane.orchestrator().run(&drain_opts("test", Duration::from_secs(90))).await.unwrap();
+    lane.lambda.settle(Duration::from_secs(10)).await;
+
+    assert_eq!(report.stop, StopReason::Drained);
+    assert!(report.health_checks >= 1);
+    let circuit = lane.store().circuit().await.unwrap();
+    assert!(circuit.is_closed() && circuit.epoch >= 2, "{circuit:?}");
+    let log = api.log();
+    assert!(log.outage_failures >= 1);
+    let succeeded: BTreeSet<&str> = log.ok_by_path.keys().filter_map(|p| p.strip_prefix("/items/")).collect();
+    assert_eq!(succeeded.len(), 25, "every job succeeded after the outage");
+    assert_eq!(log.quota_rejections, 0);
+    assert_eq!(lane.queue().depth().await.unwrap().dead, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_orchestrator_lambda_runs_a_scheduled_kick_until_its_deadline() {
+    let lane = lane("10/s").await;
+    lane.enqueue(jobs("kick", 3)).await;
+    let mut context = Context::default();
+    context.request_id = "req-1".into();
+    context.deadline = system_now().plus(Duration::from_secs(4)).0;
+    let scheduled = serde_json::json!({"version": "0", "detail-type": "Scheduled Event", "source": "aws.events", "detail": {}});
+    let started = system_now();
+    let out = orchestrator_lambda::handle(LambdaEvent::new(scheduled, context), &lane.orchestrator()).await.unwrap();
+    assert_eq!(out["dispatched"], 3, "{out}");
+    assert_eq!(out["stop"], "deadline");
+    let took = system_now().since(started);
+    assert!(took >= Duration::from_millis(2_900) && took < Duration::from_secs(4), "stopped a margin before the deadline: {took:?}");
+
+    // A kick while another run holds the lease returns at once, without error.
+    let held = lane.store().acquire_lease("other", Duration::from_secs(30), system_now()).await.unwrap();
+    let mut context = Context::default();
+    context.deadline = system_now().plus(Duration::from_secs(10)).0;
+    let out = orchestrator_lambda::handle(LambdaEvent::new(serde_json::json!({}), context), &lane.orchestrator()).await.unwrap();
+    assert!(out["skipped"].as_str().unwrap().contains("other"), "{out}");
+    lane.store().release_lease(&held).await.unwrap();
+}
