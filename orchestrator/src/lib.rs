@@ -32,6 +32,9 @@ const MAX_POLL: Duration = Duration::from_secs(20);
 const INVOKE_BACKOFF: (Duration, Duration) = (Duration::from_millis(50), Duration::from_secs(5));
 /// Receipts deleted in one call at most (SQS batch size).
 const DELETE_BATCH: usize = 10;
+/// Hand-offs awaiting their answer at once at most. Invokes are pipelined so that the
+/// invoke's own latency never delays the next slot: pacing is about frequency.
+const MAX_INVOKES_IN_FLIGHT: usize = 256;
 
 /// Why a run could not go on.
 #[derive(Debug, thiserror::Error)]
@@ -74,9 +77,16 @@ pub struct Orchestrator {
 }
 
 /// A message taken off the queue, with when it came into hand.
+#[derive(Clone)]
 struct InHand {
     message: QueuedMessage,
     since: UnixMillis,
+}
+
+/// A hand-off that has been answered.
+struct Answered {
+    in_hand: InHand,
+    result: Result<(), PortError>,
 }
 
 /// The mutable state of one run.
@@ -98,6 +108,13 @@ struct Run<'a> {
     meter: TierMeter,
     exhausted_logged_until: UnixMillis,
     stop: Option<tokio::sync::watch::Receiver<bool>>,
+    /// Hand-offs under way; each answers with its message.
+    invokes: tokio::task::JoinSet<Answered>,
+    /// After a refused hand-off: no dispatch before this, and how many in a row failed.
+    invoke_hold_until: UnixMillis,
+    invoke_failures: u32,
+    /// A fatal error a hand-off answered with: the run ends.
+    fatal: Option<PortError>,
     report: RunReport,
 }
 
@@ -134,6 +151,10 @@ impl Orchestrator {
             meter: TierMeter::new(&self.settings.quota),
             exhausted_logged_until: UnixMillis(0),
             stop: opts.stop.clone(),
+            invokes: tokio::task::JoinSet::new(),
+            invoke_hold_until: UnixMillis(0),
+            invoke_failures: 0,
+            fatal: None,
             report: RunReport {
                 started_at: started,
                 ended_at: started,
@@ -207,17 +228,56 @@ impl Run<'_> {
         self.next_renew.min(self.next_refresh).min(self.next_flush).min(self.stop_at)
     }
 
-    /// Sleeps until `t` or the next housekeeping, whichever is first, or a stop request.
+    /// Sleeps until `t` or the next housekeeping, whichever is first; wakes early for a
+    /// stop request or an answered hand-off (which it settles).
     async fn sleep_until(&mut self, t: UnixMillis) {
         let wake = t.min(self.next_wake());
-        match &mut self.stop {
-            Some(stop) => {
-                tokio::select! {
-                    () = self.o.clock.sleep_until(wake) => {}
-                    _ = stop.wait_for(|stopped| *stopped) => {}
-                }
+        let answered = tokio::select! {
+            () = self.o.clock.sleep_until(wake) => None,
+            () = stop_requested(&mut self.stop) => None,
+            Some(answered) = self.invokes.join_next(), if !self.invokes.is_empty() => Some(answered),
+        };
+        if let Some(answered) = answered {
+            self.settle(answered);
+        }
+    }
+
+    /// Acts on a hand-off's answer: delete the message, or put it back in hand and hold
+    /// dispatch for a backoff, or end the run on a fatal error.
+    fn settle(&mut self, answered: Result<Answered, tokio::task::JoinError>) {
+        let Answered { in_hand, result } = match answered {
+            Ok(answered) => answered,
+            Err(e) => {
+                self.fatal = Some(PortError::Fatal(format!("a hand-off task failed: {e}")));
+                return;
             }
-            None => self.o.clock.sleep_until(wake).await,
+        };
+        match result {
+            Ok(()) => {
+                self.invoke_failures = 0;
+                self.pending_deletes.push(in_hand.message.receipt);
+                self.report.dispatched += 1;
+                Progress::bump(&self.o.progress.dispatched);
+            }
+            Err(e) => {
+                // The slot stays spent: a refused or timed-out invoke may still have run.
+                if e.is_retryable() {
+                    self.invoke_failures += 1;
+                    let backoff = INVOKE_BACKOFF.0.saturating_mul(1 << self.invoke_failures.min(16).saturating_sub(1)).min(INVOKE_BACKOFF.1);
+                    self.invoke_hold_until = self.o.clock.now().plus(backoff);
+                    warn!(error = %e, backoff_ms = backoff.as_millis(), message_id = %in_hand.message.message_id, "hand-off refused; the job goes again after a backoff");
+                } else {
+                    self.fatal = Some(e);
+                }
+                self.buffer.push_front(in_hand);
+            }
+        }
+    }
+
+    /// Settles every hand-off already answered, without waiting.
+    fn settle_answered(&mut self) {
+        while let Some(answered) = self.invokes.try_join_next() {
+            self.settle(answered);
         }
     }
 
@@ -235,6 +295,10 @@ impl Run<'_> {
             if self.stop_requested() {
                 self.report.stop = StopReason::Stopped;
                 return Ok(());
+            }
+            self.settle_answered();
+            if let Some(e) = self.fatal.take() {
+                return Err(e.into());
             }
             if now >= self.next_renew {
                 match self.o.store.renew_lease(&self.lease, self.o.settings.orchestrator.lease_ttl, now).await {
@@ -269,6 +333,16 @@ impl Run<'_> {
                 continue;
             };
             let (message, since) = (in_hand.message.clone(), in_hand.since);
+            if now < self.invoke_hold_until {
+                let until = self.invoke_hold_until;
+                self.sleep_until(until).await;
+                continue;
+            }
+            if self.invokes.len() >= MAX_INVOKES_IN_FLIGHT {
+                let stop_at = self.stop_at;
+                self.sleep_until(stop_at).await;
+                continue;
+            }
             let job = match Job::parse(&message.body) {
                 Ok(job) => job,
                 Err(e) => {
@@ -286,21 +360,16 @@ impl Run<'_> {
                     self.sleep_until(at).await;
                 }
                 Decision::Allow => {
-                    let payload = WorkerPayload::Job { job: job.clone(), attempt: message.attempt, circuit_epoch: self.circuit.epoch, dispatched_at: now };
-                    if !self.invoke(&payload).await? {
-                        continue;
-                    }
-                    let now = self.o.clock.now();
                     let paced = now.since(self.last_dispatch.unwrap_or(since).max(since));
                     self.commit(job.cost, now, paced);
-                    self.buffer.pop_front();
-                    self.pending_deletes.push(message.receipt);
+                    debug!(job_id = %job.id, attempt = message.attempt, cost = job.cost, "dispatching");
+                    let payload = WorkerPayload::Job { job, attempt: message.attempt, circuit_epoch: self.circuit.epoch, dispatched_at: now };
+                    let in_hand = self.buffer.pop_front().expect("the message in hand");
+                    let invoker = self.o.invoker.clone();
+                    self.invokes.spawn(async move { Answered { result: invoker.invoke(&payload).await, in_hand } });
                     if self.pending_deletes.len() >= DELETE_BATCH {
                         self.flush_deletes().await?;
                     }
-                    self.report.dispatched += 1;
-                    Progress::bump(&self.o.progress.dispatched);
-                    debug!(job_id = %job.id, attempt = message.attempt, cost = job.cost, "dispatched");
                 }
             }
         }
@@ -326,9 +395,9 @@ impl Run<'_> {
         self.last_dispatch = Some(now);
     }
 
-    /// Hands a payload off, retrying throttling and passing faults with backoff until the
-    /// run must stop. `false` when it stopped trying (the message stays in hand).
-    async fn invoke(&mut self, payload: &WorkerPayload) -> Result<bool, RunError> {
+    /// Hands a health check off, retrying throttling and passing faults with backoff
+    /// until the run must stop. `false` when it stopped trying.
+    async fn invoke_health_check(&mut self, payload: &WorkerPayload) -> Result<bool, RunError> {
         let mut pause = INVOKE_BACKOFF.0;
         loop {
             match self.o.invoker.invoke(payload).await {
@@ -352,7 +421,6 @@ impl Run<'_> {
     /// Receives the next batch: no more than the quota can use before the visibility
     /// timeout. Returns `true` when draining and nothing is left anywhere.
     async fn fill_buffer(&mut self, now: UnixMillis) -> Result<bool, RunError> {
-        self.flush_deletes().await?;
         let cfg = &self.o.settings.orchestrator;
         let horizon = now.plus(cfg.visibility_timeout).minus(cfg.visibility_timeout / 5).min(self.stop_at);
         let capacity = self.quota().capacity_until(&self.pacer, now, horizon, 10);
@@ -376,7 +444,13 @@ impl Run<'_> {
             Err(e) => return Err(e.into()),
         };
         if received.is_empty() {
-            return Ok(self.opts.drain && self.nothing_left().await?);
+            if !self.opts.drain {
+                return Ok(false);
+            }
+            // Our own answered hand-offs still count as in flight until deleted.
+            self.settle_answered();
+            self.flush_deletes().await?;
+            return self.nothing_left().await;
         }
         let since = self.o.clock.now();
         self.buffer.extend(received.into_iter().map(|message| InHand { message, since }));
@@ -384,7 +458,7 @@ impl Run<'_> {
     }
 
     async fn nothing_left(&self) -> Result<bool, RunError> {
-        if self.o.invoker.in_flight() > 0 {
+        if !self.invokes.is_empty() || self.o.invoker.in_flight() > 0 {
             return Ok(false);
         }
         let depth = self.o.queue.depth().await?;
@@ -403,7 +477,7 @@ impl Run<'_> {
         match self.quota().decide(&self.pacer, 1, now) {
             Decision::Allow => {
                 let payload = WorkerPayload::HealthCheck { circuit_epoch: self.circuit.epoch, sent_at: now };
-                if self.invoke(&payload).await? {
+                if self.invoke_health_check(&payload).await? {
                     self.commit(1, self.o.clock.now(), Duration::ZERO);
                     self.last_health_check = Some(now);
                     self.report.health_checks += 1;
@@ -475,6 +549,9 @@ impl Run<'_> {
         if let Some(e) = failed {
             warn!(error = %e, "run failed; releasing what it held");
         }
+        while let Some(answered) = self.invokes.join_next().await {
+            self.settle(answered);
+        }
         let released = self.release_buffer().await;
         let flushed = self.flush(true).await;
         let lease = self.o.store.release_lease(&self.lease).await.map_err(RunError::from);
@@ -490,3 +567,15 @@ impl Run<'_> {
 
 #[cfg(test)]
 mod tests;
+
+/// Resolves when a stop is requested; never without a stop channel.
+async fn stop_requested(stop: &mut Option<tokio::sync::watch::Receiver<bool>>) {
+    match stop {
+        Some(stop) => {
+            if stop.wait_for(|stopped| *stopped).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+        None => std::future::pending::<()>().await,
+    }
+}

@@ -194,8 +194,10 @@ async fn throttled_invokes_are_retried_with_backoff_and_nothing_is_lost() {
     lane.invoker.fail_next([PortError::Throttled("TooManyRequestsException".into()), PortError::Transient("503".into())]);
     enqueue(&lane, vec![job("a"), job("b")]).await;
     let report = lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
-    // 50 ms then 100 ms of backoff before the first hand-off; the next waits its slot.
-    assert_eq!(offsets(&lane), vec![150, 250]);
+    // Refused at 0 (throttled, 50 ms backoff) and again at its next slot, 100 ms
+    // (100 ms backoff): a refused hand-off keeps its slot spent, since it may have run.
+    // Accepted at 200; the next job takes the following slot.
+    assert_eq!(offsets(&lane), vec![200, 300]);
     assert_eq!(report.dispatched, 2);
     assert_eq!(lane.store.depth().await.unwrap(), Default::default());
 }
@@ -251,4 +253,15 @@ async fn after_a_crashed_run_dispatch_waits_one_window_of_the_longest_tier() {
     enqueue(&lane, vec![job("c")]).await;
     lane.orchestrator.run(&RunOptions { deadline: lane.clock.now().plus(Duration::from_secs(60)), ..opts(true, Duration::ZERO) }).await.unwrap();
     assert_eq!(offsets(&lane)[2], 62_000);
+}
+
+#[tokio::test(start_paused = true)]
+async fn slow_invokes_do_not_delay_the_next_slot() {
+    // Each hand-off takes 350 ms to be answered; at 10/s the slots still come every 100 ms.
+    let lane = lane_with(&["10/s"], 0, |clock| RecordingInvoker::new(clock).with_latency(Duration::from_millis(350)));
+    enqueue(&lane, (0..6).map(|i| job(&format!("j{i}")))).await;
+    let report = lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    assert_eq!(offsets(&lane), vec![0, 100, 200, 300, 400, 500]);
+    assert_eq!(report.dispatched, 6);
+    assert_eq!(lane.store.depth().await.unwrap(), Default::default(), "deleted once answered");
 }

@@ -35,13 +35,16 @@ pub fn lane_dir(name: &str) -> PathBuf {
     dir
 }
 
-/// Writes a lane config for `base_url` with `tiers` into `dir`; returns its path.
+/// Writes a lane config for `base_url` with `tiers` into `dir`; returns its path. The
+/// safety margin is wider than the default: the strict fake API measures arrivals on a
+/// CI machine busy with several tests at once, where a hand-off can be late by more
+/// than 10 ms.
 #[must_use]
 pub fn write_config(dir: &Path, base_url: &str, tiers: &[&str], extra: &str) -> PathBuf {
     let tiers = tiers.iter().map(|t| format!("\"{t}\"")).collect::<Vec<_>>().join(", ");
     let text = format!(
         "[api]\nbase_url = \"{base_url}\"\ntimeout = \"5s\"\nhealth_check = {{ method = \"GET\", path = \"/health\" }}\n\
-         [quota]\ntiers = [{tiers}]\nsafety_margin = \"10ms\"\n\
+         [quota]\ntiers = [{tiers}]\nsafety_margin = \"25ms\"\n\
          [circuit]\nhealth_check_interval = \"1s\"\n\
          [orchestrator]\nvisibility_timeout = \"20s\"\n\
          [backend]\nkind = \"embedded\"\npath = \"lane.db\"\n{extra}"

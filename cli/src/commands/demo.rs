@@ -96,7 +96,7 @@ health_check = {{ method = "GET", path = "/health" }}
 
 [quota]
 tiers = [{tiers}]
-safety_margin = "10ms"
+safety_margin = "20ms"
 
 [circuit]
 health_check_interval = "2s"

@@ -16,12 +16,21 @@ pub struct RecordingInvoker {
     accepted: Mutex<Vec<(UnixMillis, WorkerPayload)>>,
     scripted_errors: Mutex<VecDeque<PortError>>,
     forward_to: Option<Arc<dyn WorkerHandler>>,
+    latency: std::time::Duration,
 }
 
 impl RecordingInvoker {
     #[must_use]
     pub fn new(clock: Arc<dyn Clock>) -> Self {
-        Self { clock, accepted: Mutex::default(), scripted_errors: Mutex::default(), forward_to: None }
+        Self { clock, accepted: Mutex::default(), scripted_errors: Mutex::default(), forward_to: None, latency: std::time::Duration::ZERO }
+    }
+
+    /// Answers each invoke only after `latency` (recorded at the call, like Lambda's
+    /// clock would see the request).
+    #[must_use]
+    pub fn with_latency(mut self, latency: std::time::Duration) -> Self {
+        self.latency = latency;
+        self
     }
 
     /// Also runs each accepted payload on `handler` (awaited inline).
@@ -55,6 +64,10 @@ impl Invoker for RecordingInvoker {
             .push((self.clock.now(), payload.clone()));
         if let Some(handler) = &self.forward_to {
             handler.handle(payload.clone()).await?;
+        }
+        if !self.latency.is_zero() {
+            let until = self.clock.now().plus(self.latency);
+            self.clock.sleep_until(until).await;
         }
         Ok(())
     }

@@ -127,7 +127,10 @@ impl AwsAdapters {
     /// Builds the clients; `lambda_endpoint` overrides Lambda's endpoint alone (tests).
     #[must_use]
     pub fn new(config: &aws_config::SdkConfig, names: &AwsNames, lambda_endpoint: Option<&str>) -> Self {
-        let mut lambda = aws_sdk_lambda::config::Builder::from(config);
+        // The drain loop retries a refused hand-off itself, in a new pacer slot. An SDK
+        // retry would hand the job off late, after later slots: its API call would then
+        // bunch up with theirs at the provider.
+        let mut lambda = aws_sdk_lambda::config::Builder::from(config).retry_config(aws_sdk_lambda::config::retry::RetryConfig::disabled());
         if let Some(url) = lambda_endpoint {
             lambda = lambda.endpoint_url(url);
         }
