@@ -11,3 +11,16 @@ pub mod pacer;
 pub mod ports;
 pub mod quota;
 pub mod time;
+
+/// An error with all its sources, `outer: inner: innermost`, for logs and messages.
+#[must_use]
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}

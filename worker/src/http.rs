@@ -104,20 +104,9 @@ impl ApiClient {
                 CallResult::Response { status, headers }
             }
             Err(e) if e.is_timeout() => CallResult::Timeout,
-            Err(e) => CallResult::Connect(error_chain(&e)),
+            Err(e) => CallResult::Connect(paceline_shared::error_chain(&e)),
         })
     }
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 #[cfg(test)]

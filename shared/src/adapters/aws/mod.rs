@@ -75,19 +75,8 @@ where
         }
         SdkError::ConstructionFailure(_) => PortError::Fatal(format!("{what}: request could not be built: {err:?}")),
         SdkError::TimeoutError(_) => PortError::Transient(format!("{what}: timed out")),
-        _ => PortError::Transient(format!("{what}: {}", crate::adapters::aws::chain(err))),
+        _ => PortError::Transient(format!("{what}: {}", crate::error_chain(err))),
     }
-}
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 /// The names of a lane's AWS resources.
