@@ -316,10 +316,16 @@ impl Run<'_> {
                 }
             }
             if now >= self.next_refresh {
-                self.refresh_shared_state().await?;
+                if let Err(e) = self.refresh_shared_state().await {
+                    passing(e)?;
+                    self.next_refresh = now.plus(Duration::from_secs(1));
+                }
             }
             if now >= self.next_flush {
-                self.flush(false).await?;
+                if let Err(e) = self.flush(false).await {
+                    passing(e)?;
+                    self.next_flush = now.plus(Duration::from_secs(1));
+                }
             }
             if !self.circuit.is_closed() {
                 self.while_open(now).await?;
@@ -567,6 +573,18 @@ impl Run<'_> {
 
 #[cfg(test)]
 mod tests;
+
+/// Lets a passing fault (throttling, a blip) through with a warning, so the loop tries
+/// again a second later instead of ending the run; anything else stays an error.
+fn passing(e: RunError) -> Result<(), RunError> {
+    match e {
+        RunError::Port(e) if e.is_retryable() => {
+            warn!(error = %e, "state store unavailable; trying again shortly");
+            Ok(())
+        }
+        other => Err(other),
+    }
+}
 
 /// Resolves when a stop is requested; never without a stop channel.
 async fn stop_requested(stop: &mut Option<tokio::sync::watch::Receiver<bool>>) {

@@ -1,7 +1,8 @@
 //! The AWS side of the end-to-end tests: an SDK configuration pointed at the moto server
 //! (`PACELINE_TEST_MOTO_URL`, started by `scripts/test.sh`), a lane's queues and table
 //! created there, and a fake Lambda Invoke endpoint that answers 202 at once, records
-//! every invocation with its time, runs the worker, and can throttle on request.
+//! every invocation with its time, runs the worker, and can refuse invokes (429 or 500)
+//! on request.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -90,7 +91,8 @@ pub struct Invocation {
 #[derive(Default)]
 struct FakeLambdaState {
     invocations: Mutex<Vec<Invocation>>,
-    throttle_next: AtomicU32,
+    refuse_next: AtomicU32,
+    refuse_with: AtomicU32,
     worker: Mutex<Option<Arc<dyn WorkerHandler>>>,
     in_flight: AtomicU32,
 }
@@ -104,9 +106,17 @@ pub struct FakeLambda {
 
 async fn invoke(State(state): State<Arc<FakeLambdaState>>, Path(function): Path<String>, headers: HeaderMap, body: Bytes) -> (StatusCode, HeaderMap, String) {
     let mut reply = HeaderMap::new();
-    if state.throttle_next.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
-        reply.insert("x-amzn-errortype", "TooManyRequestsException".parse().unwrap());
-        return (StatusCode::TOO_MANY_REQUESTS, reply, r#"{"Type":"User","message":"Rate Exceeded."}"#.into());
+    if state.refuse_next.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
+        return match state.refuse_with.load(Ordering::SeqCst) {
+            429 => {
+                reply.insert("x-amzn-errortype", "TooManyRequestsException".parse().unwrap());
+                (StatusCode::TOO_MANY_REQUESTS, reply, r#"{"Type":"User","message":"Rate Exceeded."}"#.into())
+            }
+            _ => {
+                reply.insert("x-amzn-errortype", "ServiceException".parse().unwrap());
+                (StatusCode::INTERNAL_SERVER_ERROR, reply, r#"{"Type":"Service","message":"Internal error."}"#.into())
+            }
+        };
     }
     let Ok(payload) = WorkerPayload::from_json(&String::from_utf8_lossy(&body)) else {
         return (StatusCode::BAD_REQUEST, reply, r#"{"message":"not a paceline payload"}"#.into());
@@ -146,9 +156,11 @@ impl FakeLambda {
         *self.state.worker.lock().unwrap() = Some(worker);
     }
 
-    /// The next `n` invokes are refused with 429 TooManyRequestsException.
-    pub fn throttle_next(&self, n: u32) {
-        self.state.throttle_next.store(n, Ordering::SeqCst);
+    /// The next `n` invokes are refused: `429` TooManyRequestsException, or `500`
+    /// ServiceException.
+    pub fn refuse_next(&self, n: u32, status: u16) {
+        self.state.refuse_with.store(u32::from(status), Ordering::SeqCst);
+        self.state.refuse_next.store(n, Ordering::SeqCst);
     }
 
     /// Every accepted invocation so far.

@@ -110,7 +110,7 @@ async fn jobs_are_paced_through_sqs_and_lambda_and_deleted_only_once_handed_off(
     let mut lane = lane("5/s").await;
     let api = api(&["5/s"], None).await;
     lane.with_worker_calling(&api);
-    lane.lambda.throttle_next(2);
+    lane.lambda.refuse_next(2, 429);
     lane.enqueue(jobs("paced", 15)).await;
 
     let report = lane.orchestrator().run(&drain_opts("test", Duration::from_secs(60))).await.unwrap();
@@ -130,6 +130,18 @@ async fn jobs_are_paced_through_sqs_and_lambda_and_deleted_only_once_handed_off(
     assert_eq!((depth.visible, depth.not_visible, depth.dead), (0, 0, 0));
     let log = api.log();
     assert_eq!((log.ok, log.quota_rejections), (15, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lambda_service_errors_are_retried_and_no_job_is_lost_or_doubled() {
+    let lane = lane("20/s").await;
+    lane.lambda.refuse_next(3, 500);
+    lane.enqueue(jobs("flaky", 6)).await;
+    let report = lane.orchestrator().run(&drain_opts("test", Duration::from_secs(60))).await.unwrap();
+    assert_eq!((report.stop, report.dispatched), (StopReason::Drained, 6));
+    let ids = lane.job_ids();
+    assert_eq!((ids.len(), ids.iter().collect::<BTreeSet<_>>().len()), (6, 6), "{ids:?}");
+    assert_eq!(lane.queue().depth().await.unwrap(), Default::default());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -157,12 +169,19 @@ async fn malformed_messages_reach_the_dlq_with_their_reason() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_orchestrators_at_once_only_one_dispatches() {
+async fn a_second_orchestrator_is_kept_out_while_the_first_holds_the_lease() {
     let lane = lane("10/s").await;
     lane.enqueue(jobs("lease", 12)).await;
     let (first, second) = (lane.orchestrator(), lane.orchestrator());
     let (opts_a, opts_b) = (drain_opts("a", Duration::from_secs(30)), drain_opts("b", Duration::from_secs(30)));
-    let (a, b) = tokio::join!(first.run(&opts_a), second.run(&opts_b));
+    // The second starts 300 ms into the first run. (Two conditional writes that reach
+    // moto in the same instant can both pass, as they cannot on DynamoDB: moto does not
+    // serialize them.)
+    let late_second = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        second.run(&opts_b).await
+    };
+    let (a, b) = tokio::join!(first.run(&opts_a), late_second);
     let held = [&a, &b].iter().filter(|r| matches!(r, Err(RunError::LeaseHeld(_)))).count();
     assert_eq!(held, 1, "exactly one was kept out: {:?} / {:?}", a.as_ref().map(|r| r.dispatched), b.as_ref().map(|r| r.dispatched));
     let ids = lane.job_ids();
