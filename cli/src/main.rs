@@ -1,7 +1,10 @@
-//! `paceline`: run a paced lane locally, try the demo, enqueue jobs, inspect state.
+//! `paceline`: run a paced lane locally, try the demo, and operate a lane (embedded or
+//! on AWS): enqueue jobs, inspect state, redrive dead letters, steer the circuit.
 
 use clap::{Parser, Subcommand};
-use paceline_cli::commands::{demo::DemoArgs, enqueue::EnqueueArgs, run::RunArgs, status::StatusArgs};
+use paceline_cli::commands::{
+    circuit::CircuitArgs, demo::DemoArgs, dlq::DlqArgs, enqueue::EnqueueArgs, kick::KickArgs, run::RunArgs, status::StatusArgs,
+};
 
 /// Call rate-limited APIs as fast as their quotas allow, and never faster.
 #[derive(Parser)]
@@ -20,6 +23,9 @@ enum Command {
     Run(RunArgs),
     Enqueue(EnqueueArgs),
     Status(StatusArgs),
+    Dlq(DlqArgs),
+    Circuit(CircuitArgs),
+    Kick(KickArgs),
 }
 
 #[tokio::main]
@@ -34,6 +40,9 @@ async fn main() -> std::process::ExitCode {
         Command::Run(args) => args.run().await,
         Command::Enqueue(args) => args.run().await,
         Command::Status(args) => args.run().await,
+        Command::Dlq(args) => args.run().await,
+        Command::Circuit(args) => args.run().await,
+        Command::Kick(args) => args.run().await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

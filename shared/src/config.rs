@@ -85,8 +85,32 @@ pub struct OrchestratorConfig {
 pub enum Backend {
     /// One SQLite file (resolved against the config file's folder).
     Embedded { path: PathBuf },
-    /// AWS resources by name; `endpoint_url` points every client elsewhere (tests).
-    Aws { queue_url: String, dlq_url: String, table: String, worker_function: String, endpoint_url: Option<String> },
+    /// AWS resources by name.
+    Aws(AwsBackend),
+}
+
+/// A lane's AWS resources, as the operator commands reach them (the Lambda functions
+/// take theirs from `PACELINE_*` variables).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AwsBackend {
+    pub queue_url: String,
+    pub dlq_url: String,
+    pub table: String,
+    /// The worker's Lambda on-failure destination (`paceline dlq` reads it too).
+    #[serde(default)]
+    pub worker_dlq_url: Option<String>,
+    /// What `paceline kick` invokes.
+    #[serde(default)]
+    pub orchestrator_function: Option<String>,
+    #[serde(default)]
+    pub worker_function: Option<String>,
+    /// Defaults to the SDK's own (`AWS_REGION`, profile).
+    #[serde(default)]
+    pub region: Option<String>,
+    /// Points every client elsewhere (a local emulator); `AWS_ENDPOINT_URL*` work too.
+    #[serde(default)]
+    pub endpoint_url: Option<String>,
 }
 
 pub(crate) mod defaults {
@@ -202,7 +226,7 @@ fn utc() -> chrono_tz::Tz {
 #[serde(deny_unknown_fields, tag = "kind", rename_all = "snake_case")]
 enum RawBackend {
     Embedded { #[serde(default = "default_db")] path: PathBuf },
-    Aws { queue_url: String, dlq_url: String, table: String, worker_function: String, endpoint_url: Option<String> },
+    Aws(AwsBackend),
 }
 
 fn default_db() -> PathBuf {
@@ -279,9 +303,7 @@ impl Config {
         let health_check = check_health_request(raw.api.health_check).map_err(|e| format!("api.health_check: {e}"))?;
         let backend = match raw.backend {
             RawBackend::Embedded { path } => Backend::Embedded { path: base_dir.join(path) },
-            RawBackend::Aws { queue_url, dlq_url, table, worker_function, endpoint_url } => {
-                Backend::Aws { queue_url, dlq_url, table, worker_function, endpoint_url }
-            }
+            RawBackend::Aws(aws) => Backend::Aws(aws),
         };
         Ok(Self {
             api: ApiConfig { base_url: raw.api.base_url, timeout: raw.api.timeout, headers, health_check },

@@ -223,20 +223,25 @@ pub enum DeadLetterCause {
     Malformed,
     /// The API refused it for good (a 4xx other than 429).
     Rejected { status: u16 },
-    /// Tried as often as allowed.
-    AttemptsExhausted,
+    /// Tried as often as allowed; `last_failure` labels the last try (`http_503`,
+    /// `http_429`, `timeout`, `connection`).
+    AttemptsExhausted {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        last_failure: Option<String>,
+    },
     /// Costs more than a whole tier allows.
     NeverFits,
 }
 
 impl DeadLetterCause {
-    /// A short label: `malformed`, `http_404`, `attempts_exhausted`, `never_fits`.
+    /// A short label: `malformed`, `http_404`, `attempts_exhausted:http_503`, `never_fits`.
     #[must_use]
     pub fn label(&self) -> String {
         match self {
             Self::Malformed => "malformed".into(),
             Self::Rejected { status } => format!("http_{status}"),
-            Self::AttemptsExhausted => "attempts_exhausted".into(),
+            Self::AttemptsExhausted { last_failure: None } => "attempts_exhausted".into(),
+            Self::AttemptsExhausted { last_failure: Some(last) } => format!("attempts_exhausted:{last}"),
             Self::NeverFits => "never_fits".into(),
         }
     }

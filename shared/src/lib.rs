@@ -5,6 +5,7 @@ pub mod adapters;
 pub mod breaker;
 pub mod check;
 pub mod config;
+pub mod dlq;
 pub mod job;
 pub mod lambda_env;
 pub mod pacer;

@@ -10,6 +10,7 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
 use crate::breaker::Circuit;
+use crate::dlq::{DeadLetterRecord, DlqSource};
 use crate::job::{DeadLetterReason, WorkerPayload};
 use crate::pacer::PacerState;
 use crate::time::UnixMillis;
@@ -123,6 +124,75 @@ pub trait JobQueue: Send + Sync {
     /// # Errors
     /// As for `receive`.
     async fn depth(&self) -> PortResult<QueueDepth>;
+}
+
+/// The dead-letter queues as an operator sees them (`paceline dlq`): read page by page,
+/// remove, and redrive onto the jobs queue.
+#[async_trait]
+pub trait DeadLetterQueues: JobQueue {
+    /// The DLQs this backend has: always `Jobs`; `Worker` where the worker has its own.
+    fn sources(&self) -> Vec<DlqSource>;
+
+    /// Up to `max` (at most 10) dead letters of `source` not yet returned to this reader.
+    /// The embedded store pages by `after` (the handle of the last record seen); SQS hides
+    /// what it returns from every reader for `hold` instead (and may, rarely, return a
+    /// record again once the hold is over). Empty once there are no more.
+    ///
+    /// # Errors
+    /// As for [`JobQueue::receive`]; `Fatal` for a DLQ this backend does not have.
+    async fn page(&self, source: DlqSource, after: Option<&str>, max: usize, hold: Duration) -> PortResult<Vec<DeadLetterRecord>>;
+
+    /// Makes records hidden by `page` visible to other readers again.
+    ///
+    /// # Errors
+    /// As for [`JobQueue::release`]; a record not unhidden comes back when its hold ends.
+    async fn unhide(&self, source: DlqSource, handles: &[String]) -> PortResult<()>;
+
+    /// Deletes records for good.
+    ///
+    /// # Errors
+    /// As for [`JobQueue::delete`].
+    async fn remove(&self, source: DlqSource, handles: &[String]) -> PortResult<()>;
+
+    /// How many dead letters `source` holds.
+    ///
+    /// # Errors
+    /// As for [`JobQueue::depth`].
+    async fn count(&self, source: DlqSource) -> PortResult<u64>;
+
+    /// Puts each record's job back on the jobs queue (attempts reset to 0 unless
+    /// `keep_attempts`), then removes the records: a record leaves its DLQ only after its
+    /// copy is enqueued. By default at least once: a crash between the two steps leaves
+    /// both copies; the embedded store does it in one transaction.
+    ///
+    /// # Errors
+    /// `Fatal` when a record holds no job; otherwise as for `send` and `remove` (nothing
+    /// removed that was not enqueued).
+    async fn redrive(&self, records: &[DeadLetterRecord], keep_attempts: bool) -> PortResult<()> {
+        let messages = redrive_messages(records, keep_attempts)?;
+        self.send(&messages).await?;
+        for source in [DlqSource::Jobs, DlqSource::Worker] {
+            let handles: Vec<String> = records.iter().filter(|r| r.source == source).map(|r| r.handle.clone()).collect();
+            if !handles.is_empty() {
+                self.remove(source, &handles).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The jobs-queue messages a redrive of `records` sends.
+///
+/// # Errors
+/// `Fatal` naming the first record that holds no job.
+pub fn redrive_messages(records: &[DeadLetterRecord], keep_attempts: bool) -> PortResult<Vec<OutgoingMessage>> {
+    records
+        .iter()
+        .map(|r| match &r.job_body {
+            Some(body) => Ok(OutgoingMessage { body: body.clone(), attempt: if keep_attempts { r.attempt } else { 0 }, delay: Duration::ZERO }),
+            None => Err(PortError::Fatal(format!("dead letter {} ({}) holds no job to redrive", r.message_id, r.cause))),
+        })
+        .collect()
 }
 
 /// The pacer state a run leaves for the next.

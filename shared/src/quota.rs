@@ -218,6 +218,26 @@ impl Quota {
             .min_by(|a, b| a.rate_per_second().total_cmp(&b.rate_per_second()))
             .unwrap_or(&self.tiers[0])
     }
+
+    /// About how long `units` take from `now`: the rolling tiers' steady rate, and the
+    /// resets each calendar tier must wait for given what it used in its current window
+    /// (`calendar_used`, by tier index; rolling tiers' entries are ignored). An estimate
+    /// for `paceline status`, not a promise.
+    #[must_use]
+    pub fn drain_estimate(&self, units: u64, calendar_used: &[u64], now: UnixMillis) -> Duration {
+        let rolling_rate = self.tiers.iter().filter(|t| !t.is_calendar()).map(Tier::rate_per_second).fold(f64::INFINITY, f64::min);
+        let mut seconds = if rolling_rate.is_finite() { units as f64 / rolling_rate } else { 0.0 };
+        for (tier, used) in self.tiers.iter().zip(calendar_used).filter(|(t, _)| t.is_calendar()) {
+            let left = tier.limit.saturating_sub(*used);
+            if units > left {
+                let (_, reset) = tier.window_at(self.zone, now);
+                let windows_after_reset = (units - left).div_ceil(tier.limit.max(1));
+                let wait = reset.since(now) + tier.nominal_window() * u32::try_from(windows_after_reset - 1).unwrap_or(u32::MAX);
+                seconds = seconds.max(wait.as_secs_f64());
+            }
+        }
+        Duration::from_secs_f64(seconds)
+    }
 }
 
 #[cfg(test)]
@@ -226,6 +246,18 @@ mod tests {
 
     fn tier(s: &str) -> Tier {
         s.parse().unwrap()
+    }
+
+    #[test]
+    fn drain_estimate_takes_the_slowest_rate_and_waits_for_calendar_resets() {
+        let quota = Quota::new(vec![tier("10/s"), tier("500/min"), tier("1000/day")], chrono_tz::UTC, Duration::ZERO).unwrap();
+        let noon = UnixMillis(1_795_348_800_000); // 2026-11-22T12:00:00Z
+        // 500/min binds: 300 units take 36 s; the day tier has room.
+        assert_eq!(quota.drain_estimate(300, &[0, 0, 0], noon), Duration::from_secs(36));
+        // The day tier has 100 left: the rest waits for midnight (12 h), then one day is enough.
+        assert_eq!(quota.drain_estimate(300, &[0, 0, 900], noon), Duration::from_secs(12 * 3600));
+        // 2100 more than is left needs midnight plus two more days.
+        assert_eq!(quota.drain_estimate(2200, &[0, 0, 900], noon), Duration::from_secs(12 * 3600 + 2 * 86_400));
     }
 
     #[test]

@@ -76,7 +76,7 @@ pub async fn create_lane(sdk: &aws_config::SdkConfig, worker_function: &str) -> 
         .send()
         .await
         .expect("create table");
-    AwsNames { queue_url, dlq_url, table, worker_function: worker_function.to_owned() }
+    AwsNames { queue_url, dlq_url, table, worker_function: worker_function.to_owned(), worker_dlq_url: None }
 }
 
 /// One recorded invocation.

@@ -46,6 +46,17 @@ pub fn classify(result: &CallResult, now: UnixMillis, default_cool_down: Duratio
     }
 }
 
+/// A short label of a failed call, as dead letters record the last one: `http_503`,
+/// `timeout`, `connection`.
+#[must_use]
+pub fn failure_label(result: &CallResult) -> String {
+    match result {
+        CallResult::Timeout => "timeout".into(),
+        CallResult::Connect(_) => "connection".into(),
+        CallResult::Response { status, .. } => format!("http_{status}"),
+    }
+}
+
 fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
     headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.trim())
 }

@@ -19,7 +19,7 @@ use paceline_shared::time::{Clock, UnixMillis};
 use serde::Serialize;
 use tracing::{info, warn};
 
-pub use classify::{classify, CallResult, Outcome};
+pub use classify::{classify, failure_label, CallResult, Outcome};
 pub use http::{ApiClient, ApiError};
 
 /// What the workers did, for summaries and progress bars.
@@ -70,6 +70,7 @@ impl Worker {
             }
         };
         let now = self.clock.now();
+        let failure = failure_label(&result);
         match classify(&result, now, self.retry.default_cool_down) {
             Outcome::Success { status } => {
                 WorkerStats::bump(&self.stats.succeeded);
@@ -80,13 +81,13 @@ impl Worker {
                 WorkerStats::bump(&self.stats.rate_limited);
                 warn!(cool_down_until = %until, "rate limited by the API; cooling down");
                 self.store.extend_cool_down(until).await?;
-                self.retry_later(job, attempt, "HTTP 429").await
+                self.retry_later(job, attempt, "HTTP 429", failure).await
             }
             Outcome::Outage { reason } => {
                 WorkerStats::bump(&self.stats.outages_seen);
                 warn!(%reason, "API failure; opening the circuit");
                 self.transition_circuit(|c, now| c.open(circuit_epoch, &reason, now)).await?;
-                self.retry_later(job, attempt, &reason).await
+                self.retry_later(job, attempt, &reason, failure).await
             }
             Outcome::Rejected { status } => {
                 self.dead_letter(job, attempt, DeadLetterCause::Rejected { status }, format!("the API answered HTTP {status}")).await
@@ -137,11 +138,12 @@ impl Worker {
     }
 
     /// Re-queues the job with one more attempt, or dead-letters it if that was the last.
-    async fn retry_later(&self, job: &Job, attempt: u32, reason: &str) -> PortResult<()> {
+    async fn retry_later(&self, job: &Job, attempt: u32, reason: &str, failure: String) -> PortResult<()> {
         let tries = attempt + 1;
         if tries >= self.retry.max_attempts {
             let detail = format!("gave up after {tries} attempts; last: {reason}");
-            return self.dead_letter(job, attempt, DeadLetterCause::AttemptsExhausted, detail).await;
+            let cause = DeadLetterCause::AttemptsExhausted { last_failure: Some(failure) };
+            return self.dead_letter(job, attempt, cause, detail).await;
         }
         self.queue.send(&[OutgoingMessage { body: job.to_json(), attempt: tries, delay: std::time::Duration::ZERO }]).await?;
         WorkerStats::bump(&self.stats.requeued);

@@ -121,7 +121,7 @@ async fn other_client_errors_and_exhausted_attempts_are_dead_lettered() {
     worker.handle(WorkerPayload::Job { job, attempt: 2, circuit_epoch: 0, dispatched_at: UnixMillis(0) }).await.unwrap();
     let dead = store.dead_letters().unwrap();
     let causes: Vec<String> = dead.iter().map(|d| d.reason.cause.label()).collect();
-    assert_eq!(causes, vec!["http_404", "attempts_exhausted"]);
+    assert_eq!(causes, vec!["http_404", "attempts_exhausted:http_500"]);
     assert!(dead[1].reason.detail.contains("3 attempts") && dead[1].reason.detail.contains("HTTP 500"), "{}", dead[1].reason.detail);
     assert!(requeued(&store).await.is_empty());
 }

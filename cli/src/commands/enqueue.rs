@@ -5,17 +5,17 @@ use std::io::BufRead;
 use std::path::PathBuf;
 
 use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
 use paceline_shared::job::Job;
-use paceline_shared::ports::{JobQueue, OutgoingMessage};
+use paceline_shared::ports::OutgoingMessage;
 
-use crate::commands::ConfigArg;
-use crate::lane::{load_config, open_store};
+use crate::access::LaneArgs;
 
-/// Put jobs (one JSON object per line) on the queue.
+/// Put jobs (one JSON object per line) on the queue, in batches of 10.
 #[derive(Debug, clap::Args)]
 pub struct EnqueueArgs {
     #[command(flatten)]
-    pub config: ConfigArg,
+    pub lane: LaneArgs,
     /// File of JSON lines; `-` or nothing reads standard input.
     pub file: Option<PathBuf>,
 }
@@ -44,8 +44,7 @@ impl EnqueueArgs {
     /// Bad config, unreadable input, a failed send, or rejected lines (after the good
     /// ones were sent).
     pub async fn run(self) -> anyhow::Result<()> {
-        let config = load_config(&self.config.config)?;
-        let store = open_store(&config)?;
+        let lane = self.lane.open().await?;
         let (jobs, errors) = match self.file.as_deref() {
             None => parse_lines(std::io::stdin().lock().lines()),
             Some(path) if path.as_os_str() == "-" => parse_lines(std::io::stdin().lock().lines()),
@@ -59,9 +58,13 @@ impl EnqueueArgs {
         }
         let messages: Vec<OutgoingMessage> =
             jobs.iter().map(|job| OutgoingMessage { body: job.to_json(), attempt: 0, delay: std::time::Duration::ZERO }).collect();
-        for batch in messages.chunks(10) {
-            store.send(batch).await?;
+        let bar = ProgressBar::new(messages.len() as u64);
+        bar.set_style(ProgressStyle::with_template("enqueueing {wide_bar} {pos}/{len} {per_sec} ETA {eta}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+        for (index, batch) in messages.chunks(10).enumerate() {
+            lane.queues.send(batch).await.with_context(|| format!("after {} job(s) were enqueued", index * 10))?;
+            bar.inc(batch.len() as u64);
         }
+        bar.finish_and_clear();
         println!("enqueued {} job(s); {} line(s) rejected", messages.len(), errors.len());
         if errors.is_empty() {
             Ok(())

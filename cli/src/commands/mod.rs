@@ -1,7 +1,10 @@
 //! One module per `paceline` subcommand, each an `Args` struct with its own `run`.
 
+pub mod circuit;
 pub mod demo;
+pub mod dlq;
 pub mod enqueue;
+pub mod kick;
 pub mod run;
 pub mod status;
 

@@ -1,16 +1,22 @@
-//! `paceline status`: queue and DLQ depths, circuit, lease and quota usage of a lane.
+//! `paceline status`: per tier used / limit / resets at; the circuit (state, since when,
+//! why, epoch); the lease holder; queue and DLQ depths; and about how long the backlog
+//! takes at the quota. On the embedded store or AWS alike.
 
-use paceline_shared::ports::{JobQueue, StateStore};
+use std::time::Duration;
+
+use paceline_shared::breaker::Circuit;
+use paceline_shared::dlq::DlqSource;
+use paceline_shared::ports::{Lease, QueueDepth};
+use paceline_shared::time::{system_now, UnixMillis};
 use serde::Serialize;
 
-use crate::commands::ConfigArg;
-use crate::lane::{load_config, open_store};
+use crate::access::LaneArgs;
 
 /// Show the lane's state.
 #[derive(Debug, clap::Args)]
 pub struct StatusArgs {
     #[command(flatten)]
-    pub config: ConfigArg,
+    pub lane: LaneArgs,
     /// Print as JSON.
     #[arg(long)]
     pub json: bool,
@@ -20,65 +26,97 @@ pub struct StatusArgs {
 struct TierUsage {
     tier: String,
     limit: u64,
+    /// Used in the current calendar window (day and month tiers; rolling tiers are paced
+    /// in memory by the running orchestrator).
     used: Option<u64>,
     resets_at: Option<String>,
 }
 
 #[derive(Serialize)]
 struct Status {
-    queue: paceline_shared::ports::QueueDepth,
-    circuit: paceline_shared::breaker::Circuit,
-    lease: Option<paceline_shared::ports::Lease>,
+    queue: QueueDepth,
+    /// The worker's DLQ, where the lane has one.
+    worker_dead: Option<u64>,
+    circuit: Circuit,
+    lease: Option<Lease>,
     cool_down_until: Option<String>,
     tiers: Vec<TierUsage>,
+    /// Seconds the waiting jobs take at the quota (one unit each), when the quota is known.
+    drain_estimate_seconds: Option<u64>,
 }
 
 impl StatusArgs {
     /// # Errors
-    /// Bad config or an unreadable store.
+    /// A bad lane or an unreadable store.
     pub async fn run(self) -> anyhow::Result<()> {
-        let config = load_config(&self.config.config)?;
-        let store = open_store(&config)?;
-        let now = paceline_shared::time::system_now();
+        let lane = self.lane.open().await?;
+        let now = system_now();
+        let queue = lane.queues.depth().await?;
+        let worker_dead = if lane.queues.sources().contains(&DlqSource::Worker) { Some(lane.queues.count(DlqSource::Worker).await?) } else { None };
         let mut tiers = Vec::new();
-        for tier in &config.quota.tiers {
-            let (used, resets_at) = if tier.is_calendar() {
-                let used = store.load_usage(&[tier.usage_key(config.quota.zone, now)]).await?[0];
-                (Some(used), Some(tier.window_at(config.quota.zone, now).1.to_rfc3339()))
-            } else {
-                (None, None)
-            };
-            tiers.push(TierUsage { tier: tier.to_string(), limit: tier.limit, used, resets_at });
+        let mut drain_estimate_seconds = None;
+        if let Some(quota) = lane.config.as_ref().map(|c| &c.quota) {
+            let mut calendar_used = Vec::new();
+            for tier in &quota.tiers {
+                let (used, resets_at) = if tier.is_calendar() {
+                    let used = lane.state.load_usage(&[tier.usage_key(quota.zone, now)]).await?[0];
+                    (Some(used), Some(tier.window_at(quota.zone, now).1.to_rfc3339()))
+                } else {
+                    (None, None)
+                };
+                calendar_used.push(used.unwrap_or(0));
+                tiers.push(TierUsage { tier: tier.to_string(), limit: tier.limit, used, resets_at });
+            }
+            let waiting = queue.visible + queue.not_visible;
+            drain_estimate_seconds = Some(quota.drain_estimate(waiting, &calendar_used, now).as_secs());
         }
-        let cool_down = store.cool_down().await?;
+        let cool_down = lane.state.cool_down().await?;
         let status = Status {
-            queue: store.depth().await?,
-            circuit: store.circuit().await?,
-            lease: store.lease().await?.filter(|l| l.expires_at > now),
+            queue,
+            worker_dead,
+            circuit: lane.state.circuit().await?,
+            lease: lane.state.lease().await?.filter(|l| l.expires_at > now),
             cool_down_until: (cool_down > now).then(|| cool_down.to_rfc3339()),
             tiers,
+            drain_estimate_seconds,
         };
         if self.json {
             println!("{}", serde_json::to_string_pretty(&status)?);
-            return Ok(());
-        }
-        println!("queue: {} ready, {} in flight or delayed, {} dead-lettered", status.queue.visible, status.queue.not_visible, status.queue.dead);
-        let c = &status.circuit;
-        let since = if c.since.0 == 0 { String::from("the start") } else { c.since.to_rfc3339() };
-        println!("circuit: {} since {} (epoch {}){}", c.status, since, c.epoch, if c.reason.is_empty() { String::new() } else { format!(": {}", c.reason) });
-        match &status.lease {
-            Some(l) => println!("lease: held by {} (epoch {}) until {}", l.holder, l.epoch, l.expires_at),
-            None => println!("lease: free"),
-        }
-        if let Some(until) = &status.cool_down_until {
-            println!("cool-down until {until}");
-        }
-        for t in &status.tiers {
-            match (t.used, &t.resets_at) {
-                (Some(used), Some(reset)) => println!("tier {}: {used}/{} used, resets at {reset}", t.tier, t.limit),
-                _ => println!("tier {}: rolling window, paced in memory", t.tier),
-            }
+        } else {
+            print_status(&status, now);
         }
         Ok(())
+    }
+}
+
+fn print_status(status: &Status, now: UnixMillis) {
+    let q = &status.queue;
+    println!("queue: {} ready, {} in flight or delayed", q.visible, q.not_visible);
+    match status.worker_dead {
+        Some(worker) => println!("dead letters: {} in the jobs DLQ, {worker} in the worker DLQ", q.dead),
+        None => println!("dead letters: {}", q.dead),
+    }
+    let c = &status.circuit;
+    let since = if c.since.0 == 0 {
+        String::from("the start")
+    } else {
+        format!("{} ({} ago)", c.since.to_rfc3339(), humantime::format_duration(Duration::from_secs(now.since(c.since).as_secs())))
+    };
+    println!("circuit: {} since {since}, epoch {}{}", c.status, c.epoch, if c.reason.is_empty() { String::new() } else { format!(": {}", c.reason) });
+    match &status.lease {
+        Some(l) => println!("lease: held by {} (epoch {}) until {}", l.holder, l.epoch, l.expires_at.to_rfc3339()),
+        None => println!("lease: free (no run in progress)"),
+    }
+    if let Some(until) = &status.cool_down_until {
+        println!("cool-down until {until} (the API asked us to wait)");
+    }
+    for t in &status.tiers {
+        match (t.used, &t.resets_at) {
+            (Some(used), Some(reset)) => println!("tier {}: {used}/{} used, resets at {reset}", t.tier, t.limit),
+            _ => println!("tier {}: rolling window, paced in memory by the running orchestrator", t.tier),
+        }
+    }
+    if let Some(seconds) = status.drain_estimate_seconds {
+        println!("backlog drains in about {} at the quota", humantime::format_duration(Duration::from_secs(seconds)));
     }
 }

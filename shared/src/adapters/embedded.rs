@@ -17,8 +17,9 @@ use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::breaker::Circuit;
 use crate::job::{DeadLetterReason, WorkerPayload};
+use crate::dlq::{jobs_record, DeadLetterRecord, DlqSource};
 use crate::ports::{
-    DeadLetter, PacerSnapshot, Invoker, JobQueue, Lease, OutgoingMessage, PortError, PortResult, QueueDepth, QueuedMessage, StateStore,
+    redrive_messages, DeadLetter, DeadLetterQueues, PacerSnapshot, Invoker, JobQueue, Lease, OutgoingMessage, PortError, PortResult, QueueDepth, QueuedMessage, StateStore,
     WorkerHandler,
 };
 use crate::time::{Clock, UnixMillis};
@@ -162,19 +163,24 @@ impl EmbeddedStore {
     /// # Errors
     /// `Fatal` on a database failure.
     pub fn dead_letters(&self) -> PortResult<Vec<DeadLetter>> {
+        Ok(self.dead_letter_rows(0, i64::MAX)?.into_iter().map(|(_, dead)| dead).collect())
+    }
+
+    /// Up to `limit` dead letters after row `after`, with their row numbers.
+    fn dead_letter_rows(&self, after: i64, limit: i64) -> PortResult<Vec<(i64, DeadLetter)>> {
         let conn = self.conn();
         let mut select = conn
-            .prepare("SELECT message_id, body, attempt, reason, dead_at FROM dead_letters ORDER BY seq")
+            .prepare("SELECT seq, message_id, body, attempt, reason, dead_at FROM dead_letters WHERE seq > ?1 ORDER BY seq LIMIT ?2")
             .map_err(sql_err)?;
         let rows = select
-            .query_map([], |r| {
-                Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, u32>(2)?, r.get::<_, String>(3)?, r.get::<_, i64>(4)?))
+            .query_map(params![after, limit], |r| {
+                Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, u32>(3)?, r.get::<_, String>(4)?, r.get::<_, i64>(5)?))
             })
             .map_err(sql_err)?;
         rows.map(|row| {
-            let (message_id, body, attempt, reason, dead_at) = row.map_err(sql_err)?;
+            let (seq, message_id, body, attempt, reason, dead_at) = row.map_err(sql_err)?;
             let reason: DeadLetterReason = serde_json::from_str(&reason).map_err(fatal)?;
-            Ok(DeadLetter { message_id, body, attempt, reason, dead_at: UnixMillis(to_u64(dead_at)) })
+            Ok((seq, DeadLetter { message_id, body, attempt, reason, dead_at: UnixMillis(to_u64(dead_at)) }))
         })
         .collect()
     }
@@ -338,6 +344,79 @@ impl JobQueue for EmbeddedStore {
                 + count("SELECT COUNT(*) FROM invocations", &[])?,
             dead: count("SELECT COUNT(*) FROM dead_letters", &[])?,
         })
+    }
+}
+
+/// In one process, a worker that fails is retried by the embedded invoker: there is no
+/// worker DLQ, only the jobs DLQ.
+fn only_jobs_dlq(source: DlqSource) -> PortResult<()> {
+    match source {
+        DlqSource::Jobs => Ok(()),
+        DlqSource::Worker => Err(PortError::Fatal("the embedded store has no worker DLQ (in one process a failed worker run is re-queued)".into())),
+    }
+}
+
+fn row_number(handle: &str) -> PortResult<i64> {
+    handle.parse().map_err(|_| PortError::Fatal(format!("`{handle}` is not a dead-letter row number")))
+}
+
+fn row_numbers(handles: &[String]) -> PortResult<Vec<i64>> {
+    handles.iter().map(|h| row_number(h)).collect()
+}
+
+#[async_trait]
+impl DeadLetterQueues for EmbeddedStore {
+    fn sources(&self) -> Vec<DlqSource> {
+        vec![DlqSource::Jobs]
+    }
+
+    async fn page(&self, source: DlqSource, after: Option<&str>, max: usize, _hold: Duration) -> PortResult<Vec<DeadLetterRecord>> {
+        only_jobs_dlq(source)?;
+        let after = after.map(row_number).transpose()?.unwrap_or(0);
+        let rows = self.dead_letter_rows(after, i64::try_from(max).unwrap_or(i64::MAX))?;
+        Ok(rows
+            .into_iter()
+            .map(|(seq, d)| jobs_record(seq.to_string(), d.message_id, d.body, d.attempt, d.reason.cause.label(), d.reason.detail, d.dead_at))
+            .collect())
+    }
+
+    async fn unhide(&self, source: DlqSource, _handles: &[String]) -> PortResult<()> {
+        only_jobs_dlq(source)
+    }
+
+    async fn remove(&self, source: DlqSource, handles: &[String]) -> PortResult<()> {
+        only_jobs_dlq(source)?;
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(sql_err)?;
+        for seq in row_numbers(handles)? {
+            tx.execute("DELETE FROM dead_letters WHERE seq = ?1", [seq]).map_err(sql_err)?;
+        }
+        tx.commit().map_err(sql_err)
+    }
+
+    async fn count(&self, source: DlqSource) -> PortResult<u64> {
+        only_jobs_dlq(source)?;
+        Ok(self.depth().await?.dead)
+    }
+
+    /// Exactly once: the copies are enqueued and the dead letters removed in one
+    /// transaction.
+    async fn redrive(&self, records: &[DeadLetterRecord], keep_attempts: bool) -> PortResult<()> {
+        let messages = redrive_messages(records, keep_attempts)?;
+        for r in records {
+            only_jobs_dlq(r.source)?;
+        }
+        let handles: Vec<String> = records.iter().map(|r| r.handle.clone()).collect();
+        let now = to_i64(self.clock.now().0);
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(sql_err)?;
+        for (m, seq) in messages.iter().zip(row_numbers(&handles)?) {
+            // A record another operator redrove or purged meanwhile is not sent twice.
+            if tx.execute("DELETE FROM dead_letters WHERE seq = ?1", [seq]).map_err(sql_err)? == 1 {
+                insert_message(&tx, &m.body, m.attempt, now)?;
+            }
+        }
+        tx.commit().map_err(sql_err)
     }
 }
 

@@ -23,17 +23,24 @@ impl LambdaInvoker {
     pub fn new(client: Client, function: impl Into<String>) -> Self {
         Self { client, function: function.into() }
     }
-}
 
-#[async_trait]
-impl Invoker for LambdaInvoker {
-    async fn invoke(&self, payload: &WorkerPayload) -> PortResult<()> {
+    /// The same client, invoking another function (an operator's kick of the orchestrator).
+    #[must_use]
+    pub fn for_function(&self, function: impl Into<String>) -> Self {
+        Self { client: self.client.clone(), function: function.into() }
+    }
+
+    /// Hands `payload` (JSON) to the function asynchronously.
+    ///
+    /// # Errors
+    /// As for [`Invoker::invoke`].
+    pub async fn invoke_event(&self, payload: String) -> PortResult<()> {
         let out = self
             .client
             .invoke()
             .function_name(&self.function)
             .invocation_type(InvocationType::Event)
-            .payload(Blob::new(payload.to_json()))
+            .payload(Blob::new(payload))
             .send()
             .await
             .map_err(|e| map_sdk_error("lambda Invoke", &e))?;
@@ -41,5 +48,12 @@ impl Invoker for LambdaInvoker {
             202 => Ok(()),
             status => Err(PortError::Transient(format!("lambda Invoke: expected 202 for an Event invoke, got {status}"))),
         }
+    }
+}
+
+#[async_trait]
+impl Invoker for LambdaInvoker {
+    async fn invoke(&self, payload: &WorkerPayload) -> PortResult<()> {
+        self.invoke_event(payload.to_json()).await
     }
 }

@@ -86,11 +86,14 @@ pub struct AwsNames {
     pub dlq_url: String,
     pub table: String,
     pub worker_function: String,
+    /// The worker's Lambda on-failure destination, read by operator commands.
+    pub worker_dlq_url: Option<String>,
 }
 
 impl AwsNames {
-    /// `PACELINE_QUEUE_URL`, `PACELINE_DLQ_URL`, `PACELINE_TABLE` and (for the
-    /// orchestrator) `PACELINE_WORKER_FUNCTION`.
+    /// `PACELINE_QUEUE_URL`, `PACELINE_DLQ_URL`, `PACELINE_TABLE`, (for the
+    /// orchestrator) `PACELINE_WORKER_FUNCTION`, and the optional
+    /// `PACELINE_WORKER_DLQ_URL`.
     ///
     /// # Errors
     /// Names the missing variable.
@@ -100,6 +103,7 @@ impl AwsNames {
             dlq_url: env.required("PACELINE_DLQ_URL")?,
             table: env.required("PACELINE_TABLE")?,
             worker_function: if with_worker { env.required("PACELINE_WORKER_FUNCTION")? } else { String::new() },
+            worker_dlq_url: env.required("PACELINE_WORKER_DLQ_URL").ok(),
         })
     }
 }
@@ -124,7 +128,7 @@ impl AwsAdapters {
             lambda = lambda.endpoint_url(url);
         }
         Self {
-            queue: SqsQueue::new(aws_sdk_sqs::Client::new(config), &names.queue_url, &names.dlq_url),
+            queue: SqsQueue::new(aws_sdk_sqs::Client::new(config), &names.queue_url, &names.dlq_url).with_worker_dlq(names.worker_dlq_url.clone()),
             store: DynamoStateStore::new(aws_sdk_dynamodb::Client::new(config), &names.table),
             invoker: LambdaInvoker::new(aws_sdk_lambda::Client::from_conf(lambda.build()), &names.worker_function),
         }
@@ -135,6 +139,19 @@ impl AwsAdapters {
 /// `AWS_ENDPOINT_URL*` overrides).
 pub async fn load_sdk_config() -> aws_config::SdkConfig {
     aws_config::load_defaults(aws_config::BehaviorVersion::latest()).await
+}
+
+/// The SDK configuration for an operator's command: the environment's, with the
+/// region and endpoint a config file may set.
+pub async fn load_sdk_config_with(region: Option<&str>, endpoint_url: Option<&str>) -> aws_config::SdkConfig {
+    let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest());
+    if let Some(region) = region {
+        loader = loader.region(aws_config::Region::new(region.to_owned()));
+    }
+    if let Some(url) = endpoint_url {
+        loader = loader.endpoint_url(url);
+    }
+    loader.load().await
 }
 
 fn build_error(e: impl std::fmt::Display) -> PortError {

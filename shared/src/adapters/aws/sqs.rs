@@ -3,7 +3,8 @@
 //! A job's attempt count travels as the `attempt` message attribute (SQS resets its
 //! receive count for a re-queued message). Dead letters carry their reason as
 //! attributes (`cause`, `detail`, `reason` as JSON) so operators can group them.
-//! FIFO queues (`.fifo`) get a message group and a deduplication id.
+//! FIFO queues (`.fifo`) get a message group and a deduplication id. The worker's own
+//! DLQ (Lambda's async on-failure destination) is read for operators, never written.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -16,9 +17,10 @@ use aws_sdk_sqs::types::{
 use aws_sdk_sqs::Client;
 
 use super::{build_error, map_sdk_error};
+use crate::dlq::{jobs_record, worker_record, DeadLetterRecord, DlqSource};
 use crate::job::DeadLetterReason;
-use crate::ports::{JobQueue, OutgoingMessage, PortError, PortResult, QueueDepth, QueuedMessage};
-use crate::time::system_now;
+use crate::ports::{DeadLetterQueues, JobQueue, OutgoingMessage, PortError, PortResult, QueueDepth, QueuedMessage};
+use crate::time::{system_now, UnixMillis};
 
 /// SQS allows at most this many entries per batch call.
 const BATCH: usize = 10;
@@ -31,6 +33,7 @@ pub struct SqsQueue {
     client: Client,
     queue_url: String,
     dlq_url: String,
+    worker_dlq_url: Option<String>,
 }
 
 fn number(value: impl ToString) -> PortResult<MessageAttributeValue> {
@@ -48,13 +51,67 @@ fn is_fifo(url: &str) -> bool {
 impl SqsQueue {
     #[must_use]
     pub fn new(client: Client, queue_url: impl Into<String>, dlq_url: impl Into<String>) -> Self {
-        Self { client, queue_url: queue_url.into(), dlq_url: dlq_url.into() }
+        Self { client, queue_url: queue_url.into(), dlq_url: dlq_url.into(), worker_dlq_url: None }
     }
 
-    /// The DLQ's URL (for operator commands).
+    /// Adds the worker's DLQ, for operator commands.
     #[must_use]
-    pub fn dlq_url(&self) -> &str {
-        &self.dlq_url
+    pub fn with_worker_dlq(mut self, url: Option<String>) -> Self {
+        self.worker_dlq_url = url;
+        self
+    }
+
+    fn dlq(&self, source: DlqSource) -> PortResult<&str> {
+        match source {
+            DlqSource::Jobs => Ok(&self.dlq_url),
+            DlqSource::Worker => self
+                .worker_dlq_url
+                .as_deref()
+                .ok_or_else(|| PortError::Fatal("no worker DLQ is configured (set worker_dlq_url, or PACELINE_WORKER_DLQ_URL)".into())),
+        }
+    }
+
+    async fn change_visibility(&self, url: &str, receipts: &[String], seconds: i32) -> PortResult<()> {
+        for batch in receipts.chunks(BATCH) {
+            let entries = batch
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    ChangeMessageVisibilityBatchRequestEntry::builder().id(i.to_string()).receipt_handle(r).visibility_timeout(seconds).build().map_err(build_error)
+                })
+                .collect::<PortResult<Vec<_>>>()?;
+            self.client
+                .change_message_visibility_batch()
+                .queue_url(url)
+                .set_entries(Some(entries))
+                .send()
+                .await
+                .map_err(|e| map_sdk_error("sqs ChangeMessageVisibilityBatch", &e))?;
+        }
+        Ok(())
+    }
+
+    async fn delete_from(&self, url: &str, receipts: &[String]) -> PortResult<()> {
+        for batch in receipts.chunks(BATCH) {
+            let entries = batch
+                .iter()
+                .enumerate()
+                .map(|(i, r)| DeleteMessageBatchRequestEntry::builder().id(i.to_string()).receipt_handle(r).build().map_err(build_error))
+                .collect::<PortResult<Vec<_>>>()?;
+            let out = self
+                .client
+                .delete_message_batch()
+                .queue_url(url)
+                .set_entries(Some(entries))
+                .send()
+                .await
+                .map_err(|e| map_sdk_error("sqs DeleteMessageBatch", &e))?;
+            // An expired receipt is not ours to delete any more; anything else is retried.
+            if let Some(failed) = out.failed().iter().find(|f| f.code() != "ReceiptHandleIsInvalid") {
+                return Err(PortError::Transient(format!("sqs DeleteMessageBatch: {}: {}", failed.code(), failed.message().unwrap_or(""))));
+            }
+        }
+        Ok(())
     }
 
     async fn counts(&self, url: &str) -> PortResult<(u64, u64)> {
@@ -110,46 +167,11 @@ impl JobQueue for SqsQueue {
     }
 
     async fn delete(&self, receipts: &[String]) -> PortResult<()> {
-        for batch in receipts.chunks(BATCH) {
-            let entries = batch
-                .iter()
-                .enumerate()
-                .map(|(i, r)| DeleteMessageBatchRequestEntry::builder().id(i.to_string()).receipt_handle(r).build().map_err(build_error))
-                .collect::<PortResult<Vec<_>>>()?;
-            let out = self
-                .client
-                .delete_message_batch()
-                .queue_url(&self.queue_url)
-                .set_entries(Some(entries))
-                .send()
-                .await
-                .map_err(|e| map_sdk_error("sqs DeleteMessageBatch", &e))?;
-            // An expired receipt is not ours to delete any more; anything else is retried.
-            if let Some(failed) = out.failed().iter().find(|f| f.code() != "ReceiptHandleIsInvalid") {
-                return Err(PortError::Transient(format!("sqs DeleteMessageBatch: {}: {}", failed.code(), failed.message().unwrap_or(""))));
-            }
-        }
-        Ok(())
+        self.delete_from(&self.queue_url, receipts).await
     }
 
     async fn release(&self, receipts: &[String]) -> PortResult<()> {
-        for batch in receipts.chunks(BATCH) {
-            let entries = batch
-                .iter()
-                .enumerate()
-                .map(|(i, r)| {
-                    ChangeMessageVisibilityBatchRequestEntry::builder().id(i.to_string()).receipt_handle(r).visibility_timeout(0).build().map_err(build_error)
-                })
-                .collect::<PortResult<Vec<_>>>()?;
-            self.client
-                .change_message_visibility_batch()
-                .queue_url(&self.queue_url)
-                .set_entries(Some(entries))
-                .send()
-                .await
-                .map_err(|e| map_sdk_error("sqs ChangeMessageVisibilityBatch", &e))?;
-        }
-        Ok(())
+        self.change_visibility(&self.queue_url, receipts, 0).await
     }
 
     async fn send(&self, messages: &[OutgoingMessage]) -> PortResult<()> {
@@ -217,5 +239,76 @@ impl JobQueue for SqsQueue {
         let (visible, not_visible) = self.counts(&self.queue_url).await?;
         let (dead_visible, dead_hidden) = self.counts(&self.dlq_url).await?;
         Ok(QueueDepth { visible, not_visible, dead: dead_visible + dead_hidden })
+    }
+}
+
+fn attribute<'a>(m: &'a aws_sdk_sqs::types::Message, name: &str) -> Option<&'a str> {
+    m.message_attributes().and_then(|a| a.get(name)).and_then(|v| v.string_value())
+}
+
+#[async_trait]
+impl DeadLetterQueues for SqsQueue {
+    fn sources(&self) -> Vec<DlqSource> {
+        let mut sources = vec![DlqSource::Jobs];
+        if self.worker_dlq_url.is_some() {
+            sources.push(DlqSource::Worker);
+        }
+        sources
+    }
+
+    async fn page(&self, source: DlqSource, _after: Option<&str>, max: usize, hold: Duration) -> PortResult<Vec<DeadLetterRecord>> {
+        let url = self.dlq(source)?;
+        let out = self
+            .client
+            .receive_message()
+            .queue_url(url)
+            .max_number_of_messages(i32::try_from(max.clamp(1, BATCH)).unwrap_or(10))
+            // Long polling: short polling may answer "empty" from a sample of servers.
+            .wait_time_seconds(1)
+            .visibility_timeout(i32::try_from(hold.as_secs().max(1)).unwrap_or(i32::MAX))
+            .message_attribute_names("All")
+            .message_system_attribute_names(MessageSystemAttributeName::SentTimestamp)
+            .send()
+            .await
+            .map_err(|e| map_sdk_error("sqs ReceiveMessage (DLQ)", &e))?;
+        Ok(out
+            .messages()
+            .iter()
+            .map(|m| {
+                let handle = m.receipt_handle().unwrap_or_default().to_owned();
+                let message_id = m.message_id().unwrap_or_default().to_owned();
+                let body = m.body().unwrap_or_default().to_owned();
+                let sent_at = m
+                    .attributes()
+                    .and_then(|a| a.get(&MessageSystemAttributeName::SentTimestamp))
+                    .and_then(|v| v.parse().ok())
+                    .map_or_else(system_now, UnixMillis);
+                match source {
+                    DlqSource::Worker => worker_record(handle, message_id, body, sent_at),
+                    DlqSource::Jobs => {
+                        // A message SQS itself moved here (redrive policy) has no reason
+                        // attributes: it was received too often without being deleted.
+                        let cause = attribute(m, "cause").unwrap_or("max_receives").to_owned();
+                        let detail = attribute(m, "detail").filter(|d| *d != "-").unwrap_or_default().to_owned();
+                        let attempt = attribute(m, "attempt").and_then(|v| v.parse().ok()).unwrap_or(0);
+                        let dead_at = attribute(m, "dead_at").and_then(|v| v.parse().ok()).map_or(sent_at, UnixMillis);
+                        jobs_record(handle, message_id, body, attempt, cause, detail, dead_at)
+                    }
+                }
+            })
+            .collect())
+    }
+
+    async fn unhide(&self, source: DlqSource, handles: &[String]) -> PortResult<()> {
+        self.change_visibility(self.dlq(source)?, handles, 0).await
+    }
+
+    async fn remove(&self, source: DlqSource, handles: &[String]) -> PortResult<()> {
+        self.delete_from(self.dlq(source)?, handles).await
+    }
+
+    async fn count(&self, source: DlqSource) -> PortResult<u64> {
+        let (visible, hidden) = self.counts(self.dlq(source)?).await?;
+        Ok(visible + hidden)
     }
 }

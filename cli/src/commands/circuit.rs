@@ -1,0 +1,75 @@
+//! `paceline circuit open|close`: an operator's hand on the circuit breaker. Like a
+//! worker's or a health check's, the change is conditioned on the epoch it was decided
+//! from, so it never undoes a newer change it did not see.
+
+use anyhow::bail;
+use clap::Subcommand;
+use paceline_shared::breaker::{Circuit, Refusal};
+use paceline_shared::ports::PortError;
+use paceline_shared::time::{system_now, UnixMillis};
+
+use crate::access::LaneArgs;
+
+/// `Circuit::open` or `Circuit::close`.
+type Transition = fn(&Circuit, u64, &str, UnixMillis) -> Result<Circuit, Refusal>;
+
+/// Open or close the circuit.
+#[derive(Debug, clap::Args)]
+pub struct CircuitArgs {
+    #[command(flatten)]
+    pub lane: LaneArgs,
+    #[command(subcommand)]
+    pub action: CircuitAction,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CircuitAction {
+    /// Stop dispatching jobs. The orchestrator then sends health checks; a healthy one
+    /// closes the circuit again.
+    Open(Change),
+    /// Let jobs flow again now, without waiting for a health check.
+    Close(Change),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Change {
+    /// Why (shown by `paceline status`).
+    #[arg(long, default_value = "operator")]
+    pub reason: String,
+    /// Change it only if it is still at this epoch (as `paceline status` showed it).
+    #[arg(long)]
+    pub epoch: Option<u64>,
+}
+
+impl CircuitArgs {
+    /// # Errors
+    /// A bad lane, an unavailable store, or a circuit that moved past `--epoch`.
+    pub async fn run(self) -> anyhow::Result<()> {
+        let lane = self.lane.open().await?;
+        let current = lane.state.circuit().await?;
+        let (change, transition): (&Change, Transition) = match &self.action {
+            CircuitAction::Open(change) => (change, Circuit::open),
+            CircuitAction::Close(change) => (change, Circuit::close),
+        };
+        let seen = change.epoch.unwrap_or(current.epoch);
+        let reason = format!("operator: {}", change.reason.trim_start_matches("operator: "));
+        let next = match transition(&current, seen, &reason, system_now()) {
+            Ok(next) => next,
+            Err(Refusal::Already(status)) => {
+                println!("the circuit is already {status} (epoch {}): nothing to do", current.epoch);
+                return Ok(());
+            }
+            Err(Refusal::Stale { seen, current }) => {
+                bail!("the circuit is at epoch {current}, not {seen}: it changed since; check `paceline status` and decide again")
+            }
+        };
+        match lane.state.swap_circuit(seen, &next).await {
+            Ok(()) => {
+                println!("circuit {} at epoch {} ({})", next.status, next.epoch, next.reason);
+                Ok(())
+            }
+            Err(PortError::Conflict(_)) => bail!("the circuit changed while we wrote (epoch {seen} is gone); check `paceline status` and decide again"),
+            Err(e) => Err(e.into()),
+        }
+    }
+}

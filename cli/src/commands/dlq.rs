@@ -1,0 +1,328 @@
+//! `paceline dlq list|show|summary|redrive|purge`: the operator's view of both
+//! dead-letter queues, and the way back onto the jobs queue after an outage. A dead
+//! letter leaves its DLQ only after its copy is safely enqueued.
+
+use std::time::Duration;
+
+use anyhow::bail;
+use clap::Subcommand;
+use indicatif::{ProgressBar, ProgressStyle};
+use paceline_shared::dlq::{summarize, DeadLetterFilter, DeadLetterRecord, DlqSource};
+use paceline_shared::ports::DeadLetterQueues;
+use paceline_shared::time::system_now;
+use serde::Serialize;
+
+use crate::access::LaneArgs;
+use crate::dlq_scan::Scan;
+
+/// Inspect the dead-letter queues, and redrive or purge what is in them.
+#[derive(Debug, clap::Args)]
+pub struct DlqArgs {
+    #[command(flatten)]
+    pub lane: LaneArgs,
+    /// How long records being read stay hidden from other readers (SQS); it must
+    /// cover one pass over the DLQ.
+    #[arg(long, global = true, default_value = "2m", value_parser = humantime::parse_duration)]
+    pub hold: Duration,
+    #[command(subcommand)]
+    pub action: DlqAction,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DlqAction {
+    /// List dead letters, oldest first in each DLQ.
+    List {
+        #[command(flatten)]
+        select: Selection,
+        /// Show at most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+        /// Print as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one dead letter in full, by its id or its job's id.
+    Show {
+        id: String,
+        /// Print as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Count dead letters by DLQ and cause, with when the first and last arrived.
+    Summary {
+        #[command(flatten)]
+        select: Selection,
+        /// Print as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Put dead letters back on the jobs queue, where they are paced like any job.
+    Redrive {
+        #[command(flatten)]
+        select: Selection,
+        /// Say what would move, and move nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Keep each job's attempt count (by default it starts again from 0).
+        #[arg(long)]
+        keep_attempts: bool,
+        /// Print the outcome as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete dead letters for good.
+    Purge {
+        #[command(flatten)]
+        select: Selection,
+        /// Say what would be deleted, and delete nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Print the outcome as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Which dead letters a command acts on.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct Selection {
+    /// Only this DLQ: `jobs`, or `worker` (the worker's Lambda on-failure destination).
+    #[arg(long)]
+    pub dlq: Option<DlqSource>,
+    /// Only these causes: a label (`http_404`), part of one (`attempts_exhausted`,
+    /// `worker`) or a status class (`5xx`). Repeat or separate with commas.
+    #[arg(long, value_delimiter = ',')]
+    pub cause: Vec<String>,
+    /// Only these job ids or dead-letter ids. Repeat or separate with commas.
+    #[arg(long, value_delimiter = ',')]
+    pub id: Vec<String>,
+    /// Only those dead-lettered at least this long ago (e.g. `1h`).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub older_than: Option<Duration>,
+    /// Only those dead-lettered at most this long ago.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub newer_than: Option<Duration>,
+    /// Redrive or purge everything (they refuse to without a filter or this).
+    #[arg(long)]
+    pub all: bool,
+}
+
+impl Selection {
+    fn filter(&self) -> DeadLetterFilter {
+        DeadLetterFilter { causes: self.cause.clone(), ids: self.id.clone(), older_than: self.older_than, newer_than: self.newer_than }
+    }
+
+    fn sources(&self, queues: &dyn DeadLetterQueues) -> anyhow::Result<Vec<DlqSource>> {
+        let have = queues.sources();
+        match self.dlq {
+            None => Ok(have),
+            Some(wanted) if have.contains(&wanted) => Ok(vec![wanted]),
+            Some(DlqSource::Worker) => {
+                bail!("this lane has no worker DLQ configured (set worker_dlq_url in [backend], --worker-dlq-url or PACELINE_WORKER_DLQ_URL; the embedded backend has none)")
+            }
+            Some(wanted) => bail!("this lane has no {wanted} DLQ"),
+        }
+    }
+}
+
+/// What a redrive or purge did.
+#[derive(Debug, Default, Serialize)]
+struct Removal {
+    matched: u64,
+    /// Redriven or purged (0 on a dry run).
+    done: u64,
+    /// Matched but hold no job to redrive (a health check, an unreadable record).
+    no_job: u64,
+    dry_run: bool,
+}
+
+#[derive(Clone, Copy)]
+enum RemovalKind {
+    Redrive { keep_attempts: bool },
+    Purge,
+}
+
+impl DlqArgs {
+    /// # Errors
+    /// A bad lane, an unavailable queue, or a redrive/purge without a filter or `--all`.
+    pub async fn run(self) -> anyhow::Result<()> {
+        let lane = self.lane.open().await?;
+        let queues = lane.queues.as_ref();
+        let hold = self.hold;
+        match self.action {
+            DlqAction::List { select, limit, json } => list(queues, &select, hold, limit, json).await,
+            DlqAction::Show { id, json } => show(queues, &id, hold, json).await,
+            DlqAction::Summary { select, json } => summary(queues, &select, hold, json).await,
+            DlqAction::Redrive { select, dry_run, keep_attempts, json } => {
+                remove(queues, &select, hold, RemovalKind::Redrive { keep_attempts }, dry_run, json).await
+            }
+            DlqAction::Purge { select, dry_run, json } => remove(queues, &select, hold, RemovalKind::Purge, dry_run, json).await,
+        }
+    }
+}
+
+/// Reads every selected dead letter (up to `limit`), leaving them all in place.
+async fn collect(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duration, limit: usize) -> anyhow::Result<Vec<DeadLetterRecord>> {
+    let filter = select.filter();
+    let now = system_now();
+    let mut found = Vec::new();
+    for source in select.sources(queues)? {
+        let mut scan = Scan::new(queues, source, hold);
+        while found.len() < limit {
+            let page = scan.next_page().await?;
+            if page.is_empty() {
+                break;
+            }
+            found.extend(page.into_iter().filter(|r| filter.matches(r, now)));
+        }
+        scan.finish().await?;
+    }
+    found.truncate(limit);
+    Ok(found)
+}
+
+fn one_line(record: &DeadLetterRecord) -> String {
+    let detail: String = record.detail.chars().take(80).collect();
+    format!(
+        "{:<6} {}  {:<32} attempt {:<2} job {:<24} id {}  {}",
+        record.source,
+        record.dead_at.to_rfc3339(),
+        record.cause,
+        record.attempt,
+        record.job_id.as_deref().unwrap_or("-"),
+        record.message_id,
+        detail
+    )
+}
+
+async fn list(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duration, limit: usize, json: bool) -> anyhow::Result<()> {
+    let records = collect(queues, select, hold, limit).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&records)?);
+        return Ok(());
+    }
+    for record in &records {
+        println!("{}", one_line(record));
+    }
+    println!("{} dead letter(s){}", records.len(), if records.len() == limit { " (the limit; --limit shows more)" } else { "" });
+    Ok(())
+}
+
+async fn show(queues: &dyn DeadLetterQueues, id: &str, hold: Duration, json: bool) -> anyhow::Result<()> {
+    let select = Selection { id: vec![id.to_owned()], ..Selection::default() };
+    let Some(record) = collect(queues, &select, hold, 1).await?.pop() else {
+        bail!("no dead letter has the id or job id `{id}` (`paceline dlq list` shows what there is)");
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&record)?);
+        return Ok(());
+    }
+    println!("dlq:        {}", record.source);
+    println!("id:         {}", record.message_id);
+    println!("job id:     {}", record.job_id.as_deref().unwrap_or("-"));
+    println!("cause:      {}", record.cause);
+    println!("detail:     {}", record.detail);
+    println!("attempt:    {}", record.attempt);
+    println!("dead since: {}", record.dead_at.to_rfc3339());
+    let body = serde_json::from_str::<serde_json::Value>(&record.raw).map_or_else(|_| record.raw.clone(), |v| serde_json::to_string_pretty(&v).unwrap_or_default());
+    println!("message:\n{body}");
+    Ok(())
+}
+
+async fn summary(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duration, json: bool) -> anyhow::Result<()> {
+    let records = collect(queues, select, hold, usize::MAX).await?;
+    let groups = summarize(&records);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&groups)?);
+        return Ok(());
+    }
+    println!("{:<6} {:<36} {:>7}  {:<29} {:<29} example", "dlq", "cause", "count", "first seen", "last seen");
+    for g in &groups {
+        let example: String = g.example.chars().take(60).collect();
+        println!("{:<6} {:<36} {:>7}  {:<29} {:<29} {example}", g.source, g.cause, g.count, g.first_seen.to_rfc3339(), g.last_seen.to_rfc3339());
+    }
+    println!("{} dead letter(s) in {} group(s); redrive a group with `paceline dlq redrive --cause <cause>`", records.len(), groups.len());
+    Ok(())
+}
+
+fn progress_bar(len: u64, verb: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template(&format!("{{spinner}} {verb} {{wide_bar}} {{pos}}/{{len}} read  {{msg}}  ETA {{eta}}"))
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+/// Redrives or purges the selected dead letters, a page at a time.
+async fn remove(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duration, kind: RemovalKind, dry_run: bool, json: bool) -> anyhow::Result<()> {
+    let (verb, done_verb) = match kind {
+        RemovalKind::Redrive { .. } => ("redriving", "redrove"),
+        RemovalKind::Purge => ("purging", "purged"),
+    };
+    let filter = select.filter();
+    if filter.is_everything() && !select.all {
+        bail!("say which dead letters: --cause, --id, --older-than, --newer-than, or --all for every one (add --dry-run to see first)");
+    }
+    let sources = select.sources(queues)?;
+    let mut total = 0;
+    for source in &sources {
+        total += queues.count(*source).await?;
+    }
+    let bar = progress_bar(total, verb);
+    let mut outcome = Removal { dry_run, ..Removal::default() };
+    let now = system_now();
+    for source in sources {
+        let mut scan = Scan::new(queues, source, hold);
+        loop {
+            let page = scan.next_page().await?;
+            if page.is_empty() {
+                break;
+            }
+            bar.inc(page.len() as u64);
+            let (act_on, no_job): (Vec<DeadLetterRecord>, Vec<DeadLetterRecord>) = page
+                .into_iter()
+                .filter(|r| filter.matches(r, now))
+                .partition(|r| matches!(kind, RemovalKind::Purge) || r.job_body.is_some());
+            outcome.matched += (act_on.len() + no_job.len()) as u64;
+            outcome.no_job += no_job.len() as u64;
+            if dry_run {
+                for record in &act_on {
+                    bar.suspend(|| println!("would {} {}", if matches!(kind, RemovalKind::Purge) { "purge" } else { "redrive" }, one_line(record)));
+                }
+                continue;
+            }
+            if act_on.is_empty() {
+                continue;
+            }
+            let handles: Vec<String> = act_on.iter().map(|r| r.handle.clone()).collect();
+            match kind {
+                RemovalKind::Redrive { keep_attempts } => queues.redrive(&act_on, keep_attempts).await?,
+                RemovalKind::Purge => queues.remove(source, &handles).await?,
+            }
+            scan.removed(&act_on);
+            outcome.done += act_on.len() as u64;
+            bar.set_message(format!("{} {done_verb}", outcome.done));
+        }
+        scan.finish().await?;
+    }
+    bar.finish_and_clear();
+    if json {
+        println!("{}", serde_json::to_string_pretty(&outcome)?);
+        return Ok(());
+    }
+    if dry_run {
+        println!("dry run: {} dead letter(s) match; nothing was changed", outcome.matched - outcome.no_job);
+    } else {
+        let attempts = match kind {
+            RemovalKind::Redrive { keep_attempts: true } => " to the jobs queue (attempts kept)",
+            RemovalKind::Redrive { keep_attempts: false } => " to the jobs queue (attempts reset)",
+            RemovalKind::Purge => "",
+        };
+        println!("{done_verb} {} dead letter(s){attempts}", outcome.done);
+    }
+    if outcome.no_job > 0 {
+        println!("{} matching dead letter(s) hold no job to redrive (health checks or unreadable records); `dlq purge` removes them", outcome.no_job);
+    }
+    Ok(())
+}

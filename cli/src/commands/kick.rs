@@ -1,0 +1,25 @@
+//! `paceline kick`: start an orchestrator run now instead of at the next scheduled
+//! minute (after a redrive, say). A run already going keeps the lease; the kick then
+//! returns at once.
+
+use crate::access::LaneArgs;
+
+/// Invoke the orchestrator function now.
+#[derive(Debug, clap::Args)]
+pub struct KickArgs {
+    #[command(flatten)]
+    pub lane: LaneArgs,
+}
+
+impl KickArgs {
+    /// # Errors
+    /// No orchestrator function named, or Lambda refused the invoke.
+    pub async fn run(self) -> anyhow::Result<()> {
+        let lane = self.lane.open().await?;
+        let orchestrator = lane.orchestrator.map_err(anyhow::Error::msg)?;
+        let event = serde_json::json!({ "source": "paceline.cli", "detail-type": "Kick", "detail": { "at": paceline_shared::time::system_now() } });
+        orchestrator.invoke_event(event.to_string()).await?;
+        println!("orchestrator kicked: a run starts now (unless one is running already)");
+        Ok(())
+    }
+}
