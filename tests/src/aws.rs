@@ -2,7 +2,7 @@
 //! (`PACELINE_TEST_MOTO_URL`, started by `scripts/test.sh`), a lane's queues and table
 //! created there, and a fake Lambda Invoke endpoint that answers 202 at once, records
 //! every invocation with its time, runs the worker, and can refuse invokes (429 or 500)
-//! on request.
+//! on request; also what Lambda writes to a worker's on-failure destination.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -36,6 +36,46 @@ pub async fn moto_sdk_config() -> aws_config::SdkConfig {
         .await
 }
 
+/// Creates a plain queue named `PREFIX-<unique>`; returns its URL.
+///
+/// # Panics
+/// When moto refuses.
+pub async fn create_queue(sdk: &aws_config::SdkConfig, prefix: &str) -> String {
+    let suffix = &uuid::Uuid::new_v4().simple().to_string()[..12];
+    let sqs = aws_sdk_sqs::Client::new(sdk);
+    sqs.create_queue().queue_name(format!("{prefix}-{suffix}")).send().await.expect("create queue").queue_url().unwrap().to_owned()
+}
+
+/// The record Lambda writes to an async on-failure destination when it gives up on an
+/// event, in the shape the Lambda documentation gives ("Adding a destination").
+#[must_use]
+pub fn lambda_failure_record(payload: &WorkerPayload, error_type: &str, message: &str) -> String {
+    serde_json::json!({
+        "version": "1.0",
+        "timestamp": "2026-11-22T10:00:00.000Z",
+        "requestContext": {
+            "requestId": uuid::Uuid::new_v4().to_string(),
+            "functionArn": "arn:aws:lambda:us-east-1:123456789012:function:paceline-worker:$LATEST",
+            "condition": "RetriesExhausted",
+            "approximateInvokeCount": 3
+        },
+        "requestPayload": serde_json::from_str::<serde_json::Value>(&payload.to_json()).unwrap(),
+        "responseContext": { "statusCode": 200, "executedVersion": "$LATEST", "functionError": "Unhandled" },
+        "responsePayload": { "errorType": error_type, "errorMessage": message }
+    })
+    .to_string()
+}
+
+/// The environment a `paceline` child needs to reach moto: dummy credentials, a region
+/// and the endpoint.
+#[must_use]
+pub fn moto_env() -> Vec<(String, String)> {
+    [("AWS_ACCESS_KEY_ID", "test".to_owned()), ("AWS_SECRET_ACCESS_KEY", "test".to_owned()), ("AWS_REGION", "us-east-1".to_owned()), ("AWS_ENDPOINT_URL", moto_url())]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect()
+}
+
 /// Creates a jobs queue with a DLQ (redrive after 5 receives) and a state table, with
 /// names unique to this call.
 ///
@@ -44,7 +84,7 @@ pub async fn moto_sdk_config() -> aws_config::SdkConfig {
 pub async fn create_lane(sdk: &aws_config::SdkConfig, worker_function: &str) -> AwsNames {
     let suffix = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
     let sqs = aws_sdk_sqs::Client::new(sdk);
-    let dlq_url = sqs.create_queue().queue_name(format!("paceline-dlq-{suffix}")).send().await.expect("create DLQ").queue_url().unwrap().to_owned();
+    let dlq_url = create_queue(sdk, "paceline-dlq").await;
     let dlq_arn = sqs
         .get_queue_attributes()
         .queue_url(&dlq_url)
@@ -91,6 +131,8 @@ pub struct Invocation {
 #[derive(Default)]
 struct FakeLambdaState {
     invocations: Mutex<Vec<Invocation>>,
+    /// Events sent to an orchestrator function (any JSON), by function.
+    kicks: Mutex<Vec<(String, serde_json::Value)>>,
     refuse_next: AtomicU32,
     refuse_with: AtomicU32,
     worker: Mutex<Option<Arc<dyn WorkerHandler>>>,
@@ -117,6 +159,13 @@ async fn invoke(State(state): State<Arc<FakeLambdaState>>, Path(function): Path<
                 (StatusCode::INTERNAL_SERVER_ERROR, reply, r#"{"Type":"Service","message":"Internal error."}"#.into())
             }
         };
+    }
+    if function.contains("orchestrator") {
+        let Ok(event) = serde_json::from_slice(&body) else {
+            return (StatusCode::BAD_REQUEST, reply, r#"{"message":"not JSON"}"#.into());
+        };
+        state.kicks.lock().unwrap().push((function, event));
+        return (StatusCode::ACCEPTED, reply, String::new());
     }
     let Ok(payload) = WorkerPayload::from_json(&String::from_utf8_lossy(&body)) else {
         return (StatusCode::BAD_REQUEST, reply, r#"{"message":"not a paceline payload"}"#.into());
@@ -167,6 +216,12 @@ impl FakeLambda {
     #[must_use]
     pub fn invocations(&self) -> Vec<Invocation> {
         self.state.invocations.lock().unwrap().clone()
+    }
+
+    /// Every event an orchestrator function (a name containing `orchestrator`) was sent.
+    #[must_use]
+    pub fn kicks(&self) -> Vec<(String, serde_json::Value)> {
+        self.state.kicks.lock().unwrap().clone()
     }
 
     /// Waits until no worker run is in flight (at most `limit`).

@@ -67,9 +67,15 @@ pub fn job_lines(ids: &[String]) -> String {
 
 /// Runs `paceline ARGS` with `stdin`, returning its output.
 pub async fn paceline(args: &[&str], stdin: &str) -> Output {
+    paceline_with_env(args, stdin, &[]).await
+}
+
+/// Runs `paceline ARGS` with `stdin` and extra environment variables.
+pub async fn paceline_with_env(args: &[&str], stdin: &str, env: &[(String, String)]) -> Output {
     use tokio::io::AsyncWriteExt;
     let mut child = tokio::process::Command::new(paceline_bin())
         .args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

@@ -33,9 +33,9 @@ pub enum CircuitAction {
 
 #[derive(Debug, clap::Args)]
 pub struct Change {
-    /// Why (shown by `paceline status`).
-    #[arg(long, default_value = "operator")]
-    pub reason: String,
+    /// Why (shown by `paceline status` as `operator: REASON`).
+    #[arg(long)]
+    pub reason: Option<String>,
     /// Change it only if it is still at this epoch (as `paceline status` showed it).
     #[arg(long)]
     pub epoch: Option<u64>,
@@ -52,7 +52,7 @@ impl CircuitArgs {
             CircuitAction::Close(change) => (change, Circuit::close),
         };
         let seen = change.epoch.unwrap_or(current.epoch);
-        let reason = format!("operator: {}", change.reason.trim_start_matches("operator: "));
+        let reason = change.reason.as_ref().map_or_else(|| "operator".to_owned(), |why| format!("operator: {why}"));
         let next = match transition(&current, seen, &reason, system_now()) {
             Ok(next) => next,
             Err(Refusal::Already(status)) => {

@@ -134,6 +134,9 @@ struct Removal {
     /// Matched but hold no job to redrive (a health check, an unreadable record).
     no_job: u64,
     dry_run: bool,
+    /// On a dry run, what would be redriven or purged.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    would: Vec<DeadLetterRecord>,
 }
 
 #[derive(Clone, Copy)]
@@ -287,9 +290,7 @@ async fn remove(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duratio
             outcome.matched += (act_on.len() + no_job.len()) as u64;
             outcome.no_job += no_job.len() as u64;
             if dry_run {
-                for record in &act_on {
-                    bar.suspend(|| println!("would {} {}", if matches!(kind, RemovalKind::Purge) { "purge" } else { "redrive" }, one_line(record)));
-                }
+                outcome.would.extend(act_on);
                 continue;
             }
             if act_on.is_empty() {
@@ -312,7 +313,11 @@ async fn remove(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duratio
         return Ok(());
     }
     if dry_run {
-        println!("dry run: {} dead letter(s) match; nothing was changed", outcome.matched - outcome.no_job);
+        let verb = if matches!(kind, RemovalKind::Purge) { "purge" } else { "redrive" };
+        for record in &outcome.would {
+            println!("would {verb} {}", one_line(record));
+        }
+        println!("dry run: {} dead letter(s) match; nothing was changed", outcome.would.len());
     } else {
         let attempts = match kind {
             RemovalKind::Redrive { keep_attempts: true } => " to the jobs queue (attempts kept)",
