@@ -24,7 +24,7 @@ pub enum DlqSource {
 
 impl fmt::Display for DlqSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+        f.pad(match self {
             Self::Jobs => "jobs",
             Self::Worker => "worker",
         })
@@ -69,10 +69,12 @@ pub struct DeadLetterRecord {
 
 /// Whether a record's cause label answers to `wanted`: the whole label
 /// (`attempts_exhausted:http_503`), one of its parts (`attempts_exhausted`, `http_503`,
-/// `worker`), or a status class (`5xx` matches any `http_5..` part).
+/// `worker`), a status (`503` for `http_503`) or a status class (`5xx` matches any
+/// `http_5..` part).
 #[must_use]
 pub fn cause_matches(label: &str, wanted: &str) -> bool {
-    label == wanted || label.split(':').any(|part| part == wanted || in_status_class(part, wanted))
+    label == wanted
+        || label.split(':').any(|part| part == wanted || part.strip_prefix("http_") == Some(wanted) || in_status_class(part, wanted))
 }
 
 fn in_status_class(part: &str, class: &str) -> bool {
@@ -248,6 +250,8 @@ mod tests {
         assert!(!cause_matches("attempts_exhausted:timeout", "5xx"));
         assert!(!cause_matches("malformed", "mal"));
         assert!(cause_matches("http_404", "4XX"));
+        assert!(cause_matches("attempts_exhausted:http_503", "503"));
+        assert!(!cause_matches("http_404", "40"));
     }
 
     #[test]

@@ -90,7 +90,8 @@ pub struct Selection {
     #[arg(long)]
     pub dlq: Option<DlqSource>,
     /// Only these causes: a label (`http_404`), part of one (`attempts_exhausted`,
-    /// `worker`) or a status class (`5xx`). Repeat or separate with commas.
+    /// `worker`), a status (`503`) or a status class (`5xx`). Repeat or separate with
+    /// commas.
     #[arg(long, value_delimiter = ',')]
     pub cause: Vec<String>,
     /// Only these job ids or dead-letter ids. Repeat or separate with commas.

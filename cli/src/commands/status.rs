@@ -116,7 +116,9 @@ fn print_status(status: &Status, now: UnixMillis) {
             _ => println!("tier {}: rolling window, paced in memory by the running orchestrator", t.tier),
         }
     }
-    if let Some(seconds) = status.drain_estimate_seconds {
-        println!("backlog drains in about {} at the quota", humantime::format_duration(Duration::from_secs(seconds)));
+    match status.drain_estimate_seconds {
+        _ if q.visible + q.not_visible == 0 => println!("backlog: none"),
+        Some(seconds) => println!("backlog drains in about {} at the quota", humantime::format_duration(Duration::from_secs(seconds))),
+        None => {}
     }
 }

@@ -376,7 +376,8 @@ impl DeadLetterQueues for EmbeddedStore {
         let rows = self.dead_letter_rows(after, i64::try_from(max).unwrap_or(i64::MAX))?;
         Ok(rows
             .into_iter()
-            .map(|(seq, d)| jobs_record(seq.to_string(), d.message_id, d.body, d.attempt, d.reason.cause.label(), d.reason.detail, d.dead_at))
+            // The row number names a dead letter: the same job may be dead-lettered twice.
+            .map(|(seq, d)| jobs_record(seq.to_string(), format!("dead-{seq}"), d.body, d.attempt, d.reason.cause.label(), d.reason.detail, d.dead_at))
             .collect())
     }
 
