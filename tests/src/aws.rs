@@ -66,6 +66,17 @@ pub fn lambda_failure_record(payload: &WorkerPayload, error_type: &str, message:
     .to_string()
 }
 
+/// The `PACELINE_*` environment of a lane's Lambda functions: its resource names and
+/// `extra` settings.
+#[must_use]
+pub fn lane_env(names: &AwsNames, extra: &[(&str, &str)]) -> std::collections::BTreeMap<String, String> {
+    [("PACELINE_QUEUE_URL", names.queue_url.as_str()), ("PACELINE_DLQ_URL", names.dlq_url.as_str()), ("PACELINE_TABLE", names.table.as_str())]
+        .iter()
+        .chain(extra)
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
 /// The environment a `paceline` child needs to reach moto: dummy credentials, a region
 /// and the endpoint.
 #[must_use]

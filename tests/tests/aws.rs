@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use lambda_runtime::{Context, LambdaEvent};
 use paceline_cli::fake_api::{FakeApi, FakeApiSpec};
-use paceline_e2e::aws::{create_lane, moto_sdk_config, FakeLambda};
+use paceline_e2e::aws::{create_lane, lane_env, moto_sdk_config, FakeLambda};
 use paceline_orchestrator::{lambda as orchestrator_lambda, Orchestrator, RunError, RunOptions, StopReason};
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames, DynamoStateStore, SqsQueue};
 use paceline_shared::check::peak_in_any_window;
@@ -29,20 +29,17 @@ async fn lane(tiers: &str) -> Lane {
     let sdk = moto_sdk_config().await;
     let names = create_lane(&sdk, "paceline-worker").await;
     let lambda = FakeLambda::start().await;
-    let env: BTreeMap<String, String> = [
-        ("PACELINE_QUEUE_URL", names.queue_url.as_str()),
-        ("PACELINE_DLQ_URL", names.dlq_url.as_str()),
-        ("PACELINE_TABLE", names.table.as_str()),
-        ("PACELINE_WORKER_FUNCTION", "paceline-worker"),
-        ("PACELINE_TIERS", tiers),
-        ("PACELINE_HEALTH_CHECK_INTERVAL", "1s"),
-        ("PACELINE_DEADLINE_MARGIN", "1s"),
-        ("PACELINE_VISIBILITY_TIMEOUT", "20s"),
-        ("PACELINE_HEALTH_CHECK", r#"{"method":"GET","path":"/health"}"#),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_owned(), v.to_owned()))
-    .collect();
+    let env = lane_env(
+        &names,
+        &[
+            ("PACELINE_WORKER_FUNCTION", "paceline-worker"),
+            ("PACELINE_TIERS", tiers),
+            ("PACELINE_HEALTH_CHECK_INTERVAL", "1s"),
+            ("PACELINE_DEADLINE_MARGIN", "1s"),
+            ("PACELINE_VISIBILITY_TIMEOUT", "20s"),
+            ("PACELINE_HEALTH_CHECK", r#"{"method":"GET","path":"/health"}"#),
+        ],
+    );
     Lane { sdk, names, lambda, env }
 }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use paceline_cli::fake_api::{FakeApi, FakeApiSpec};
-use paceline_e2e::aws::{create_lane, create_queue, lambda_failure_record, moto_env, moto_sdk_config, FakeLambda};
+use paceline_e2e::aws::{create_lane, create_queue, lambda_failure_record, lane_env, moto_env, moto_sdk_config, FakeLambda};
 use paceline_e2e::{job_lines, json_of, lane_dir, paceline, paceline_bin, paceline_with_env, write_config};
 use paceline_orchestrator::{lambda as orchestrator_lambda, RunOptions, StopReason};
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames, SqsQueue};
@@ -151,21 +151,8 @@ async fn enqueue_status_circuit_and_kick_on_an_aws_lane() {
 async fn outage_fills_the_dlqs(sdk: &aws_config::SdkConfig, names: &AwsNames) {
     let during_outage = api(&["1000/s"], Some((Duration::ZERO, Duration::from_secs(600)))).await;
     let up = api(&["1000/s"], None).await;
-    let worker_env = |base: &str| -> BTreeMap<String, String> {
-        [
-            ("PACELINE_QUEUE_URL", names.queue_url.as_str()),
-            ("PACELINE_DLQ_URL", names.dlq_url.as_str()),
-            ("PACELINE_TABLE", names.table.as_str()),
-            ("PACELINE_API_BASE_URL", base),
-            ("PACELINE_API_TIMEOUT", "2s"),
-            ("PACELINE_MAX_ATTEMPTS", "1"),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect()
-    };
     for (base, prefix, n) in [(during_outage.base_url.as_str(), "down", 30), ("http://127.0.0.1:9", "unreachable", 5), (up.base_url.as_str(), "gone", 10)] {
-        let env = worker_env(base);
+        let env = lane_env(names, &[("PACELINE_API_BASE_URL", base), ("PACELINE_API_TIMEOUT", "2s"), ("PACELINE_MAX_ATTEMPTS", "1")]);
         let get = |k: &str| env.get(k).cloned();
         let worker = paceline_worker::lambda::from_env(&Env::new(&get), sdk).unwrap();
         for id in ids(prefix, n) {
@@ -233,17 +220,7 @@ async fn after_an_outage_dlq_summary_groups_causes_and_redrive_moves_exactly_tho
     assert!(cli(&config, &["circuit", "close", "--reason", "API back"]).await.status.success());
     let healthy = api(&["10/s"], None).await;
     let lambda = FakeLambda::start().await;
-    let env: BTreeMap<String, String> = [
-        ("PACELINE_QUEUE_URL", names.queue_url.as_str()),
-        ("PACELINE_DLQ_URL", names.dlq_url.as_str()),
-        ("PACELINE_TABLE", names.table.as_str()),
-        ("PACELINE_WORKER_FUNCTION", "paceline-worker"),
-        ("PACELINE_TIERS", "10/s"),
-        ("PACELINE_API_BASE_URL", healthy.base_url.as_str()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_owned(), v.to_owned()))
-    .collect();
+    let env = lane_env(&names, &[("PACELINE_WORKER_FUNCTION", "paceline-worker"), ("PACELINE_TIERS", "10/s"), ("PACELINE_API_BASE_URL", healthy.base_url.as_str())]);
     let get = |k: &str| env.get(k).cloned();
     let worker: Arc<dyn WorkerHandler> = Arc::new(paceline_worker::lambda::from_env(&Env::new(&get), &sdk).unwrap());
     lambda.run_worker(worker);

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use aws_sdk_sqs::types::{
-    ChangeMessageVisibilityBatchRequestEntry, DeleteMessageBatchRequestEntry, MessageAttributeValue, MessageSystemAttributeName,
+    ChangeMessageVisibilityBatchRequestEntry, DeleteMessageBatchRequestEntry, Message, MessageAttributeValue, MessageSystemAttributeName,
     QueueAttributeName, SendMessageBatchRequestEntry,
 };
 use aws_sdk_sqs::Client;
@@ -69,6 +69,24 @@ impl SqsQueue {
                 .as_deref()
                 .ok_or_else(|| PortError::Fatal("no worker DLQ is configured (set worker_dlq_url, or PACELINE_WORKER_DLQ_URL)".into())),
         }
+    }
+
+    /// Receives up to `max` messages from `url` with the message attributes named
+    /// (`All` for every one) and the time each was sent.
+    async fn receive_from(&self, url: &str, max: usize, wait: Duration, visibility: Duration, attributes: &str) -> PortResult<Vec<Message>> {
+        let out = self
+            .client
+            .receive_message()
+            .queue_url(url)
+            .max_number_of_messages(i32::try_from(max.clamp(1, BATCH)).unwrap_or(10))
+            .wait_time_seconds(i32::try_from(wait.as_secs().min(20)).unwrap_or(20))
+            .visibility_timeout(i32::try_from(visibility.as_secs().max(1)).unwrap_or(i32::MAX))
+            .message_attribute_names(attributes)
+            .message_system_attribute_names(MessageSystemAttributeName::SentTimestamp)
+            .send()
+            .await
+            .map_err(|e| map_sdk_error("sqs ReceiveMessage", &e))?;
+        Ok(out.messages.unwrap_or_default())
     }
 
     async fn change_visibility(&self, url: &str, receipts: &[String], seconds: i32) -> PortResult<()> {
@@ -137,20 +155,8 @@ impl SqsQueue {
 #[async_trait]
 impl JobQueue for SqsQueue {
     async fn receive(&self, max: usize, wait: Duration, visibility: Duration) -> PortResult<Vec<QueuedMessage>> {
-        let out = self
-            .client
-            .receive_message()
-            .queue_url(&self.queue_url)
-            .max_number_of_messages(i32::try_from(max.clamp(1, BATCH)).unwrap_or(10))
-            .wait_time_seconds(i32::try_from(wait.as_secs().min(20)).unwrap_or(20))
-            .visibility_timeout(i32::try_from(visibility.as_secs().max(1)).unwrap_or(i32::MAX))
-            .message_attribute_names("attempt")
-            .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
-            .send()
-            .await
-            .map_err(|e| map_sdk_error("sqs ReceiveMessage", &e))?;
-        Ok(out
-            .messages()
+        let messages = self.receive_from(&self.queue_url, max, wait, visibility, "attempt").await?;
+        Ok(messages
             .iter()
             .map(|m| QueuedMessage {
                 message_id: m.message_id().unwrap_or_default().to_owned(),
@@ -242,7 +248,7 @@ impl JobQueue for SqsQueue {
     }
 }
 
-fn attribute<'a>(m: &'a aws_sdk_sqs::types::Message, name: &str) -> Option<&'a str> {
+fn attribute<'a>(m: &'a Message, name: &str) -> Option<&'a str> {
     m.message_attributes().and_then(|a| a.get(name)).and_then(|v| v.string_value())
 }
 
@@ -258,21 +264,9 @@ impl DeadLetterQueues for SqsQueue {
 
     async fn page(&self, source: DlqSource, _after: Option<&str>, max: usize, hold: Duration) -> PortResult<Vec<DeadLetterRecord>> {
         let url = self.dlq(source)?;
-        let out = self
-            .client
-            .receive_message()
-            .queue_url(url)
-            .max_number_of_messages(i32::try_from(max.clamp(1, BATCH)).unwrap_or(10))
-            // Long polling: short polling may answer "empty" from a sample of servers.
-            .wait_time_seconds(1)
-            .visibility_timeout(i32::try_from(hold.as_secs().max(1)).unwrap_or(i32::MAX))
-            .message_attribute_names("All")
-            .message_system_attribute_names(MessageSystemAttributeName::SentTimestamp)
-            .send()
-            .await
-            .map_err(|e| map_sdk_error("sqs ReceiveMessage (DLQ)", &e))?;
-        Ok(out
-            .messages()
+        // Long polling: short polling may answer "empty" from a sample of servers.
+        let messages = self.receive_from(url, max, Duration::from_secs(1), hold, "All").await?;
+        Ok(messages
             .iter()
             .map(|m| {
                 let handle = m.receipt_handle().unwrap_or_default().to_owned();
