@@ -1,6 +1,7 @@
 //! The orchestrator as a Lambda function: built once at cold start from `PACELINE_*`
 //! variables, then each invocation (the EventBridge schedule or an operator's kick)
-//! runs the drain loop until the invocation's deadline, minus the margin.
+//! runs the drain loop until the invocation's deadline, minus the margin, and prints its
+//! figures as CloudWatch metrics (embedded metric format) for the stack's alarms.
 
 use std::sync::Arc;
 
@@ -10,7 +11,7 @@ use paceline_shared::lambda_env::Env;
 use paceline_shared::time::{SystemClock, UnixMillis};
 use serde_json::{json, Value};
 
-use crate::{Orchestrator, Progress, RunError, RunOptions, Settings};
+use crate::{Orchestrator, Progress, RunError, RunOptions, RunReport, Settings};
 
 /// Builds the orchestrator from the environment and an SDK configuration.
 ///
@@ -43,11 +44,77 @@ pub async fn handle(event: LambdaEvent<Value>, orchestrator: &Orchestrator) -> R
         stop: None,
     };
     match orchestrator.run(&opts).await {
-        Ok(report) => Ok(serde_json::to_value(report)?),
+        Ok(report) => {
+            let circuit_open = orchestrator.progress.circuit_open.load(std::sync::atomic::Ordering::Relaxed);
+            let lane = std::env::var("PACELINE_LANE").unwrap_or_else(|_| "paceline".into());
+            // Lambda sends standard output to CloudWatch Logs, which turns this into metrics.
+            println!("{}", metrics_record(&report, circuit_open, &lane));
+            Ok(serde_json::to_value(report)?)
+        }
         Err(RunError::LeaseHeld(why)) => {
             tracing::info!(%why, "another run holds the lease; nothing to do");
             Ok(json!({ "skipped": why }))
         }
         Err(e) => Err(e.into()),
+    }
+}
+
+/// The run's figures as one CloudWatch embedded-metric-format record in namespace
+/// `Paceline`, dimension `Lane`: `Dispatched`, `DeadLettered`, `HealthChecks`,
+/// `CircuitOpen` (1 when the run ended with the circuit open) and `QuotaExhausted`
+/// (1 when a day or month tier has no room left).
+#[must_use]
+pub fn metrics_record(report: &RunReport, circuit_open: bool, lane: &str) -> Value {
+    let exhausted = report.tiers.iter().any(|t| t.tier.is_calendar() && t.utilization >= 1.0);
+    json!({
+        "_aws": {
+            "Timestamp": report.ended_at.0,
+            "CloudWatchMetrics": [{
+                "Namespace": "Paceline",
+                "Dimensions": [["Lane"]],
+                "Metrics": [
+                    { "Name": "Dispatched", "Unit": "Count" },
+                    { "Name": "DeadLettered", "Unit": "Count" },
+                    { "Name": "HealthChecks", "Unit": "Count" },
+                    { "Name": "CircuitOpen", "Unit": "None" },
+                    { "Name": "QuotaExhausted", "Unit": "None" }
+                ]
+            }]
+        },
+        "Lane": lane,
+        "Dispatched": report.dispatched,
+        "DeadLettered": report.dead_lettered,
+        "HealthChecks": report.health_checks,
+        "CircuitOpen": u8::from(circuit_open),
+        "QuotaExhausted": u8::from(exhausted),
+        "Stop": report.stop,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{StopReason, TierReport};
+
+    #[test]
+    fn metrics_record_flags_an_open_circuit_and_an_exhausted_calendar_tier() {
+        let tier = |text: &str, utilization: f64| TierReport { tier: text.parse().unwrap(), units: 5, peak_window: 5, utilization };
+        let mut report = RunReport {
+            started_at: UnixMillis(1_000),
+            ended_at: UnixMillis(61_000),
+            stop: StopReason::Deadline,
+            dispatched: 42,
+            health_checks: 1,
+            dead_lettered: 2,
+            released: 0,
+            paced_ms: 60_000,
+            tiers: vec![tier("10/s", 1.0), tier("1000/day", 0.5)],
+        };
+        let record = metrics_record(&report, true, "sms");
+        assert_eq!((record["Dispatched"].as_u64(), record["CircuitOpen"].as_u64(), record["QuotaExhausted"].as_u64()), (Some(42), Some(1), Some(0)));
+        assert_eq!(record["_aws"]["CloudWatchMetrics"][0]["Metrics"].as_array().unwrap().len(), 5);
+        assert_eq!((record["Lane"].as_str(), record["_aws"]["Timestamp"].as_u64()), (Some("sms"), Some(61_000)));
+        report.tiers[1].utilization = 1.0;
+        assert_eq!(metrics_record(&report, false, "sms")["QuotaExhausted"], 1);
     }
 }

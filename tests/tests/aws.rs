@@ -250,3 +250,24 @@ async fn the_orchestrator_lambda_runs_a_scheduled_kick_until_its_deadline() {
     assert!(out["skipped"].as_str().unwrap().contains("other"), "{out}");
     lane.store().release_lease(&held).await.unwrap();
 }
+
+#[tokio::test]
+async fn the_worker_reads_its_api_token_from_secrets_manager_and_a_missing_one_fails_the_cold_start() {
+    use secrecy::ExposeSecret;
+    let sdk = moto_sdk_config().await;
+    let name = format!("paceline-token-{}", uuid::Uuid::new_v4().simple());
+    let created = aws_sdk_secretsmanager::Client::new(&sdk).create_secret().name(&name).secret_string("t0ken\n").send().await.unwrap();
+    let arn = created.arn().unwrap().to_owned();
+
+    let wanted = format!(r#"{{"API_TOKEN": "{arn}"}}"#);
+    let get = |k: &str| (k == "PACELINE_API_SECRETS").then(|| wanted.clone());
+    let secrets = paceline_worker::lambda::fetch_secrets(&Env::new(&get), &sdk).await.unwrap();
+    assert_eq!(secrets["API_TOKEN"].expose_secret(), "t0ken");
+
+    let missing = r#"{"API_TOKEN": "arn:aws:secretsmanager:us-east-1:123456789012:secret:nope"}"#.to_owned();
+    let get = |k: &str| (k == "PACELINE_API_SECRETS").then(|| missing.clone());
+    let error = paceline_worker::lambda::fetch_secrets(&Env::new(&get), &sdk).await.unwrap_err();
+    assert!(error.contains("API_TOKEN") && error.contains("secret:nope"), "{error}");
+    let none = |_: &str| None;
+    assert!(paceline_worker::lambda::fetch_secrets(&Env::new(&none), &sdk).await.unwrap().is_empty());
+}

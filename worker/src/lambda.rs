@@ -1,8 +1,10 @@
 //! The worker as a Lambda function: built once at cold start from `PACELINE_*`
-//! variables; each asynchronous invocation carries one versioned payload. An error
+//! variables (the API's secrets fetched from Secrets Manager, never from plain text);
+//! each asynchronous invocation carries one versioned payload. An error
 //! makes Lambda retry the event and, at last, send it to the on-failure destination
 //! (the worker DLQ), so nothing is lost.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use lambda_runtime::LambdaEvent;
@@ -11,9 +13,38 @@ use paceline_shared::job::WorkerPayload;
 use paceline_shared::lambda_env::Env;
 use paceline_shared::ports::WorkerHandler;
 use paceline_shared::time::SystemClock;
+use secrecy::SecretString;
 use serde_json::Value;
 
 use crate::{ApiClient, Worker, WorkerStats};
+
+/// Fetches the secrets `PACELINE_API_SECRETS` names (`{"API_TOKEN": "<secret ARN>"}`)
+/// from Secrets Manager, once at cold start. A header reads one as it would an
+/// environment variable (`{"env": "API_TOKEN"}`), but the value never enters the
+/// process environment or the function's configuration.
+///
+/// # Errors
+/// A bad `PACELINE_API_SECRETS`, or a secret that cannot be read (named by its id, the
+/// value never shown).
+pub async fn fetch_secrets(env: &Env<'_>, sdk: &aws_config::SdkConfig) -> Result<BTreeMap<String, SecretString>, String> {
+    let wanted: BTreeMap<String, String> = match env.required("PACELINE_API_SECRETS") {
+        Err(_) => return Ok(BTreeMap::new()),
+        Ok(text) => serde_json::from_str(&text).map_err(|e| format!("PACELINE_API_SECRETS: not a JSON object of name to secret id: {e}"))?,
+    };
+    let client = aws_sdk_secretsmanager::Client::new(sdk);
+    let mut secrets = BTreeMap::new();
+    for (name, id) in wanted {
+        let out = client
+            .get_secret_value()
+            .secret_id(&id)
+            .send()
+            .await
+            .map_err(|e| format!("PACELINE_API_SECRETS: cannot read secret {name} ({id}): {}", paceline_shared::error_chain(&e)))?;
+        let value = out.secret_string().ok_or_else(|| format!("PACELINE_API_SECRETS: secret {name} ({id}) holds no text"))?;
+        secrets.insert(name, SecretString::from(value.trim_end().to_owned()));
+    }
+    Ok(secrets)
+}
 
 /// Builds the worker from the environment and an SDK configuration.
 ///

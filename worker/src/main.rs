@@ -3,12 +3,15 @@
 use lambda_runtime::{service_fn, LambdaEvent};
 use paceline_shared::lambda_env::Env;
 use paceline_worker::lambda;
+use secrecy::ExposeSecret;
 
 #[tokio::main]
 async fn main() -> Result<(), lambda_runtime::Error> {
     tracing_subscriber::fmt().json().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_current_span(false).init();
     let sdk = paceline_shared::adapters::aws::load_sdk_config().await;
-    let get = |name: &str| std::env::var(name).ok();
+    let from_process = |name: &str| std::env::var(name).ok();
+    let secrets = lambda::fetch_secrets(&Env::new(&from_process), &sdk).await.map_err(|e| format!("cold start: {e}"))?;
+    let get = |name: &str| secrets.get(name).map(|s| s.expose_secret().to_owned()).or_else(|| std::env::var(name).ok());
     let worker = lambda::from_env(&Env::new(&get), &sdk).map_err(|e| format!("cold start: {e}"))?;
     lambda_runtime::run(service_fn(|event: LambdaEvent<serde_json::Value>| lambda::handle(event, &worker))).await
 }

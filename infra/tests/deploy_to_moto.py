@@ -1,0 +1,142 @@
+"""Deploys infra/template.yaml into the moto server's CloudFormation and checks what it made.
+
+The SAM template is translated to plain CloudFormation with samtranslator (what
+`sam deploy` does on AWS's side), the functions' code is a placeholder zip in moto's S3
+(moto creates functions without running them), and the stack is created with the
+parameters a user would give. Then the resources are read back through their own
+services: the functions' reserved concurrency, runtime and wiring, the schedule, the
+queues' redrive policy and encryption, the table's key and billing, the outputs. What
+moto's CloudFormation does not create (alarms, async invoke configs, architectures) is
+checked as the translated template declares it.
+
+Usage: deploy_to_moto.py TEMPLATE MOTO_URL
+"""
+
+import io
+import json
+import os
+import sys
+import uuid
+import zipfile
+
+import boto3
+from samtranslator.translator.transform import transform
+from samtranslator.yaml_helper import yaml_parse
+
+
+class NoManagedPolicies:
+    """The template names no managed policies by name, so nothing needs looking up."""
+
+    def load(self):
+        return {}
+
+
+def client(service, url):
+    return boto3.client(service, endpoint_url=url, region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test")
+
+
+def check(condition, what):
+    if not condition:
+        raise AssertionError(what)
+    print(f"  ok  {what}")
+
+
+def main(template_path, url):
+    with open(template_path) as f:
+        template = yaml_parse(f.read())
+
+    unique = uuid.uuid4().hex[:8]
+    bucket = f"paceline-code-{unique}"
+    s3 = client("s3", url)
+    s3.create_bucket(Bucket=bucket)
+    code = io.BytesIO()
+    with zipfile.ZipFile(code, "w") as z:
+        z.writestr("bootstrap", "#!/bin/sh\n")
+    s3.put_object(Bucket=bucket, Key="lambda.zip", Body=code.getvalue())
+    for name in ("OrchestratorFunction", "WorkerFunction"):
+        template["Resources"][name]["Properties"]["CodeUri"] = {"Bucket": bucket, "Key": "lambda.zip"}
+
+    secret_arn = client("secretsmanager", url).create_secret(Name=f"paceline-api-token-{unique}", SecretString="s3cr3t")["ARN"]
+    parameters = {
+        "ApiBaseUrl": "https://api.example.com/v1",
+        "QuotaTiers": "10/s,500/min,100000/day",
+        "ApiSecretArn": secret_arn,
+        "MaxReceiveCount": "4",
+    }
+    # The translator fills in pseudo parameters (AWS::Region...) from a boto3 session.
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    translated = transform(template, dict(parameters), NoManagedPolicies())
+
+    cfn = client("cloudformation", url)
+    stack = f"paceline-{unique}"
+    cfn.create_stack(
+        StackName=stack,
+        TemplateBody=json.dumps(translated),
+        Parameters=[{"ParameterKey": k, "ParameterValue": v} for k, v in parameters.items()],
+        Capabilities=["CAPABILITY_IAM", "CAPABILITY_AUTO_EXPAND"],
+    )
+    described = cfn.describe_stacks(StackName=stack)["Stacks"][0]
+    print(f"stack {stack}: {described['StackStatus']}")
+    check(described["StackStatus"] == "CREATE_COMPLETE", "the stack was created")
+    outputs = {o["OutputKey"]: o["OutputValue"] for o in described.get("Outputs", [])}
+    resources = {r.get("LogicalResourceId"): r.get("PhysicalResourceId") for r in cfn.describe_stack_resources(StackName=stack)["StackResources"]}
+
+    lam = client("lambda", url)
+    orchestrator = outputs["OrchestratorFunctionName"]
+    worker = outputs["WorkerFunctionName"]
+    check(lam.get_function_concurrency(FunctionName=orchestrator).get("ReservedConcurrentExecutions") == 1, "orchestrator: reserved concurrency 1")
+    config = lam.get_function_configuration(FunctionName=orchestrator)
+    check(config["Runtime"] == "provided.al2023" and config["Handler"] == "bootstrap" and config["MemorySize"] == 128, "orchestrator: provided.al2023, 128 MB")
+    check(config["Timeout"] == 70, "orchestrator: timeout from OrchestratorTimeoutSeconds")
+    env = config["Environment"]["Variables"]
+    check(env["PACELINE_WORKER_FUNCTION"] == worker and env["PACELINE_QUEUE_URL"] == outputs["JobsQueueUrl"], "orchestrator: wired to the worker and the queue")
+    check(env["PACELINE_VISIBILITY_TIMEOUT"] == "70s" and env["PACELINE_DEADLINE_MARGIN"] == "5s", "orchestrator: run budget below the timeout, visibility covers a run")
+    worker_env = lam.get_function_configuration(FunctionName=worker)["Environment"]["Variables"]
+    check("s3cr3t" not in json.dumps(worker_env), "worker: the secret is not in its configuration")
+    check(json.loads(worker_env["PACELINE_API_SECRETS"]) == {"API_TOKEN": secret_arn}, "worker: reads the token from Secrets Manager")
+
+    sqs = client("sqs", url)
+    events = client("events", url)
+    rule = resources["OrchestratorFunctionEveryMinute"].split("/")[-1]
+    check(events.describe_rule(Name=rule).get("ScheduleExpression") == "rate(1 minute)", "a rate(1 minute) schedule")
+    targets = events.list_targets_by_rule(Rule=rule)["Targets"]
+    check(any(t["Arn"].endswith(f":function:{orchestrator}") for t in targets), "the schedule kicks the orchestrator")
+
+    attributes = sqs.get_queue_attributes(QueueUrl=outputs["JobsQueueUrl"], AttributeNames=["All"])["Attributes"]
+    redrive = json.loads(attributes["RedrivePolicy"])
+    dlq_arn = sqs.get_queue_attributes(QueueUrl=outputs["JobsDlqUrl"], AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    check(redrive["deadLetterTargetArn"] == dlq_arn and int(redrive["maxReceiveCount"]) == 4, "jobs queue: redrive to the jobs DLQ after MaxReceiveCount receives")
+    check(attributes.get("KmsMasterKeyId") == "alias/aws/sqs", "jobs queue: encrypted at rest")
+
+    table = client("dynamodb", url).describe_table(TableName=outputs["StateTableName"])["Table"]
+    check(table["KeySchema"] == [{"AttributeName": "pk", "KeyType": "HASH"}], "table: string partition key pk")
+    check(table["BillingModeSummary"]["BillingMode"] == "PAY_PER_REQUEST", "table: on demand")
+
+    check("[backend]" in outputs["PacelineBackend"] and outputs["JobsQueueUrl"] in outputs["PacelineBackend"], "outputs: a [backend] section for the CLI")
+    check("Dashboard" in resources, "a dashboard")
+    check_what_moto_cannot_create(translated)
+    print("the template deploys with the expected settings")
+
+
+def declared(translated, resource_type):
+    """The properties of each resource of a type in the translated template."""
+    return [r["Properties"] for r in translated["Resources"].values() if r["Type"] == resource_type]
+
+
+def check_what_moto_cannot_create(translated):
+    """moto's CloudFormation skips alarms and async invoke configs and drops a function's
+    architecture: these are checked as the translated template declares them."""
+    print("declared in the translated template (moto's CloudFormation does not create these):")
+    functions = declared(translated, "AWS::Lambda::Function")
+    check(len(functions) == 2 and all(f["Architectures"] == ["arm64"] for f in functions), "both functions: arm64")
+    configs = declared(translated, "AWS::Lambda::EventInvokeConfig")
+    kicks = [c for c in configs if c["MaximumRetryAttempts"] == 0]
+    check(len(kicks) == 1 and kicks[0]["MaximumEventAgeInSeconds"] == 60, "orchestrator: kicks expire after 60 s, never retried")
+    on_failure = [c["DestinationConfig"]["OnFailure"]["Destination"] for c in configs if "OnFailure" in c.get("DestinationConfig", {})]
+    check(on_failure == [{"Fn::GetAtt": ["WorkerDlq", "Arn"]}], "worker: failed events go to the worker DLQ")
+    alarms = {a["MetricName"] for a in declared(translated, "AWS::CloudWatch::Alarm")}
+    check({"ApproximateNumberOfMessagesVisible", "CircuitOpen", "QuotaExhausted", "Errors"} <= alarms, "alarms: DLQ depth, circuit open, quota exhausted, orchestrator errors")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
