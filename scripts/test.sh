@@ -1,21 +1,43 @@
 #!/usr/bin/env bash
 # The whole test suite: lints, unit, property, paused-time and end-to-end tests, the
-# AWS adapters against the moto server. Installs what the tests need into ./.venv
-# (Python tools from PyPI) on first use.
+# AWS adapters and operator commands against the moto server, the SAM template
+# (cfn-lint, sam validate, checkov, a deploy into moto's CloudFormation) and the
+# Lambda functions' arm64 build by `sam build`. Installs what it needs on first use: Python tools from
+# PyPI into ./.venv (checkov into ./.venv-checkov, whose pins clash with the others)
+# and the aarch64 Rust target.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ ! -x .venv/bin/moto_server ]; then
-    echo "== installing the moto server into .venv (first run only)"
+if [ ! -x .venv/bin/moto_server ] || [ ! -x .venv/bin/cfn-lint ] || [ ! -x .venv/bin/sam ] || [ ! -x .venv/bin/cargo-lambda ]; then
+    echo "== installing moto, cfn-lint, aws-sam-cli and cargo-lambda into .venv (first run only)"
     python3 -m venv .venv
-    .venv/bin/pip install --quiet --disable-pip-version-check 'moto[server]'
+    .venv/bin/pip install --quiet --disable-pip-version-check 'moto[server]' cfn-lint aws-sam-cli cargo-lambda
 fi
+if [ ! -x .venv-checkov/bin/checkov ]; then
+    echo "== installing checkov into .venv-checkov (first run only)"
+    python3 -m venv .venv-checkov
+    .venv-checkov/bin/pip install --quiet --disable-pip-version-check checkov
+fi
+rustup target list --installed | grep -qx aarch64-unknown-linux-gnu || rustup target add aarch64-unknown-linux-gnu
+export PATH="$PWD/.venv/bin:$PATH"
+
+echo "== the SAM template: cfn-lint, sam validate --lint, checkov (skips are justified in the template)"
+cfn-lint infra/template.yaml
+AWS_DEFAULT_REGION=us-east-1 SAM_CLI_TELEMETRY=0 sam validate --lint --template infra/template.yaml
+.venv-checkov/bin/checkov --skip-download --quiet --compact --framework cloudformation --file infra/template.yaml
 
 echo "== clippy"
 cargo clippy --workspace --all-targets --all-features --quiet -- -D warnings
 
 echo "== build the paceline binary (the end-to-end tests run it)"
 cargo build --quiet -p paceline-cli
+
+echo "== sam build: both Lambda functions, cargo lambda build --release --arm64 (zig from PyPI)"
+SAM_CLI_TELEMETRY=0 sam build --beta-features --template infra/template.yaml --build-dir target/sam-build
+for f in OrchestratorFunction WorkerFunction; do
+    # An ELF file for aarch64: e_machine (offset 18) is 183.
+    python3 -c "import sys; h = open(sys.argv[1], 'rb').read(20); assert h[:4] == b'\x7fELF' and h[18] == 183, sys.argv[1] + ' is not an arm64 executable'" "target/sam-build/$f/bootstrap"
+done
 
 echo "== start the moto server on loopback"
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -28,6 +50,9 @@ for _ in $(seq 1 100); do
     sleep 0.2
 done
 export PACELINE_TEST_MOTO_URL="http://127.0.0.1:$port"
+
+echo "== deploy the template into moto's CloudFormation"
+.venv/bin/python infra/tests/deploy_to_moto.py infra/template.yaml "$PACELINE_TEST_MOTO_URL"
 
 echo "== tests"
 cargo test --workspace --all-features

@@ -1,6 +1,7 @@
 //! What the operator commands act on: a lane's queue, DLQs and state, on the embedded
-//! store or on AWS. The config file names them; flags and `PACELINE_*` variables
-//! override (and, with no config file, are enough on their own for an AWS lane).
+//! store or on AWS. The config file or a CloudFormation stack's outputs name them;
+//! flags and `PACELINE_*` variables override (and, with no config file, are enough on
+//! their own for an AWS lane).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -18,7 +19,10 @@ pub struct LaneArgs {
     /// The lane's config file.
     #[arg(long, short, global = true, env = "PACELINE_CONFIG", default_value = "paceline.toml")]
     pub config: PathBuf,
-    /// The jobs queue URL (an AWS lane; overrides the config file).
+    /// A deployed stack of `infra/template.yaml`, whose outputs name the AWS resources.
+    #[arg(long, global = true, env = "PACELINE_STACK")]
+    pub stack: Option<String>,
+    /// The jobs queue URL (an AWS lane; overrides the config file and the stack).
     #[arg(long, global = true, env = "PACELINE_QUEUE_URL")]
     pub queue_url: Option<String>,
     /// The jobs DLQ URL.
@@ -47,16 +51,20 @@ pub struct OperatorLane {
 
 impl LaneArgs {
     fn any_aws_override(&self) -> bool {
-        [&self.queue_url, &self.dlq_url, &self.worker_dlq_url, &self.table, &self.orchestrator_function].iter().any(|v| v.is_some())
+        [&self.stack, &self.queue_url, &self.dlq_url, &self.worker_dlq_url, &self.table, &self.orchestrator_function].iter().any(|v| v.is_some())
     }
 
-    /// The config's AWS names with the overrides applied; `None` for an embedded lane.
-    fn aws_backend(&self, config: Option<&Config>) -> anyhow::Result<Option<AwsBackend>> {
-        let mut aws = match config.map(|c| &c.backend) {
-            Some(Backend::Aws(aws)) => aws.clone(),
-            Some(Backend::Embedded { .. }) if !self.any_aws_override() => return Ok(None),
-            _ => AwsBackend::default(),
-        };
+    /// The config's AWS names to start from; `None` for an embedded lane.
+    fn aws_base(&self, config: Option<&Config>) -> Option<AwsBackend> {
+        match config.map(|c| &c.backend) {
+            Some(Backend::Aws(aws)) => Some(aws.clone()),
+            Some(Backend::Embedded { .. }) if !self.any_aws_override() => None,
+            _ => Some(AwsBackend::default()),
+        }
+    }
+
+    /// Applies the flags (and their variables) over `aws`, and checks nothing is missing.
+    fn apply_overrides(&self, aws: &mut AwsBackend) -> anyhow::Result<()> {
         let overrides = [
             (&mut aws.queue_url, &self.queue_url),
             (&mut aws.dlq_url, &self.dlq_url),
@@ -80,12 +88,12 @@ impl LaneArgs {
             .collect();
         if !missing.is_empty() {
             bail!(
-                "an AWS lane needs {} (flags, PACELINE_QUEUE_URL / PACELINE_DLQ_URL / PACELINE_TABLE, or [backend] kind = \"aws\" in {}; the stack's outputs list them)",
+                "an AWS lane needs {} (--stack, flags, PACELINE_QUEUE_URL / PACELINE_DLQ_URL / PACELINE_TABLE, or [backend] kind = \"aws\" in {})",
                 missing.join(", "),
                 self.config.display()
             );
         }
-        Ok(Some(aws))
+        Ok(())
     }
 
     /// Opens the lane.
@@ -99,7 +107,7 @@ impl LaneArgs {
         } else {
             None
         };
-        match self.aws_backend(config.as_ref())? {
+        match self.aws_base(config.as_ref()) {
             None => {
                 let config = config.context("an embedded lane needs its config file")?;
                 let store = open_store(&config)?;
@@ -110,8 +118,12 @@ impl LaneArgs {
                     orchestrator: Err("an embedded lane has no orchestrator function: `paceline run` runs one in this process".into()),
                 })
             }
-            Some(aws) => {
+            Some(mut aws) => {
                 let sdk = load_sdk_config_with(aws.region.as_deref(), aws.endpoint_url.as_deref()).await;
+                if let Some(stack) = &self.stack {
+                    fill_from_stack(&sdk, stack, &mut aws).await?;
+                }
+                self.apply_overrides(&mut aws)?;
                 let names = AwsNames {
                     queue_url: aws.queue_url,
                     dlq_url: aws.dlq_url,
@@ -127,4 +139,29 @@ impl LaneArgs {
             }
         }
     }
+}
+
+/// Takes the resource names from a stack's outputs (as `infra/template.yaml` names them).
+async fn fill_from_stack(sdk: &aws_config::SdkConfig, stack: &str, aws: &mut AwsBackend) -> anyhow::Result<()> {
+    let described = aws_sdk_cloudformation::Client::new(sdk)
+        .describe_stacks()
+        .stack_name(stack)
+        .send()
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot read stack {stack}: {} (check its name, region and your credentials)", paceline_shared::error_chain(&e)))?;
+    let outputs: std::collections::BTreeMap<&str, &str> = described
+        .stacks()
+        .iter()
+        .flat_map(|s| s.outputs())
+        .filter_map(|o| Some((o.output_key()?, o.output_value()?)))
+        .collect();
+    let get = |key: &str| outputs.get(key).map(|v| (*v).to_owned());
+    let required = |key: &str| get(key).with_context(|| format!("stack {stack} has no output {key}: is it a Paceline stack (infra/template.yaml)?"));
+    aws.queue_url = required("JobsQueueUrl")?;
+    aws.dlq_url = required("JobsDlqUrl")?;
+    aws.table = required("StateTableName")?;
+    aws.worker_dlq_url = get("WorkerDlqUrl").or(aws.worker_dlq_url.take());
+    aws.orchestrator_function = get("OrchestratorFunctionName").or(aws.orchestrator_function.take());
+    aws.worker_function = get("WorkerFunctionName").or(aws.worker_function.take());
+    Ok(())
 }

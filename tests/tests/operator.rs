@@ -143,7 +143,19 @@ async fn enqueue_status_circuit_and_kick_on_an_aws_lane() {
     assert_eq!(status["queue"]["visible"], 1000);
     let missing = paceline_with_env(&["status", "--config", "/nonexistent/paceline.toml", "--queue-url", &names.queue_url], "", &moto_env()).await;
     assert!(stderr(&missing).contains("--dlq-url, --table"), "{}", stderr(&missing));
-    drop(sdk);
+
+    // Or from a deployed stack's outputs (as infra/template.yaml names them).
+    let stack = format!("paceline-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let outputs = [("JobsQueueUrl", &names.queue_url), ("JobsDlqUrl", &names.dlq_url), ("StateTableName", &names.table)];
+    let template = serde_json::json!({
+        "Resources": { "Placeholder": { "Type": "AWS::SQS::Queue" } },
+        "Outputs": outputs.iter().map(|(k, v)| ((*k).to_owned(), serde_json::json!({ "Value": v }))).collect::<serde_json::Map<_, _>>(),
+    });
+    aws_sdk_cloudformation::Client::new(&sdk).create_stack().stack_name(&stack).template_body(template.to_string()).send().await.unwrap();
+    let status = json_of(&paceline_with_env(&["status", "--json", "--config", "/nonexistent/paceline.toml", "--stack", &stack], "", &moto_env()).await);
+    assert_eq!(status["queue"]["visible"], 1000);
+    let unknown = paceline_with_env(&["status", "--config", "/nonexistent/paceline.toml", "--stack", "no-such-stack"], "", &moto_env()).await;
+    assert!(stderr(&unknown).contains("cannot read stack no-such-stack"), "{}", stderr(&unknown));
 }
 
 /// Fills both DLQs as an outage would: the real worker (one attempt allowed) meets a
