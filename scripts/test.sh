@@ -2,7 +2,7 @@
 # The whole test suite: lints, unit, property, paused-time and end-to-end tests, the
 # AWS adapters and operator commands against the moto server, the SAM template
 # (cfn-lint, sam validate, checkov, a deploy into moto's CloudFormation) and the
-# Lambda functions' arm64 build by `sam build`. Installs what it needs on first use: Python tools from
+# Lambda functions' arm64 build. Installs what it needs on first use: Python tools from
 # PyPI into ./.venv (checkov into ./.venv-checkov, whose pins clash with the others)
 # and the aarch64 Rust target.
 set -euo pipefail
@@ -29,14 +29,14 @@ AWS_DEFAULT_REGION=us-east-1 SAM_CLI_TELEMETRY=0 sam validate --lint --template 
 echo "== clippy"
 cargo clippy --workspace --all-targets --all-features --quiet -- -D warnings
 
-echo "== build the paceline binary (the end-to-end tests run it)"
-cargo build --quiet -p paceline-cli
+echo "== build: the paceline binary (the end-to-end tests run it) and the tests, in one go"
+cargo build --quiet --workspace --all-targets --all-features
 
-echo "== sam build: both Lambda functions, cargo lambda build --release --arm64 (zig from PyPI)"
-SAM_CLI_TELEMETRY=0 sam build --beta-features --template infra/template.yaml --build-dir target/sam-build
-for f in OrchestratorFunction WorkerFunction; do
+echo "== build both Lambda functions for arm64: cargo lambda (zig from PyPI), as sam build does"
+cargo lambda build --release --arm64 -p paceline-orchestrator -p paceline-worker
+for f in orchestrator worker; do
     # An ELF file for aarch64: e_machine (offset 18) is 183.
-    python3 -c "import sys; h = open(sys.argv[1], 'rb').read(20); assert h[:4] == b'\x7fELF' and h[18] == 183, sys.argv[1] + ' is not an arm64 executable'" "target/sam-build/$f/bootstrap"
+    python3 -c "import sys; h = open(sys.argv[1], 'rb').read(20); assert h[:4] == b'\x7fELF' and h[18] == 183, sys.argv[1] + ' is not an arm64 executable'" "target/lambda/$f/bootstrap"
 done
 
 echo "== start the moto server on loopback"

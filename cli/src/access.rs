@@ -15,6 +15,7 @@ use crate::lane::{load_config_for_operations, open_store};
 
 /// Where the lane is: `--config`, and AWS names that override it.
 #[derive(Debug, Clone, Default, clap::Args)]
+#[command(next_help_heading = "Where the lane is")]
 pub struct LaneArgs {
     /// The lane's config file.
     #[arg(long, short, global = true, env = "PACELINE_CONFIG", default_value = "paceline.toml")]

@@ -125,12 +125,18 @@ pub struct CauseGroup {
     pub example: String,
 }
 
-/// Groups records by DLQ and cause, the biggest group first.
-#[must_use]
-pub fn summarize<'a>(records: impl IntoIterator<Item = &'a DeadLetterRecord>) -> Vec<CauseGroup> {
-    let mut groups: BTreeMap<(DlqSource, &str), CauseGroup> = BTreeMap::new();
-    for r in records {
-        let group = groups.entry((r.source, r.cause.as_str())).or_insert_with(|| CauseGroup {
+/// Dead letters grouped by DLQ and cause as they are read, so a summary of a large DLQ
+/// holds one group per cause, not every record.
+#[derive(Debug, Default)]
+pub struct CauseSummary {
+    groups: BTreeMap<(DlqSource, String), CauseGroup>,
+    total: u64,
+}
+
+impl CauseSummary {
+    pub fn add(&mut self, r: &DeadLetterRecord) {
+        self.total += 1;
+        let group = self.groups.entry((r.source, r.cause.clone())).or_insert_with(|| CauseGroup {
             source: r.source,
             cause: r.cause.clone(),
             count: 0,
@@ -145,9 +151,20 @@ pub fn summarize<'a>(records: impl IntoIterator<Item = &'a DeadLetterRecord>) ->
             group.example.clone_from(&r.detail);
         }
     }
-    let mut groups: Vec<CauseGroup> = groups.into_values().collect();
-    groups.sort_by(|a, b| b.count.cmp(&a.count).then_with(|| (a.source, &a.cause).cmp(&(b.source, &b.cause))));
-    groups
+
+    /// How many records were added.
+    #[must_use]
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// The groups, the biggest first.
+    #[must_use]
+    pub fn groups(self) -> Vec<CauseGroup> {
+        let mut groups: Vec<CauseGroup> = self.groups.into_values().collect();
+        groups.sort_by(|a, b| b.count.cmp(&a.count).then_with(|| (a.source, &a.cause).cmp(&(b.source, &b.cause))));
+        groups
+    }
 }
 
 /// The parts of a Lambda on-failure destination record that a dead letter needs.
@@ -272,8 +289,12 @@ mod tests {
 
     #[test]
     fn summary_groups_by_queue_and_cause_with_first_and_last_seen() {
-        let records = [record("http_404", 3), record("http_500", 1), record("http_404", 1), record("http_404", 2)];
-        let groups = summarize(&records);
+        let mut summary = CauseSummary::default();
+        for r in [record("http_404", 3), record("http_500", 1), record("http_404", 1), record("http_404", 2)] {
+            summary.add(&r);
+        }
+        assert_eq!(summary.total(), 4);
+        let groups = summary.groups();
         assert_eq!(groups.len(), 2);
         assert_eq!((groups[0].cause.as_str(), groups[0].count, groups[0].first_seen, groups[0].last_seen), ("http_404", 3, UnixMillis(1), UnixMillis(3)));
         assert_eq!(groups[0].example, "d3");

@@ -1,5 +1,6 @@
 //! The ports the orchestrator and worker talk through: the job queue (with its DLQ), the
-//! state store (lease, quota usage, pacer snapshot, circuit, cool-down) and the invoker.
+//! state store (lease, quota usage, pacer snapshot, circuit, cool-down) and the invoker;
+//! and the dead-letter queues as the operator commands read them.
 //! Adapters: `adapters::embedded` (SQLite, for `paceline run` and tests) and
 //! `adapters::memory` (a recording invoker for tests); the AWS adapters implement the
 //! same traits.

@@ -26,6 +26,14 @@ pub fn paceline_bin() -> PathBuf {
     path
 }
 
+/// Held by a test that runs lanes against a strict API for its whole length, so two such
+/// tests never share the machine's two cores: a strict API measures arrival times, and
+/// a starved scheduler bunches calls up on their way to it.
+pub async fn one_lane_at_a_time() -> tokio::sync::MutexGuard<'static, ()> {
+    static LANES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    LANES.lock().await
+}
+
 /// A fresh folder for one test's lane.
 #[must_use]
 pub fn lane_dir(name: &str) -> PathBuf {

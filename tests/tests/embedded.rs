@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use paceline_cli::fake_api::{FakeApi, FakeApiLog, FakeApiSpec};
-use paceline_e2e::{job_lines, json_of, lane_dir, paceline, paceline_bin, write_config};
+use paceline_e2e::{job_lines, json_of, lane_dir, one_lane_at_a_time, paceline, paceline_bin, write_config};
 use paceline_shared::check::peak_in_any_window;
 
 fn ids(prefix: &str, n: usize) -> Vec<String> {
@@ -32,6 +32,7 @@ fn succeeded_ids(log: &FakeApiLog) -> BTreeSet<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_drain_uses_the_quota_fully_and_never_exceeds_it() {
+    let _alone = one_lane_at_a_time().await;
     let api = api(&["20/s", "1500/min"], None).await;
     let dir = lane_dir("rate");
     let config = write_config(&dir, &api.base_url, &["20/s", "1500/min"], "");
@@ -65,6 +66,7 @@ async fn run_drain_uses_the_quota_fully_and_never_exceeds_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outage_opens_then_closes_the_circuit_and_no_job_is_lost() {
+    let _alone = one_lane_at_a_time().await;
     let api = api(&["10/s"], Some((Duration::from_secs(2), Duration::from_secs(3)))).await;
     let dir = lane_dir("outage");
     let config = write_config(&dir, &api.base_url, &["10/s"], "");
@@ -90,6 +92,7 @@ async fn an_outage_opens_then_closes_the_circuit_and_no_job_is_lost() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_mid_run_then_restart_accounts_for_every_job_exactly_once() {
+    let _alone = one_lane_at_a_time().await;
     let api = api(&["8/s"], None).await;
     let dir = lane_dir("kill");
     let config = write_config(&dir, &api.base_url, &["8/s"], "");

@@ -232,7 +232,7 @@ async fn after_an_outage_dlq_summary_groups_causes_and_redrive_moves_exactly_tho
     assert!(cli(&config, &["circuit", "close", "--reason", "API back"]).await.status.success());
     let healthy = api(&["10/s"], None).await;
     let lambda = FakeLambda::start().await;
-    let env = lane_env(&names, &[("PACELINE_WORKER_FUNCTION", "paceline-worker"), ("PACELINE_TIERS", "10/s"), ("PACELINE_API_BASE_URL", healthy.base_url.as_str())]);
+    let env = lane_env(&names, &[("PACELINE_WORKER_FUNCTION", "paceline-worker"), ("PACELINE_TIERS", "10/s"), ("PACELINE_SAFETY_MARGIN", "25ms"), ("PACELINE_API_BASE_URL", healthy.base_url.as_str())]);
     let get = |k: &str| env.get(k).cloned();
     let worker: Arc<dyn WorkerHandler> = Arc::new(paceline_worker::lambda::from_env(&Env::new(&get), &sdk).unwrap());
     lambda.run_worker(worker);

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::bail;
 use clap::Subcommand;
 use indicatif::{ProgressBar, ProgressStyle};
-use paceline_shared::dlq::{summarize, DeadLetterFilter, DeadLetterRecord, DlqSource};
+use paceline_shared::dlq::{CauseSummary, DeadLetterFilter, DeadLetterRecord, DlqSource};
 use paceline_shared::ports::DeadLetterQueues;
 use paceline_shared::time::system_now;
 use serde::Serialize;
@@ -165,23 +165,39 @@ impl DlqArgs {
     }
 }
 
-/// Reads every selected dead letter (up to `limit`), leaving them all in place.
-async fn collect(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duration, limit: usize) -> anyhow::Result<Vec<DeadLetterRecord>> {
+/// Reads every selected dead letter (up to `limit`) and gives each to `visit`,
+/// leaving them all in place.
+async fn each_selected(
+    queues: &dyn DeadLetterQueues,
+    select: &Selection,
+    hold: Duration,
+    limit: usize,
+    mut visit: impl FnMut(DeadLetterRecord),
+) -> anyhow::Result<()> {
     let filter = select.filter();
     let now = system_now();
-    let mut found = Vec::new();
+    let mut seen = 0;
     for source in select.sources(queues)? {
         let mut scan = Scan::new(queues, source, hold);
-        while found.len() < limit {
+        while seen < limit {
             let page = scan.next_page().await?;
             if page.is_empty() {
                 break;
             }
-            found.extend(page.into_iter().filter(|r| filter.matches(r, now)));
+            for record in page.into_iter().filter(|r| filter.matches(r, now)).take(limit - seen) {
+                seen += 1;
+                visit(record);
+            }
         }
         scan.finish().await?;
     }
-    found.truncate(limit);
+    Ok(())
+}
+
+/// The selected dead letters (up to `limit`).
+async fn collect(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duration, limit: usize) -> anyhow::Result<Vec<DeadLetterRecord>> {
+    let mut found = Vec::new();
+    each_selected(queues, select, hold, limit, |r| found.push(r)).await?;
     Ok(found)
 }
 
@@ -234,8 +250,10 @@ async fn show(queues: &dyn DeadLetterQueues, id: &str, hold: Duration, json: boo
 }
 
 async fn summary(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duration, json: bool) -> anyhow::Result<()> {
-    let records = collect(queues, select, hold, usize::MAX).await?;
-    let groups = summarize(&records);
+    let mut summary = CauseSummary::default();
+    each_selected(queues, select, hold, usize::MAX, |r| summary.add(&r)).await?;
+    let total = summary.total();
+    let groups = summary.groups();
     if json {
         println!("{}", serde_json::to_string_pretty(&groups)?);
         return Ok(());
@@ -245,7 +263,7 @@ async fn summary(queues: &dyn DeadLetterQueues, select: &Selection, hold: Durati
         let example: String = g.example.chars().take(60).collect();
         println!("{:<6} {:<36} {:>7}  {:<29} {:<29} {example}", g.source, g.cause, g.count, g.first_seen.to_rfc3339(), g.last_seen.to_rfc3339());
     }
-    println!("{} dead letter(s) in {} group(s); redrive a group with `paceline dlq redrive --cause <cause>`", records.len(), groups.len());
+    println!("{total} dead letter(s) in {} group(s); redrive a group with `paceline dlq redrive --cause <cause>`", groups.len());
     Ok(())
 }
 
