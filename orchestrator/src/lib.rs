@@ -18,7 +18,7 @@ use paceline_shared::breaker::Circuit;
 use paceline_shared::config::{CircuitConfig, OrchestratorConfig};
 use paceline_shared::job::{DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
 use paceline_shared::pacer::{Decision, Hold, PacerState};
-use paceline_shared::ports::{Invoker, JobQueue, Lease, PacerSnapshot, PortError, QueuedMessage, StateStore};
+use paceline_shared::ports::{load_calendar_usage, Invoker, JobQueue, Lease, PacerSnapshot, PortError, QueuedMessage, StateStore};
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, UnixMillis};
 use tracing::{debug, info, warn};
@@ -191,18 +191,12 @@ impl Run<'_> {
                 self.pacer.hold_after_unclean_stop(&self.o.settings.quota, now);
             }
         }
-        let calendar: Vec<(usize, String)> = self
-            .quota()
-            .tiers
-            .iter()
-            .enumerate()
-            .filter(|(_, t)| t.is_calendar())
-            .map(|(i, t)| (i, t.usage_key(self.quota().zone, now)))
-            .collect();
-        let keys: Vec<String> = calendar.iter().map(|(_, k)| k.clone()).collect();
-        let used = self.o.store.load_usage(&keys).await?;
-        for ((index, _), used) in calendar.iter().zip(used) {
-            self.pacer.set_calendar_used(&self.o.settings.quota, *index, used, now);
+        let used = load_calendar_usage(self.o.store.as_ref(), self.quota(), now).await?;
+        let quota = &self.o.settings.quota;
+        for (index, tier) in quota.tiers.iter().enumerate() {
+            if tier.is_calendar() {
+                self.pacer.set_calendar_used(quota, index, used[index], now);
+            }
         }
         // From here until a clean exit, the stored snapshot says "a run is under way",
         // so a crash at any point is recognised by the next run.

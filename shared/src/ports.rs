@@ -14,6 +14,7 @@ use crate::breaker::Circuit;
 use crate::dlq::{DeadLetterRecord, DlqSource};
 use crate::job::{DeadLetterReason, WorkerPayload};
 use crate::pacer::PacerState;
+use crate::quota::Quota;
 use crate::time::UnixMillis;
 
 /// What went wrong in an adapter, by what the caller can do about it.
@@ -288,6 +289,21 @@ pub trait StateStore: Send + Sync {
     /// # Errors
     /// Transport errors only.
     async fn extend_cool_down(&self, until: UnixMillis) -> PortResult<()>;
+}
+
+/// What each tier of `quota` has used in its calendar window holding `now`, by tier
+/// index, read in one call (0 for rolling tiers: they are paced in memory).
+///
+/// # Errors
+/// The store's.
+pub async fn load_calendar_usage(store: &dyn StateStore, quota: &Quota, now: UnixMillis) -> PortResult<Vec<u64>> {
+    let calendar: Vec<usize> = (0..quota.tiers.len()).filter(|i| quota.tiers[*i].is_calendar()).collect();
+    let keys: Vec<String> = calendar.iter().map(|i| quota.tiers[*i].usage_key(quota.zone, now)).collect();
+    let mut used = vec![0; quota.tiers.len()];
+    for (index, units) in calendar.into_iter().zip(store.load_usage(&keys).await?) {
+        used[index] = units;
+    }
+    Ok(used)
 }
 
 /// Hands a payload to a worker without waiting for it to run (Lambda's `Event` invoke).

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use paceline_shared::breaker::Circuit;
 use paceline_shared::dlq::DlqSource;
-use paceline_shared::ports::{Lease, QueueDepth};
+use paceline_shared::ports::{load_calendar_usage, Lease, QueueDepth};
 use paceline_shared::time::{system_now, UnixMillis};
 use serde::Serialize;
 
@@ -56,15 +56,10 @@ impl StatusArgs {
         let mut tiers = Vec::new();
         let mut drain_estimate_seconds = None;
         if let Some(quota) = lane.config.as_ref().map(|c| &c.quota) {
-            let mut calendar_used = Vec::new();
-            for tier in &quota.tiers {
-                let (used, resets_at) = if tier.is_calendar() {
-                    let used = lane.state.load_usage(&[tier.usage_key(quota.zone, now)]).await?[0];
-                    (Some(used), Some(tier.window_at(quota.zone, now).1.to_rfc3339()))
-                } else {
-                    (None, None)
-                };
-                calendar_used.push(used.unwrap_or(0));
+            let calendar_used = load_calendar_usage(lane.state.as_ref(), quota, now).await?;
+            for (tier, used) in quota.tiers.iter().zip(&calendar_used) {
+                let (used, resets_at) =
+                    if tier.is_calendar() { (Some(*used), Some(tier.window_at(quota.zone, now).1.to_rfc3339())) } else { (None, None) };
                 tiers.push(TierUsage { tier: tier.to_string(), limit: tier.limit, used, resets_at });
             }
             let waiting = queue.visible + queue.not_visible;
