@@ -91,7 +91,7 @@ impl EmbeddedLane {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let worker_stats = Arc::new(WorkerStats::default());
         let worker: Arc<dyn WorkerHandler> = Arc::new(Worker {
-            api: ApiClient::new(&config.api)?,
+            api: Arc::new(ApiClient::new(&config.api)?),
             queue: store.clone(),
             store: store.clone(),
             clock: clock.clone(),

@@ -5,6 +5,10 @@
 //!
 //! All waiting happens here, on the [`Clock`] port, so tests drive it under paused tokio
 //! time and assert exact dispatch instants.
+//!
+//! With `dispatch_ahead` set, the pacer is asked about the instant `now + dispatch_ahead`
+//! (the slot) instead of `now`; the job goes out with that slot in its payload and the
+//! worker calls at the slot, so the worker's start-up delay no longer moves the call.
 
 #[cfg(feature = "lambda")]
 pub mod lambda;
@@ -16,7 +20,7 @@ use std::time::Duration;
 
 use paceline_shared::breaker::Circuit;
 use paceline_shared::config::{CircuitConfig, OrchestratorConfig};
-use paceline_shared::job::{DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
+use paceline_shared::job::{CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
 use paceline_shared::pacer::{Decision, Hold, PacerState};
 use paceline_shared::ports::{load_calendar_usage, Invoker, JobQueue, Lease, PacerSnapshot, PortError, QueuedMessage, StateStore};
 use paceline_shared::quota::Quota;
@@ -182,6 +186,22 @@ impl Run<'_> {
         &self.o.settings.quota
     }
 
+    /// How far ahead of its slot a job is handed off.
+    fn lead(&self) -> Duration {
+        self.o.settings.orchestrator.dispatch_ahead
+    }
+
+    /// The pacer slot a hand-off made at `now` takes.
+    fn slot_at(&self, now: UnixMillis) -> UnixMillis {
+        now.plus(self.lead())
+    }
+
+    /// The slot as the worker gets it: none when dispatching at the slot. Half the safety
+    /// margin may go to a late start, the other half to network jitter.
+    fn call_slot(&self, slot: UnixMillis) -> Option<CallSlot> {
+        (!self.lead().is_zero()).then(|| CallSlot { not_before: slot, call_by: slot.plus(self.quota().safety_margin / 2) })
+    }
+
     async fn hydrate(&mut self) -> Result<(), RunError> {
         let now = self.o.clock.now();
         if let Some(snapshot) = self.o.store.load_pacer().await? {
@@ -226,10 +246,12 @@ impl Run<'_> {
     /// stop request or an answered hand-off (which it settles).
     async fn sleep_until(&mut self, t: UnixMillis) {
         let wake = t.min(self.next_wake());
+        // Biased: the same events always resolve the same way, so simulations repeat.
         let answered = tokio::select! {
-            () = self.o.clock.sleep_until(wake) => None,
+            biased;
             () = stop_requested(&mut self.stop) => None,
             Some(answered) = self.invokes.join_next(), if !self.invokes.is_empty() => Some(answered),
+            () = self.o.clock.sleep_until(wake) => None,
         };
         if let Some(answered) = answered {
             self.settle(answered);
@@ -350,20 +372,22 @@ impl Run<'_> {
                     continue;
                 }
             };
-            match self.quota().decide(&self.pacer, job.cost, now) {
+            let slot = self.slot_at(now);
+            match self.quota().decide(&self.pacer, job.cost, slot) {
                 Decision::Never { tier } => {
                     let detail = format!("cost {} exceeds the whole {tier} tier", job.cost);
                     self.dead_letter(&message, DeadLetterCause::NeverFits, detail).await?;
                 }
                 Decision::WaitUntil { at, by } => {
                     self.log_exhausted(at, by);
-                    self.sleep_until(at).await;
+                    self.sleep_until(at.minus(self.lead())).await;
                 }
                 Decision::Allow => {
-                    let paced = now.since(self.last_dispatch.unwrap_or(since).max(since));
-                    self.commit(job.cost, now, paced);
+                    let paced = slot.since(self.last_dispatch.unwrap_or(since).max(since));
+                    self.commit(job.cost, slot, paced);
                     debug!(job_id = %job.id, attempt = message.attempt, cost = job.cost, "dispatching");
-                    let payload = WorkerPayload::Job { job, attempt: message.attempt, circuit_epoch: self.circuit.epoch, dispatched_at: now };
+                    let (attempt, circuit_epoch, slot) = (message.attempt, self.circuit.epoch, self.call_slot(slot));
+                    let payload = WorkerPayload::Job { job, attempt, circuit_epoch, dispatched_at: now, slot };
                     let in_hand = self.buffer.pop_front().expect("the message in hand");
                     let invoker = self.o.invoker.clone();
                     self.invokes.spawn(async move { Answered { result: invoker.invoke(&payload).await, in_hand } });
@@ -423,11 +447,12 @@ impl Run<'_> {
     async fn fill_buffer(&mut self, now: UnixMillis) -> Result<bool, RunError> {
         let cfg = &self.o.settings.orchestrator;
         let horizon = now.plus(cfg.visibility_timeout).minus(cfg.visibility_timeout / 5).min(self.stop_at);
-        let capacity = self.quota().capacity_until(&self.pacer, now, horizon, 10);
+        let (slot, lead) = (self.slot_at(now), self.lead());
+        let capacity = self.quota().capacity_until(&self.pacer, slot, horizon.plus(lead), 10);
         if capacity == 0 {
-            if let Decision::WaitUntil { at, by } = self.quota().decide(&self.pacer, 1, now) {
+            if let Decision::WaitUntil { at, by } = self.quota().decide(&self.pacer, 1, slot) {
                 self.log_exhausted(at, by);
-                self.sleep_until(at).await;
+                self.sleep_until(at.minus(lead)).await;
             }
             return Ok(false);
         }
@@ -474,18 +499,19 @@ impl Run<'_> {
             self.sleep_until(due).await;
             return Ok(());
         }
-        match self.quota().decide(&self.pacer, 1, now) {
+        let slot = self.slot_at(now);
+        match self.quota().decide(&self.pacer, 1, slot) {
             Decision::Allow => {
-                let payload = WorkerPayload::HealthCheck { circuit_epoch: self.circuit.epoch, sent_at: now };
+                let payload = WorkerPayload::HealthCheck { circuit_epoch: self.circuit.epoch, sent_at: now, slot: self.call_slot(slot) };
                 if self.invoke_health_check(&payload).await? {
-                    self.commit(1, self.o.clock.now(), Duration::ZERO);
+                    self.commit(1, slot, Duration::ZERO);
                     self.last_health_check = Some(now);
                     self.report.health_checks += 1;
                     Progress::bump(&self.o.progress.health_checks);
                     info!(epoch = self.circuit.epoch, "health check sent");
                 }
             }
-            Decision::WaitUntil { at, .. } => self.sleep_until(at).await,
+            Decision::WaitUntil { at, .. } => self.sleep_until(at.minus(self.lead())).await,
             Decision::Never { .. } => unreachable!("a 1-unit health check fits every tier"),
         }
         Ok(())

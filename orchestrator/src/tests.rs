@@ -265,3 +265,31 @@ async fn slow_invokes_do_not_delay_the_next_slot() {
     assert_eq!(report.dispatched, 6);
     assert_eq!(lane.store.depth().await.unwrap(), Default::default(), "deleted once answered");
 }
+
+#[tokio::test(start_paused = true)]
+async fn dispatch_ahead_hands_jobs_off_early_with_their_slot() {
+    let mut lane = lane(&["1/s"], 20);
+    lane.orchestrator.settings.orchestrator.dispatch_ahead = Duration::from_millis(300);
+    enqueue(&lane, (0..4).map(|i| job(&format!("j{i}")))).await;
+    lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    let slots: Vec<(u64, u64, u64)> = lane
+        .invoker
+        .accepted()
+        .iter()
+        .map(|(t, p)| match p {
+            WorkerPayload::Job { slot: Some(slot), .. } => (t.0 - T0.0, slot.not_before.0 - T0.0, slot.call_by.0 - T0.0),
+            other => panic!("expected a job with a slot, got {other:?}"),
+        })
+        .collect();
+    // The first slot is 300 ms out; then one per 1 s + 20 ms, each handed off 300 ms early
+    // and valid for half the margin.
+    assert_eq!(slots, vec![(0, 300, 310), (1_020, 1_320, 1_330), (2_040, 2_340, 2_350), (3_060, 3_360, 3_370)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_dispatch_ahead_payloads_carry_no_slot() {
+    let lane = lane(&["5/s"], 0);
+    enqueue(&lane, [job("a")]).await;
+    lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    assert!(matches!(lane.invoker.accepted()[0].1, WorkerPayload::Job { slot: None, .. }));
+}

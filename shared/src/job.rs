@@ -170,9 +170,27 @@ pub enum WorkerPayload {
         /// The circuit epoch when dispatched, so a late failure cannot reopen a newer state.
         circuit_epoch: u64,
         dispatched_at: UnixMillis,
+        /// Dispatched ahead of its pacer slot: call inside this slot or not at all.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        slot: Option<CallSlot>,
     },
     /// Call the health-check request; close the circuit if it is healthy.
-    HealthCheck { circuit_epoch: u64, sent_at: UnixMillis },
+    HealthCheck {
+        circuit_epoch: u64,
+        sent_at: UnixMillis,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        slot: Option<CallSlot>,
+    },
+}
+
+/// The second phase of a dispatch-ahead token: the orchestrator spent the pacer slot
+/// `not_before` when it handed the job off early; the worker waits for it and calls then.
+/// A worker that starts after `call_by` has missed the slot: calling then could crowd the
+/// next slot at the provider, so it does not call and re-queues the job instead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CallSlot {
+    pub not_before: UnixMillis,
+    pub call_by: UnixMillis,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -291,11 +309,11 @@ mod tests {
     #[test]
     fn payloads_round_trip_with_their_version_and_refuse_others() {
         let job = Job::parse(r#"{"id":"j","request":{"method":"GET","path":"/"}}"#).unwrap();
-        let payload = WorkerPayload::Job { job, attempt: 2, circuit_epoch: 4, dispatched_at: UnixMillis(9) };
+        let payload = WorkerPayload::Job { job, attempt: 2, circuit_epoch: 4, dispatched_at: UnixMillis(9), slot: None };
         let text = payload.to_json();
         assert!(text.contains(r#""v":1"#) && text.contains(r#""kind":"job""#));
         assert_eq!(WorkerPayload::from_json(&text).unwrap(), payload);
-        let check = WorkerPayload::HealthCheck { circuit_epoch: 3, sent_at: UnixMillis(1) };
+        let check = WorkerPayload::HealthCheck { circuit_epoch: 3, sent_at: UnixMillis(1), slot: None };
         assert_eq!(WorkerPayload::from_json(&check.to_json()).unwrap(), check);
         assert!(matches!(WorkerPayload::from_json(&text.replace(r#""v":1"#, r#""v":2"#)), Err(PayloadError::Version(2))));
     }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::config::{check_health_request, defaults, resolve_headers, ApiConfig, CircuitConfig, HeaderSource, OrchestratorConfig, RetryConfig};
+use crate::config::{check_health_request, defaults, resolve_headers, ApiConfig, CircuitConfig, HeaderSource, OrchestratorConfig, RetryConfig, MAX_DISPATCH_AHEAD};
 use crate::job::ApiRequest;
 use crate::quota::{Quota, Tier};
 
@@ -57,17 +57,22 @@ impl<'a> Env<'a> {
     }
 
     /// `PACELINE_LEASE_TTL`, `PACELINE_VISIBILITY_TIMEOUT`, `PACELINE_FLUSH_INTERVAL`,
-    /// `PACELINE_STATE_REFRESH`, `PACELINE_DEADLINE_MARGIN`.
+    /// `PACELINE_STATE_REFRESH`, `PACELINE_DEADLINE_MARGIN`, `PACELINE_DISPATCH_AHEAD`.
     ///
     /// # Errors
     /// Names the variable and the problem.
     pub fn orchestrator(&self) -> Result<OrchestratorConfig, String> {
+        let dispatch_ahead = self.duration("PACELINE_DISPATCH_AHEAD", Duration::ZERO)?;
+        if dispatch_ahead > MAX_DISPATCH_AHEAD {
+            return Err(format!("PACELINE_DISPATCH_AHEAD: at most {}", humantime::format_duration(MAX_DISPATCH_AHEAD)));
+        }
         Ok(OrchestratorConfig {
             lease_ttl: self.duration("PACELINE_LEASE_TTL", defaults::lease_ttl())?,
             visibility_timeout: self.duration("PACELINE_VISIBILITY_TIMEOUT", defaults::visibility_timeout())?,
             flush_interval: self.duration("PACELINE_FLUSH_INTERVAL", defaults::flush_interval())?,
             state_refresh: self.duration("PACELINE_STATE_REFRESH", defaults::state_refresh())?,
             deadline_margin: self.duration("PACELINE_DEADLINE_MARGIN", defaults::deadline_margin())?,
+            dispatch_ahead,
         })
     }
 

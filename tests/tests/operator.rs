@@ -27,7 +27,7 @@ fn job(id: &str) -> Job {
 }
 
 fn job_payload(id: &str) -> WorkerPayload {
-    WorkerPayload::Job { job: job(id), attempt: 0, circuit_epoch: 0, dispatched_at: system_now() }
+    WorkerPayload::Job { job: job(id), attempt: 0, circuit_epoch: 0, dispatched_at: system_now(), slot: None }
 }
 
 async fn api(tiers: &[&str], outage: Option<(Duration, Duration)>) -> FakeApi {
@@ -178,7 +178,7 @@ async fn outage_fills_the_dlqs(sdk: &aws_config::SdkConfig, names: &AwsNames) {
     }
     let sqs = aws_sdk_sqs::Client::new(sdk);
     let worker_dlq = names.worker_dlq_url.as_deref().unwrap();
-    let health = WorkerPayload::HealthCheck { circuit_epoch: 3, sent_at: UnixMillis(0) };
+    let health = WorkerPayload::HealthCheck { circuit_epoch: 3, sent_at: UnixMillis(0), slot: None };
     let records = ids("lost", 12).iter().map(|id| job_payload(id)).chain([health.clone(), health]).collect::<Vec<_>>();
     for payload in records {
         let body = lambda_failure_record(&payload, "Transient", "sqs SendMessage: timed out");

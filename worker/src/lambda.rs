@@ -55,7 +55,7 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig) -> Result<Worker, St
     let api_config = env.api()?;
     let aws = AwsAdapters::new(sdk, &names, None);
     Ok(Worker {
-        api: ApiClient::new(&api_config).map_err(|e| e.to_string())?,
+        api: Arc::new(ApiClient::new(&api_config).map_err(|e| e.to_string())?),
         queue: Arc::new(aws.queue),
         store: Arc::new(aws.store),
         clock: Arc::new(SystemClock),

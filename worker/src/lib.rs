@@ -1,6 +1,10 @@
 //! The worker: calls the configured API for a job (or a health check), classifies the
 //! outcome, and does what it calls for: done, cool down and re-queue, open the circuit
-//! and re-queue, or dead-letter. The same code runs in Lambda and in `paceline run`.
+//! and re-queue, or dead-letter. The same code runs in Lambda, in `paceline run` and in
+//! `paceline simulate` (there against a simulated API).
+//!
+//! A payload dispatched ahead of its slot ([`CallSlot`]) waits for the slot, and skips
+//! the call (re-queueing the job) when it started too late to make it.
 
 pub mod classify;
 #[cfg(feature = "lambda")]
@@ -13,7 +17,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use paceline_shared::breaker::{Circuit, Refusal};
 use paceline_shared::config::RetryConfig;
-use paceline_shared::job::{ApiRequest, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
+use paceline_shared::job::{ApiRequest, CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
 use paceline_shared::ports::{JobQueue, OutgoingMessage, PortError, PortResult, StateStore, WorkerHandler};
 use paceline_shared::time::{Clock, UnixMillis};
 use serde::Serialize;
@@ -34,6 +38,8 @@ pub struct WorkerStats {
     pub health_checks_failed: AtomicU64,
     pub circuit_opened: AtomicU64,
     pub circuit_closed: AtomicU64,
+    /// Payloads whose worker started after their slot's `call_by`: no call was made.
+    pub missed_slots: AtomicU64,
 }
 
 impl WorkerStats {
@@ -48,9 +54,27 @@ impl WorkerStats {
     }
 }
 
+/// The third-party API as the worker calls it: [`ApiClient`] over HTTP, or a simulated
+/// provider.
+#[async_trait]
+pub trait Api: Send + Sync {
+    /// Sends one request; transport failures come back as [`CallResult`] values.
+    ///
+    /// # Errors
+    /// [`ApiError::OffApi`] when the request is not for this API (nothing is sent).
+    async fn call(&self, request: &ApiRequest) -> Result<CallResult, ApiError>;
+}
+
+#[async_trait]
+impl Api for ApiClient {
+    async fn call(&self, request: &ApiRequest) -> Result<CallResult, ApiError> {
+        ApiClient::call(self, request).await
+    }
+}
+
 /// The worker's dependencies, built once.
 pub struct Worker {
-    pub api: ApiClient,
+    pub api: Arc<dyn Api>,
     pub queue: Arc<dyn JobQueue>,
     pub store: Arc<dyn StateStore>,
     pub clock: Arc<dyn Clock>,
@@ -150,6 +174,26 @@ impl Worker {
         Ok(())
     }
 
+    /// Waits for the payload's slot, if it has one. `false` when the slot was missed.
+    async fn wait_for_slot(&self, slot: Option<CallSlot>) -> bool {
+        let Some(slot) = slot else { return true };
+        self.clock.sleep_until(slot.not_before).await;
+        let now = self.clock.now();
+        if now > slot.call_by {
+            WorkerStats::bump(&self.stats.missed_slots);
+            warn!(late_ms = now.since(slot.call_by).as_millis(), "started after its slot; not calling");
+            return false;
+        }
+        true
+    }
+
+    /// Puts a job whose slot was missed back on the queue; the attempt does not count.
+    async fn requeue_unattempted(&self, job: &Job, attempt: u32) -> PortResult<()> {
+        self.queue.send(&[OutgoingMessage { body: job.to_json(), attempt, delay: std::time::Duration::ZERO }]).await?;
+        WorkerStats::bump(&self.stats.requeued);
+        Ok(())
+    }
+
     async fn dead_letter(&self, job: &Job, attempt: u32, cause: DeadLetterCause, detail: String) -> PortResult<()> {
         warn!(cause = %cause.label(), %detail, "dead-lettered");
         self.queue.dead_letter(job.id.as_str(), &job.to_json(), attempt, &DeadLetterReason { cause, detail }).await?;
@@ -162,8 +206,21 @@ impl Worker {
 impl WorkerHandler for Worker {
     async fn handle(&self, payload: WorkerPayload) -> PortResult<()> {
         match payload {
-            WorkerPayload::Job { job, attempt, circuit_epoch, .. } => self.run_job(&job, attempt, circuit_epoch).await,
-            WorkerPayload::HealthCheck { circuit_epoch, .. } => self.run_health_check(circuit_epoch).await,
+            WorkerPayload::Job { job, attempt, circuit_epoch, slot, .. } => {
+                if self.wait_for_slot(slot).await {
+                    self.run_job(&job, attempt, circuit_epoch).await
+                } else {
+                    self.requeue_unattempted(&job, attempt).await
+                }
+            }
+            WorkerPayload::HealthCheck { circuit_epoch, slot, .. } => {
+                // A missed health check is simply not made: the orchestrator sends another.
+                if self.wait_for_slot(slot).await {
+                    self.run_health_check(circuit_epoch).await
+                } else {
+                    Ok(())
+                }
+            }
         }
     }
 }

@@ -48,7 +48,7 @@ fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
     })
     .unwrap();
     let worker = Worker {
-        api,
+        api: Arc::new(api),
         queue: store.clone(),
         store: store.clone(),
         clock,
@@ -61,7 +61,7 @@ fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
 
 fn job_to(status: u16) -> WorkerPayload {
     let job = Job::parse(&format!(r#"{{"id":"job-{status}","request":{{"method":"POST","path":"/status/{status}","body":{{"a":1}}}}}}"#)).unwrap();
-    WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0) }
+    WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None }
 }
 
 async fn requeued(store: &EmbeddedStore) -> Vec<(String, u32)> {
@@ -118,7 +118,7 @@ async fn other_client_errors_and_exhausted_attempts_are_dead_lettered() {
     let (worker, store) = new_worker(&base);
     worker.handle(job_to(404)).await.unwrap();
     let WorkerPayload::Job { job, .. } = job_to(500) else { unreachable!() };
-    worker.handle(WorkerPayload::Job { job, attempt: 2, circuit_epoch: 0, dispatched_at: UnixMillis(0) }).await.unwrap();
+    worker.handle(WorkerPayload::Job { job, attempt: 2, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None }).await.unwrap();
     let dead = store.dead_letters().unwrap();
     let causes: Vec<String> = dead.iter().map(|d| d.reason.cause.label()).collect();
     assert_eq!(causes, vec!["http_404", "attempts_exhausted:http_500"]);
@@ -131,10 +131,44 @@ async fn healthy_check_closes_the_circuit_but_a_stale_one_cannot() {
     let (base, _) = scripted_api().await;
     let (worker, store) = new_worker(&base);
     worker.handle(job_to(502)).await.unwrap();
-    worker.handle(WorkerPayload::HealthCheck { circuit_epoch: 0, sent_at: UnixMillis(0) }).await.unwrap();
+    worker.handle(WorkerPayload::HealthCheck { circuit_epoch: 0, sent_at: UnixMillis(0), slot: None }).await.unwrap();
     assert!(!store.circuit().await.unwrap().is_closed(), "a check from epoch 0 must not close epoch 1");
-    worker.handle(WorkerPayload::HealthCheck { circuit_epoch: 1, sent_at: UnixMillis(0) }).await.unwrap();
+    worker.handle(WorkerPayload::HealthCheck { circuit_epoch: 1, sent_at: UnixMillis(0), slot: None }).await.unwrap();
     let circuit = store.circuit().await.unwrap();
     assert_eq!((circuit.status, circuit.epoch), (CircuitStatus::Closed, 2));
     assert_eq!(WorkerStats::get(&worker.stats.circuit_closed), 1);
+}
+
+/// Answers 200 at once and records when each call was made.
+struct InstantApi {
+    clock: Arc<dyn Clock>,
+    calls: Mutex<Vec<UnixMillis>>,
+}
+
+#[async_trait]
+impl Api for InstantApi {
+    async fn call(&self, _request: &ApiRequest) -> Result<CallResult, ApiError> {
+        self.calls.lock().unwrap().push(self.clock.now());
+        Ok(CallResult::Response { status: 200, headers: Vec::new() })
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slotted_job_calls_at_its_slot_and_a_late_one_is_requeued_without_calling() {
+    let (mut worker, store) = new_worker("http://127.0.0.1:9/v1");
+    let api = Arc::new(InstantApi { clock: worker.clock.clone(), calls: Mutex::default() });
+    worker.api = api.clone();
+    let t0 = worker.clock.now();
+    let slotted = |not_before: UnixMillis| {
+        let WorkerPayload::Job { job, .. } = job_to(200) else { unreachable!() };
+        WorkerPayload::Job { job, attempt: 1, circuit_epoch: 0, dispatched_at: t0, slot: Some(CallSlot { not_before, call_by: not_before.plus(Duration::from_millis(5)) }) }
+    };
+    worker.handle(slotted(t0.plus(Duration::from_millis(250)))).await.unwrap();
+    assert_eq!(*api.calls.lock().unwrap(), vec![t0.plus(Duration::from_millis(250))], "waits for the slot, then calls");
+
+    tokio::time::advance(Duration::from_millis(100)).await;
+    worker.handle(slotted(t0.plus(Duration::from_millis(300)))).await.unwrap();
+    assert_eq!(api.calls.lock().unwrap().len(), 1, "started 50 ms after the slot: no call");
+    assert_eq!(WorkerStats::get(&worker.stats.missed_slots), 1);
+    assert_eq!(requeued(&store).await, vec![("job-200".to_string(), 1)], "re-queued; the attempt does not count");
 }
