@@ -3,7 +3,7 @@
 
 use clap::{Parser, Subcommand};
 use paceline_cli::commands::{
-    circuit::CircuitArgs, demo::DemoArgs, dlq::DlqArgs, enqueue::EnqueueArgs, kick::KickArgs, run::RunArgs, status::StatusArgs,
+    circuit::CircuitArgs, demo::DemoArgs, dlq::DlqArgs, enqueue::EnqueueArgs, kick::KickArgs, run::RunArgs, simulate::SimulateArgs, status::StatusArgs,
 };
 
 /// Call rate-limited APIs as fast as their quotas allow, and never faster.
@@ -26,6 +26,7 @@ enum Command {
     Dlq(DlqArgs),
     Circuit(CircuitArgs),
     Kick(KickArgs),
+    Simulate(SimulateArgs),
 }
 
 #[tokio::main]
@@ -43,6 +44,7 @@ async fn main() -> std::process::ExitCode {
         Command::Dlq(args) => args.run().await,
         Command::Circuit(args) => args.run().await,
         Command::Kick(args) => args.run().await,
+        Command::Simulate(args) => args.run().await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -1,9 +1,11 @@
 //! The orchestrator as a Lambda function: built once at cold start from `PACELINE_*`
 //! variables, then each invocation (the EventBridge schedule or an operator's kick)
-//! runs the drain loop until the invocation's deadline, minus the margin, and prints its
-//! figures as CloudWatch metrics (embedded metric format) for the stack's alarms.
+//! runs the drain loop until the invocation's deadline, minus the margin (a scheduled
+//! run hands over just before the next kick it would overlap), and prints its figures as
+//! CloudWatch metrics (embedded metric format) for the stack's alarms.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use lambda_runtime::LambdaEvent;
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames};
@@ -11,7 +13,11 @@ use paceline_shared::lambda_env::Env;
 use paceline_shared::time::{SystemClock, UnixMillis};
 use serde_json::{json, Value};
 
-use crate::{Orchestrator, Progress, RunError, RunOptions, RunReport, Settings};
+use crate::{handover_deadline, Orchestrator, Progress, RunError, RunOptions, RunReport, Settings};
+
+/// How often the stack's schedule kicks the orchestrator (`rate(1 minute)` in
+/// `infra/template.yaml`).
+const SCHEDULE_EVERY: Duration = Duration::from_secs(60);
 
 /// Builds the orchestrator from the environment and an SDK configuration.
 ///
@@ -37,9 +43,14 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
 /// # Errors
 /// A fatal adapter error (the run released what it held first).
 pub async fn handle(event: LambdaEvent<Value>, orchestrator: &Orchestrator) -> Result<Value, lambda_runtime::Error> {
+    let deadline = UnixMillis(event.context.deadline);
+    let deadline = match scheduled_for(&event.payload) {
+        Some(tick) => handover_deadline(deadline, tick, SCHEDULE_EVERY, orchestrator.settings.orchestrator.deadline_margin),
+        None => deadline,
+    };
     let opts = RunOptions {
         holder: format!("lambda:{}", event.context.request_id),
-        deadline: UnixMillis(event.context.deadline),
+        deadline,
         drain: false,
         stop: None,
     };
@@ -57,6 +68,16 @@ pub async fn handle(event: LambdaEvent<Value>, orchestrator: &Orchestrator) -> R
         }
         Err(e) => Err(e.into()),
     }
+}
+
+/// The minute an EventBridge scheduled event was due (its `time`); `None` for any other
+/// event (an operator's kick).
+fn scheduled_for(event: &Value) -> Option<UnixMillis> {
+    if event.get("detail-type").and_then(Value::as_str) != Some("Scheduled Event") {
+        return None;
+    }
+    let time = chrono::DateTime::parse_from_rfc3339(event.get("time")?.as_str()?).ok()?;
+    u64::try_from(time.timestamp_millis()).ok().map(UnixMillis)
 }
 
 /// The run's figures as one CloudWatch embedded-metric-format record in namespace
@@ -116,5 +137,13 @@ mod tests {
         assert_eq!((record["Lane"].as_str(), record["_aws"]["Timestamp"].as_u64()), (Some("sms"), Some(61_000)));
         report.tiers[1].utilization = 1.0;
         assert_eq!(metrics_record(&report, false, "sms")["QuotaExhausted"], 1);
+    }
+
+    #[test]
+    fn only_scheduled_events_carry_a_tick() {
+        let scheduled = json!({ "detail-type": "Scheduled Event", "time": "2026-11-23T01:46:00Z", "source": "aws.events" });
+        assert_eq!(scheduled_for(&scheduled), Some(UnixMillis(1_795_398_360_000)));
+        assert_eq!(scheduled_for(&json!({ "kick": "operator" })), None);
+        assert_eq!(scheduled_for(&json!({ "detail-type": "Scheduled Event", "time": "soon" })), None);
     }
 }

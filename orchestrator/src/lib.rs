@@ -34,11 +34,36 @@ use report::TierMeter;
 const MAX_POLL: Duration = Duration::from_secs(20);
 /// First and longest pause after a throttled or failed invoke.
 const INVOKE_BACKOFF: (Duration, Duration) = (Duration::from_millis(50), Duration::from_secs(5));
+/// A prefetch receive starts when fewer jobs than this are in hand.
+const PREFETCH_BELOW: usize = 10;
+/// After a prefetch found nothing (or failed), the next waits this long: an idle queue
+/// is not polled in a loop.
+const PREFETCH_PAUSE: Duration = Duration::from_secs(1);
 /// Receipts deleted in one call at most (SQS batch size).
 const DELETE_BATCH: usize = 10;
 /// Hand-offs awaiting their answer at once at most. Invokes are pipelined so that the
 /// invoke's own latency never delays the next slot: pacing is about frequency.
 const MAX_INVOKES_IN_FLIGHT: usize = 256;
+
+/// How long before the next scheduled kick a run stops dispatching (time to settle its
+/// last hand-offs, flush and give the lease up).
+pub const HANDOVER: Duration = Duration::from_millis(500);
+
+/// The deadline to give a run kicked by a schedule for `tick` (every `every`), so that
+/// it stops dispatching `HANDOVER` before the last kick due before `deadline` (less the
+/// margin). That kick then finds the function free (reserved concurrency 1) instead of
+/// being throttled and retried seconds later: back-to-back runs, no idle gap. `deadline`
+/// itself when no kick falls inside the run.
+#[must_use]
+pub fn handover_deadline(deadline: UnixMillis, tick: UnixMillis, every: Duration, margin: Duration) -> UnixMillis {
+    let every_ms = u64::try_from(every.as_millis()).unwrap_or(u64::MAX).max(1);
+    let kicks = deadline.minus(margin).0.saturating_sub(tick.0) / every_ms;
+    if kicks == 0 {
+        return deadline;
+    }
+    let last_kick = UnixMillis(tick.0 + kicks * every_ms);
+    last_kick.minus(HANDOVER).plus(margin).min(deadline)
+}
 
 /// Why a run could not go on.
 #[derive(Debug, thiserror::Error)]
@@ -87,10 +112,14 @@ struct InHand {
     since: UnixMillis,
 }
 
-/// A hand-off that has been answered.
-struct Answered {
-    in_hand: InHand,
-    result: Result<(), PortError>,
+/// Work the loop does not wait for, as it comes back.
+enum Done {
+    /// A hand-off was answered.
+    Handed { in_hand: InHand, result: Result<(), PortError> },
+    /// A prefetch receive returned.
+    Received(Result<Vec<QueuedMessage>, PortError>),
+    /// A delete batch went (or failed, giving its receipts back).
+    Deleted(Result<(), (PortError, Vec<String>)>),
 }
 
 /// The mutable state of one run.
@@ -112,8 +141,14 @@ struct Run<'a> {
     meter: TierMeter,
     exhausted_logged_until: UnixMillis,
     stop: Option<tokio::sync::watch::Receiver<bool>>,
-    /// Hand-offs under way; each answers with its message.
-    invokes: tokio::task::JoinSet<Answered>,
+    /// Hand-offs, prefetch receives and deletes under way, so that none of their
+    /// latencies delays the next slot: pacing is about frequency.
+    background: tokio::task::JoinSet<Done>,
+    invokes_in_flight: usize,
+    receiving: bool,
+    /// No prefetch before this (after one found the queue empty or failed).
+    next_prefetch: UnixMillis,
+    deletes_in_flight: usize,
     /// After a refused hand-off: no dispatch before this, and how many in a row failed.
     invoke_hold_until: UnixMillis,
     invoke_failures: u32,
@@ -155,7 +190,11 @@ impl Orchestrator {
             meter: TierMeter::new(&self.settings.quota),
             exhausted_logged_until: UnixMillis(0),
             stop: opts.stop.clone(),
-            invokes: tokio::task::JoinSet::new(),
+            background: tokio::task::JoinSet::new(),
+            invokes_in_flight: 0,
+            receiving: false,
+            next_prefetch: UnixMillis(0),
+            deletes_in_flight: 0,
             invoke_hold_until: UnixMillis(0),
             invoke_failures: 0,
             fatal: None,
@@ -243,31 +282,60 @@ impl Run<'_> {
     }
 
     /// Sleeps until `t` or the next housekeeping, whichever is first; wakes early for a
-    /// stop request or an answered hand-off (which it settles).
+    /// stop request or finished background work (which it settles).
     async fn sleep_until(&mut self, t: UnixMillis) {
         let wake = t.min(self.next_wake());
         // Biased: the same events always resolve the same way, so simulations repeat.
-        let answered = tokio::select! {
+        let done = tokio::select! {
             biased;
             () = stop_requested(&mut self.stop) => None,
-            Some(answered) = self.invokes.join_next(), if !self.invokes.is_empty() => Some(answered),
+            Some(done) = self.background.join_next(), if !self.background.is_empty() => Some(done),
             () = self.o.clock.sleep_until(wake) => None,
         };
-        if let Some(answered) = answered {
-            self.settle(answered);
+        if let Some(done) = done {
+            self.settle(done);
+        }
+    }
+
+    /// Acts on finished background work.
+    fn settle(&mut self, done: Result<Done, tokio::task::JoinError>) {
+        match done {
+            Ok(Done::Handed { in_hand, result }) => {
+                self.invokes_in_flight -= 1;
+                self.settle_hand_off(in_hand, result);
+            }
+            Ok(Done::Received(result)) => {
+                self.receiving = false;
+                if !result.as_ref().is_ok_and(|received| !received.is_empty()) {
+                    self.next_prefetch = self.o.clock.now().plus(PREFETCH_PAUSE);
+                }
+                match result {
+                    Ok(received) => {
+                        let since = self.o.clock.now();
+                        self.buffer.extend(received.into_iter().map(|message| InHand { message, since }));
+                    }
+                    Err(e) if e.is_retryable() => warn!(error = %e, "prefetch receive failed; receiving again when needed"),
+                    Err(e) => self.fatal = Some(e),
+                }
+            }
+            Ok(Done::Deleted(result)) => {
+                self.deletes_in_flight -= 1;
+                match result {
+                    Ok(()) => {}
+                    Err((e, receipts)) if e.is_retryable() => {
+                        warn!(error = %e, "delete failed; trying again with the next batch");
+                        self.pending_deletes.extend(receipts);
+                    }
+                    Err((e, _)) => self.fatal = Some(e),
+                }
+            }
+            Err(e) => self.fatal = Some(PortError::Fatal(format!("a background task failed: {e}"))),
         }
     }
 
     /// Acts on a hand-off's answer: delete the message, or put it back in hand and hold
     /// dispatch for a backoff, or end the run on a fatal error.
-    fn settle(&mut self, answered: Result<Answered, tokio::task::JoinError>) {
-        let Answered { in_hand, result } = match answered {
-            Ok(answered) => answered,
-            Err(e) => {
-                self.fatal = Some(PortError::Fatal(format!("a hand-off task failed: {e}")));
-                return;
-            }
-        };
+    fn settle_hand_off(&mut self, in_hand: InHand, result: Result<(), PortError>) {
         match result {
             Ok(()) => {
                 self.invoke_failures = 0;
@@ -290,11 +358,43 @@ impl Run<'_> {
         }
     }
 
-    /// Settles every hand-off already answered, without waiting.
+    /// Settles all background work already finished, without waiting.
     fn settle_answered(&mut self) {
-        while let Some(answered) = self.invokes.try_join_next() {
-            self.settle(answered);
+        while let Some(done) = self.background.try_join_next() {
+            self.settle(done);
         }
+    }
+
+    /// Sends a batch of deletes without waiting for it.
+    fn delete_in_background(&mut self) {
+        let receipts: Vec<String> = self.pending_deletes.drain(..self.pending_deletes.len().min(DELETE_BATCH)).collect();
+        let queue = self.o.queue.clone();
+        self.deletes_in_flight += 1;
+        self.background.spawn(async move { Done::Deleted(queue.delete(&receipts).await.map_err(|e| (e, receipts))) });
+    }
+
+    /// Receives the next batch in the background while the ones in hand are paced, so
+    /// the queue's latency never leaves a slot unused. No more than the quota can use
+    /// before the visibility timeout; a short poll (the loop long-polls when it runs dry).
+    fn prefetch(&mut self, now: UnixMillis) {
+        if self.receiving || self.buffer.len() >= PREFETCH_BELOW || now < self.next_prefetch {
+            return;
+        }
+        let in_hand = self.buffer.len();
+        let capacity = self.quota().capacity_until(&self.pacer, self.slot_at(now), self.receive_horizon(now), in_hand + 10).saturating_sub(in_hand);
+        if capacity == 0 {
+            return;
+        }
+        let (queue, visibility) = (self.o.queue.clone(), self.o.settings.orchestrator.visibility_timeout);
+        self.receiving = true;
+        self.background.spawn(async move { Done::Received(queue.receive(capacity, Duration::ZERO, visibility).await) });
+    }
+
+    /// Jobs received at `now` must be dispatched by this slot (before their visibility
+    /// timeout, with a fifth of it to spare), and no later than the run's end.
+    fn receive_horizon(&self, now: UnixMillis) -> UnixMillis {
+        let visibility = self.o.settings.orchestrator.visibility_timeout;
+        now.plus(visibility).minus(visibility / 5).min(self.stop_at).plus(self.lead())
     }
 
     fn stop_requested(&self) -> bool {
@@ -347,6 +447,13 @@ impl Run<'_> {
                 self.while_open(now).await?;
                 continue;
             }
+            if !self.buffer.is_empty() {
+                self.prefetch(now);
+            } else if self.receiving {
+                let stop_at = self.stop_at;
+                self.sleep_until(stop_at).await;
+                continue;
+            }
             let Some(in_hand) = self.buffer.front() else {
                 if self.fill_buffer(now).await? {
                     self.report.stop = StopReason::Drained;
@@ -360,7 +467,7 @@ impl Run<'_> {
                 self.sleep_until(until).await;
                 continue;
             }
-            if self.invokes.len() >= MAX_INVOKES_IN_FLIGHT {
+            if self.invokes_in_flight >= MAX_INVOKES_IN_FLIGHT {
                 let stop_at = self.stop_at;
                 self.sleep_until(stop_at).await;
                 continue;
@@ -390,9 +497,10 @@ impl Run<'_> {
                     let payload = WorkerPayload::Job { job, attempt, circuit_epoch, dispatched_at: now, slot };
                     let in_hand = self.buffer.pop_front().expect("the message in hand");
                     let invoker = self.o.invoker.clone();
-                    self.invokes.spawn(async move { Answered { result: invoker.invoke(&payload).await, in_hand } });
+                    self.invokes_in_flight += 1;
+                    self.background.spawn(async move { Done::Handed { result: invoker.invoke(&payload).await, in_hand } });
                     if self.pending_deletes.len() >= DELETE_BATCH {
-                        self.flush_deletes().await?;
+                        self.delete_in_background();
                     }
                 }
             }
@@ -445,10 +553,8 @@ impl Run<'_> {
     /// Receives the next batch: no more than the quota can use before the visibility
     /// timeout. Returns `true` when draining and nothing is left anywhere.
     async fn fill_buffer(&mut self, now: UnixMillis) -> Result<bool, RunError> {
-        let cfg = &self.o.settings.orchestrator;
-        let horizon = now.plus(cfg.visibility_timeout).minus(cfg.visibility_timeout / 5).min(self.stop_at);
         let (slot, lead) = (self.slot_at(now), self.lead());
-        let capacity = self.quota().capacity_until(&self.pacer, slot, horizon.plus(lead), 10);
+        let capacity = self.quota().capacity_until(&self.pacer, slot, self.receive_horizon(now), 10);
         if capacity == 0 {
             if let Decision::WaitUntil { at, by } = self.quota().decide(&self.pacer, 1, slot) {
                 self.log_exhausted(at, by);
@@ -459,7 +565,7 @@ impl Run<'_> {
         let poll = if self.opts.drain { Duration::from_millis(500) } else { MAX_POLL };
         let until_wake = self.next_wake().since(now);
         let wait = poll.min(until_wake);
-        let received = match self.o.queue.receive(capacity, wait, cfg.visibility_timeout).await {
+        let received = match self.o.queue.receive(capacity, wait, self.o.settings.orchestrator.visibility_timeout).await {
             Ok(received) => received,
             Err(e) if e.is_retryable() => {
                 warn!(error = %e, "receive failed; retrying");
@@ -483,7 +589,7 @@ impl Run<'_> {
     }
 
     async fn nothing_left(&self) -> Result<bool, RunError> {
-        if !self.invokes.is_empty() || self.o.invoker.in_flight() > 0 {
+        if self.invokes_in_flight > 0 || self.receiving || self.deletes_in_flight > 0 || self.o.invoker.in_flight() > 0 {
             return Ok(false);
         }
         let depth = self.o.queue.depth().await?;
@@ -575,8 +681,8 @@ impl Run<'_> {
         if let Some(e) = failed {
             warn!(error = %e, "run failed; releasing what it held");
         }
-        while let Some(answered) = self.invokes.join_next().await {
-            self.settle(answered);
+        while let Some(done) = self.background.join_next().await {
+            self.settle(done);
         }
         let released = self.release_buffer().await;
         let flushed = self.flush(true).await;

@@ -82,12 +82,13 @@ pub struct WindowPeak {
     arrivals: VecDeque<(u64, u64)>,
     units: u64,
     peak: u64,
+    peak_end: u64,
 }
 
 impl WindowPeak {
     #[must_use]
     pub fn new(window: Duration) -> Self {
-        Self { window_ms: u64::try_from(window.as_millis()).unwrap_or(u64::MAX), arrivals: VecDeque::new(), units: 0, peak: 0 }
+        Self { window_ms: u64::try_from(window.as_millis()).unwrap_or(u64::MAX), arrivals: VecDeque::new(), units: 0, peak: 0, peak_end: 0 }
     }
 
     /// Adds an arrival; arrivals must come in time order.
@@ -101,7 +102,18 @@ impl WindowPeak {
         }
         self.units += cost;
         self.arrivals.push_back((at.0, cost));
-        self.peak = self.peak.max(self.units);
+        if self.units > self.peak {
+            self.peak = self.units;
+            self.peak_end = at.0;
+        }
+    }
+
+    /// Where the busiest window first occurred: it starts at this instant (and ends
+    /// before `start + window`). Any window of the length is some fixed-window
+    /// alignment's window, so this also names the worst alignment: `start % window`.
+    #[must_use]
+    pub fn peak_window_start(&self) -> UnixMillis {
+        UnixMillis((self.peak_end + 1).saturating_sub(self.window_ms))
     }
 
     /// The most units in any window so far.

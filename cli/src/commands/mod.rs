@@ -6,6 +6,7 @@ pub mod dlq;
 pub mod enqueue;
 pub mod kick;
 pub mod run;
+pub mod simulate;
 pub mod status;
 
 use std::path::PathBuf;

@@ -1,0 +1,128 @@
+//! `paceline simulate`: how close to the quota a lane gets, how long a backlog takes and
+//! what it costs, from the real orchestrator and worker under virtual time.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use paceline_orchestrator::Settings;
+use paceline_shared::config::MAX_DISPATCH_AHEAD;
+use paceline_sim::profile::{Failures, LatencyProfile, Outage};
+use paceline_sim::report::{render, render_comparison};
+use paceline_sim::{little_law_concurrency, plot, simulate, Dispatcher, Plan, SimReport};
+
+use crate::commands::ConfigArg;
+use crate::lane::load_config_for_operations;
+
+/// Simulate draining a backlog through the lane (no AWS, no API calls, virtual time).
+#[derive(Debug, clap::Args)]
+pub struct SimulateArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// Jobs in the backlog.
+    #[arg(long, default_value_t = 10_000)]
+    pub jobs: usize,
+    /// Seed of every random draw: the same seed gives the same report.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Override a latency: NAME=MEDIAN/P99 (log-normal) or NAME=FIXED, NAME one of sqs,
+    /// invoke, async_start, dynamodb, api, api_arrival, kick. Repeatable.
+    #[arg(long = "latency", value_name = "NAME=LATENCY")]
+    pub latencies: Vec<String>,
+    /// The API fails every call with 503 from START for LENGTH (e.g. 10m+2m). Repeatable.
+    #[arg(long = "outage", value_name = "START+LENGTH")]
+    pub outages: Vec<Outage>,
+    /// Share of calls the API answers 429 although within quota (0 to 1).
+    #[arg(long, default_value_t = 0.0)]
+    pub rate_429: f64,
+    /// Share of calls the API answers 500 (0 to 1).
+    #[arg(long, default_value_t = 0.0)]
+    pub rate_5xx: f64,
+    /// Override the config's `orchestrator.dispatch_ahead` (0s for none).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub dispatch_ahead: Option<Duration>,
+    /// Also run the baselines on the same workload: Paceline without dispatch-ahead, a
+    /// per-second token bucket, a fixed-window counter and a concurrency cap alone.
+    #[arg(long)]
+    pub baselines: bool,
+    /// Stop (and report "not drained") after this much simulated time.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "400days")]
+    pub time_limit: Duration,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the achieved rate against the quota over time to this SVG file.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
+}
+
+impl SimulateArgs {
+    fn plan(&self) -> anyhow::Result<Plan> {
+        let config = load_config_for_operations(&self.config.config)?;
+        anyhow::ensure!(self.jobs > 0, "--jobs: need at least one job");
+        let mut orchestrator = config.orchestrator;
+        if let Some(ahead) = self.dispatch_ahead {
+            anyhow::ensure!(ahead <= MAX_DISPATCH_AHEAD, "--dispatch-ahead: at most {}", humantime::format_duration(MAX_DISPATCH_AHEAD));
+            orchestrator.dispatch_ahead = ahead;
+        }
+        let mut profile = LatencyProfile::default();
+        for assignment in &self.latencies {
+            profile.set(assignment).map_err(|e| anyhow::anyhow!("--latency {e}"))?;
+        }
+        let failures = Failures { outages: self.outages.clone(), rate_429: self.rate_429, rate_5xx: self.rate_5xx };
+        failures.check().map_err(|e| anyhow::anyhow!("--rate-429/--rate-5xx: {e}"))?;
+        let settings = Settings { quota: config.quota, orchestrator, circuit: config.circuit };
+        let mut plan = Plan::new(self.jobs, self.seed, settings, config.retry);
+        plan.profile = profile;
+        plan.failures = failures;
+        plan.time_limit = self.time_limit;
+        Ok(plan)
+    }
+
+    /// # Errors
+    /// Bad config or flags, or an unwritable plot file.
+    pub async fn run(self) -> anyhow::Result<()> {
+        let plan = self.plan()?;
+        let baselines = self.baselines;
+        // The simulation runs its own paused runtime, on a thread of its own.
+        let reports = tokio::task::spawn_blocking(move || run_all(&plan, baselines).map(|reports| (plan, reports)))
+            .await
+            .context("the simulation failed")?;
+        let (plan, reports) = reports?;
+        let main = &reports[0];
+        if let Some(path) = &self.plot {
+            std::fs::write(path, plot::svg(main, &plan.settings.quota)).with_context(|| format!("cannot write {}", path.display()))?;
+        }
+        if self.json {
+            let value = if reports.len() == 1 { serde_json::to_value(main)? } else { serde_json::to_value(&reports)? };
+            println!("{}", serde_json::to_string_pretty(&value)?);
+        } else {
+            print!("{}", render(main));
+            if reports.len() > 1 {
+                println!("\nSame workload, other dispatchers:\n");
+                print!("{}", render_comparison(&reports));
+            }
+            if let Some(path) = &self.plot {
+                println!("\nPlot written to {}", path.display());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The lane as configured, then (with `baselines`) the others on the same workload.
+fn run_all(plan: &Plan, baselines: bool) -> anyhow::Result<Vec<SimReport>> {
+    let mut reports = vec![simulate(plan, &Dispatcher::Paceline)];
+    if baselines {
+        if !plan.settings.orchestrator.dispatch_ahead.is_zero() {
+            let mut at_slot = plan.clone();
+            at_slot.settings.orchestrator.dispatch_ahead = Duration::ZERO;
+            reports.push(simulate(&at_slot, &Dispatcher::Paceline));
+        }
+        let concurrency = little_law_concurrency(plan);
+        for dispatcher in [Dispatcher::TokenBucket, Dispatcher::FixedWindow, Dispatcher::ConcurrencyOnly { limit: concurrency }] {
+            reports.push(simulate(plan, &dispatcher));
+        }
+    }
+    Ok(reports)
+}

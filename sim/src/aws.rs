@@ -1,0 +1,488 @@
+//! Simulated SQS, DynamoDB and Lambda: in-memory implementations of the ports with the
+//! profile's latency on every call, counting the AWS requests (and capacity units, and
+//! Lambda compute time) each call stands for, as the AWS adapters would make them.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use paceline_shared::breaker::Circuit;
+use paceline_shared::job::{DeadLetterReason, WorkerPayload};
+use paceline_shared::ports::{
+    Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth, QueuedMessage, StateStore, WorkerHandler,
+};
+use paceline_shared::time::{Clock, TokioClock, UnixMillis};
+
+use crate::profile::{job_key, Sampler, Stream};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// AWS requests by operation, DynamoDB capacity units and Lambda compute time.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    requests: Mutex<BTreeMap<&'static str, u64>>,
+    pub dynamodb_read_units: AtomicU64,
+    pub dynamodb_write_units: AtomicU64,
+    /// Milliseconds the worker function ran, summed over invocations.
+    pub worker_ms: AtomicU64,
+    /// Milliseconds the orchestrator function ran, summed over runs.
+    pub orchestrator_ms: AtomicU64,
+}
+
+impl Ledger {
+    /// Counts `n` requests of `operation` (e.g. `sqs:ReceiveMessage`).
+    pub fn count(&self, operation: &'static str, n: u64) {
+        *lock(&self.requests).entry(operation).or_default() += n;
+    }
+
+    /// Requests so far, by operation.
+    #[must_use]
+    pub fn requests(&self) -> BTreeMap<&'static str, u64> {
+        lock(&self.requests).clone()
+    }
+}
+
+/// What every simulated service shares: the virtual clock, the seeded sampler and the
+/// ledger.
+pub struct World {
+    pub clock: Arc<TokioClock>,
+    pub sampler: Sampler,
+    pub ledger: Ledger,
+    /// When the simulation began.
+    pub start: UnixMillis,
+    /// Keys for draws that belong to no job (infrastructure calls), in call order.
+    call_seq: AtomicU64,
+}
+
+impl World {
+    #[must_use]
+    pub fn new(clock: Arc<TokioClock>, sampler: Sampler) -> Self {
+        let start = clock.now();
+        Self { clock, sampler, ledger: Ledger::default(), start, call_seq: AtomicU64::new(0) }
+    }
+
+    /// Waits one draw of `stream`'s latency under `key`.
+    pub async fn wait(&self, stream: Stream, key: u64) {
+        let latency = self.sampler.latency(stream, key);
+        if !latency.is_zero() {
+            self.clock.sleep_until(self.clock.now().plus(latency)).await;
+        }
+    }
+
+    /// Waits one infrastructure call's latency.
+    async fn call(&self, stream: Stream) {
+        let key = self.call_seq.fetch_add(1, Ordering::Relaxed);
+        self.wait(stream, key).await;
+    }
+}
+
+/// A message as the queue keeps it.
+#[derive(Clone, Debug)]
+struct Stored {
+    id: u64,
+    body: String,
+    attempt: u32,
+}
+
+#[derive(Default)]
+struct QueueState {
+    visible: VecDeque<Stored>,
+    /// Received or delayed messages by receipt, with when they become visible again.
+    hidden: BTreeMap<u64, (Stored, UnixMillis)>,
+    next_receipt: u64,
+    next_id: u64,
+    dead: Vec<(u64, String)>,
+}
+
+impl QueueState {
+    fn reveal_due(&mut self, now: UnixMillis) {
+        let due: Vec<u64> = self.hidden.iter().filter(|(_, (_, until))| *until <= now).map(|(r, _)| *r).collect();
+        for receipt in due {
+            if let Some((message, _)) = self.hidden.remove(&receipt) {
+                self.visible.push_back(message);
+            }
+        }
+    }
+
+    fn next_wake(&self) -> Option<UnixMillis> {
+        self.hidden.values().map(|(_, until)| *until).min()
+    }
+}
+
+/// A standard SQS queue with its DLQ: visibility timeouts, long polling, batches of 10.
+pub struct SimQueue {
+    world: Arc<World>,
+    state: Mutex<QueueState>,
+    arrived: tokio::sync::Notify,
+}
+
+impl SimQueue {
+    #[must_use]
+    pub fn new(world: Arc<World>) -> Self {
+        Self { world, state: Mutex::default(), arrived: tokio::sync::Notify::new() }
+    }
+
+    /// Puts messages on the queue as a producer would, at no latency (the producer's
+    /// `SendMessageBatch` requests are still counted).
+    pub fn preload(&self, bodies: impl IntoIterator<Item = String>) {
+        let mut state = lock(&self.state);
+        let mut sent: u64 = 0;
+        for body in bodies {
+            let id = state.next_id;
+            state.next_id += 1;
+            state.visible.push_back(Stored { id, body, attempt: 0 });
+            sent += 1;
+        }
+        self.world.ledger.count("sqs:SendMessageBatch (producer)", sent.div_ceil(10));
+    }
+
+    /// Dead letters so far, as (cause label, count).
+    #[must_use]
+    pub fn dead_letter_causes(&self) -> BTreeMap<String, u64> {
+        let mut causes = BTreeMap::new();
+        for (_, cause) in &lock(&self.state).dead {
+            *causes.entry(cause.clone()).or_default() += 1;
+        }
+        causes
+    }
+
+    /// How many messages are in the DLQ.
+    #[must_use]
+    pub fn dead_count(&self) -> u64 {
+        lock(&self.state).dead.len() as u64
+    }
+
+    fn take(&self, max: usize, visibility: Duration) -> Vec<QueuedMessage> {
+        let now = self.world.clock.now();
+        let mut state = lock(&self.state);
+        state.reveal_due(now);
+        let mut received = Vec::new();
+        while received.len() < max.min(10) {
+            let Some(message) = state.visible.pop_front() else { break };
+            let receipt = state.next_receipt;
+            state.next_receipt += 1;
+            received.push(QueuedMessage { message_id: message.id.to_string(), receipt: receipt.to_string(), body: message.body.clone(), attempt: message.attempt });
+            state.hidden.insert(receipt, (message, now.plus(visibility)));
+        }
+        received
+    }
+
+    fn receipts(receipts: &[String]) -> impl Iterator<Item = u64> + '_ {
+        receipts.iter().filter_map(|r| r.parse().ok())
+    }
+}
+
+#[async_trait]
+impl JobQueue for SimQueue {
+    async fn receive(&self, max: usize, wait: Duration, visibility: Duration) -> PortResult<Vec<QueuedMessage>> {
+        self.world.ledger.count("sqs:ReceiveMessage", 1);
+        self.world.call(Stream::Sqs).await;
+        let deadline = self.world.clock.now().plus(wait);
+        loop {
+            let arrived = self.arrived.notified();
+            tokio::pin!(arrived);
+            arrived.as_mut().enable();
+            let received = self.take(max, visibility);
+            let now = self.world.clock.now();
+            if !received.is_empty() || now >= deadline {
+                return Ok(received);
+            }
+            let wake = lock(&self.state).next_wake().map_or(deadline, |t| t.min(deadline));
+            tokio::select! {
+                biased;
+                () = arrived => {}
+                () = self.world.clock.sleep_until(wake) => {}
+            }
+        }
+    }
+
+    async fn delete(&self, receipts: &[String]) -> PortResult<()> {
+        self.world.ledger.count("sqs:DeleteMessageBatch", receipts.len().div_ceil(10) as u64);
+        self.world.call(Stream::Sqs).await;
+        let mut state = lock(&self.state);
+        for receipt in Self::receipts(receipts) {
+            state.hidden.remove(&receipt);
+        }
+        Ok(())
+    }
+
+    async fn release(&self, receipts: &[String]) -> PortResult<()> {
+        self.world.ledger.count("sqs:ChangeMessageVisibilityBatch", receipts.len().div_ceil(10) as u64);
+        self.world.call(Stream::Sqs).await;
+        let mut state = lock(&self.state);
+        for receipt in Self::receipts(receipts).collect::<Vec<_>>().into_iter().rev() {
+            if let Some((message, _)) = state.hidden.remove(&receipt) {
+                state.visible.push_front(message);
+            }
+        }
+        drop(state);
+        self.arrived.notify_waiters();
+        Ok(())
+    }
+
+    async fn send(&self, messages: &[OutgoingMessage]) -> PortResult<()> {
+        let operation = if messages.len() == 1 { "sqs:SendMessage" } else { "sqs:SendMessageBatch" };
+        self.world.ledger.count(operation, messages.len().div_ceil(10) as u64);
+        self.world.call(Stream::Sqs).await;
+        let now = self.world.clock.now();
+        let mut state = lock(&self.state);
+        for message in messages {
+            let id = state.next_id;
+            state.next_id += 1;
+            let stored = Stored { id, body: message.body.clone(), attempt: message.attempt };
+            if message.delay.is_zero() {
+                state.visible.push_back(stored);
+            } else {
+                let receipt = state.next_receipt;
+                state.next_receipt += 1;
+                state.hidden.insert(receipt, (stored, now.plus(message.delay)));
+            }
+        }
+        drop(state);
+        self.arrived.notify_waiters();
+        Ok(())
+    }
+
+    async fn dead_letter(&self, message_id: &str, _body: &str, _attempt: u32, reason: &DeadLetterReason) -> PortResult<()> {
+        self.world.ledger.count("sqs:SendMessage (DLQ)", 1);
+        self.world.call(Stream::Sqs).await;
+        lock(&self.state).dead.push((message_id.parse().unwrap_or(u64::MAX), reason.cause.label()));
+        Ok(())
+    }
+
+    async fn depth(&self) -> PortResult<QueueDepth> {
+        self.world.ledger.count("sqs:GetQueueAttributes", 1);
+        self.world.call(Stream::Sqs).await;
+        let state = lock(&self.state);
+        Ok(QueueDepth { visible: state.visible.len() as u64, not_visible: state.hidden.len() as u64, dead: state.dead.len() as u64 })
+    }
+}
+
+#[derive(Default)]
+struct StoreState {
+    lease: Option<Lease>,
+    epoch: u64,
+    usage: BTreeMap<String, u64>,
+    pacer: Option<PacerSnapshot>,
+    circuit: Circuit,
+    cool_down: UnixMillis,
+}
+
+/// The DynamoDB state table, with the calls (and capacity units) the DynamoDB adapter
+/// makes for each operation.
+pub struct SimStore {
+    world: Arc<World>,
+    state: Mutex<StoreState>,
+}
+
+impl SimStore {
+    #[must_use]
+    pub fn new(world: Arc<World>) -> Self {
+        Self { world, state: Mutex::default() }
+    }
+
+    async fn read(&self, items: u64) {
+        self.world.ledger.count("dynamodb:GetItem", items);
+        self.world.ledger.dynamodb_read_units.fetch_add(items, Ordering::Relaxed);
+        self.world.call(Stream::DynamoDb).await;
+    }
+
+    async fn write(&self, operation: &'static str, requests: u64, units: u64) {
+        self.world.ledger.count(operation, requests);
+        self.world.ledger.dynamodb_write_units.fetch_add(units, Ordering::Relaxed);
+        self.world.call(Stream::DynamoDb).await;
+    }
+
+    fn state(&self) -> MutexGuard<'_, StoreState> {
+        lock(&self.state)
+    }
+}
+
+#[async_trait]
+impl StateStore for SimStore {
+    async fn acquire_lease(&self, holder: &str, ttl: Duration, now: UnixMillis) -> PortResult<Lease> {
+        self.write("dynamodb:UpdateItem", 1, 1).await;
+        let mut state = self.state();
+        if let Some(lease) = state.lease.as_ref().filter(|l| l.expires_at > now) {
+            return Err(PortError::Conflict(format!("held by {} until {}", lease.holder, lease.expires_at)));
+        }
+        state.epoch += 1;
+        let lease = Lease { holder: holder.to_owned(), epoch: state.epoch, expires_at: now.plus(ttl) };
+        state.lease = Some(lease.clone());
+        Ok(lease)
+    }
+
+    async fn renew_lease(&self, lease: &Lease, ttl: Duration, now: UnixMillis) -> PortResult<Lease> {
+        self.write("dynamodb:UpdateItem", 1, 1).await;
+        let mut state = self.state();
+        match state.lease.as_mut() {
+            Some(current) if current.epoch == lease.epoch && current.expires_at > now => {
+                current.expires_at = now.plus(ttl);
+                Ok(current.clone())
+            }
+            _ => Err(PortError::Conflict("the lease was lost".into())),
+        }
+    }
+
+    async fn release_lease(&self, lease: &Lease) -> PortResult<()> {
+        self.write("dynamodb:UpdateItem", 1, 1).await;
+        let mut state = self.state();
+        if state.lease.as_ref().is_some_and(|l| l.epoch == lease.epoch) {
+            state.lease = None;
+        }
+        Ok(())
+    }
+
+    async fn lease(&self) -> PortResult<Option<Lease>> {
+        self.read(1).await;
+        Ok(self.state().lease.clone())
+    }
+
+    async fn load_usage(&self, keys: &[String]) -> PortResult<Vec<u64>> {
+        self.read(keys.len() as u64).await;
+        let state = self.state();
+        Ok(keys.iter().map(|k| state.usage.get(k).copied().unwrap_or(0)).collect())
+    }
+
+    async fn add_usage(&self, deltas: &[(String, u64)]) -> PortResult<()> {
+        self.write("dynamodb:UpdateItem", deltas.len() as u64, deltas.len() as u64).await;
+        let mut state = self.state();
+        for (key, delta) in deltas {
+            *state.usage.entry(key.clone()).or_default() += delta;
+        }
+        Ok(())
+    }
+
+    async fn load_pacer(&self) -> PortResult<Option<PacerSnapshot>> {
+        self.read(1).await;
+        Ok(self.state().pacer.clone())
+    }
+
+    async fn save_pacer(&self, lease: &Lease, snapshot: &PacerSnapshot) -> PortResult<()> {
+        // A transaction of a condition check and a put: two units per item per KiB.
+        let kib = serde_json::to_string(snapshot).map_or(1, |json| (json.len() as u64).div_ceil(1024).max(1));
+        self.write("dynamodb:TransactWriteItems", 1, 2 * (1 + kib)).await;
+        let mut state = self.state();
+        if state.lease.as_ref().is_none_or(|l| l.epoch != lease.epoch) {
+            return Err(PortError::Conflict("the lease was lost".into()));
+        }
+        state.pacer = Some(snapshot.clone());
+        Ok(())
+    }
+
+    async fn circuit(&self) -> PortResult<Circuit> {
+        self.read(1).await;
+        Ok(self.state().circuit.clone())
+    }
+
+    async fn swap_circuit(&self, expected_epoch: u64, next: &Circuit) -> PortResult<()> {
+        self.write("dynamodb:PutItem", 1, 1).await;
+        let mut state = self.state();
+        if state.circuit.epoch != expected_epoch {
+            return Err(PortError::Conflict(format!("circuit is at epoch {}", state.circuit.epoch)));
+        }
+        state.circuit = next.clone();
+        Ok(())
+    }
+
+    async fn cool_down(&self) -> PortResult<UnixMillis> {
+        self.read(1).await;
+        Ok(self.state().cool_down)
+    }
+
+    async fn extend_cool_down(&self, until: UnixMillis) -> PortResult<()> {
+        self.write("dynamodb:UpdateItem", 1, 1).await;
+        let mut state = self.state();
+        state.cool_down = state.cool_down.max(until);
+        Ok(())
+    }
+}
+
+/// The job number a payload is about (`None` for health checks): jobs are `job-N`.
+#[must_use]
+pub fn job_number(payload: &WorkerPayload) -> Option<u64> {
+    match payload {
+        WorkerPayload::Job { job, .. } => job.id.as_str().strip_prefix("job-").and_then(|n| n.parse().ok()),
+        WorkerPayload::HealthCheck { .. } => None,
+    }
+}
+
+/// Lambda's `Event` invoke of the worker: answers 202 after the invoke latency, then
+/// runs the real worker after the async start delay, and bills its run time.
+pub struct SimLambda {
+    world: Arc<World>,
+    worker: Arc<dyn WorkerHandler>,
+    /// Hand-offs per job so far, so each sees its own draws.
+    invokes_per_job: Mutex<Vec<u32>>,
+    health_checks: AtomicU64,
+    /// When each job was last handed off (for dispatch-to-call delays).
+    dispatched_at: Arc<Mutex<Vec<UnixMillis>>>,
+    /// Workers started and not yet finished.
+    pub running: Arc<AtomicU64>,
+    /// Payloads whose worker failed (Lambda would retry, then send them to the worker DLQ).
+    pub worker_errors: Arc<AtomicU64>,
+}
+
+impl SimLambda {
+    #[must_use]
+    pub fn new(world: Arc<World>, worker: Arc<dyn WorkerHandler>, dispatched_at: Arc<Mutex<Vec<UnixMillis>>>, jobs: usize) -> Self {
+        Self {
+            world,
+            worker,
+            invokes_per_job: Mutex::new(vec![0; jobs]),
+            health_checks: AtomicU64::new(0),
+            dispatched_at,
+            running: Arc::default(),
+            worker_errors: Arc::default(),
+        }
+    }
+
+    /// The draw key of this hand-off: per job and occurrence, or per health check.
+    fn key(&self, payload: &WorkerPayload) -> u64 {
+        match job_number(payload) {
+            Some(n) => {
+                let mut invokes = lock(&self.invokes_per_job);
+                let index = usize::try_from(n).unwrap_or(usize::MAX).min(invokes.len().saturating_sub(1));
+                let occurrence = invokes.get_mut(index).map_or(0, |count| {
+                    *count += 1;
+                    *count
+                });
+                job_key(n, u64::from(occurrence))
+            }
+            None => job_key(u64::MAX >> 21, self.health_checks.fetch_add(1, Ordering::Relaxed)),
+        }
+    }
+}
+
+#[async_trait]
+impl Invoker for SimLambda {
+    async fn invoke(&self, payload: &WorkerPayload) -> PortResult<()> {
+        self.world.ledger.count("lambda:Invoke", 1);
+        if let Some(n) = job_number(payload) {
+            if let Some(at) = lock(&self.dispatched_at).get_mut(usize::try_from(n).unwrap_or(usize::MAX)) {
+                *at = self.world.clock.now();
+            }
+        }
+        let key = self.key(payload);
+        self.world.wait(Stream::Invoke, key).await;
+        let (world, worker, payload) = (self.world.clone(), self.worker.clone(), payload.clone());
+        let (running, errors) = (self.running.clone(), self.worker_errors.clone());
+        running.fetch_add(1, Ordering::Relaxed);
+        tokio::spawn(async move {
+            world.wait(Stream::AsyncStart, key).await;
+            let started = world.clock.now();
+            let outcome = worker.handle(payload).await;
+            world.ledger.worker_ms.fetch_add(world.clock.now().since(started).as_millis() as u64, Ordering::Relaxed);
+            if let Err(e) = outcome {
+                tracing::warn!(error = %e, "simulated worker failed");
+                errors.fetch_add(1, Ordering::Relaxed);
+            }
+            running.fetch_sub(1, Ordering::Relaxed);
+        });
+        Ok(())
+    }
+}

@@ -1,0 +1,318 @@
+//! `paceline simulate`: the real orchestrator and worker, on simulated SQS, DynamoDB,
+//! Lambda and API backends, under tokio's paused clock. A backlog of jobs drains through
+//! the lane as it would on AWS (an orchestrator run kicked every minute, reserved
+//! concurrency 1, Lambda's async start delay...), in seconds of wall time; the provider
+//! checks every call against every tier, and the ledger prices the AWS requests made.
+//! The same harness runs the baseline dispatchers and the project's benchmark.
+
+pub mod aws;
+pub mod baselines;
+pub mod plot;
+pub mod pricing;
+pub mod profile;
+pub mod provider;
+pub mod report;
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use paceline_orchestrator::{handover_deadline, Orchestrator, Progress, RunOptions, Settings};
+use paceline_shared::config::RetryConfig;
+use paceline_shared::job::ApiRequest;
+use paceline_shared::ports::WorkerHandler;
+use paceline_shared::time::{Clock, TokioClock, UnixMillis};
+use paceline_worker::{Worker, WorkerStats};
+
+use crate::aws::{SimLambda, SimQueue, SimStore, World};
+use crate::baselines::{dispatch_loop, tightest_rolling, Admission, ConcurrencyCap, FixedWindow, TokenBucket};
+use crate::pricing::FunctionMemory;
+use crate::profile::{Failures, LatencyProfile, Sampler, Stream};
+use crate::provider::{job_path, Provider};
+pub use crate::report::SimReport;
+
+/// Where simulated time starts: a Monday at midnight UTC, so calendar tiers start fresh.
+pub const SIM_START: UnixMillis = UnixMillis(1_798_761_600_000); // 2027-01-01T00:00:00Z
+
+/// Lambda's first retry of a throttled async event, doubled on each retry.
+const THROTTLE_RETRY: Duration = Duration::from_secs(1);
+/// How long Lambda keeps retrying a throttled scheduled kick (the template's maximum
+/// event age).
+const KICK_MAX_AGE: Duration = Duration::from_secs(60);
+
+/// Who decides when each job goes.
+pub enum Dispatcher {
+    /// The orchestrator, kicked every minute, with the plan's settings.
+    Paceline,
+    /// A per-second token bucket at the tightest rolling tier's rate.
+    TokenBucket,
+    /// A fixed-window counter at the tightest rolling tier.
+    FixedWindow,
+    /// A cap on running workers alone.
+    ConcurrencyOnly { limit: u64 },
+    /// Any other admission rule (tests use a deliberately broken one).
+    Custom { name: String, admission: Box<dyn Fn() -> Box<dyn Admission> + Send + Sync> },
+}
+
+impl Dispatcher {
+    /// The name reports use.
+    #[must_use]
+    pub fn name(&self, plan: &Plan) -> String {
+        let ahead = plan.settings.orchestrator.dispatch_ahead;
+        match self {
+            Self::Paceline if ahead.is_zero() => "paceline".into(),
+            Self::Paceline => format!("paceline (dispatch ahead {})", humantime::format_duration(ahead)),
+            Self::TokenBucket => "token bucket (per second)".into(),
+            Self::FixedWindow => "fixed window counter".into(),
+            Self::ConcurrencyOnly { limit } => format!("concurrency only ({limit})"),
+            Self::Custom { name, .. } => name.clone(),
+        }
+    }
+
+    fn admission(&self, plan: &Plan) -> Option<Box<dyn Admission>> {
+        let (limit, window_ms) = tightest_rolling(&plan.settings.quota).unwrap_or((u64::MAX / 2, 1_000));
+        match self {
+            Self::Paceline => None,
+            Self::TokenBucket => Some(Box::new(TokenBucket::new(limit, window_ms))),
+            Self::FixedWindow => Some(Box::new(FixedWindow::new(limit, window_ms))),
+            Self::ConcurrencyOnly { limit } => Some(Box::new(ConcurrencyCap { limit: *limit })),
+            Self::Custom { admission, .. } => Some(admission()),
+        }
+    }
+}
+
+/// The concurrency cap a user of a concurrency-only limiter would pick for `plan`: the
+/// tightest rate times the API's median response time (Little's law), at least 2 (an
+/// event source mapping's minimum).
+#[must_use]
+pub fn little_law_concurrency(plan: &Plan) -> u64 {
+    let (limit, window_ms) = tightest_rolling(&plan.settings.quota).unwrap_or((1, 1_000));
+    let median_ms = match plan.profile.api {
+        profile::Latency::Fixed(d) => d.as_secs_f64() * 1e3,
+        profile::Latency::LogNormal { p50, .. } => p50.as_secs_f64() * 1e3,
+    };
+    ((limit as f64 / window_ms as f64 * median_ms).round() as u64).max(2)
+}
+
+/// One simulation.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub jobs: usize,
+    pub seed: u64,
+    pub settings: Settings,
+    pub retry: RetryConfig,
+    pub profile: LatencyProfile,
+    pub failures: Failures,
+    /// Each orchestrator run's Lambda timeout (the template's default, 70 s).
+    pub orchestrator_timeout: Duration,
+    /// How often EventBridge kicks the orchestrator.
+    pub schedule: Duration,
+    pub memory: FunctionMemory,
+    /// Give up (and report "not drained") after this much simulated time.
+    pub time_limit: Duration,
+}
+
+impl Plan {
+    /// A plan with the template's Lambda settings and the default profile.
+    #[must_use]
+    pub fn new(jobs: usize, seed: u64, settings: Settings, retry: RetryConfig) -> Self {
+        Self {
+            jobs,
+            seed,
+            settings,
+            retry,
+            profile: LatencyProfile::default(),
+            failures: Failures::default(),
+            orchestrator_timeout: Duration::from_secs(70),
+            schedule: Duration::from_secs(60),
+            memory: FunctionMemory::default(),
+            time_limit: Duration::from_secs(400 * 86_400),
+        }
+    }
+}
+
+/// The job bodies the simulation enqueues: `job-N`, calling `/jobs/N`.
+fn job_bodies(jobs: usize) -> impl Iterator<Item = String> {
+    (0..jobs as u64).map(|n| format!(r#"{{"id":"job-{n}","request":{{"method":"GET","path":"{}"}}}}"#, job_path(n)))
+}
+
+/// The simulated lane: services, provider, worker.
+struct Lane {
+    world: Arc<World>,
+    queue: Arc<SimQueue>,
+    store: Arc<SimStore>,
+    lambda: Arc<SimLambda>,
+    provider: Arc<Provider>,
+    stats: Arc<WorkerStats>,
+    /// Wakes the watcher whenever a worker finishes.
+    finished: Arc<tokio::sync::Notify>,
+    jobs: u64,
+    /// When the last job settled.
+    done_at: Mutex<Option<UnixMillis>>,
+}
+
+impl Lane {
+    fn build(plan: &Plan) -> Self {
+        let clock = Arc::new(TokioClock::anchored_at(SIM_START));
+        let world = Arc::new(World::new(clock.clone(), Sampler::new(plan.seed, plan.profile.clone())));
+        let queue = Arc::new(SimQueue::new(world.clone()));
+        let store = Arc::new(SimStore::new(world.clone()));
+        let dispatched_at = Arc::new(Mutex::new(vec![UnixMillis(0); plan.jobs]));
+        let provider = Arc::new(Provider::new(world.clone(), &plan.settings.quota, plan.failures.clone(), dispatched_at.clone(), plan.jobs));
+        let stats = Arc::new(WorkerStats::default());
+        let finished = Arc::new(tokio::sync::Notify::new());
+        let worker = Arc::new(Worker {
+            api: provider.clone(),
+            queue: queue.clone(),
+            store: store.clone(),
+            clock,
+            retry: plan.retry,
+            health_check: ApiRequest { method: "GET".into(), path: "/health".into(), query: Default::default(), headers: Default::default(), body: None },
+            stats: stats.clone(),
+        });
+        let handler: Arc<dyn WorkerHandler> = Arc::new(Notifying { worker, finished: finished.clone() });
+        let lambda = Arc::new(SimLambda::new(world.clone(), handler, dispatched_at, plan.jobs));
+        queue.preload(job_bodies(plan.jobs));
+        Self { world, queue, store, lambda, provider, stats, finished, jobs: plan.jobs as u64, done_at: Mutex::new(None) }
+    }
+
+    /// Jobs that reached an end: succeeded, dead-lettered, or lost by a failing worker.
+    fn settled(&self) -> u64 {
+        WorkerStats::get(&self.stats.succeeded) + self.queue.dead_count() + self.lambda.worker_errors.load(Ordering::Relaxed)
+    }
+
+    fn done(&self) -> bool {
+        self.settled() >= self.jobs && self.lambda.running.load(Ordering::Relaxed) == 0
+    }
+
+    /// Waits until every job settled or `until` comes; `true` if they all settled.
+    async fn wait_done(&self, until: UnixMillis) -> bool {
+        loop {
+            let finished = self.finished.notified();
+            tokio::pin!(finished);
+            finished.as_mut().enable();
+            if self.done() {
+                self.done_at.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert(self.world.clock.now());
+                return true;
+            }
+            if self.world.clock.now() >= until {
+                return false;
+            }
+            tokio::select! {
+                biased;
+                () = finished => {}
+                () = self.world.clock.sleep_until(until) => {}
+            }
+        }
+    }
+}
+
+/// The worker, telling the watcher each time it finishes a payload.
+struct Notifying {
+    worker: Arc<Worker>,
+    finished: Arc<tokio::sync::Notify>,
+}
+
+#[async_trait::async_trait]
+impl WorkerHandler for Notifying {
+    async fn handle(&self, payload: paceline_shared::job::WorkerPayload) -> paceline_shared::ports::PortResult<()> {
+        let result = self.worker.handle(payload).await;
+        self.finished.notify_waiters();
+        result
+    }
+}
+
+/// Kicks an orchestrator run every `schedule`, as EventBridge and Lambda would: a kick
+/// while a run is going is throttled (reserved concurrency 1) and retried after 1 s,
+/// 2 s, 4 s... until it is a minute old. Returns when every job settled or time is up.
+async fn run_paceline(plan: &Plan, lane: &Lane) -> (bool, u64) {
+    let settings = Settings { quota: plan.settings.quota.clone(), orchestrator: plan.settings.orchestrator, circuit: plan.settings.circuit };
+    let orchestrator = Arc::new(Orchestrator {
+        queue: lane.queue.clone(),
+        store: lane.store.clone(),
+        invoker: lane.lambda.clone(),
+        clock: lane.world.clock.clone(),
+        settings,
+        progress: Arc::new(Progress::default()),
+    });
+    let clock = lane.world.clock.clone();
+    let give_up = lane.world.start.plus(plan.time_limit);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut current: Option<tokio::task::JoinHandle<()>> = None;
+    let mut runs = 0_u64;
+    let mut tick = lane.world.start;
+    loop {
+        let kicked = tick.plus(lane.world.sampler.latency(Stream::Kick, runs));
+        if lane.wait_done(kicked.min(give_up)).await || clock.now() >= give_up {
+            break;
+        }
+        // Throttled while the previous run goes on: Lambda retries with backoff.
+        let mut retry = THROTTLE_RETRY;
+        while current.as_ref().is_some_and(|run| !run.is_finished()) && clock.now().since(kicked) + retry <= KICK_MAX_AGE {
+            let again = clock.now().plus(retry);
+            if lane.wait_done(again).await {
+                break;
+            }
+            retry *= 2;
+        }
+        if lane.done() {
+            break;
+        }
+        if current.as_ref().is_none_or(tokio::task::JoinHandle::is_finished) {
+            runs += 1;
+            lane.world.ledger.count("lambda:Invoke (schedule)", 1);
+            let (orchestrator, world, stop) = (orchestrator.clone(), lane.world.clone(), stop_rx.clone());
+            let (timeout, every, margin) = (plan.orchestrator_timeout, plan.schedule, plan.settings.orchestrator.deadline_margin);
+            current = Some(tokio::spawn(async move {
+                world.wait(Stream::AsyncStart, u64::MAX - runs).await;
+                let started = world.clock.now();
+                let deadline = handover_deadline(started.plus(timeout), tick, every, margin);
+                let opts = RunOptions { holder: format!("run-{runs}"), deadline, drain: false, stop: Some(stop) };
+                if let Err(e) = orchestrator.run(&opts).await {
+                    tracing::warn!(error = %e, "simulated orchestrator run failed");
+                }
+                world.ledger.orchestrator_ms.fetch_add(world.clock.now().since(started).as_millis() as u64, Ordering::Relaxed);
+            }));
+        }
+        tick = tick.plus(plan.schedule);
+    }
+    let drained = lane.done();
+    let _ = stop_tx.send(true);
+    if let Some(run) = current {
+        let _ = run.await;
+    }
+    (drained, runs)
+}
+
+/// Runs a baseline dispatcher until every job settled or time is up.
+async fn run_baseline(plan: &Plan, lane: &Lane, admission: Box<dyn Admission>) -> bool {
+    let give_up = lane.world.start.plus(plan.time_limit);
+    let (world, queue, lambda) = (lane.world.clone(), lane.queue.clone(), lane.lambda.clone());
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stopped = stop.clone();
+    let poller = tokio::spawn(async move { dispatch_loop(world, queue, lambda, admission, move || stopped.load(Ordering::Relaxed)).await });
+    let drained = lane.wait_done(give_up).await;
+    stop.store(true, Ordering::Relaxed);
+    poller.abort();
+    drained
+}
+
+/// Runs `plan` with `dispatcher` to the end and reports. Builds its own paused,
+/// single-threaded runtime: call it from a plain thread (not inside a runtime).
+///
+/// # Panics
+/// If the runtime cannot be built.
+#[must_use]
+pub fn simulate(plan: &Plan, dispatcher: &Dispatcher) -> SimReport {
+    let wall = std::time::Instant::now();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().expect("a tokio runtime");
+    runtime.block_on(async {
+        let lane = Lane::build(plan);
+        let (drained, runs) = match dispatcher.admission(plan) {
+            None => run_paceline(plan, &lane).await,
+            Some(admission) => (run_baseline(plan, &lane, admission).await, 0),
+        };
+        let ended = lane.done_at.lock().unwrap_or_else(std::sync::PoisonError::into_inner).unwrap_or_else(|| lane.world.clock.now());
+        report::build(plan, dispatcher.name(plan), &lane, drained, runs, ended.since(lane.world.start), wall.elapsed())
+    })
+}

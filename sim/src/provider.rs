@@ -1,0 +1,273 @@
+//! The simulated third-party API: a strict rate limiter at every tier of the quota (it
+//! refuses with 429 any call that would overfill a window, as a real provider does),
+//! injected outages and error rates, and the independent checker whose figures the
+//! report gives: arrivals, violations, the busiest window (hence the worst fixed-window
+//! alignment), utilization, and each job's dispatch-to-call delay.
+
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use paceline_shared::check::{StrictWindowLimiter, WindowPeak};
+use paceline_shared::job::ApiRequest;
+use paceline_shared::quota::{Period, Quota, Tier};
+use paceline_shared::time::{Clock, UnixMillis};
+use paceline_worker::{Api, ApiError, CallResult};
+use serde::Serialize;
+
+use crate::aws::World;
+use crate::profile::{job_key, Failures, Stream};
+
+/// The request path of job `n` (what the simulation enqueues).
+#[must_use]
+pub fn job_path(n: u64) -> String {
+    format!("/jobs/{n}")
+}
+
+/// One tier as the provider enforces and the checker measures it.
+enum TierGate {
+    Rolling { limiter: StrictWindowLimiter, offered: WindowPeak },
+    Calendar { window: (UnixMillis, UnixMillis), used: u64, windows: u64 },
+}
+
+struct TierCheck {
+    tier: Tier,
+    gate: TierGate,
+    admitted: u64,
+    violations: u64,
+    first: Option<UnixMillis>,
+    last: UnixMillis,
+}
+
+impl TierCheck {
+    fn new(tier: Tier) -> Self {
+        let gate = match tier.period {
+            Period::Rolling(window) => TierGate::Rolling { limiter: StrictWindowLimiter::new(tier.limit, window), offered: WindowPeak::new(window) },
+            Period::Day | Period::Month => TierGate::Calendar { window: (UnixMillis(0), UnixMillis(0)), used: 0, windows: 0 },
+        };
+        Self { tier, gate, admitted: 0, violations: 0, first: None, last: UnixMillis(0) }
+    }
+
+    /// Whether one more unit at `now` fits (a refused call is not counted by the provider).
+    fn fits(&mut self, quota: &Quota, now: UnixMillis) -> bool {
+        match &mut self.gate {
+            TierGate::Rolling { limiter, offered } => {
+                offered.push(now, 1);
+                limiter.fits(now, 1)
+            }
+            TierGate::Calendar { window, used, windows } => {
+                if now >= window.1 {
+                    *window = self.tier.window_at(quota.zone, now);
+                    *used = 0;
+                    *windows += 1;
+                }
+                *used < self.tier.limit
+            }
+        }
+    }
+
+    fn admit(&mut self, now: UnixMillis) {
+        match &mut self.gate {
+            TierGate::Rolling { limiter, .. } => limiter.record(now, 1),
+            TierGate::Calendar { used, .. } => *used += 1,
+        }
+        self.admitted += 1;
+        self.first.get_or_insert(now);
+        self.last = now;
+    }
+
+    fn figures(&self) -> TierFigures {
+        let (peak, worst_alignment_offset_ms, capacity) = match &self.gate {
+            TierGate::Rolling { offered, .. } => {
+                let Period::Rolling(window) = self.tier.period else { unreachable!("a rolling gate has a rolling tier") };
+                let window_ms = (window.as_millis() as u64).max(1);
+                let span = self.first.map_or(0, |first| self.last.0 - first.0) + window_ms;
+                let capacity = self.tier.limit as f64 * span as f64 / window_ms as f64;
+                (Some(offered.peak()), Some(offered.peak_window_start().0 % window_ms), capacity)
+            }
+            TierGate::Calendar { windows, .. } => (None, None, (self.tier.limit * windows) as f64),
+        };
+        TierFigures {
+            tier: self.tier.to_string(),
+            admitted: self.admitted,
+            violations: self.violations,
+            peak_offered_in_any_window: peak,
+            worst_alignment_offset_ms,
+            utilization: if capacity > 0.0 { self.admitted as f64 / capacity } else { 0.0 },
+        }
+    }
+}
+
+/// One tier's figures at the provider.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TierFigures {
+    pub tier: String,
+    /// Calls the provider admitted under this tier.
+    pub admitted: u64,
+    /// Calls that arrived when this tier's window was already full (refused with 429).
+    pub violations: u64,
+    /// Rolling tiers: the most calls that arrived (admitted or not) in any window of
+    /// the tier's length, whatever its start; more than the limit means violations.
+    pub peak_offered_in_any_window: Option<u64>,
+    /// Rolling tiers: a fixed-window limiter aligned at this offset (ms past each window
+    /// boundary of the epoch) sees the busiest window. Every alignment is covered: each
+    /// sliding window is one alignment's fixed window.
+    pub worst_alignment_offset_ms: Option<u64>,
+    /// Rolling tiers: admitted calls over what the tier allows from the first admitted
+    /// call to one window after the last. Calendar tiers: over the limits of the windows
+    /// calls arrived in.
+    pub utilization: f64,
+}
+
+/// How the provider answered, by kind.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Answers {
+    pub ok: u64,
+    /// 429 because a tier was full: a quota violation.
+    pub over_quota_429: u64,
+    pub injected_429: u64,
+    pub injected_5xx: u64,
+    pub outage_503: u64,
+}
+
+#[derive(Default)]
+struct Observations {
+    calls_per_job: Vec<u32>,
+    health_checks: u64,
+    answers: Answers,
+    /// Dispatch-to-arrival of every job call, in ms.
+    delays_ms: Vec<u32>,
+    /// Calls admitted / arrived, per second since the start.
+    admitted_per_second: Vec<u32>,
+    offered_per_second: Vec<u32>,
+}
+
+/// The simulated API and its checker.
+pub struct Provider {
+    world: Arc<World>,
+    quota: Quota,
+    failures: Failures,
+    dispatched_at: Arc<Mutex<Vec<UnixMillis>>>,
+    tiers: Mutex<Vec<TierCheck>>,
+    seen: Mutex<Observations>,
+}
+
+/// Everything the provider saw.
+#[derive(Clone, Debug, Serialize)]
+pub struct ProviderFigures {
+    pub tiers: Vec<TierFigures>,
+    pub answers: Answers,
+    pub health_checks: u64,
+    #[serde(skip)]
+    pub delays_ms: Vec<u32>,
+    #[serde(skip)]
+    pub admitted_per_second: Vec<u32>,
+    #[serde(skip)]
+    pub offered_per_second: Vec<u32>,
+}
+
+fn bump_second(series: &mut Vec<u32>, second: usize) {
+    if series.len() <= second {
+        series.resize(second + 1, 0);
+    }
+    series[second] += 1;
+}
+
+impl Provider {
+    /// A provider enforcing `quota`'s tiers (its safety margin is ours, not the
+    /// provider's); `dispatched_at` is the invoker's record of each job's hand-off.
+    #[must_use]
+    pub fn new(world: Arc<World>, quota: &Quota, failures: Failures, dispatched_at: Arc<Mutex<Vec<UnixMillis>>>, jobs: usize) -> Self {
+        let tiers = quota.tiers.iter().map(|t| TierCheck::new(*t)).collect();
+        let seen = Observations { calls_per_job: vec![0; jobs], ..Observations::default() };
+        Self { world, quota: quota.clone(), failures, dispatched_at, tiers: Mutex::new(tiers), seen: Mutex::new(seen) }
+    }
+
+    /// The draw key of this call, and the job it is for.
+    fn key(&self, request: &ApiRequest) -> (u64, Option<u64>) {
+        let mut seen = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match request.path.strip_prefix("/jobs/").and_then(|n| n.parse::<u64>().ok()) {
+            Some(n) => {
+                let calls = seen.calls_per_job.get_mut(n as usize).map_or(0, |c| {
+                    *c += 1;
+                    *c
+                });
+                (job_key(n, u64::from(calls)), Some(n))
+            }
+            None => {
+                seen.health_checks += 1;
+                (job_key(u64::MAX >> 22, seen.health_checks), None)
+            }
+        }
+    }
+
+    /// Decides the answer to a call arriving at `now`, and records it.
+    fn arrive(&self, now: UnixMillis, key: u64, job: Option<u64>) -> CallResult {
+        let since_start = now.since(self.world.start);
+        let second = usize::try_from(since_start.as_secs()).unwrap_or(usize::MAX);
+        let mut seen = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        bump_second(&mut seen.offered_per_second, second);
+        if let Some(n) = job {
+            let dispatched = self.dispatched_at.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(n as usize).copied();
+            if let Some(dispatched) = dispatched {
+                seen.delays_ms.push(u32::try_from(now.since(dispatched).as_millis()).unwrap_or(u32::MAX));
+            }
+        }
+        if self.failures.in_outage(since_start) {
+            seen.answers.outage_503 += 1;
+            return CallResult::Response { status: 503, headers: Vec::new() };
+        }
+        let mut tiers = self.tiers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let full: Vec<bool> = tiers.iter_mut().map(|t| !t.fits(&self.quota, now)).collect();
+        if full.iter().any(|f| *f) {
+            for (tier, _) in tiers.iter_mut().zip(&full).filter(|(_, f)| **f) {
+                tier.violations += 1;
+            }
+            seen.answers.over_quota_429 += 1;
+            return CallResult::Response { status: 429, headers: vec![("retry-after".into(), "1".into())] };
+        }
+        for tier in tiers.iter_mut() {
+            tier.admit(now);
+        }
+        bump_second(&mut seen.admitted_per_second, second);
+        let draw = self.world.sampler.uniform(Stream::Fault, key);
+        if draw < self.failures.rate_429 {
+            seen.answers.injected_429 += 1;
+            CallResult::Response { status: 429, headers: vec![("retry-after".into(), "1".into())] }
+        } else if draw < self.failures.rate_429 + self.failures.rate_5xx {
+            seen.answers.injected_5xx += 1;
+            CallResult::Response { status: 500, headers: Vec::new() }
+        } else {
+            seen.answers.ok += 1;
+            CallResult::Response { status: 200, headers: Vec::new() }
+        }
+    }
+
+    /// What the provider saw so far.
+    #[must_use]
+    pub fn figures(&self) -> ProviderFigures {
+        let tiers = self.tiers.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter().map(TierCheck::figures).collect();
+        let seen = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        ProviderFigures {
+            tiers,
+            answers: seen.answers.clone(),
+            health_checks: seen.health_checks,
+            delays_ms: seen.delays_ms.clone(),
+            admitted_per_second: seen.admitted_per_second.clone(),
+            offered_per_second: seen.offered_per_second.clone(),
+        }
+    }
+}
+
+#[async_trait]
+impl Api for Provider {
+    async fn call(&self, request: &ApiRequest) -> Result<CallResult, ApiError> {
+        let (key, job) = self.key(request);
+        let total = self.world.sampler.latency(Stream::Api, key);
+        let arrival = self.world.sampler.latency(Stream::ApiArrival, key);
+        let clock = &self.world.clock;
+        clock.sleep_until(clock.now().plus(arrival)).await;
+        let result = self.arrive(clock.now(), key, job);
+        clock.sleep_until(clock.now().plus(total.saturating_sub(arrival))).await;
+        Ok(result)
+    }
+}

@@ -1,0 +1,212 @@
+//! What a simulation found, as a serializable report and as text: the provider's
+//! per-tier check, outcomes, the dispatch-to-call delay distribution, time to drain,
+//! AWS requests and the cost estimate; and a side-by-side table of dispatchers.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use paceline_worker::WorkerStats;
+use serde::Serialize;
+
+use crate::pricing::{estimate, CostEstimate};
+use crate::provider::{Answers, TierFigures};
+use crate::{Lane, Plan};
+
+/// Percentiles of a distribution, in milliseconds.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Percentiles {
+    pub count: u64,
+    pub p50: u32,
+    pub p90: u32,
+    pub p99: u32,
+    pub p999: u32,
+    pub max: u32,
+}
+
+impl Percentiles {
+    /// Nearest-rank percentiles of `values` (sorted here).
+    #[must_use]
+    pub fn of(mut values: Vec<u32>) -> Self {
+        values.sort_unstable();
+        let at = |q: f64| values.get(((values.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied().unwrap_or(0);
+        Self { count: values.len() as u64, p50: at(0.5), p90: at(0.9), p99: at(0.99), p999: at(0.999), max: values.last().copied().unwrap_or(0) }
+    }
+}
+
+/// What became of the jobs.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Outcomes {
+    pub succeeded: u64,
+    /// Dead letters by cause.
+    pub dead_lettered: BTreeMap<String, u64>,
+    /// Jobs put back on the queue by a worker (after a failure or a missed slot).
+    pub requeued: u64,
+    /// Dispatch-ahead slots a worker started too late for (no call made).
+    pub missed_slots: u64,
+    pub circuit_opened: u64,
+    pub worker_errors: u64,
+    /// Orchestrator runs kicked (0 for baselines).
+    pub orchestrator_runs: u64,
+}
+
+/// One simulation's findings.
+#[derive(Clone, Debug, Serialize)]
+pub struct SimReport {
+    pub dispatcher: String,
+    pub jobs: u64,
+    pub seed: u64,
+    pub quota: Vec<String>,
+    pub safety_margin_ms: u64,
+    pub dispatch_ahead_ms: u64,
+    pub profile: crate::profile::LatencyProfile,
+    pub failures: crate::profile::Failures,
+    pub drained: bool,
+    /// Simulated time from the start until the last job settled (or the time limit).
+    pub time_to_drain_s: f64,
+    pub outcomes: Outcomes,
+    /// Per tier, as the provider checked it. `violations` must be 0.
+    pub tiers: Vec<TierFigures>,
+    pub answers: Answers,
+    pub health_checks: u64,
+    /// From the hand-off (the orchestrator's invoke) to the call reaching the provider.
+    pub dispatch_to_call_ms: Percentiles,
+    /// AWS requests by operation.
+    pub aws_requests: BTreeMap<String, u64>,
+    pub cost: CostEstimate,
+    /// Wall-clock seconds the simulation took (varies run to run; not part of equality).
+    pub wall_seconds: f64,
+    /// Calls admitted and offered per simulated second, for plots.
+    #[serde(skip)]
+    pub admitted_per_second: Vec<u32>,
+    #[serde(skip)]
+    pub offered_per_second: Vec<u32>,
+}
+
+impl SimReport {
+    /// Violations over every tier.
+    #[must_use]
+    pub fn violations(&self) -> u64 {
+        self.tiers.iter().map(|t| t.violations).sum()
+    }
+
+    /// The report without its wall-clock time, for comparing runs.
+    #[must_use]
+    pub fn repeatable_json(&self) -> String {
+        let mut value = serde_json::to_value(self).unwrap_or_default();
+        if let Some(map) = value.as_object_mut() {
+            map.remove("wall_seconds");
+        }
+        value.to_string()
+    }
+}
+
+pub(crate) fn build(plan: &Plan, dispatcher: String, lane: &Lane, drained: bool, runs: u64, elapsed: Duration, wall: Duration) -> SimReport {
+    let seen = lane.provider.figures();
+    let stats = &lane.stats;
+    let outcomes = Outcomes {
+        succeeded: WorkerStats::get(&stats.succeeded),
+        dead_lettered: lane.queue.dead_letter_causes(),
+        requeued: WorkerStats::get(&stats.requeued),
+        missed_slots: WorkerStats::get(&stats.missed_slots),
+        circuit_opened: WorkerStats::get(&stats.circuit_opened),
+        worker_errors: lane.lambda.worker_errors.load(Ordering::Relaxed),
+        orchestrator_runs: runs,
+    };
+    let quota = &plan.settings.quota;
+    SimReport {
+        dispatcher,
+        jobs: plan.jobs as u64,
+        seed: plan.seed,
+        quota: quota.tiers.iter().map(ToString::to_string).collect(),
+        safety_margin_ms: quota.safety_margin.as_millis() as u64,
+        dispatch_ahead_ms: plan.settings.orchestrator.dispatch_ahead.as_millis() as u64,
+        profile: plan.profile.clone(),
+        failures: plan.failures.clone(),
+        drained,
+        time_to_drain_s: elapsed.as_secs_f64(),
+        outcomes,
+        tiers: seen.tiers,
+        answers: seen.answers,
+        health_checks: seen.health_checks,
+        dispatch_to_call_ms: Percentiles::of(seen.delays_ms),
+        aws_requests: lane.world.ledger.requests().into_iter().map(|(op, n)| (op.to_owned(), n)).collect(),
+        cost: estimate(&lane.world.ledger, plan.memory, plan.jobs as u64),
+        wall_seconds: wall.as_secs_f64(),
+        admitted_per_second: seen.admitted_per_second,
+        offered_per_second: seen.offered_per_second,
+    }
+}
+
+fn human(seconds: f64) -> String {
+    humantime::format_duration(Duration::from_secs(seconds.round() as u64)).to_string()
+}
+
+/// The report as text for a terminal.
+#[must_use]
+pub fn render(r: &SimReport) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "Simulated {} jobs with {} (seed {}), quota {} (safety margin {} ms)", r.jobs, r.dispatcher, r.seed, r.quota.join(", "), r.safety_margin_ms);
+    let drained = if r.drained { "drained in" } else { "NOT drained after" };
+    let _ = writeln!(out, "  {drained} {} of simulated time ({:.1} s of wall time)", human(r.time_to_drain_s), r.wall_seconds);
+    let o = &r.outcomes;
+    let dead: u64 = o.dead_lettered.values().sum();
+    let _ = writeln!(out, "  succeeded {}, dead-lettered {dead}, re-queued {}, missed slots {}, circuit opened {}x", o.succeeded, o.requeued, o.missed_slots, o.circuit_opened);
+    for (cause, n) in &o.dead_lettered {
+        let _ = writeln!(out, "    DLQ {cause}: {n}");
+    }
+    let _ = writeln!(out, "\nAt the provider (strict limiter per tier; a violation is a call refused with 429):");
+    let _ = writeln!(out, "  {:<10} {:>10} {:>10} {:>12} {:>16} {:>11}", "tier", "admitted", "violations", "busiest win.", "worst alignment", "utilization");
+    for t in &r.tiers {
+        let peak = t.peak_offered_in_any_window.map_or_else(|| "-".into(), |p| p.to_string());
+        let offset = t.worst_alignment_offset_ms.map_or_else(|| "calendar".into(), |o| format!("+{o} ms"));
+        let _ = writeln!(out, "  {:<10} {:>10} {:>10} {:>12} {:>16} {:>10.1}%", t.tier, t.admitted, t.violations, peak, offset, t.utilization * 100.0);
+    }
+    let a = &r.answers;
+    let _ = writeln!(
+        out,
+        "  answers: {} ok, {} over quota (429), {} injected 429, {} injected 5xx, {} outage 503; {} health checks",
+        a.ok, a.over_quota_429, a.injected_429, a.injected_5xx, a.outage_503, r.health_checks
+    );
+    let d = &r.dispatch_to_call_ms;
+    let _ = writeln!(out, "\nDispatch to call (ms): p50 {} p90 {} p99 {} p99.9 {} max {} ({} calls)", d.p50, d.p90, d.p99, d.p999, d.max, d.count);
+    let _ = writeln!(out, "\nAWS requests:");
+    for (op, n) in &r.aws_requests {
+        let _ = writeln!(out, "  {op:<36} {n:>12} {:>10.4} per job", *n as f64 / r.jobs.max(1) as f64);
+    }
+    let c = &r.cost;
+    let _ = writeln!(out, "\nEstimated AWS cost ({} list prices, {}; excludes {}):", c.prices.region, c.prices.as_of, c.prices.excludes);
+    for line in &c.lines {
+        let _ = writeln!(out, "  {:<30} {:>16.1} {:<12} ${:>10.4}", line.item, line.quantity, line.unit, line.usd);
+    }
+    let _ = writeln!(out, "  total ${:.4}, per million jobs ${:.2}", c.total_usd, c.per_million_jobs_usd);
+    out
+}
+
+/// Dispatchers side by side on the same workload.
+#[must_use]
+pub fn render_comparison(reports: &[SimReport]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "| dispatcher | violations | utilization (per tier) | time to drain | dead-lettered | dispatch-to-call p99 |");
+    let _ = writeln!(out, "| --- | ---: | --- | ---: | ---: | ---: |");
+    for r in reports {
+        let utilization: Vec<String> = r.tiers.iter().map(|t| format!("{} {:.1}%", t.tier, t.utilization * 100.0)).collect();
+        let dead: u64 = r.outcomes.dead_lettered.values().sum();
+        let drain = if r.drained { human(r.time_to_drain_s) } else { format!("not drained in {}", human(r.time_to_drain_s)) };
+        let _ = writeln!(out, "| {} | {} | {} | {drain} | {dead} | {} ms |", r.dispatcher, r.violations(), utilization.join(", "), r.dispatch_to_call_ms.p99);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let p = Percentiles::of((1..=1000).rev().collect());
+        assert_eq!((p.count, p.p50, p.p90, p.p99, p.p999, p.max), (1000, 500, 900, 990, 999, 1000));
+        assert_eq!(Percentiles::of(Vec::new()), Percentiles::default());
+    }
+}
