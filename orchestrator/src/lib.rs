@@ -47,7 +47,7 @@ const MAX_INVOKES_IN_FLIGHT: usize = 256;
 
 /// How long before the next scheduled kick a run stops dispatching (time to settle its
 /// last hand-offs, flush and give the lease up).
-pub const HANDOVER: Duration = Duration::from_millis(500);
+pub const HANDOVER: Duration = Duration::from_millis(250);
 
 /// The deadline to give a run kicked by a schedule for `tick` (every `every`), so that
 /// it stops dispatching `HANDOVER` before the last kick due before `deadline` (less the
@@ -443,6 +443,9 @@ impl Run<'_> {
                     self.next_flush = now.plus(Duration::from_secs(1));
                 }
             }
+            // Housekeeping may have waited on the store: decide on the time it is now, so a
+            // slot is never committed earlier than its hand-off happens.
+            let now = self.o.clock.now();
             if !self.circuit.is_closed() {
                 self.while_open(now).await?;
                 continue;

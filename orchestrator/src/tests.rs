@@ -298,13 +298,13 @@ async fn without_dispatch_ahead_payloads_carry_no_slot() {
 fn a_scheduled_run_hands_over_just_before_the_last_kick_it_would_overlap() {
     let margin = Duration::from_secs(5);
     // Kicked for 12:00:00, started at 12:00:00.3 with a 70 s timeout: the 12:01:00 kick
-    // falls inside, so dispatch stops at 12:00:59.5 (deadline 12:01:04.5 less the margin).
+    // falls inside, so dispatch stops at 12:00:59.75 (deadline 12:01:04.75 less the margin).
     let tick = T0;
     let deadline = T0.plus(Duration::from_millis(70_300));
-    assert_eq!(handover_deadline(deadline, tick, Duration::from_secs(60), margin), T0.plus(Duration::from_millis(64_500)));
+    assert_eq!(handover_deadline(deadline, tick, Duration::from_secs(60), margin), T0.plus(Duration::from_millis(64_750)));
     // A 15-minute timeout covers 14 kicks: it runs until just before the 14th.
     let long = T0.plus(Duration::from_secs(900));
-    assert_eq!(handover_deadline(long, tick, Duration::from_secs(60), margin), T0.plus(Duration::from_millis(14 * 60_000 - 500 + 5_000)));
+    assert_eq!(handover_deadline(long, tick, Duration::from_secs(60), margin), T0.plus(Duration::from_millis(14 * 60_000 - 250 + 5_000)));
     // No kick inside the run: the deadline stands.
     let short = T0.plus(Duration::from_secs(30));
     assert_eq!(handover_deadline(short, tick, Duration::from_secs(60), margin), short);

@@ -148,6 +148,32 @@ mod tests {
     }
 
     #[test]
+    fn the_busiest_sliding_window_is_the_worst_fixed_window_alignment() {
+        let arrivals: Vec<u64> = (0..300u64).map(|i| (i * i * 7 + i * 31) % 5_000).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+        let window = 250;
+        let mut online = WindowPeak::new(Duration::from_millis(window));
+        for t in &arrivals {
+            online.push(UnixMillis(*t), 1);
+        }
+        // Brute force: every alignment, every fixed window of it.
+        let mut worst = (0, 0);
+        for offset in 0..window {
+            let mut counts = std::collections::BTreeMap::new();
+            for t in &arrivals {
+                *counts.entry((t + window - offset) / window).or_insert(0u64) += 1;
+            }
+            let peak = counts.values().copied().max().unwrap_or(0);
+            if peak > worst.0 {
+                worst = (peak, offset);
+            }
+        }
+        assert_eq!(online.peak(), worst.0);
+        let start = online.peak_window_start().0;
+        let in_it = arrivals.iter().filter(|t| (start..start + window).contains(t)).count() as u64;
+        assert_eq!(in_it, online.peak(), "the named window holds the peak");
+    }
+
+    #[test]
     fn strict_limiter_refuses_the_call_that_would_overfill_a_window() {
         let mut limiter = StrictWindowLimiter::new(2, Duration::from_secs(1));
         assert!(limiter.try_admit(UnixMillis(0), 1));

@@ -1,0 +1,120 @@
+//! Whole simulations: repeatable for a seed, a broken pacer is caught by the checker,
+//! dispatch-ahead keeps a 1 s quota busy under Lambda's start spread, baselines violate.
+
+use std::time::Duration;
+
+use paceline_orchestrator::Settings;
+use paceline_shared::config::{CircuitConfig, OrchestratorConfig, RetryConfig};
+use paceline_shared::quota::{chrono_tz, Quota};
+use paceline_shared::time::UnixMillis;
+use paceline_sim::baselines::Admission;
+use paceline_sim::profile::Outage;
+use paceline_sim::{simulate, Dispatcher, Plan};
+
+fn plan(tiers: &[&str], margin_ms: u64, dispatch_ahead_ms: u64, jobs: usize, seed: u64) -> Plan {
+    let quota = Quota::new(tiers.iter().map(|t| t.parse().unwrap()).collect(), chrono_tz::UTC, Duration::from_millis(margin_ms)).unwrap();
+    let orchestrator = OrchestratorConfig { dispatch_ahead: Duration::from_millis(dispatch_ahead_ms), ..OrchestratorConfig::default() };
+    Plan::new(jobs, seed, Settings { quota, orchestrator, circuit: CircuitConfig::default() }, RetryConfig::default())
+}
+
+#[test]
+fn the_same_seed_gives_the_same_report_and_another_seed_another() {
+    let mut with_failures = plan(&["20/s", "1000/min"], 20, 400, 3_000, 7);
+    with_failures.failures.rate_429 = 0.01;
+    with_failures.failures.rate_5xx = 0.01;
+    with_failures.failures.outages.push(Outage { start: Duration::from_secs(60), length: Duration::from_secs(20) });
+    let first = simulate(&with_failures, &Dispatcher::Paceline);
+    let second = simulate(&with_failures, &Dispatcher::Paceline);
+    assert_eq!(first.repeatable_json(), second.repeatable_json());
+    assert!(first.drained, "{first:?}");
+    assert!(first.answers.outage_503 > 0 && first.answers.injected_5xx > 0 && first.outcomes.circuit_opened > 0, "{:?}", first.answers);
+    assert_eq!(first.violations(), 0, "{:?}", first.tiers);
+
+    with_failures.seed = 8;
+    assert_ne!(simulate(&with_failures, &Dispatcher::Paceline).repeatable_json(), first.repeatable_json());
+}
+
+/// The real pacer's decisions with an off-by-one: one call more per window than the
+/// tier allows, as a pacer that compares with `<=` instead of `<` would.
+struct OffByOne {
+    quota: Quota,
+    state: paceline_shared::pacer::PacerState,
+    extra_given_at: Option<u64>,
+}
+
+impl Admission for OffByOne {
+    fn admit(&mut self, now: UnixMillis, _running: u64) -> Result<(), UnixMillis> {
+        match self.quota.decide(&self.state, 1, now) {
+            paceline_shared::pacer::Decision::Allow => {
+                self.state.commit(&self.quota, 1, now);
+                Ok(())
+            }
+            // The bug: once per window, let one more through.
+            paceline_shared::pacer::Decision::WaitUntil { .. } if self.extra_given_at.is_none_or(|t| now.0 >= t + 1_000) => {
+                self.extra_given_at = Some(now.0);
+                Ok(())
+            }
+            paceline_shared::pacer::Decision::WaitUntil { at, .. } => Err(at),
+            paceline_shared::pacer::Decision::Never { .. } => Err(now.plus(Duration::from_secs(1))),
+        }
+    }
+}
+
+#[test]
+fn a_broken_pacer_is_caught_by_the_checker_and_the_real_one_is_not() {
+    // No start spread, so any violation is the pacer's own.
+    let mut plan = plan(&["5/s"], 0, 0, 1_000, 3);
+    for latency in ["invoke=0ms", "async_start=0ms", "api_arrival=0ms"] {
+        plan.profile.set(latency).unwrap();
+    }
+    let quota = plan.settings.quota.clone();
+    let broken = Dispatcher::Custom {
+        name: "off-by-one pacer".into(),
+        admission: Box::new(move || {
+            Box::new(OffByOne { state: paceline_shared::pacer::PacerState::new(&quota), quota: quota.clone(), extra_given_at: None })
+        }),
+    };
+    let caught = simulate(&plan, &broken);
+    assert!(caught.violations() > 0, "the checker missed a pacer admitting 6 per second: {:?}", caught.tiers);
+    assert!(caught.tiers[0].peak_offered_in_any_window.unwrap() > 5);
+
+    let real = simulate(&plan, &Dispatcher::Paceline);
+    assert_eq!(real.violations(), 0, "{:?}", real.tiers);
+    assert!(real.tiers[0].peak_offered_in_any_window.unwrap() <= 5);
+}
+
+#[test]
+fn dispatch_ahead_uses_a_one_second_quota_fully_under_the_async_start_spread() {
+    let ahead = simulate(&plan(&["1/s"], 20, 400, 1_500, 11), &Dispatcher::Paceline);
+    assert!(ahead.drained);
+    assert_eq!(ahead.violations(), 0, "{:?}", ahead.tiers);
+    assert!(ahead.tiers[0].utilization >= 0.97, "utilization {:.4}", ahead.tiers[0].utilization);
+
+    // At the slot, Lambda's start spread (p99 225 ms) crowds calls closer than 1 s.
+    let at_slot = simulate(&plan(&["1/s"], 20, 0, 1_500, 11), &Dispatcher::Paceline);
+    assert!(at_slot.violations() > 0, "{:?}", at_slot.tiers);
+    assert!(at_slot.tiers[0].utilization < ahead.tiers[0].utilization);
+}
+
+#[test]
+fn baselines_run_the_same_workload_and_overrun_a_strict_limiter() {
+    let plan = plan(&["10/s"], 20, 400, 2_000, 5);
+    for dispatcher in [Dispatcher::TokenBucket, Dispatcher::FixedWindow, Dispatcher::ConcurrencyOnly { limit: 3 }] {
+        let report = simulate(&plan, &dispatcher);
+        assert!(report.violations() > 0, "{}: {:?}", report.dispatcher, report.tiers);
+        assert_eq!(report.jobs, 2_000);
+    }
+    let paceline = simulate(&plan, &Dispatcher::Paceline);
+    assert_eq!(paceline.violations(), 0);
+    assert_eq!(paceline.outcomes.succeeded, 2_000, "nothing lost: {:?}", paceline.outcomes);
+}
+
+#[test]
+fn aws_requests_and_cost_are_counted_per_job() {
+    let report = simulate(&plan(&["50/s"], 20, 400, 5_000, 2), &Dispatcher::Paceline);
+    let invokes = report.aws_requests["lambda:Invoke"];
+    assert!((5_000..5_100).contains(&invokes), "one invoke per job (and a few missed slots): {invokes}");
+    let receives = report.aws_requests["sqs:ReceiveMessage"];
+    assert!(receives < 5_000 / 5, "receives are batched: {receives}");
+    assert!(report.cost.total_usd > 0.0 && report.cost.per_million_jobs_usd > report.cost.total_usd);
+}
