@@ -80,8 +80,8 @@ impl TierCheck {
             TierGate::Rolling { offered, .. } => {
                 let Period::Rolling(window) = self.tier.period else { unreachable!("a rolling gate has a rolling tier") };
                 let window_ms = (window.as_millis() as u64).max(1);
-                let span = self.first.map_or(0, |first| self.last.0 - first.0) + window_ms;
-                let capacity = self.tier.limit as f64 * span as f64 / window_ms as f64;
+                let span = self.first.map_or(0, |first| self.last.0 - first.0);
+                let capacity = self.tier.limit as f64 * span as f64 / window_ms as f64 + 1.0;
                 (Some(offered.peak()), Some(offered.peak_window_start().0 % window_ms), capacity)
             }
             TierGate::Calendar { windows, .. } => (None, None, (self.tier.limit * windows) as f64),
@@ -112,8 +112,8 @@ pub struct TierFigures {
     /// boundary of the epoch) sees the busiest window. Every alignment is covered: each
     /// sliding window is one alignment's fixed window.
     pub worst_alignment_offset_ms: Option<u64>,
-    /// Rolling tiers: admitted calls over what the tier allows from the first admitted
-    /// call to one window after the last. Calendar tiers: over the limits of the windows
+    /// Rolling tiers: admitted calls over the most the tier allows evenly spaced from
+    /// the first admitted call to the last (`limit * span / window + 1`). Calendar tiers: over the limits of the windows
     /// calls arrived in.
     pub utilization: f64,
 }
