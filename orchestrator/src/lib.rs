@@ -24,7 +24,7 @@ use paceline_shared::job::{CallSlot, DeadLetterCause, DeadLetterReason, Job, Wor
 use paceline_shared::pacer::{Decision, Hold, PacerState};
 use paceline_shared::ports::{load_calendar_usage, Invoker, JobQueue, Lease, PacerSnapshot, PortError, QueuedMessage, StateStore};
 use paceline_shared::quota::Quota;
-use paceline_shared::time::{Clock, UnixMillis};
+use paceline_shared::time::{Clock, UnixMillis, COARSE_WAKE_SLACK};
 use tracing::{debug, info, warn};
 
 pub use report::{Progress, RunReport, StopReason, TierReport};
@@ -235,6 +235,27 @@ impl Run<'_> {
         now.plus(self.lead())
     }
 
+    /// Decides the slot of a job handed off at `now`. Dispatching ahead, a slot up to
+    /// [`COARSE_WAKE_SLACK`] after `now + lead` is taken at once (handed off that much
+    /// earlier), so the loop wakes coarsely, without a precise timer, and a late wake-up
+    /// still never pushes a slot back. Dispatching at the slot, the slot is `now`.
+    fn decide(&self, cost: u64, now: UnixMillis) -> (UnixMillis, Decision) {
+        let slot = self.slot_at(now);
+        match self.quota().decide(&self.pacer, cost, slot) {
+            Decision::WaitUntil { at, .. } if !self.lead().is_zero() && at <= slot.plus(COARSE_WAKE_SLACK) => {
+                (at, self.quota().decide(&self.pacer, cost, at))
+            }
+            decision => (slot, decision),
+        }
+    }
+
+    /// When to wake, at `now`, to hand off a job whose slot is `at`: never `now` itself, so
+    /// a wait always lets time pass.
+    fn hand_off_time(&self, at: UnixMillis, now: UnixMillis) -> UnixMillis {
+        let wake = if self.lead().is_zero() { at } else { at.minus(self.lead()).minus(COARSE_WAKE_SLACK) };
+        wake.max(now.plus(Duration::from_millis(1)))
+    }
+
     /// The slot as the worker gets it: none when dispatching at the slot. Half the safety
     /// margin may go to a late start, the other half to network jitter.
     fn call_slot(&self, slot: UnixMillis) -> Option<CallSlot> {
@@ -284,13 +305,13 @@ impl Run<'_> {
     /// Sleeps until `t` or the next housekeeping, whichever is first; wakes early for a
     /// stop request or finished background work (which it settles).
     async fn sleep_until(&mut self, t: UnixMillis) {
-        let wake = t.min(self.next_wake());
+        let (wake, precise) = (t.min(self.next_wake()), self.lead().is_zero());
         // Biased: the same events always resolve the same way, so simulations repeat.
         let done = tokio::select! {
             biased;
             () = stop_requested(&mut self.stop) => None,
             Some(done) = self.background.join_next(), if !self.background.is_empty() => Some(done),
-            () = self.o.clock.sleep_until(wake) => None,
+            () = sleep_for_slot(self.o.clock.as_ref(), wake, precise) => None,
         };
         if let Some(done) = done {
             self.settle(done);
@@ -482,15 +503,15 @@ impl Run<'_> {
                     continue;
                 }
             };
-            let slot = self.slot_at(now);
-            match self.quota().decide(&self.pacer, job.cost, slot) {
+            let (slot, decision) = self.decide(job.cost, now);
+            match decision {
                 Decision::Never { tier } => {
                     let detail = format!("cost {} exceeds the whole {tier} tier", job.cost);
                     self.dead_letter(&message, DeadLetterCause::NeverFits, detail).await?;
                 }
                 Decision::WaitUntil { at, by } => {
                     self.log_exhausted(at, by);
-                    self.sleep_until(at.minus(self.lead())).await;
+                    self.sleep_until(self.hand_off_time(at, now)).await;
                 }
                 Decision::Allow => {
                     let paced = slot.since(self.last_dispatch.unwrap_or(since).max(since));
@@ -556,12 +577,12 @@ impl Run<'_> {
     /// Receives the next batch: no more than the quota can use before the visibility
     /// timeout. Returns `true` when draining and nothing is left anywhere.
     async fn fill_buffer(&mut self, now: UnixMillis) -> Result<bool, RunError> {
-        let (slot, lead) = (self.slot_at(now), self.lead());
+        let (slot, decision) = self.decide(1, now);
         let capacity = self.quota().capacity_until(&self.pacer, slot, self.receive_horizon(now), 10);
         if capacity == 0 {
-            if let Decision::WaitUntil { at, by } = self.quota().decide(&self.pacer, 1, slot) {
+            if let Decision::WaitUntil { at, by } = decision {
                 self.log_exhausted(at, by);
-                self.sleep_until(at.minus(lead)).await;
+                self.sleep_until(self.hand_off_time(at, now)).await;
             }
             return Ok(false);
         }
@@ -712,6 +733,16 @@ fn passing(e: RunError) -> Result<(), RunError> {
             Ok(())
         }
         other => Err(other),
+    }
+}
+
+/// Dispatching at the slot needs a precise wake-up; dispatching ahead, a coarse one
+/// does (see [`Run::decide`]).
+async fn sleep_for_slot(clock: &dyn Clock, wake: UnixMillis, precise: bool) {
+    if precise {
+        clock.sleep_until(wake).await;
+    } else {
+        clock.sleep_until_coarse(wake).await;
     }
 }
 

@@ -4,7 +4,9 @@ use lambda_runtime::{service_fn, LambdaEvent};
 use paceline_orchestrator::lambda;
 use paceline_shared::lambda_env::Env;
 
-#[tokio::main]
+// One thread: at 128 MB Lambda gives a fraction of a vCPU, and the dispatch loop's work is
+// waiting; a single-threaded scheduler halves its CPU per job (see docs/benchmarks.md).
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), lambda_runtime::Error> {
     tracing_subscriber::fmt().json().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_current_span(false).init();
     let sdk = paceline_shared::adapters::aws::load_sdk_config().await;

@@ -282,8 +282,8 @@ async fn dispatch_ahead_hands_jobs_off_early_with_their_slot() {
         })
         .collect();
     // The first slot is 300 ms out; then one per 1 s + 20 ms, each handed off 300 ms early
-    // and valid for half the margin.
-    assert_eq!(slots, vec![(0, 300, 310), (1_020, 1_320, 1_330), (2_040, 2_340, 2_350), (3_060, 3_360, 3_370)]);
+    // plus the 2 ms a coarse wake-up may be late, and valid for half the margin.
+    assert_eq!(slots, vec![(0, 300, 310), (1_018, 1_320, 1_330), (2_038, 2_340, 2_350), (3_058, 3_360, 3_370)]);
 }
 
 #[tokio::test(start_paused = true)]
