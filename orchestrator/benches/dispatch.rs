@@ -205,7 +205,8 @@ fn dispatch_rate() {
     println!("| invoke latency | receive latency | jobs | seconds | dispatches/s |");
     println!("| ---: | ---: | ---: | ---: | ---: |");
     for receive_latency in [Duration::ZERO, Duration::from_millis(10)] {
-        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        // One thread, as the orchestrator Lambda runs.
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         runtime.block_on(async {
             let jobs = 10_000;
             let bench = lane(&["5000/s"], jobs, Duration::from_millis(20), receive_latency).await;

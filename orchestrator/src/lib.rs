@@ -34,8 +34,11 @@ use report::TierMeter;
 const MAX_POLL: Duration = Duration::from_secs(20);
 /// First and longest pause after a throttled or failed invoke.
 const INVOKE_BACKOFF: (Duration, Duration) = (Duration::from_millis(50), Duration::from_secs(5));
-/// A prefetch receive starts when fewer jobs than this are in hand.
-const PREFETCH_BELOW: usize = 10;
+/// Messages one receive returns at most (SQS batch size).
+const RECEIVE_BATCH: usize = 10;
+/// Prefetch receives under way at once at most: with 10 ms per receive, enough for
+/// 4,000 jobs/s.
+const MAX_RECEIVES_IN_FLIGHT: usize = 4;
 /// After a prefetch found nothing (or failed), the next waits this long: an idle queue
 /// is not polled in a loop.
 const PREFETCH_PAUSE: Duration = Duration::from_secs(1);
@@ -116,8 +119,8 @@ struct InHand {
 enum Done {
     /// A hand-off was answered.
     Handed { in_hand: InHand, result: Result<(), PortError> },
-    /// A prefetch receive returned.
-    Received(Result<Vec<QueuedMessage>, PortError>),
+    /// A prefetch receive returned, after `took`.
+    Received { result: Result<Vec<QueuedMessage>, PortError>, took: Duration },
     /// A delete batch went (or failed, giving its receipts back).
     Deleted(Result<(), (PortError, Vec<String>)>),
 }
@@ -145,7 +148,9 @@ struct Run<'a> {
     /// latencies delays the next slot: pacing is about frequency.
     background: tokio::task::JoinSet<Done>,
     invokes_in_flight: usize,
-    receiving: bool,
+    receives_in_flight: usize,
+    /// How long a receive takes, smoothed: the prefetch keeps that much work in hand.
+    receive_latency: Duration,
     /// No prefetch before this (after one found the queue empty or failed).
     next_prefetch: UnixMillis,
     deletes_in_flight: usize,
@@ -192,7 +197,8 @@ impl Orchestrator {
             stop: opts.stop.clone(),
             background: tokio::task::JoinSet::new(),
             invokes_in_flight: 0,
-            receiving: false,
+            receives_in_flight: 0,
+            receive_latency: Duration::ZERO,
             next_prefetch: UnixMillis(0),
             deletes_in_flight: 0,
             invoke_hold_until: UnixMillis(0),
@@ -325,8 +331,10 @@ impl Run<'_> {
                 self.invokes_in_flight -= 1;
                 self.settle_hand_off(in_hand, result);
             }
-            Ok(Done::Received(result)) => {
-                self.receiving = false;
+            Ok(Done::Received { result, took }) => {
+                self.receives_in_flight -= 1;
+                // An exponential average (weight 1/8), as TCP smooths round-trip times.
+                self.receive_latency = if self.receive_latency.is_zero() { took } else { (self.receive_latency * 7 + took) / 8 };
                 if !result.as_ref().is_ok_and(|received| !received.is_empty()) {
                     self.next_prefetch = self.o.clock.now().plus(PREFETCH_PAUSE);
                 }
@@ -394,21 +402,41 @@ impl Run<'_> {
         self.background.spawn(async move { Done::Deleted(queue.delete(&receipts).await.map_err(|e| (e, receipts))) });
     }
 
-    /// Receives the next batch in the background while the ones in hand are paced, so
-    /// the queue's latency never leaves a slot unused. No more than the quota can use
-    /// before the visibility timeout; a short poll (the loop long-polls when it runs dry).
+    /// Receives the next batches in the background while the ones in hand are paced, so
+    /// the queue's latency never leaves a slot unused: enough receives under way for what
+    /// the pace uses meanwhile. No more than the quota can use before the visibility
+    /// timeout; a short poll (the loop long-polls when it runs dry).
     fn prefetch(&mut self, now: UnixMillis) {
-        if self.receiving || self.buffer.len() >= PREFETCH_BELOW || now < self.next_prefetch {
+        if self.receives_in_flight >= MAX_RECEIVES_IN_FLIGHT || now < self.next_prefetch {
             return;
         }
-        let in_hand = self.buffer.len();
-        let capacity = self.quota().capacity_until(&self.pacer, self.slot_at(now), self.receive_horizon(now), in_hand + 10).saturating_sub(in_hand);
+        let coming = self.buffer.len() + RECEIVE_BATCH * self.receives_in_flight;
+        if coming >= self.prefetch_target() {
+            return;
+        }
+        let capacity = self.quota().capacity_until(&self.pacer, self.slot_at(now), self.receive_horizon(now), coming + RECEIVE_BATCH).saturating_sub(coming);
         if capacity == 0 {
             return;
         }
-        let (queue, visibility) = (self.o.queue.clone(), self.o.settings.orchestrator.visibility_timeout);
-        self.receiving = true;
-        self.background.spawn(async move { Done::Received(queue.receive(capacity, Duration::ZERO, visibility).await) });
+        let (queue, clock, visibility) = (self.o.queue.clone(), self.o.clock.clone(), self.o.settings.orchestrator.visibility_timeout);
+        self.receives_in_flight += 1;
+        self.background.spawn(async move {
+            let started = clock.now();
+            let result = queue.receive(capacity, Duration::ZERO, visibility).await;
+            Done::Received { result, took: clock.now().since(started) }
+        });
+    }
+
+    /// Jobs to have in hand or on their way: what the pace uses during two receives, and
+    /// at least one batch.
+    fn prefetch_target(&self) -> usize {
+        let meanwhile = self.quota().rolling_rate_per_second() * (self.receive_latency * 2).as_secs_f64();
+        let most = RECEIVE_BATCH * MAX_RECEIVES_IN_FLIGHT;
+        if meanwhile >= most as f64 {
+            most
+        } else {
+            (meanwhile.ceil() as usize).max(RECEIVE_BATCH)
+        }
     }
 
     /// Jobs received at `now` must be dispatched by this slot (before their visibility
@@ -473,7 +501,7 @@ impl Run<'_> {
             }
             if !self.buffer.is_empty() {
                 self.prefetch(now);
-            } else if self.receiving {
+            } else if self.receives_in_flight > 0 {
                 let stop_at = self.stop_at;
                 self.sleep_until(stop_at).await;
                 continue;
@@ -578,7 +606,7 @@ impl Run<'_> {
     /// timeout. Returns `true` when draining and nothing is left anywhere.
     async fn fill_buffer(&mut self, now: UnixMillis) -> Result<bool, RunError> {
         let (slot, decision) = self.decide(1, now);
-        let capacity = self.quota().capacity_until(&self.pacer, slot, self.receive_horizon(now), 10);
+        let capacity = self.quota().capacity_until(&self.pacer, slot, self.receive_horizon(now), RECEIVE_BATCH);
         if capacity == 0 {
             if let Decision::WaitUntil { at, by } = decision {
                 self.log_exhausted(at, by);
@@ -613,7 +641,7 @@ impl Run<'_> {
     }
 
     async fn nothing_left(&self) -> Result<bool, RunError> {
-        if self.invokes_in_flight > 0 || self.receiving || self.deletes_in_flight > 0 || self.o.invoker.in_flight() > 0 {
+        if self.invokes_in_flight > 0 || self.receives_in_flight > 0 || self.deletes_in_flight > 0 || self.o.invoker.in_flight() > 0 {
             return Ok(false);
         }
         let depth = self.o.queue.depth().await?;

@@ -219,13 +219,20 @@ impl Quota {
             .unwrap_or(&self.tiers[0])
     }
 
+    /// The steady rate the rolling tiers allow, in units per second: the pace of a backlog
+    /// while the calendar tiers have room. Infinite when every tier is a calendar one.
+    #[must_use]
+    pub fn rolling_rate_per_second(&self) -> f64 {
+        self.tiers.iter().filter(|t| !t.is_calendar()).map(Tier::rate_per_second).fold(f64::INFINITY, f64::min)
+    }
+
     /// About how long `units` take from `now`: the rolling tiers' steady rate, and the
     /// resets each calendar tier must wait for given what it used in its current window
     /// (`calendar_used`, by tier index; rolling tiers' entries are ignored). An estimate
     /// for `paceline status`, not a promise.
     #[must_use]
     pub fn drain_estimate(&self, units: u64, calendar_used: &[u64], now: UnixMillis) -> Duration {
-        let rolling_rate = self.tiers.iter().filter(|t| !t.is_calendar()).map(Tier::rate_per_second).fold(f64::INFINITY, f64::min);
+        let rolling_rate = self.rolling_rate_per_second();
         let mut seconds = if rolling_rate.is_finite() { units as f64 / rolling_rate } else { 0.0 };
         for (tier, used) in self.tiers.iter().zip(calendar_used).filter(|(t, _)| t.is_calendar()) {
             let left = tier.limit.saturating_sub(*used);
