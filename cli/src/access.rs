@@ -103,8 +103,13 @@ impl LaneArgs {
     /// A bad or missing config (when no AWS names are given), missing AWS names, or an
     /// embedded database that cannot be opened.
     pub async fn open(&self) -> anyhow::Result<OperatorLane> {
-        let config = if self.config.exists() || !self.any_aws_override() {
-            Some(load_config_for_operations(&self.config).with_context(|| "pass --config, or the AWS names (--queue-url, --dlq-url, --table)")?)
+        let config = if self.config.exists() {
+            Some(load_config_for_operations(&self.config)?)
+        } else if !self.any_aws_override() {
+            anyhow::bail!(
+                "config {} not found: pass --config FILE, or the AWS names (--stack, or --queue-url, --dlq-url and --table)",
+                self.config.display()
+            );
         } else {
             None
         };

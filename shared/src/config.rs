@@ -17,8 +17,9 @@ use crate::quota::{Quota, Tier};
 /// Why the configuration cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read config {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    /// The OS error is part of the message, not a separate cause, so it prints once.
+    #[error("cannot read config {path}: {error}")]
+    Read { path: PathBuf, error: std::io::Error },
     #[error("config {path}: {message}")]
     Invalid { path: PathBuf, message: String },
 }
@@ -42,6 +43,9 @@ pub struct ApiConfig {
     /// Headers added to every call, secrets included.
     pub headers: Vec<(String, SecretString)>,
     pub health_check: ApiRequest,
+    /// The largest request body a job may carry, in bytes (refused at enqueue, and by the
+    /// worker before any call).
+    pub max_body: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -60,6 +64,10 @@ pub struct RetryConfig {
     /// Cool-down after a 429 that says nothing of when to come back.
     #[serde(deserialize_with = "duration", default = "defaults::default_cool_down")]
     pub default_cool_down: Duration,
+    /// The longest cool-down any answer may impose (`Retry-After`, `X-RateLimit-Reset`
+    /// and the like are capped to it), so a far-future date cannot halt the lane.
+    #[serde(deserialize_with = "duration", default = "defaults::max_cool_down")]
+    pub max_cool_down: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -84,6 +92,38 @@ pub struct OrchestratorConfig {
     /// about 225 ms) so that start-up jitter does not reach the provider.
     #[serde(deserialize_with = "duration", default)]
     pub dispatch_ahead: Duration,
+}
+
+impl ApiConfig {
+    /// What this lane's configuration forbids a job's request, beyond `Job::parse`.
+    #[must_use]
+    pub fn request_limits(&self) -> RequestLimits {
+        RequestLimits { lane_headers: self.headers.iter().map(|(name, _)| name.to_ascii_lowercase()).collect(), max_body: self.max_body }
+    }
+}
+
+/// A lane's rules for a job's request: its configured headers always win (a job may not
+/// set one: no producer can replace the lane's credential), and its body is at most
+/// `api.max_body` bytes. Checked at enqueue and by the worker before any call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestLimits {
+    /// Names of the configured headers, lower-cased.
+    lane_headers: Vec<String>,
+    max_body: usize,
+}
+
+impl RequestLimits {
+    /// # Errors
+    /// What the request breaks, naming the field.
+    pub fn check(&self, request: &ApiRequest) -> Result<(), String> {
+        if let Some(name) = request.headers.keys().find(|name| self.lane_headers.contains(&name.to_ascii_lowercase())) {
+            return Err(format!("request.headers: `{name}` is set by the lane's configuration and may not be replaced by a job"));
+        }
+        match request.body.as_ref() {
+            Some(body) if body.len() > self.max_body => Err(format!("request.body: {} bytes, over api.max_body ({} bytes)", body.len(), self.max_body)),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// Where queue and state live.
@@ -127,6 +167,8 @@ pub(crate) mod defaults {
     pub fn health_check_interval() -> Duration { Duration::from_secs(5) }
     pub fn max_attempts() -> u32 { 5 }
     pub fn default_cool_down() -> Duration { Duration::from_secs(1) }
+    pub fn max_cool_down() -> Duration { Duration::from_secs(3600) }
+    pub fn max_body() -> usize { 256 * 1024 }
     pub fn lease_ttl() -> Duration { Duration::from_secs(30) }
     pub fn visibility_timeout() -> Duration { Duration::from_secs(60) }
     pub fn flush_interval() -> Duration { Duration::from_secs(2) }
@@ -144,7 +186,7 @@ impl Default for CircuitConfig {
 
 impl Default for RetryConfig {
     fn default() -> Self {
-        Self { max_attempts: defaults::max_attempts(), default_cool_down: defaults::default_cool_down() }
+        Self { max_attempts: defaults::max_attempts(), default_cool_down: defaults::default_cool_down(), max_cool_down: defaults::max_cool_down() }
     }
 }
 
@@ -158,6 +200,110 @@ impl Default for OrchestratorConfig {
             deadline_margin: defaults::deadline_margin(),
             dispatch_ahead: Duration::ZERO,
         }
+    }
+}
+
+/// A setting that cannot be used: the field (as named in the config file's section, and
+/// in `PACELINE_*` upper-cased) and the problem.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Invalid {
+    pub field: &'static str,
+    pub problem: String,
+}
+
+fn at_least(field: &'static str, value: Duration, least: Duration) -> Result<(), Invalid> {
+    if value < least {
+        return Err(Invalid { field, problem: format!("must be at least {}", humantime::format_duration(least)) });
+    }
+    Ok(())
+}
+
+impl OrchestratorConfig {
+    /// Refuses values that would harm the lane (a zero refresh spins a core).
+    ///
+    /// # Errors
+    /// The first field out of range.
+    pub fn check(&self) -> Result<(), Invalid> {
+        at_least("lease_ttl", self.lease_ttl, Duration::from_secs(2))?;
+        at_least("visibility_timeout", self.visibility_timeout, Duration::from_secs(1))?;
+        at_least("flush_interval", self.flush_interval, Duration::from_millis(100))?;
+        at_least("state_refresh", self.state_refresh, Duration::from_millis(100))?;
+        if self.dispatch_ahead > MAX_DISPATCH_AHEAD {
+            return Err(Invalid { field: "dispatch_ahead", problem: format!("at most {}", humantime::format_duration(MAX_DISPATCH_AHEAD)) });
+        }
+        Ok(())
+    }
+}
+
+impl RetryConfig {
+    /// # Errors
+    /// The first field out of range.
+    pub fn check(&self) -> Result<(), Invalid> {
+        if self.max_attempts == 0 {
+            return Err(Invalid { field: "max_attempts", problem: "must be at least 1".into() });
+        }
+        at_least("max_cool_down", self.max_cool_down, Duration::from_secs(1))
+    }
+}
+
+/// Checks an API call timeout: a zero timeout would make every call a timeout.
+///
+/// # Errors
+/// When it is under 100 ms.
+pub fn check_timeout(timeout: Duration) -> Result<(), Invalid> {
+    at_least("timeout", timeout, Duration::from_millis(100))
+}
+
+/// Parses the API's base URL: http or https with a host (`http:///v1` is refused, not
+/// read as host `v1`), no user or password (credentials belong in `api.headers`), no
+/// query or fragment (they would be dropped).
+///
+/// # Errors
+/// What is wrong with it.
+pub fn parse_base_url(text: &str) -> Result<url::Url, String> {
+    let url = url::Url::parse(text).map_err(|e| format!("`{text}` is not a URL: {e}"))?;
+    let authority = text.split_once("://").map_or("", |(_, rest)| rest);
+    if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() || authority.is_empty() || authority.starts_with('/') {
+        return Err(format!("`{text}` must be an http or https URL with a host"));
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err("must not hold a user or password: put credentials in api.headers (from the environment)".into());
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(format!("`{text}` must not have a query or fragment"));
+    }
+    Ok(url)
+}
+
+/// Parses a size in bytes: `1048576`, `256KiB`, `1MiB`, `500kB`, `1MB`.
+///
+/// # Errors
+/// When it is not a size.
+pub fn parse_size(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let unit_bytes = match unit.trim() {
+        "" | "B" => 1,
+        "kB" | "KB" => 1_000,
+        "KiB" => 1_024,
+        "MB" => 1_000_000,
+        "MiB" => 1_048_576,
+        _ => return Err(format!("`{text}` is not a size (write for example 262144, 256KiB, 1MiB)")),
+    };
+    number.parse::<usize>().ok().and_then(|n| n.checked_mul(unit_bytes)).filter(|n| *n > 0).ok_or_else(|| format!("`{text}` is not a size of at least 1 byte"))
+}
+
+fn size<'de, D: Deserializer<'de>>(d: D) -> Result<usize, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Size {
+        Bytes(u64),
+        Text(String),
+    }
+    match Size::deserialize(d)? {
+        Size::Bytes(n) => usize::try_from(n).ok().filter(|n| *n > 0).ok_or_else(|| serde::de::Error::custom("must be at least 1 byte")),
+        Size::Text(text) => parse_size(&text).map_err(serde::de::Error::custom),
     }
 }
 
@@ -175,11 +321,7 @@ fn time_zone<'de, D: Deserializer<'de>>(d: D) -> Result<chrono_tz::Tz, D::Error>
 
 fn base_url<'de, D: Deserializer<'de>>(d: D) -> Result<url::Url, D::Error> {
     let text = String::deserialize(d)?;
-    let url = url::Url::parse(&text).map_err(|e| serde::de::Error::custom(format!("`{text}` is not a URL: {e}")))?;
-    if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
-        return Err(serde::de::Error::custom(format!("`{text}` must be an http or https URL with a host")));
-    }
-    Ok(url)
+    parse_base_url(&text).map_err(serde::de::Error::custom)
 }
 
 #[derive(Deserialize)]
@@ -206,7 +348,10 @@ struct RawApi {
     timeout: Duration,
     #[serde(default)]
     headers: BTreeMap<String, HeaderSource>,
-    health_check: Option<ApiRequest>,
+    /// A request like a job's, read as JSON so that it is checked exactly as one.
+    health_check: Option<serde_json::Value>,
+    #[serde(deserialize_with = "size", default = "defaults::max_body")]
+    max_body: usize,
 }
 
 /// Where a header's value comes from: literally, or from an environment variable
@@ -271,7 +416,7 @@ pub(crate) fn resolve_headers(
 
 /// The health-check request, checked like a job's (a path on this API, a real method);
 /// `GET /` when none is given.
-pub(crate) fn check_health_request(request: Option<ApiRequest>) -> Result<ApiRequest, crate::job::JobError> {
+pub(crate) fn check_health_request(request: Option<serde_json::Value>) -> Result<ApiRequest, crate::job::JobError> {
     match request {
         Some(request) => {
             let probe = serde_json::json!({ "request": request }).to_string();
@@ -288,7 +433,7 @@ impl Config {
     /// # Errors
     /// [`ConfigError`] naming the file, the key and the problem.
     pub fn load(path: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read { path: path.to_owned(), error })?;
         let base_dir = path.parent().unwrap_or(Path::new("."));
         Self::parse(&text, base_dir, env).map_err(|message| ConfigError::Invalid { path: path.to_owned(), message })
     }
@@ -300,18 +445,10 @@ impl Config {
     pub fn parse(text: &str, base_dir: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, String> {
         let raw: RawConfig = toml::from_str(text).map_err(|e| e.to_string().trim_end().to_owned())?;
         let quota = Quota::new(raw.quota.tiers, raw.quota.time_zone, raw.quota.safety_margin).map_err(|e| format!("quota.tiers: {e}"))?;
-        if raw.retry.max_attempts == 0 {
-            return Err("retry.max_attempts: must be at least 1".into());
-        }
-        if raw.orchestrator.lease_ttl < Duration::from_secs(2) {
-            return Err("orchestrator.lease_ttl: must be at least 2s".into());
-        }
-        if raw.orchestrator.dispatch_ahead > MAX_DISPATCH_AHEAD {
-            return Err(format!("orchestrator.dispatch_ahead: at most {}", humantime::format_duration(MAX_DISPATCH_AHEAD)));
-        }
-        if raw.orchestrator.visibility_timeout < Duration::from_secs(1) {
-            return Err("orchestrator.visibility_timeout: must be at least 1s".into());
-        }
+        let in_section = |section: &str, e: Invalid| format!("{section}.{}: {}", e.field, e.problem);
+        raw.retry.check().map_err(|e| in_section("retry", e))?;
+        raw.orchestrator.check().map_err(|e| in_section("orchestrator", e))?;
+        check_timeout(raw.api.timeout).map_err(|e| in_section("api", e))?;
         let headers = resolve_headers(raw.api.headers, "api.headers", env)?;
         let health_check = check_health_request(raw.api.health_check).map_err(|e| format!("api.health_check: {e}"))?;
         let backend = match raw.backend {
@@ -319,7 +456,7 @@ impl Config {
             RawBackend::Aws(aws) => Backend::Aws(aws),
         };
         Ok(Self {
-            api: ApiConfig { base_url: raw.api.base_url, timeout: raw.api.timeout, headers, health_check },
+            api: ApiConfig { base_url: raw.api.base_url, timeout: raw.api.timeout, headers, health_check, max_body: raw.api.max_body },
             quota,
             circuit: raw.circuit,
             retry: raw.retry,
@@ -352,6 +489,8 @@ mod tests {
         assert_eq!(config.retry.max_attempts, 5);
         assert_eq!(config.backend, Backend::Embedded { path: PathBuf::from("/lanes/paceline.db") });
         assert_eq!(config.api.health_check.path, "/");
+        assert_eq!(config.api.max_body, 256 * 1024);
+        assert_eq!(config.retry.max_cool_down, Duration::from_secs(3600));
     }
 
     #[test]
@@ -394,6 +533,24 @@ path = "data/lane.db"
             (MINIMAL.replace("[quota]", "[quota]\ntime_zone = \"Mars/Olympus\""), "Mars/Olympus"),
             (MINIMAL.replace("[quota]", "[api.headers]\nX-Key = { env = \"MISSING\" }\n[quota]"), "api.headers.X-Key: environment variable MISSING"),
             (MINIMAL.replace("[quota]", "[api.health_check]\nmethod = \"GET\"\npath = \"https://evil.example/\"\n[quota]"), "api.health_check"),
+        ];
+        for (text, expected) in cases {
+            let err = parse(&text).unwrap_err();
+            assert!(err.contains(expected), "error for {expected:?} was: {err}");
+        }
+    }
+
+    #[test]
+    fn harmful_values_are_refused_with_the_key_named() {
+        let cases = [
+            (format!("{MINIMAL}[orchestrator]\nstate_refresh = \"0s\"\n"), "orchestrator.state_refresh"),
+            (format!("{MINIMAL}[orchestrator]\nflush_interval = \"0s\"\n"), "orchestrator.flush_interval"),
+            (MINIMAL.replace("[quota]", "timeout = \"0s\"\n[quota]"), "api.timeout"),
+            (MINIMAL.replace("https://api.example.com/v1", "http:///v1"), "base_url"),
+            (MINIMAL.replace("https://api.example.com/v1", "https://user:pw@api.example.com/v1"), "user or password"),
+            (MINIMAL.replace("https://api.example.com/v1", "https://api.example.com/v1?key=1"), "query"),
+            (format!("{MINIMAL}[retry]\nmax_cool_down = \"0s\"\n"), "retry.max_cool_down"),
+            (MINIMAL.replace("[quota]", "max_body = \"lots\"\n[quota]"), "max_body"),
         ];
         for (text, expected) in cases {
             let err = parse(&text).unwrap_err();

@@ -12,8 +12,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::time::UnixMillis;
 
-/// Version of the worker payload format this build writes and reads.
-pub const PAYLOAD_VERSION: u32 = 1;
+/// Version of the worker payload format this build writes. Version 2 carries the job as
+/// its JSON text (so a body keeps its bytes); version 1 (the job as an object) is still
+/// read.
+pub const PAYLOAD_VERSION: u32 = 2;
 
 /// A job's identity: given by the producer, or generated.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -33,7 +35,7 @@ impl JobId {
     /// [`JobError::Id`] otherwise.
     pub fn parse(text: &str) -> Result<Self, JobError> {
         if text.is_empty() || text.len() > 128 || !text.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(JobError::Id(text.chars().take(40).collect()));
+            return Err(JobError::Id(text.chars().take(40).flat_map(char::escape_default).collect()));
         }
         Ok(Self(text.to_owned()))
     }
@@ -59,9 +61,59 @@ pub struct ApiRequest {
     pub query: BTreeMap<String, String>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub headers: BTreeMap<String, String>,
-    /// A JSON body; a JSON string is sent as plain text.
+    /// A JSON body, sent as the producer wrote it; a JSON string is sent as plain text.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub body: Option<serde_json::Value>,
+    pub body: Option<Body>,
+}
+
+/// A request body exactly as the producer wrote it: the raw JSON text, never
+/// re-serialised, so key order, big integers and number spellings reach the API intact
+/// (signed bodies stay valid). Read it only through `serde_json` (it is a
+/// `serde_json::value::RawValue`).
+#[derive(Clone, Debug)]
+pub struct Body(Box<serde_json::value::RawValue>);
+
+impl Body {
+    /// The body's JSON text, byte for byte.
+    #[must_use]
+    pub fn json(&self) -> &str {
+        self.0.get()
+    }
+
+    /// The text to send as `text/plain` when the body is a JSON string.
+    #[must_use]
+    pub fn as_text(&self) -> Option<String> {
+        self.json().starts_with('"').then(|| serde_json::from_str(self.json()).ok()).flatten()
+    }
+
+    /// Bytes on the wire.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.json().len()
+    }
+
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.json().is_empty()
+    }
+}
+
+impl PartialEq for Body {
+    fn eq(&self, other: &Self) -> bool {
+        self.json() == other.json()
+    }
+}
+
+impl Serialize for Body {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Body {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Box::<serde_json::value::RawValue>::deserialize(deserializer).map(Self)
+    }
 }
 
 /// A validated job.
@@ -88,6 +140,8 @@ pub enum JobError {
     Path(String),
     #[error("request.headers: `{0}` may not be set by a job")]
     Header(String),
+    #[error("request.headers: {0}")]
+    HeaderInvalid(String),
     #[error("cost must be a whole number of at least 1, got {0}")]
     Cost(String),
 }
@@ -118,9 +172,7 @@ impl Job {
         let mut request = raw.request;
         request.method = parse_method(&request.method)?;
         check_path(&request.path)?;
-        if let Some(name) = request.headers.keys().find(|h| RESERVED_HEADERS.contains(&h.to_ascii_lowercase().as_str())) {
-            return Err(JobError::Header(name.clone()));
-        }
+        check_headers(&request.headers)?;
         let cost = match raw.cost {
             None => 1,
             Some(v) => v.as_u64().filter(|c| *c >= 1).ok_or_else(|| JobError::Cost(v.to_string()))?,
@@ -135,14 +187,42 @@ impl Job {
     }
 }
 
+/// Methods a job may use: the ones an API call is made with. TRACE and CONNECT are
+/// connection-level tools, never an API call.
+const METHODS: &[&str] = &["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"];
+
 fn parse_method(method: &str) -> Result<String, JobError> {
     let upper = method.to_ascii_uppercase();
-    let token = !upper.is_empty() && upper.len() <= 16 && upper.bytes().all(|b| b.is_ascii_uppercase());
-    if token { Ok(upper) } else { Err(JobError::Method(method.to_owned())) }
+    if METHODS.contains(&upper.as_str()) { Ok(upper) } else { Err(JobError::Method(method.to_owned())) }
 }
 
-/// A path must stay on the configured API: `/` first, no scheme, no `//host`, no `..`
-/// segments, no backslashes or control characters that a URL parser might reinterpret.
+/// A header name is an RFC 9110 token; a value is visible ASCII, spaces and tabs (no
+/// CR/LF that could inject a header, nothing an HTTP client refuses to send). Checked
+/// here so that a bad header is the job's fault (dead-lettered as malformed) and never
+/// looks like the API failing.
+fn check_headers(headers: &BTreeMap<String, String>) -> Result<(), JobError> {
+    for (name, value) in headers {
+        let shown: String = name.chars().take(40).flat_map(char::escape_default).collect();
+        if RESERVED_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
+            return Err(JobError::Header(shown));
+        }
+        if name.is_empty() || !name.bytes().all(is_token_byte) {
+            return Err(JobError::HeaderInvalid(format!("`{shown}` is not a valid header name")));
+        }
+        if !value.bytes().all(|b| b == b'\t' || (b' '..=b'~').contains(&b)) {
+            return Err(JobError::HeaderInvalid(format!("the value of `{shown}` holds a control or non-ASCII character")));
+        }
+    }
+    Ok(())
+}
+
+fn is_token_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// A path must stay on the configured API: `/` first, no scheme, no `//host`, no dot
+/// segments (`.`, `..`, percent-encoded or not: URL parsers resolve `.%2e` as `..`), no
+/// encoded slashes or backslashes, no control characters a URL parser might reinterpret.
 fn check_path(path: &str) -> Result<(), JobError> {
     let refused = !path.starts_with('/')
         || path.starts_with("//")
@@ -151,8 +231,15 @@ fn check_path(path: &str) -> Result<(), JobError> {
         || path.contains('?')
         || path.contains('#')
         || path.chars().any(char::is_control)
-        || path.split('/').any(|segment| segment == ".." || segment.eq_ignore_ascii_case("%2e%2e"));
-    if refused { Err(JobError::Path(path.chars().take(80).collect())) } else { Ok(()) }
+        || path.split('/').any(is_dot_or_encoded_separator);
+    if refused { Err(JobError::Path(path.chars().take(80).flat_map(char::escape_default).collect())) } else { Ok(()) }
+}
+
+/// `.` or `..` once `%2e` is decoded, or a segment hiding a `/` or `\` as `%2f`/`%5c`.
+fn is_dot_or_encoded_separator(segment: &str) -> bool {
+    let lower = segment.to_ascii_lowercase();
+    let decoded = lower.replace("%2e", ".");
+    decoded == "." || decoded == ".." || lower.contains("%2f") || lower.contains("%5c")
 }
 
 /// What the orchestrator hands to a worker.
@@ -164,6 +251,7 @@ fn check_path(path: &str) -> Result<(), JobError> {
 pub enum WorkerPayload {
     /// Call the API for this job.
     Job {
+        #[serde(with = "job_as_text")]
         job: Job,
         /// How many times it was tried before (0 on first dispatch).
         attempt: u32,
@@ -191,6 +279,27 @@ pub enum WorkerPayload {
 pub struct CallSlot {
     pub not_before: UnixMillis,
     pub call_by: UnixMillis,
+}
+
+/// A job inside a worker payload travels as its JSON text: a payload is read through
+/// serde's buffered enum path, which cannot hold a body's raw bytes. Version 1 payloads
+/// carried the job as an object; they are still read.
+mod job_as_text {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    use super::Job;
+
+    pub fn serialize<S: Serializer>(job: &Job, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&job.to_json())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Job, D::Error> {
+        let text = match serde_json::Value::deserialize(deserializer)? {
+            serde_json::Value::String(text) => text,
+            object => object.to_string(),
+        };
+        Job::parse(&text).map_err(serde::de::Error::custom)
+    }
 }
 
 #[derive(Serialize, Deserialize)]
@@ -223,7 +332,7 @@ impl WorkerPayload {
     pub fn from_json(text: &str) -> Result<Self, PayloadError> {
         let value: serde_json::Value = serde_json::from_str(text).map_err(|e| PayloadError::Invalid(e.to_string()))?;
         match value.get("v").and_then(serde_json::Value::as_u64) {
-            Some(v) if v == u64::from(PAYLOAD_VERSION) => {}
+            Some(v) if v == 1 || v == u64::from(PAYLOAD_VERSION) => {}
             Some(v) => return Err(PayloadError::Version(u32::try_from(v).unwrap_or(u32::MAX))),
             None => return Err(PayloadError::Invalid("missing version field `v`".into())),
         }
@@ -311,11 +420,61 @@ mod tests {
         let job = Job::parse(r#"{"id":"j","request":{"method":"GET","path":"/"}}"#).unwrap();
         let payload = WorkerPayload::Job { job, attempt: 2, circuit_epoch: 4, dispatched_at: UnixMillis(9), slot: None };
         let text = payload.to_json();
-        assert!(text.contains(r#""v":1"#) && text.contains(r#""kind":"job""#));
+        assert!(text.contains(r#""v":2"#) && text.contains(r#""kind":"job""#));
         assert_eq!(WorkerPayload::from_json(&text).unwrap(), payload);
         let check = WorkerPayload::HealthCheck { circuit_epoch: 3, sent_at: UnixMillis(1), slot: None };
         assert_eq!(WorkerPayload::from_json(&check.to_json()).unwrap(), check);
-        assert!(matches!(WorkerPayload::from_json(&text.replace(r#""v":1"#, r#""v":2"#)), Err(PayloadError::Version(2))));
+        assert!(matches!(WorkerPayload::from_json(&text.replace(r#""v":2"#, r#""v":3"#)), Err(PayloadError::Version(3))));
+    }
+
+    #[test]
+    fn header_names_and_values_that_no_http_client_can_send_are_malformed() {
+        let with_header = |name: &str, value: &str| serde_json::json!({"request": {"method": "GET", "path": "/", "headers": {name: value}}}).to_string();
+        for (name, value) in [("X-A", "a\r\nX-Injected: 1"), ("X-A", "line\nbreak"), ("Bad Name", "v"), ("X-A", "caf\u{e9}"), ("", "v"), ("X-A", "nul\0")] {
+            let err = Job::parse(&with_header(name, value)).unwrap_err();
+            assert!(matches!(err, JobError::HeaderInvalid(_)), "{name:?}: {value:?} gave {err}");
+        }
+        assert!(Job::parse(&with_header("X-Trace-Id", "abc 123\tok")).is_ok());
+    }
+
+    #[test]
+    fn trace_and_connect_are_refused() {
+        for method in ["TRACE", "connect", "track"] {
+            let text = serde_json::json!({"request": {"method": method, "path": "/"}}).to_string();
+            assert!(matches!(Job::parse(&text), Err(JobError::Method(_))), "{method} was accepted");
+        }
+    }
+
+    #[test]
+    fn percent_encoded_dot_segments_cannot_leave_the_base_path() {
+        for path in ["/.%2E/v1x/secret", "/%2e./x", "/%2E%2e/x", "/a/.%2e", "/./x", "/%2e/x", "/a%2F..%2Fb", "/a%5c..%5cb"] {
+            let text = serde_json::json!({"request": {"method": "GET", "path": path}}).to_string();
+            assert!(matches!(Job::parse(&text), Err(JobError::Path(_))), "{path} was accepted");
+        }
+        assert!(Job::parse(r#"{"request":{"method":"GET","path":"/a.b/..c/%2Ex"}}"#).is_ok());
+    }
+
+    #[test]
+    fn request_bodies_keep_the_bytes_the_producer_wrote() {
+        let body = r#"{"z": 1, "a": 123456789012345678901234567890, "e": 1e3}"#;
+        let text = format!(r#"{{"id":"b","request":{{"method":"POST","path":"/","body":{body}}}}}"#);
+        let job = Job::parse(&text).unwrap();
+        assert_eq!(job.request.body.as_ref().unwrap().json(), body);
+        // Through a re-queue and a worker payload, still the same bytes.
+        let again = Job::parse(&job.to_json()).unwrap();
+        assert_eq!(again.request.body.as_ref().unwrap().json(), body);
+        let payload = WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(1), slot: None };
+        let WorkerPayload::Job { job, .. } = WorkerPayload::from_json(&payload.to_json()).unwrap() else { panic!("not a job") };
+        assert_eq!(job.request.body.unwrap().json(), body);
+        let text_body = Job::parse(r#"{"request":{"method":"POST","path":"/","body":"plain \"text\""}}"#).unwrap();
+        assert_eq!(text_body.request.body.unwrap().as_text().as_deref(), Some("plain \"text\""));
+    }
+
+    #[test]
+    fn version_1_payloads_are_still_read() {
+        let text = r#"{"v":1,"kind":"job","job":{"id":"j","request":{"method":"GET","path":"/x"},"cost":1},"attempt":0,"circuit_epoch":0,"dispatched_at":5}"#;
+        let WorkerPayload::Job { job, .. } = WorkerPayload::from_json(text).unwrap() else { panic!("not a job") };
+        assert_eq!(job.id.as_str(), "j");
     }
 
     #[test]

@@ -6,8 +6,10 @@ use std::collections::BTreeMap;
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::config::{check_health_request, defaults, resolve_headers, ApiConfig, CircuitConfig, HeaderSource, OrchestratorConfig, RetryConfig, MAX_DISPATCH_AHEAD};
-use crate::job::ApiRequest;
+use crate::config::{
+    check_health_request, check_timeout, defaults, parse_base_url, parse_size, resolve_headers, ApiConfig, CircuitConfig, HeaderSource, Invalid, OrchestratorConfig,
+    RetryConfig,
+};
 use crate::quota::{Quota, Tier};
 
 /// Reads variables from a source (the process environment, or a map in tests).
@@ -36,6 +38,11 @@ impl<'a> Env<'a> {
         }
     }
 
+    /// Names the variable a checked field comes from: `PACELINE_` and the field upper-cased.
+    fn named(prefix: &str, e: Invalid) -> String {
+        format!("PACELINE_{prefix}{}: {}", e.field.to_ascii_uppercase(), e.problem)
+    }
+
     fn duration(&self, name: &str, default: Duration) -> Result<Duration, String> {
         self.parsed(name, default, |t| humantime::parse_duration(t).map_err(|e| format!("`{t}` is not a duration ({e})")))
     }
@@ -62,18 +69,16 @@ impl<'a> Env<'a> {
     /// # Errors
     /// Names the variable and the problem.
     pub fn orchestrator(&self) -> Result<OrchestratorConfig, String> {
-        let dispatch_ahead = self.duration("PACELINE_DISPATCH_AHEAD", Duration::ZERO)?;
-        if dispatch_ahead > MAX_DISPATCH_AHEAD {
-            return Err(format!("PACELINE_DISPATCH_AHEAD: at most {}", humantime::format_duration(MAX_DISPATCH_AHEAD)));
-        }
-        Ok(OrchestratorConfig {
+        let config = OrchestratorConfig {
             lease_ttl: self.duration("PACELINE_LEASE_TTL", defaults::lease_ttl())?,
             visibility_timeout: self.duration("PACELINE_VISIBILITY_TIMEOUT", defaults::visibility_timeout())?,
             flush_interval: self.duration("PACELINE_FLUSH_INTERVAL", defaults::flush_interval())?,
             state_refresh: self.duration("PACELINE_STATE_REFRESH", defaults::state_refresh())?,
             deadline_margin: self.duration("PACELINE_DEADLINE_MARGIN", defaults::deadline_margin())?,
-            dispatch_ahead,
-        })
+            dispatch_ahead: self.duration("PACELINE_DISPATCH_AHEAD", Duration::ZERO)?,
+        };
+        config.check().map_err(|e| Self::named("", e))?;
+        Ok(config)
     }
 
     /// `PACELINE_HEALTH_CHECK_INTERVAL`.
@@ -84,7 +89,7 @@ impl<'a> Env<'a> {
         Ok(CircuitConfig { health_check_interval: self.duration("PACELINE_HEALTH_CHECK_INTERVAL", defaults::health_check_interval())? })
     }
 
-    /// `PACELINE_MAX_ATTEMPTS`, `PACELINE_DEFAULT_COOL_DOWN`.
+    /// `PACELINE_MAX_ATTEMPTS`, `PACELINE_DEFAULT_COOL_DOWN`, `PACELINE_MAX_COOL_DOWN`.
     ///
     /// # Errors
     /// Names the variable and the problem.
@@ -92,10 +97,16 @@ impl<'a> Env<'a> {
         let max_attempts = self.parsed("PACELINE_MAX_ATTEMPTS", defaults::max_attempts(), |t| {
             t.parse::<u32>().ok().filter(|n| *n >= 1).ok_or_else(|| format!("`{t}` is not a whole number of at least 1"))
         })?;
-        Ok(RetryConfig { max_attempts, default_cool_down: self.duration("PACELINE_DEFAULT_COOL_DOWN", defaults::default_cool_down())? })
+        let config = RetryConfig {
+            max_attempts,
+            default_cool_down: self.duration("PACELINE_DEFAULT_COOL_DOWN", defaults::default_cool_down())?,
+            max_cool_down: self.duration("PACELINE_MAX_COOL_DOWN", defaults::max_cool_down())?,
+        };
+        config.check().map_err(|e| Self::named("", e))?;
+        Ok(config)
     }
 
-    /// `PACELINE_API_BASE_URL`, `PACELINE_API_TIMEOUT`, `PACELINE_API_HEADERS` (JSON:
+    /// `PACELINE_API_BASE_URL`, `PACELINE_API_TIMEOUT`, `PACELINE_API_MAX_BODY`, `PACELINE_API_HEADERS` (JSON:
     /// `{"Authorization": {"env": "API_TOKEN", "prefix": "Bearer "}}`) and
     /// `PACELINE_HEALTH_CHECK` (JSON request, default `GET /`).
     ///
@@ -103,17 +114,17 @@ impl<'a> Env<'a> {
     /// Names the variable and the problem.
     pub fn api(&self) -> Result<ApiConfig, String> {
         let base = self.required("PACELINE_API_BASE_URL")?;
-        let base_url = url::Url::parse(&base)
-            .ok()
-            .filter(|u| matches!(u.scheme(), "http" | "https") && u.host_str().is_some())
-            .ok_or_else(|| format!("PACELINE_API_BASE_URL: `{base}` is not an http or https URL with a host"))?;
+        let base_url = parse_base_url(&base).map_err(|e| format!("PACELINE_API_BASE_URL: {e}"))?;
         let sources: BTreeMap<String, HeaderSource> =
             self.parsed("PACELINE_API_HEADERS", BTreeMap::new(), |t| serde_json::from_str(t).map_err(|e| format!("not a JSON object of headers: {e}")))?;
-        let health: Option<ApiRequest> =
+        let health: Option<serde_json::Value> =
             self.parsed("PACELINE_HEALTH_CHECK", None, |t| serde_json::from_str(t).map(Some).map_err(|e| format!("not a JSON request: {e}")))?;
+        let timeout = self.duration("PACELINE_API_TIMEOUT", defaults::timeout())?;
+        check_timeout(timeout).map_err(|e| Self::named("API_", e))?;
         Ok(ApiConfig {
             base_url,
-            timeout: self.duration("PACELINE_API_TIMEOUT", defaults::timeout())?,
+            timeout,
+            max_body: self.parsed("PACELINE_API_MAX_BODY", defaults::max_body(), parse_size)?,
             headers: resolve_headers(sources, "PACELINE_API_HEADERS", self.get)?,
             health_check: check_health_request(health).map_err(|e| format!("PACELINE_HEALTH_CHECK: {e}"))?,
         })
@@ -154,6 +165,13 @@ mod tests {
         assert!(env.quota().unwrap_err().starts_with("PACELINE_TIERS: unknown period `fortnight`"));
         assert!(env.retry().unwrap_err().starts_with("PACELINE_MAX_ATTEMPTS"));
         assert!(env.api().unwrap_err().contains("NOPE is not set"));
+        let harmful = env_of(&[("PACELINE_STATE_REFRESH", "0s"), ("PACELINE_API_TIMEOUT", "0s"), ("PACELINE_API_BASE_URL", "http:///v1"), ("PACELINE_MAX_COOL_DOWN", "0s")]);
+        let env = Env::new(&harmful);
+        assert!(env.orchestrator().unwrap_err().starts_with("PACELINE_STATE_REFRESH: must be at least"));
+        assert!(env.api().unwrap_err().starts_with("PACELINE_API_BASE_URL"));
+        assert!(env.retry().unwrap_err().starts_with("PACELINE_MAX_COOL_DOWN"));
+        let zero_timeout = env_of(&[("PACELINE_API_TIMEOUT", "0s"), ("PACELINE_API_BASE_URL", "https://x")]);
+        assert!(Env::new(&zero_timeout).api().unwrap_err().starts_with("PACELINE_API_TIMEOUT"));
         let none = env_of(&[]);
         assert_eq!(Env::new(&none).required("PACELINE_QUEUE_URL").unwrap_err(), "PACELINE_QUEUE_URL is not set");
     }

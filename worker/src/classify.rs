@@ -4,11 +4,15 @@
 //! - 429: a rate limit, not an outage: cool down until the time the provider names
 //!   (`Retry-After` as seconds or an HTTP date, `RateLimit`/`RateLimit-Reset`, or
 //!   `X-RateLimit-Reset[-After]`), then re-queue.
+//!   Every cool-down is capped (`retry.max_cool_down`): a far-future date cannot halt
+//!   the lane.
 //! - 5xx, timeouts, connection errors: an outage: open the circuit, re-queue.
-//! - Anything else (other 4xx, unfollowed 3xx): permanent, to the DLQ with the status.
+//! - Anything else (other 4xx, unfollowed 3xx, and 501 Not Implemented, which is about
+//!   the request, not the API's health): permanent, to the DLQ with the status.
 
 use std::time::Duration;
 
+use paceline_shared::config::RetryConfig;
 use paceline_shared::time::UnixMillis;
 
 /// What came back from one call.
@@ -31,16 +35,19 @@ pub enum Outcome {
 /// Epoch values above this are absolute times in seconds, not deltas (year 2001+).
 const EPOCH_SECONDS_FLOOR: u64 = 1_000_000_000;
 
-/// Classifies `result` observed at `now`; a 429 naming no time cools down for `default_cool_down`.
+/// Classifies `result` observed at `now`. A 429 naming no time cools down for
+/// `retry.default_cool_down`; none cools down longer than `retry.max_cool_down`.
 #[must_use]
-pub fn classify(result: &CallResult, now: UnixMillis, default_cool_down: Duration) -> Outcome {
+pub fn classify(result: &CallResult, now: UnixMillis, retry: &RetryConfig) -> Outcome {
     match result {
         CallResult::Timeout => Outcome::Outage { reason: "timeout".into() },
         CallResult::Connect(e) => Outcome::Outage { reason: format!("connection error: {e}") },
         CallResult::Response { status, .. } if (200..300).contains(status) => Outcome::Success { status: *status },
         CallResult::Response { status: 429, headers } => {
-            Outcome::RateLimited { until: cool_down_until(headers, now).unwrap_or_else(|| now.plus(default_cool_down)) }
+            let asked = cool_down_until(headers, now).unwrap_or_else(|| now.plus(retry.default_cool_down));
+            Outcome::RateLimited { until: asked.min(now.plus(retry.max_cool_down)) }
         }
+        CallResult::Response { status: 501, .. } => Outcome::Rejected { status: 501 },
         CallResult::Response { status, .. } if *status >= 500 => Outcome::Outage { reason: format!("HTTP {status}") },
         CallResult::Response { status, .. } => Outcome::Rejected { status: *status },
     }
@@ -111,7 +118,7 @@ mod tests {
     use super::*;
 
     const NOW: UnixMillis = UnixMillis(1_795_824_000_000); // Sat, 28 Nov 2026 00:00:00 GMT
-    const DEFAULT: Duration = Duration::from_secs(1);
+    const DEFAULT: &RetryConfig = &RetryConfig { max_attempts: 5, default_cool_down: Duration::from_secs(1), max_cool_down: Duration::from_secs(3600) };
 
     fn response(status: u16, headers: &[(&str, &str)]) -> CallResult {
         CallResult::Response { status, headers: headers.iter().map(|(n, v)| ((*n).to_owned(), (*v).to_owned())).collect() }
@@ -129,6 +136,22 @@ mod tests {
         assert_eq!(classify(&response(302, &[]), NOW, DEFAULT), Outcome::Rejected { status: 302 });
         assert_eq!(classify(&CallResult::Timeout, NOW, DEFAULT), Outcome::Outage { reason: "timeout".into() });
         assert!(matches!(classify(&CallResult::Connect("refused".into()), NOW, DEFAULT), Outcome::Outage { .. }));
+    }
+
+    #[test]
+    fn not_implemented_is_the_request_s_fault_not_an_outage() {
+        assert_eq!(classify(&response(501, &[]), NOW, DEFAULT), Outcome::Rejected { status: 501 });
+    }
+
+    #[test]
+    fn a_far_future_retry_after_is_capped_at_max_cool_down() {
+        let hour = Outcome::RateLimited { until: NOW.plus(Duration::from_secs(3600)) };
+        assert_eq!(until(&[("Retry-After", "Fri, 31 Dec 9999 23:59:59 GMT")]), hour);
+        assert_eq!(until(&[("X-RateLimit-Reset", "253402300799")]), hour);
+        assert_eq!(until(&[("X-RateLimit-Reset", "253402300799000")]), hour);
+        assert_eq!(until(&[("Retry-After", "999999999")]), hour);
+        let short = RetryConfig { max_cool_down: Duration::from_secs(60), ..*DEFAULT };
+        assert_eq!(classify(&response(429, &[("Retry-After", "600")]), NOW, &short), Outcome::RateLimited { until: NOW.plus(Duration::from_secs(60)) });
     }
 
     #[test]

@@ -2,11 +2,13 @@
 //!
 //! Paths are joined under the base URL, the result must keep the base's origin and
 //! path prefix, redirects are never followed, and the configured headers (secrets) are
-//! marked sensitive so they never show in logs or `Debug` output.
+//! marked sensitive so they never show in logs or `Debug` output. Configured headers
+//! always win: a job that sets one is refused, so no producer can replace the lane's
+//! credential. The body goes out as the producer wrote it.
 
 use std::time::Duration;
 
-use paceline_shared::config::ApiConfig;
+use paceline_shared::config::{ApiConfig, RequestLimits};
 use paceline_shared::job::ApiRequest;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use reqwest::Url;
@@ -23,6 +25,9 @@ pub enum ApiError {
     OffApi(String),
     #[error("cannot build the HTTP client: {0}")]
     Client(String),
+    /// The job's request cannot be sent as it is: its fault, never the API's.
+    #[error("{0}")]
+    Malformed(String),
 }
 
 /// A client for one API.
@@ -30,6 +35,7 @@ pub enum ApiError {
 pub struct ApiClient {
     client: reqwest::Client,
     base: Url,
+    limits: RequestLimits,
 }
 
 impl ApiClient {
@@ -53,7 +59,7 @@ impl ApiClient {
             .pool_idle_timeout(Duration::from_secs(30))
             .build()
             .map_err(|e| ApiError::Client(e.to_string()))?;
-        Ok(Self { client, base: config.base_url.clone() })
+        Ok(Self { client, base: config.base_url.clone(), limits: config.request_limits() })
     }
 
     /// The URL a request goes to: the base URL's path, then the request's.
@@ -69,29 +75,47 @@ impl ApiClient {
         if !request.query.is_empty() {
             url.query_pairs_mut().extend_pairs(&request.query);
         }
-        if url.origin() != self.base.origin() || !url.path().starts_with(base_path) || !request.path.starts_with('/') {
-            return Err(ApiError::OffApi(request.path.chars().take(80).collect()));
+        // The final path, after the URL parser resolved what it would, must sit under
+        // the base path segment by segment (`/v1x` is not under `/v1`).
+        let under_base = url.path() == base_path || url.path().starts_with(&format!("{base_path}/"));
+        let dot_segment = url.path_segments().is_some_and(|mut segments| segments.any(|s| s == "." || s == ".."));
+        if url.origin() != self.base.origin() || !under_base || dot_segment || !request.path.starts_with('/') {
+            return Err(ApiError::OffApi(request.path.chars().take(80).flat_map(char::escape_default).collect()));
         }
         Ok(url)
     }
 
-    /// Sends the request; transport failures come back as [`CallResult`] values.
+    /// Builds the request: nothing is sent.
     ///
     /// # Errors
-    /// [`ApiError::OffApi`] when the request is not for this API (nothing is sent).
-    pub async fn call(&self, request: &ApiRequest) -> Result<CallResult, ApiError> {
+    /// [`ApiError::OffApi`] when the request is not for this API; [`ApiError::Malformed`]
+    /// when it sets a configured header, its body is over `api.max_body`, or it cannot be
+    /// built.
+    pub fn build(&self, request: &ApiRequest) -> Result<reqwest::Request, ApiError> {
         let url = self.url_for(request)?;
-        let method = reqwest::Method::from_bytes(request.method.as_bytes()).map_err(|_| ApiError::OffApi(request.method.clone()))?;
+        self.limits.check(request).map_err(ApiError::Malformed)?;
+        let method = reqwest::Method::from_bytes(request.method.as_bytes()).map_err(|_| ApiError::Malformed(format!("request.method `{}`", request.method)))?;
         let mut builder = self.client.request(method, url);
         for (name, value) in &request.headers {
             builder = builder.header(name.as_str(), value.as_str());
         }
         builder = match &request.body {
-            Some(serde_json::Value::String(text)) => builder.body(text.clone()),
-            Some(json) => builder.header("content-type", "application/json").body(json.to_string()),
+            Some(body) => match body.as_text() {
+                Some(text) => builder.body(text),
+                None => builder.header("content-type", "application/json").body(body.json().to_owned()),
+            },
             None => builder,
         };
-        Ok(match builder.send().await {
+        builder.build().map_err(|e| ApiError::Malformed(format!("the request cannot be built: {}", paceline_shared::error_chain(&e))))
+    }
+
+    /// Sends the request; transport failures come back as [`CallResult`] values.
+    ///
+    /// # Errors
+    /// As for [`ApiClient::build`] (nothing is sent).
+    pub async fn call(&self, request: &ApiRequest) -> Result<CallResult, ApiError> {
+        let request = self.build(request)?;
+        Ok(match self.client.execute(request).await {
             Ok(response) => {
                 let status = response.status().as_u16();
                 let headers = response
@@ -118,8 +142,9 @@ mod tests {
         let config = ApiConfig {
             base_url: base.parse().unwrap(),
             timeout: Duration::from_secs(1),
-            headers: vec![("Authorization".into(), "Bearer s3cret".to_owned().into())],
+            headers: vec![("Authorization".into(), "Bearer s3cret".to_owned().into()), ("X-Lane".into(), "lane-key".to_owned().into())],
             health_check: request("GET", "/"),
+            max_body: 1024,
         };
         ApiClient::new(&config).unwrap()
     }
@@ -144,6 +169,35 @@ mod tests {
             assert!(url.as_ref().map_or(true, |u| u.host_str() == Some("api.example.com") && u.path().starts_with("/v1")), "{path} -> {url:?}");
         }
         assert!(api.url_for(&request("GET", "https://evil.example/")).is_err());
+    }
+
+    #[test]
+    fn encoded_dot_segments_cannot_reach_a_sibling_of_the_base_path() {
+        let api = client("https://api.example.com/v1");
+        for path in ["/.%2E/v1x/secret", "/%2e./v1x/secret", "/%2E%2E/v1x"] {
+            assert!(matches!(api.url_for(&request("GET", path)), Err(ApiError::OffApi(_))), "{path} was allowed");
+        }
+    }
+
+    #[test]
+    fn a_job_cannot_replace_a_configured_header() {
+        let api = client("https://api.example.com/v1");
+        let mut req = request("GET", "/x");
+        req.headers.insert("x-lane".into(), "forged".into());
+        let err = api.build(&req).unwrap_err();
+        assert!(matches!(&err, ApiError::Malformed(m) if m.contains("x-lane")), "{err:?}");
+    }
+
+    #[test]
+    fn bodies_over_max_body_are_refused_and_others_go_out_byte_for_byte() {
+        let api = client("https://api.example.com/v1");
+        let job = |body: &str| paceline_shared::job::Job::parse(&format!(r#"{{"request":{{"method":"POST","path":"/x","body":{body}}}}}"#)).unwrap().request;
+        let big = format!("\"{}\"", "a".repeat(2000));
+        assert!(matches!(api.build(&job(&big)), Err(ApiError::Malformed(m)) if m.contains("api.max_body")));
+        let exact = r#"{"z":1,"a":123456789012345678901234567890,"e":1e3}"#;
+        let built = api.build(&job(exact)).unwrap();
+        assert_eq!(built.body().and_then(reqwest::Body::as_bytes), Some(exact.as_bytes()));
+        assert_eq!(built.headers()["content-type"], "application/json");
     }
 
     #[test]

@@ -89,13 +89,14 @@ impl Worker {
         let result = match self.api.call(&job.request).await {
             Ok(result) => result,
             Err(e) => {
-                // Cannot happen for a parsed job; refuse rather than call elsewhere.
-                return self.dead_letter(job, attempt, DeadLetterCause::Rejected { status: 0 }, e.to_string()).await;
+                // A request that cannot be built or sent is the job's fault, never the
+                // API's: nothing was sent, the circuit is untouched.
+                return self.dead_letter(job, attempt, DeadLetterCause::Malformed, e.to_string()).await;
             }
         };
         let now = self.clock.now();
         let failure = failure_label(&result);
-        match classify(&result, now, self.retry.default_cool_down) {
+        match classify(&result, now, &self.retry) {
             Outcome::Success { status } => {
                 WorkerStats::bump(&self.stats.succeeded);
                 info!(status, "succeeded");
@@ -121,7 +122,7 @@ impl Worker {
 
     async fn run_health_check(&self, circuit_epoch: u64) -> PortResult<()> {
         let result = self.api.call(&self.health_check).await.unwrap_or(CallResult::Connect("health check is off the API".into()));
-        match classify(&result, self.clock.now(), self.retry.default_cool_down) {
+        match classify(&result, self.clock.now(), &self.retry) {
             Outcome::Success { status } => {
                 WorkerStats::bump(&self.stats.health_checks_ok);
                 info!(status, circuit_epoch, "health check ok; closing the circuit");

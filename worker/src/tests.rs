@@ -45,6 +45,7 @@ fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
         timeout: Duration::from_secs(2),
         headers: vec![("Authorization".into(), "Bearer s3cret".to_owned().into())],
         health_check: health_check.clone(),
+        max_body: 1 << 20,
     })
     .unwrap();
     let worker = Worker {
@@ -52,7 +53,7 @@ fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
         queue: store.clone(),
         store: store.clone(),
         clock,
-        retry: RetryConfig { max_attempts: 3, default_cool_down: Duration::from_secs(1) },
+        retry: RetryConfig { max_attempts: 3, ..RetryConfig::default() },
         health_check,
         stats: Arc::default(),
     };
@@ -171,4 +172,20 @@ async fn a_slotted_job_calls_at_its_slot_and_a_late_one_is_requeued_without_call
     assert_eq!(api.calls.lock().unwrap().len(), 1, "started 50 ms after the slot: no call");
     assert_eq!(WorkerStats::get(&worker.stats.missed_slots), 1);
     assert_eq!(requeued(&store).await, vec![("job-200".to_string(), 1)], "re-queued; the attempt does not count");
+}
+
+#[tokio::test]
+async fn a_request_that_cannot_be_built_is_dead_lettered_as_malformed_and_leaves_the_circuit_closed() {
+    let (base, seen) = scripted_api().await;
+    let (worker, store) = new_worker(&base);
+    // As an older producer or a hand-edited message might carry it, past `Job::parse`.
+    let WorkerPayload::Job { mut job, .. } = job_to(200) else { unreachable!() };
+    job.request.headers.insert("X-Bad".into(), "a\r\nX-Injected: 1".into());
+    worker.handle(WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None }).await.unwrap();
+    assert!(store.circuit().await.unwrap().is_closed());
+    assert!(seen.lock().unwrap().is_empty(), "the API was called");
+    let dead = store.dead_letters().unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].reason.cause, DeadLetterCause::Malformed);
+    assert!(requeued(&store).await.is_empty());
 }

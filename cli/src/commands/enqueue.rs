@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
+use paceline_shared::config::RequestLimits;
 use paceline_shared::job::Job;
 use paceline_shared::ports::OutgoingMessage;
 
@@ -20,16 +21,20 @@ pub struct EnqueueArgs {
     pub file: Option<PathBuf>,
 }
 
-/// The good jobs and the numbered complaints about the bad lines.
+/// The good jobs and the numbered complaints about the bad lines; with the lane's
+/// [`RequestLimits`], a job that breaks them is a bad line too.
 #[must_use]
-pub fn parse_lines(lines: impl Iterator<Item = std::io::Result<String>>) -> (Vec<Job>, Vec<String>) {
+pub fn parse_lines(lines: impl Iterator<Item = std::io::Result<String>>, limits: Option<&RequestLimits>) -> (Vec<Job>, Vec<String>) {
     let mut jobs = Vec::new();
     let mut errors = Vec::new();
     for (index, line) in lines.enumerate() {
         let number = index + 1;
         match line {
             Ok(line) if line.trim().is_empty() => {}
-            Ok(line) => match Job::parse(&line) {
+            Ok(line) => match Job::parse(&line).map_err(|e| e.to_string()).and_then(|job| match limits {
+                Some(limits) => limits.check(&job.request).map(|()| job),
+                None => Ok(job),
+            }) {
                 Ok(job) => jobs.push(job),
                 Err(e) => errors.push(format!("line {number}: {e}")),
             },
@@ -45,12 +50,13 @@ impl EnqueueArgs {
     /// ones were sent).
     pub async fn run(self) -> anyhow::Result<()> {
         let lane = self.lane.open().await?;
+        let limits = lane.config.as_ref().map(|config| config.api.request_limits());
         let (jobs, errors) = match self.file.as_deref() {
-            None => parse_lines(std::io::stdin().lock().lines()),
-            Some(path) if path.as_os_str() == "-" => parse_lines(std::io::stdin().lock().lines()),
+            None => parse_lines(std::io::stdin().lock().lines(), limits.as_ref()),
+            Some(path) if path.as_os_str() == "-" => parse_lines(std::io::stdin().lock().lines(), limits.as_ref()),
             Some(path) => {
                 let file = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
-                parse_lines(std::io::BufReader::new(file).lines())
+                parse_lines(std::io::BufReader::new(file).lines(), limits.as_ref())
             }
         };
         for error in &errors {
@@ -81,11 +87,23 @@ mod tests {
     #[test]
     fn bad_lines_are_numbered_and_do_not_stop_the_rest() {
         let input = "{\"request\":{\"method\":\"GET\",\"path\":\"/a\"}}\n\nnot json\n{\"request\":{\"method\":\"GET\",\"path\":\"http://x/\"}}\n{\"id\":\"z\",\"request\":{\"method\":\"GET\",\"path\":\"/b\"}}\n";
-        let (jobs, errors) = parse_lines(std::io::Cursor::new(input).lines());
+        let (jobs, errors) = parse_lines(std::io::Cursor::new(input).lines(), None);
         assert_eq!(jobs.len(), 2);
         assert_eq!(jobs[1].id.as_str(), "z");
         assert_eq!(errors.len(), 2);
         assert!(errors[0].starts_with("line 3: not a job"), "{}", errors[0]);
         assert!(errors[1].starts_with("line 4: request.path"), "{}", errors[1]);
+    }
+
+    #[test]
+    fn bodies_over_max_body_and_lane_headers_are_refused_with_their_line_numbers() {
+        let text = "[api]\nbase_url = \"https://api.example.com\"\nmax_body = 64\nheaders = { X-Lane = { value = \"k\" } }\n[quota]\ntiers = [\"1/s\"]\n";
+        let config = paceline_shared::config::Config::parse(text, std::path::Path::new("."), &|_| None).unwrap();
+        let big = format!("{{\"request\":{{\"method\":\"POST\",\"path\":\"/a\",\"body\":\"{}\"}}}}", "x".repeat(100));
+        let input = format!("{big}\n{{\"request\":{{\"method\":\"GET\",\"path\":\"/a\",\"headers\":{{\"x-lane\":\"forged\"}}}}}}\n{{\"request\":{{\"method\":\"GET\",\"path\":\"/a\"}}}}\n");
+        let (jobs, errors) = parse_lines(std::io::Cursor::new(input).lines(), Some(&config.api.request_limits()));
+        assert_eq!(jobs.len(), 1);
+        assert!(errors[0].starts_with("line 1: request.body: 102 bytes, over api.max_body (64 bytes)"), "{}", errors[0]);
+        assert!(errors[1].starts_with("line 2: request.headers: `x-lane`"), "{}", errors[1]);
     }
 }
