@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 use paceline_orchestrator::{Orchestrator, Progress, RunOptions, RunReport, Settings};
-use paceline_shared::adapters::embedded::{lock_exclusive, EmbeddedInvoker, EmbeddedStore};
+use paceline_shared::adapters::embedded::{canonical_db_path, lock_exclusive, EmbeddedInvoker, EmbeddedStore};
 use paceline_shared::config::{Backend, Config};
 use paceline_shared::ports::{JobQueue, WorkerHandler};
 use paceline_shared::time::{Clock, SystemClock, UnixMillis};
@@ -58,6 +58,9 @@ pub struct EmbeddedLane {
     pub store: Arc<EmbeddedStore>,
     pub orchestrator: Orchestrator,
     pub worker_stats: Arc<WorkerStats>,
+    /// How long in-flight calls may take to finish after a stop: a call's timeout and
+    /// the wait for its slot.
+    settle_for: Duration,
     _lock: std::fs::File,
 }
 
@@ -66,6 +69,9 @@ pub struct LaneOutcome {
     pub report: RunReport,
     pub worker: Arc<WorkerStats>,
     pub dead_letters_total: u64,
+    /// Calls still in flight when the run had waited for them as long as a call may
+    /// take: their jobs go back on the queue at the next start.
+    pub interrupted: usize,
 }
 
 impl EmbeddedLane {
@@ -78,8 +84,10 @@ impl EmbeddedLane {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
+        // The lock and the database follow the real file, however its path is spelled.
         let lock = lock_exclusive(&path)?;
-        let store = open_store(config)?;
+        let path = canonical_db_path(&path)?;
+        let store = Arc::new(EmbeddedStore::open(&path, Arc::new(SystemClock)).with_context(|| format!("opening {}", path.display()))?);
         // We hold the lock: whatever lease or in-flight work is recorded belongs to a
         // process that is gone.
         store.clear_lease()?;
@@ -107,20 +115,26 @@ impl EmbeddedLane {
             settings: Settings { quota: config.quota.clone(), orchestrator: config.orchestrator, circuit: config.circuit },
             progress: Arc::new(Progress::default()),
         };
-        Ok(Self { store, orchestrator, worker_stats, _lock: lock })
+        let settle_for = config.api.timeout + config.orchestrator.dispatch_ahead + Duration::from_secs(1);
+        Ok(Self { store, orchestrator, worker_stats, settle_for, _lock: lock })
     }
 
-    /// Runs until drained (`drain`), `for_at_most` passes, or Ctrl-C; shows progress on
-    /// a terminal.
+    /// Runs until drained (`drain`), `for_at_most` passes, or Ctrl-C / SIGTERM (as
+    /// systemd, Docker and Kubernetes stop a process); shows progress on a terminal.
+    /// After a stop, calls in flight may finish (as long as a call may take) and record
+    /// their results; what is still running then is reported as interrupted.
     ///
     /// # Errors
     /// When the run fails (lease held, fatal store error).
     pub async fn run(&self, drain: bool, for_at_most: Option<Duration>, show_progress: bool) -> anyhow::Result<LaneOutcome> {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("listening for SIGTERM")?;
         tokio::spawn(async move {
-            if tokio::signal::ctrl_c().await.is_ok() {
-                let _ = stop_tx.send(true);
+            tokio::select! {
+                result = tokio::signal::ctrl_c() => if result.is_err() { return },
+                _ = terminate.recv() => {}
             }
+            let _ = stop_tx.send(true);
         });
         let now = self.orchestrator.clock.now();
         let deadline = for_at_most.map_or(UnixMillis(u64::MAX / 2), |d| now.plus(d).plus(self.orchestrator.settings.orchestrator.deadline_margin));
@@ -132,8 +146,20 @@ impl EmbeddedLane {
             bar.finish_and_clear();
         }
         let report = report?;
+        let interrupted = self.settle_in_flight().await;
         let dead_letters_total = self.store.depth().await?.dead;
-        Ok(LaneOutcome { report, worker: self.worker_stats.clone(), dead_letters_total })
+        Ok(LaneOutcome { report, worker: self.worker_stats.clone(), dead_letters_total, interrupted })
+    }
+
+    /// Waits for the workers' calls in flight to finish, at most as long as a call may
+    /// take; returns how many are still running.
+    async fn settle_in_flight(&self) -> usize {
+        let give_up = tokio::time::Instant::now() + self.settle_for;
+        let invoker = &self.orchestrator.invoker;
+        while invoker.in_flight() > 0 && tokio::time::Instant::now() < give_up {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        invoker.in_flight()
     }
 
     fn progress_bar(&self) -> (ProgressBar, tokio::task::JoinHandle<()>) {

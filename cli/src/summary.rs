@@ -34,6 +34,9 @@ pub struct Summary {
     pub dead_letters_total: u64,
     pub circuit_opened: u64,
     pub circuit_closed: u64,
+    /// Calls still running when the run stopped and had waited as long as a call may
+    /// take: their jobs go back on the queue at the next start.
+    pub interrupted: usize,
     pub tiers: Vec<TierLine>,
 }
 
@@ -54,6 +57,7 @@ impl Summary {
             dead_letters_total: outcome.dead_letters_total,
             circuit_opened: WorkerStats::get(&w.circuit_opened),
             circuit_closed: WorkerStats::get(&w.circuit_closed),
+            interrupted: outcome.interrupted,
             tiers: r
                 .tiers
                 .iter()
@@ -68,9 +72,13 @@ impl Summary {
         let mut out = format!("run ended ({:?}) after {:.1} s\n", self.stop, self.seconds);
         out += &format!("  dispatched     {:>7}   (+ {} health checks)\n", self.dispatched, self.health_checks);
         out += &format!("  succeeded      {:>7}\n", self.succeeded);
-        out += &format!("  re-queued      {:>7}   ({} after a 429)\n", self.requeued, self.rate_limited);
+        out += &format!("  re-queued      {:>7}\n", self.requeued);
+        out += &format!("  answered 429   {:>7}   (each one means the configured quota is above the API's)\n", self.rate_limited);
         out += &format!("  dead-lettered  {:>7}   ({} in the DLQ in all)\n", self.dead_lettered, self.dead_letters_total);
         out += &format!("  circuit        opened {}, closed {}\n", self.circuit_opened, self.circuit_closed);
+        if self.interrupted > 0 {
+            out += &format!("  interrupted    {:>7}   (calls still running at the stop; their jobs go back on the queue at the next start)\n", self.interrupted);
+        }
         out += "  tier           units   peak window   limit   utilization\n";
         for t in &self.tiers {
             out += &format!("  {:<12} {:>7}   {:>11}   {:>5}   {:>10.1}%\n", t.tier, t.units, t.peak_window, t.limit, t.utilization * 100.0);

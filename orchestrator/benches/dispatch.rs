@@ -100,7 +100,7 @@ impl StateStore for Counting<EmbeddedStore> {
         self.count("dynamodb:GetItem", keys.len() as u64);
         self.inner.load_usage(keys).await
     }
-    async fn add_usage(&self, deltas: &[(String, u64)]) -> PortResult<()> {
+    async fn add_usage(&self, deltas: &[(String, i64)]) -> PortResult<()> {
         self.count("dynamodb:UpdateItem", deltas.len() as u64);
         self.inner.add_usage(deltas).await
     }
@@ -128,6 +128,10 @@ impl StateStore for Counting<EmbeddedStore> {
         self.count("dynamodb:UpdateItem", 1);
         self.inner.extend_cool_down(until).await
     }
+    async fn clear_cool_down(&self) -> PortResult<()> {
+        self.count("dynamodb:DeleteItem", 1);
+        self.inner.clear_cool_down().await
+    }
 }
 
 struct CountingInvoker {
@@ -137,9 +141,9 @@ struct CountingInvoker {
 
 #[async_trait]
 impl Invoker for CountingInvoker {
-    async fn invoke(&self, payload: &WorkerPayload) -> PortResult<()> {
+    async fn invoke(&self, payload: &WorkerPayload, from_receipt: Option<&str>) -> PortResult<()> {
         *self.counts.lock().unwrap().entry("lambda:Invoke").or_default() += 1;
-        self.inner.invoke(payload).await
+        self.inner.invoke(payload, from_receipt).await
     }
 }
 

@@ -6,6 +6,15 @@
 //! All waiting happens here, on the [`Clock`] port, so tests drive it under paused tokio
 //! time and assert exact dispatch instants.
 //!
+//! Calendar tiers (day, month) are crash-safe by construction: units are reserved in
+//! the store with an atomic add *before* they are spent, a block at a time, and the
+//! unspent part is given back at a clean stop. A crash then leaves the counter over
+//! what was spent, never under it: the tier is under-used, never over-used.
+//!
+//! The lease is valid, as this process sees it, until `lease_ttl` less a fifth after
+//! the renewal that set it was sent (the fifth covers clock drift between processes and
+//! a write that lands late). While renewals fail, dispatch goes on only until then.
+//!
 //! With `dispatch_ahead` set, the pacer is asked about the instant `now + dispatch_ahead`
 //! (the slot) instead of `now`; the job goes out with that slot in its payload and the
 //! worker calls at the slot, so the worker's start-up delay no longer moves the call.
@@ -51,6 +60,18 @@ const MAX_INVOKES_IN_FLIGHT: usize = 256;
 /// How long before the next scheduled kick a run stops dispatching (time to settle its
 /// last hand-offs, flush and give the lease up).
 pub const HANDOVER: Duration = Duration::from_millis(250);
+
+/// How long, at the rolling tiers' pace, one reservation of calendar units lasts, in
+/// flush intervals: one store write per that many.
+const RESERVATION_FLUSHES: u32 = 1;
+/// Units reserved at a time when no rolling tier sets a pace.
+const RESERVATION_WITHOUT_PACE: u64 = 10;
+
+/// The part of the lease's time-to-live this process does not count on (clock drift,
+/// a renewal that lands late): the lease is taken as lost a fifth of the TTL early.
+fn lease_valid_for(ttl: Duration) -> Duration {
+    ttl - ttl / 5
+}
 
 /// The deadline to give a run kicked by a schedule for `tick` (every `every`), so that
 /// it stops dispatching `HANDOVER` before the last kick due before `deadline` (less the
@@ -134,7 +155,16 @@ struct Run<'a> {
     circuit: Circuit,
     buffer: VecDeque<InHand>,
     pending_deletes: Vec<String>,
-    pending_usage: BTreeMap<String, u64>,
+    /// Calendar units reserved in the store and not yet spent, by usage key.
+    reserved: BTreeMap<String, u64>,
+    /// Messages to dead-letter whose reason came back from a hand-off (a payload over the
+    /// invoker's size limit).
+    to_dead_letter: VecDeque<(QueuedMessage, String)>,
+    /// The hold this lane set itself (after an unclean stop); the provider's cool-down is
+    /// added to it on every refresh, never saved with the pacer.
+    own_hold: UnixMillis,
+    /// Until when the lease is ours as this process sees it: no hand-off after this.
+    lease_valid_until: UnixMillis,
     last_health_check: Option<UnixMillis>,
     last_dispatch: Option<UnixMillis>,
     next_renew: UnixMillis,
@@ -185,7 +215,10 @@ impl Orchestrator {
             circuit: Circuit::default(),
             buffer: VecDeque::new(),
             pending_deletes: Vec::new(),
-            pending_usage: BTreeMap::new(),
+            reserved: BTreeMap::new(),
+            to_dead_letter: VecDeque::new(),
+            own_hold: UnixMillis(0),
+            lease_valid_until: started.plus(lease_valid_for(cfg.lease_ttl)),
             last_health_check: None,
             last_dispatch: None,
             next_renew: started.plus(cfg.lease_ttl / 3),
@@ -272,11 +305,15 @@ impl Run<'_> {
         let now = self.o.clock.now();
         if let Some(snapshot) = self.o.store.load_pacer().await? {
             self.pacer = PacerState::restored(self.quota(), &snapshot.state);
+            // A hold left by an earlier run is at most one window of the longest tier
+            // (older versions saved the provider's cool-down in it: never past that).
+            self.pacer.hold_until = self.pacer.hold_until.min(now.plus(self.quota().longest_window()));
             if !snapshot.at_exit {
                 warn!("the last run did not stop cleanly: holding dispatch for one window of the longest tier");
                 self.pacer.hold_after_unclean_stop(&self.o.settings.quota, now);
             }
         }
+        self.own_hold = self.pacer.hold_until;
         let used = load_calendar_usage(self.o.store.as_ref(), self.quota(), now).await?;
         let quota = &self.o.settings.quota;
         for (index, tier) in quota.tiers.iter().enumerate() {
@@ -298,14 +335,15 @@ impl Run<'_> {
         }
         self.circuit = circuit;
         let cool_down = self.o.store.cool_down().await?;
-        self.pacer.hold_until = self.pacer.hold_until.max(cool_down);
+        // Not `max` with the last value: an operator may have cleared the cool-down.
+        self.pacer.hold_until = self.own_hold.max(cool_down);
         self.next_refresh = self.o.clock.now().plus(self.o.settings.orchestrator.state_refresh);
         Ok(())
     }
 
     /// The next moment housekeeping is due: the loop never sleeps past it.
     fn next_wake(&self) -> UnixMillis {
-        self.next_renew.min(self.next_refresh).min(self.next_flush).min(self.stop_at)
+        self.next_renew.min(self.next_refresh).min(self.next_flush).min(self.stop_at).min(self.lease_valid_until)
     }
 
     /// Sleeps until `t` or the next housekeeping, whichever is first; wakes early for a
@@ -366,6 +404,10 @@ impl Run<'_> {
     /// dispatch for a backoff, or end the run on a fatal error.
     fn settle_hand_off(&mut self, in_hand: InHand, result: Result<(), PortError>) {
         match result {
+            Err(PortError::TooLarge(why)) => {
+                // The slot stays spent; the job cannot be handed off as it is.
+                self.to_dead_letter.push_back((in_hand.message, why));
+            }
             Ok(()) => {
                 self.invoke_failures = 0;
                 self.pending_deletes.push(in_hand.message.receipt);
@@ -465,11 +507,16 @@ impl Run<'_> {
             if let Some(e) = self.fatal.take() {
                 return Err(e.into());
             }
+            while let Some((message, why)) = self.to_dead_letter.pop_front() {
+                self.dead_letter(&message, DeadLetterCause::Malformed, format!("the worker payload is over the invoker's limit: {why}")).await?;
+            }
             if now >= self.next_renew {
-                match self.o.store.renew_lease(&self.lease, self.o.settings.orchestrator.lease_ttl, now).await {
+                let ttl = self.o.settings.orchestrator.lease_ttl;
+                match self.o.store.renew_lease(&self.lease, ttl, now).await {
                     Ok(lease) => {
                         self.lease = lease;
-                        self.next_renew = now.plus(self.o.settings.orchestrator.lease_ttl / 3);
+                        self.next_renew = now.plus(ttl / 3);
+                        self.lease_valid_until = now.plus(lease_valid_for(ttl));
                     }
                     Err(PortError::Conflict(why)) => {
                         warn!(%why, "lease lost: dispatching stops now");
@@ -495,6 +542,11 @@ impl Run<'_> {
             // Housekeeping may have waited on the store: decide on the time it is now, so a
             // slot is never committed earlier than its hand-off happens.
             let now = self.o.clock.now();
+            if now >= self.lease_valid_until {
+                warn!(valid_until = %self.lease_valid_until, "lease renewals failed until the lease ran out: dispatching stops now");
+                self.report.stop = StopReason::LeaseLost;
+                return Ok(());
+            }
             if !self.circuit.is_closed() {
                 self.while_open(now).await?;
                 continue;
@@ -542,6 +594,12 @@ impl Run<'_> {
                     self.sleep_until(self.hand_off_time(at, now)).await;
                 }
                 Decision::Allow => {
+                    let needed = self.reservations_needed(job.cost, slot);
+                    if !needed.is_empty() {
+                        // The store write took time: decide again on the time it is now.
+                        self.reserve(needed).await?;
+                        continue;
+                    }
                     let paced = slot.since(self.last_dispatch.unwrap_or(since).max(since));
                     self.commit(job.cost, slot, paced);
                     debug!(job_id = %job.id, attempt = message.attempt, cost = job.cost, "dispatching");
@@ -550,7 +608,10 @@ impl Run<'_> {
                     let in_hand = self.buffer.pop_front().expect("the message in hand");
                     let invoker = self.o.invoker.clone();
                     self.invokes_in_flight += 1;
-                    self.background.spawn(async move { Done::Handed { result: invoker.invoke(&payload).await, in_hand } });
+                    self.background.spawn(async move {
+                        let result = invoker.invoke(&payload, Some(&in_hand.message.receipt)).await;
+                        Done::Handed { result, in_hand }
+                    });
                     if self.pending_deletes.len() >= DELETE_BATCH {
                         self.delete_in_background();
                     }
@@ -569,11 +630,68 @@ impl Run<'_> {
         }
     }
 
+    /// Calendar units to reserve before `cost` units may be spent at `slot`: for each
+    /// calendar tier whose reservation does not cover them, a block of what the pace
+    /// uses in a flush interval, no more than the tier has left and no less than needed.
+    fn reservations_needed(&self, cost: u64, slot: UnixMillis) -> Vec<(String, u64)> {
+        let quota = &self.o.settings.quota;
+        let used = self.pacer.usage(quota, slot);
+        let rate = quota.rolling_rate_per_second();
+        let block = if rate.is_finite() {
+            (rate * (self.o.settings.orchestrator.flush_interval * RESERVATION_FLUSHES).as_secs_f64()).ceil() as u64
+        } else {
+            RESERVATION_WITHOUT_PACE
+        };
+        let mut needed = Vec::new();
+        for (index, tier) in quota.tiers.iter().enumerate().filter(|(_, t)| t.is_calendar()) {
+            let key = tier.usage_key(quota.zone, slot);
+            let have = self.reserved.get(&key).copied().unwrap_or(0);
+            if have < cost {
+                let left = tier.limit.saturating_sub(used[index]).saturating_sub(have);
+                needed.push((key, block.min(left).max(cost - have)));
+            }
+        }
+        needed
+    }
+
+    /// Reserves calendar units in the store (an atomic add) before they are spent. A
+    /// passing fault waits a second: nothing is dispatched meanwhile.
+    async fn reserve(&mut self, needed: Vec<(String, u64)>) -> Result<(), RunError> {
+        let deltas: Vec<(String, i64)> = needed.iter().map(|(key, units)| (key.clone(), i64::try_from(*units).unwrap_or(i64::MAX))).collect();
+        match self.o.store.add_usage(&deltas).await {
+            Ok(()) => {
+                for (key, units) in needed {
+                    *self.reserved.entry(key).or_default() += units;
+                }
+                Ok(())
+            }
+            Err(e) if e.is_retryable() => {
+                warn!(error = %e, "could not reserve calendar units; trying again shortly");
+                let resume = self.o.clock.now().plus(Duration::from_secs(1));
+                self.sleep_until(resume).await;
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Gives back the reserved units this run did not spend.
+    async fn return_unspent(&mut self) -> Result<(), RunError> {
+        let unspent: Vec<(String, i64)> =
+            std::mem::take(&mut self.reserved).into_iter().filter(|(_, units)| *units > 0).map(|(key, units)| (key, -i64::try_from(units).unwrap_or(i64::MAX))).collect();
+        if unspent.is_empty() {
+            return Ok(());
+        }
+        self.o.store.add_usage(&unspent).await.map_err(RunError::from)
+    }
+
     fn commit(&mut self, cost: u64, now: UnixMillis, paced: Duration) {
         let quota = &self.o.settings.quota;
         self.pacer.commit(quota, cost, now);
         for tier in quota.tiers.iter().filter(|t| t.is_calendar()) {
-            *self.pending_usage.entry(tier.usage_key(quota.zone, now)).or_default() += cost;
+            if let Some(reserved) = self.reserved.get_mut(&tier.usage_key(quota.zone, now)) {
+                *reserved = reserved.saturating_sub(cost);
+            }
         }
         self.meter.record(now, cost, paced);
         self.last_dispatch = Some(now);
@@ -584,7 +702,7 @@ impl Run<'_> {
     async fn invoke_health_check(&mut self, payload: &WorkerPayload) -> Result<bool, RunError> {
         let mut pause = INVOKE_BACKOFF.0;
         loop {
-            match self.o.invoker.invoke(payload).await {
+            match self.o.invoker.invoke(payload, None).await {
                 Ok(()) => return Ok(true),
                 Err(e) if e.is_retryable() => {
                     warn!(error = %e, pause_ms = pause.as_millis(), "invoke refused; retrying");
@@ -659,6 +777,10 @@ impl Run<'_> {
         }
         let slot = self.slot_at(now);
         match self.quota().decide(&self.pacer, 1, slot) {
+            Decision::Allow if !self.reservations_needed(1, slot).is_empty() => {
+                let needed = self.reservations_needed(1, slot);
+                self.reserve(needed).await?;
+            }
             Decision::Allow => {
                 let payload = WorkerPayload::HealthCheck { circuit_epoch: self.circuit.epoch, sent_at: now, slot: self.call_slot(slot) };
                 if self.invoke_health_check(&payload).await? {
@@ -678,9 +800,18 @@ impl Run<'_> {
     async fn dead_letter(&mut self, message: &QueuedMessage, cause: DeadLetterCause, detail: String) -> Result<(), RunError> {
         warn!(message_id = %message.message_id, cause = %cause.label(), %detail, "dead-lettered");
         let reason = DeadLetterReason { cause, detail };
-        self.o.queue.dead_letter(&message.message_id, &message.body, message.attempt, &reason).await?;
-        self.buffer.pop_front();
-        self.pending_deletes.push(message.receipt.clone());
+        match self.o.queue.dead_letter(&message.message_id, &message.body, message.attempt, &reason).await {
+            Ok(()) => self.pending_deletes.push(message.receipt.clone()),
+            Err(PortError::TooLarge(why)) => {
+                // The DLQ cannot take it with its reason: leave it hidden on the queue,
+                // whose redrive policy moves it to the DLQ after its last receive.
+                warn!(message_id = %message.message_id, %why, "too large to dead-letter with a reason; the queue's redrive policy will move it");
+                self.buffer.retain(|held| held.message.receipt != message.receipt);
+                return Ok(());
+            }
+            Err(e) => return Err(e.into()),
+        }
+        self.buffer.retain(|held| held.message.receipt != message.receipt);
         self.report.dead_lettered += 1;
         Progress::bump(&self.o.progress.dead_lettered);
         Ok(())
@@ -706,18 +837,13 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// Writes deletes, usage deltas and (while the lease is ours) the pacer snapshot,
+    /// Writes deletes and (while the lease is ours) the pacer snapshot,
     /// marked final only at the end of the run.
     async fn flush(&mut self, at_exit: bool) -> Result<(), RunError> {
         self.flush_deletes().await?;
-        if !self.pending_usage.is_empty() {
-            let deltas: Vec<(String, u64)> = std::mem::take(&mut self.pending_usage).into_iter().collect();
-            if let Err(e) = self.o.store.add_usage(&deltas).await {
-                self.pending_usage.extend(deltas);
-                return Err(e.into());
-            }
-        }
-        let snapshot = PacerSnapshot { state: self.pacer.clone(), at_exit };
+        let mut state = self.pacer.clone();
+        state.hold_until = self.own_hold;
+        let snapshot = PacerSnapshot { state, at_exit };
         match self.o.store.save_pacer(&self.lease, &snapshot).await {
             // A lost lease: the new holder's snapshot wins.
             Ok(()) | Err(PortError::Conflict(_)) => {}
@@ -737,6 +863,7 @@ impl Run<'_> {
             self.settle(done);
         }
         let released = self.release_buffer().await;
+        let returned = self.return_unspent().await;
         let flushed = self.flush(true).await;
         let lease = self.o.store.release_lease(&self.lease).await.map_err(RunError::from);
         let now = self.o.clock.now();
@@ -745,7 +872,7 @@ impl Run<'_> {
         self.report.paced_ms = self.meter.paced_ms;
         self.report.ended_at = now;
         info!(dispatched = self.report.dispatched, dead_lettered = self.report.dead_lettered, stop = ?self.report.stop, "run ended");
-        released.and(flushed).and(lease)
+        released.and(returned).and(flushed).and(lease)
     }
 }
 

@@ -9,7 +9,7 @@ use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::adapters::memory::RecordingInvoker;
 use paceline_shared::config::{CircuitConfig, OrchestratorConfig};
 use paceline_shared::job::{DeadLetterCause, WorkerPayload};
-use paceline_shared::ports::{JobQueue, OutgoingMessage, PortError, StateStore, WorkerHandler};
+use paceline_shared::ports::{JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, StateStore, WorkerHandler};
 use paceline_shared::quota::{chrono_tz, Quota};
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 
@@ -308,4 +308,124 @@ fn a_scheduled_run_hands_over_just_before_the_last_kick_it_would_overlap() {
     // No kick inside the run: the deadline stands.
     let short = T0.plus(Duration::from_secs(30));
     assert_eq!(handover_deadline(short, tick, Duration::from_secs(60), margin), short);
+}
+
+async fn day_usage(lane: &Lane, tier: &str) -> u64 {
+    let key = tier.parse::<paceline_shared::quota::Tier>().unwrap().usage_key(chrono_tz::UTC, T0);
+    lane.store.load_usage(&[key]).await.unwrap()[0]
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_crash_never_leaves_the_day_counter_under_what_was_dispatched() {
+    let lane = lane(&["5/s", "60/day"], 0);
+    enqueue(&lane, (0..100).map(|i| job(&format!("j{i}")))).await;
+    // kill -9 at 5.7 s: the run's future is dropped where it stands, nothing flushed.
+    let crashed = tokio::time::timeout(Duration::from_millis(5_700), lane.orchestrator.run(&opts(true, Duration::from_secs(600)))).await;
+    assert!(crashed.is_err(), "the run was meant to be cut off");
+    let dispatched = lane.invoker.accepted().len() as u64;
+    assert_eq!(dispatched, 29);
+    assert!(day_usage(&lane, "60/day").await >= dispatched, "the day counter is under what the crashed run spent");
+
+    // The restart may under-use the day (the crashed run's unspent reservation stays
+    // counted), never over-use it.
+    lane.store.clear_lease().unwrap();
+    let deadline = lane.clock.now().plus(Duration::from_secs(600));
+    lane.orchestrator.run(&RunOptions { deadline, ..opts(true, Duration::ZERO) }).await.unwrap();
+    assert!(lane.invoker.accepted().len() <= 60, "{} calls in a 60/day tier", lane.invoker.accepted().len());
+    assert!(day_usage(&lane, "60/day").await <= 60);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_clean_stop_gives_back_the_day_units_it_reserved_and_did_not_spend() {
+    let lane = lane(&["5/s", "1000/day"], 0);
+    enqueue(&lane, (0..3).map(|i| job(&format!("j{i}")))).await;
+    let report = lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    assert_eq!(report.dispatched, 3);
+    assert_eq!(day_usage(&lane, "1000/day").await, 3);
+}
+
+/// The embedded store, with lease renewals failing as an unreachable store's would.
+struct RenewalsFail(Arc<EmbeddedStore>);
+
+#[async_trait]
+impl StateStore for RenewalsFail {
+    async fn acquire_lease(&self, holder: &str, ttl: Duration, now: UnixMillis) -> PortResult<Lease> {
+        self.0.acquire_lease(holder, ttl, now).await
+    }
+    async fn renew_lease(&self, _lease: &Lease, _ttl: Duration, _now: UnixMillis) -> PortResult<Lease> {
+        Err(PortError::Transient("dynamodb: timed out".into()))
+    }
+    async fn release_lease(&self, lease: &Lease) -> PortResult<()> {
+        self.0.release_lease(lease).await
+    }
+    async fn lease(&self) -> PortResult<Option<Lease>> {
+        self.0.lease().await
+    }
+    async fn load_usage(&self, keys: &[String]) -> PortResult<Vec<u64>> {
+        self.0.load_usage(keys).await
+    }
+    async fn add_usage(&self, deltas: &[(String, i64)]) -> PortResult<()> {
+        self.0.add_usage(deltas).await
+    }
+    async fn load_pacer(&self) -> PortResult<Option<PacerSnapshot>> {
+        self.0.load_pacer().await
+    }
+    async fn save_pacer(&self, lease: &Lease, snapshot: &PacerSnapshot) -> PortResult<()> {
+        self.0.save_pacer(lease, snapshot).await
+    }
+    async fn circuit(&self) -> PortResult<paceline_shared::breaker::Circuit> {
+        self.0.circuit().await
+    }
+    async fn swap_circuit(&self, expected_epoch: u64, next: &paceline_shared::breaker::Circuit) -> PortResult<()> {
+        self.0.swap_circuit(expected_epoch, next).await
+    }
+    async fn cool_down(&self) -> PortResult<UnixMillis> {
+        self.0.cool_down().await
+    }
+    async fn extend_cool_down(&self, until: UnixMillis) -> PortResult<()> {
+        self.0.extend_cool_down(until).await
+    }
+    async fn clear_cool_down(&self) -> PortResult<()> {
+        self.0.clear_cool_down().await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn while_renewals_fail_dispatch_stops_when_the_lease_runs_out_locally() {
+    let mut lane = lane(&["1/s"], 0);
+    lane.orchestrator.store = Arc::new(RenewalsFail(lane.store.clone()));
+    enqueue(&lane, (0..60).map(|i| job(&format!("j{i}")))).await;
+    let report = lane.orchestrator.run(&opts(true, Duration::from_secs(120))).await.unwrap();
+    // lease_ttl 30 s, of which this process counts on 24 s: the last slot before that.
+    assert_eq!(report.stop, StopReason::LeaseLost);
+    assert_eq!(*offsets(&lane).last().unwrap(), 23_000);
+    let depth = lane.store.depth().await.unwrap();
+    assert_eq!((depth.visible, depth.not_visible), (36, 0), "what was not dispatched is visible again");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_payload_over_the_invoker_s_limit_is_dead_lettered_and_the_run_goes_on() {
+    let lane = lane(&["10/s"], 0);
+    lane.invoker.fail_next([PortError::TooLarge("RequestTooLargeException: 262144 bytes".into())]);
+    enqueue(&lane, vec![job("big"), job("b")]).await;
+    let report = lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    assert_eq!(report.stop, StopReason::Drained);
+    assert_eq!(offsets(&lane), vec![100]);
+    let dead = lane.store.dead_letters().unwrap();
+    assert_eq!(dead.len(), 1);
+    assert!(dead[0].body.contains("\"big\"") && dead[0].reason.detail.contains("RequestTooLarge"), "{:?}", dead[0]);
+    assert_eq!(lane.store.depth().await.unwrap().visible, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cleared_cool_down_no_longer_holds_the_next_run() {
+    let lane = lane(&["10/s"], 0);
+    lane.store.extend_cool_down(UnixMillis(253_402_300_799_000)).await.unwrap();
+    enqueue(&lane, vec![job("a")]).await;
+    let first = lane.orchestrator.run(&opts(false, Duration::from_secs(5))).await.unwrap();
+    assert_eq!(first.dispatched, 0);
+    lane.store.clear_cool_down().await.unwrap();
+    let at = lane.clock.now();
+    lane.orchestrator.run(&RunOptions { deadline: at.plus(Duration::from_secs(10)), ..opts(true, Duration::ZERO) }).await.unwrap();
+    assert_eq!(lane.invoker.accepted().first().map(|(t, _)| *t), Some(at));
 }

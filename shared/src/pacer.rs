@@ -152,6 +152,14 @@ impl Quota {
         }
     }
 
+    /// One window of the longest rolling tier, safety margin included (zero without
+    /// rolling tiers): after it, nothing dispatched before can share a window with what
+    /// is dispatched next.
+    #[must_use]
+    pub fn longest_window(&self) -> Duration {
+        Duration::from_millis(self.tiers.iter().map(|t| self.effective_window_ms(t)).max().unwrap_or(0))
+    }
+
     /// Whether a job of `cost` units may go at `now`.
     #[must_use]
     pub fn decide(&self, state: &PacerState, cost: u64, now: UnixMillis) -> Decision {
@@ -254,8 +262,7 @@ impl PacerState {
     /// dispatches are unknown: hold every dispatch for one full window of the longest
     /// rolling tier, after which nothing it did can share a window with what we do.
     pub fn hold_after_unclean_stop(&mut self, quota: &Quota, now: UnixMillis) {
-        let longest = quota.tiers.iter().map(|t| quota.effective_window_ms(t)).max().unwrap_or(0);
-        self.hold_until = self.hold_until.max(now.plus(Duration::from_millis(longest)));
+        self.hold_until = self.hold_until.max(now.plus(quota.longest_window()));
     }
 
     /// Records a dispatch of `cost` units at `now`. Call only after [`Decision::Allow`].

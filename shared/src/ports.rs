@@ -32,6 +32,10 @@ pub enum PortError {
     /// Retrying will not help (missing resource, permissions, bad configuration).
     #[error("{0}")]
     Fatal(String),
+    /// This one request is over the service's size limit: the job's fault, not the
+    /// lane's. Dead-letter the job; the run goes on.
+    #[error("too large: {0}")]
+    TooLarge(String),
 }
 
 impl PortError {
@@ -249,10 +253,13 @@ pub trait StateStore: Send + Sync {
     async fn load_usage(&self, keys: &[String]) -> PortResult<Vec<u64>>;
 
     /// Atomically adds each delta to its key, so concurrent writers never under-count.
+    /// The orchestrator reserves calendar units with a positive delta *before* it spends
+    /// them and gives the unspent part back with a negative one at a clean stop: a crash
+    /// then leaves the counter over what was spent, never under it.
     ///
     /// # Errors
     /// Transport errors only; on error nothing or some keys were added (retry the rest).
-    async fn add_usage(&self, deltas: &[(String, u64)]) -> PortResult<()>;
+    async fn add_usage(&self, deltas: &[(String, i64)]) -> PortResult<()>;
 
     /// The pacer snapshot the last run left.
     ///
@@ -289,6 +296,12 @@ pub trait StateStore: Send + Sync {
     /// # Errors
     /// Transport errors only.
     async fn extend_cool_down(&self, until: UnixMillis) -> PortResult<()>;
+
+    /// Ends any cool-down now (an operator's `paceline circuit close`).
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn clear_cool_down(&self) -> PortResult<()>;
 }
 
 /// What each tier of `quota` has used in its calendar window holding `now`, by tier
@@ -309,11 +322,16 @@ pub async fn load_calendar_usage(store: &dyn StateStore, quota: &Quota, now: Uni
 /// Hands a payload to a worker without waiting for it to run (Lambda's `Event` invoke).
 #[async_trait]
 pub trait Invoker: Send + Sync {
-    /// Returns once the payload is durably handed off.
+    /// Returns once the payload is durably handed off. `from_receipt` is the jobs-queue
+    /// receipt of the message the payload comes from: an invoker that shares a store
+    /// with the queue deletes that message in the same transaction that records the
+    /// hand-off, so a crash never leaves both the message and the hand-off to run again.
+    /// Others ignore it (the orchestrator deletes the message after the hand-off).
     ///
     /// # Errors
-    /// `Throttled` (retry with backoff), `Transient` (retry), `Fatal` (stop dispatching).
-    async fn invoke(&self, payload: &WorkerPayload) -> PortResult<()>;
+    /// `Throttled` (retry with backoff), `Transient` (retry), `Fatal` (stop dispatching);
+    /// `TooLarge` when the payload is over what the invoker takes (the job's fault).
+    async fn invoke(&self, payload: &WorkerPayload, from_receipt: Option<&str>) -> PortResult<()>;
 
     /// Invocations handed off whose worker has not finished, where the invoker can know
     /// (in-process); 0 where it cannot (Lambda owns them once accepted).

@@ -30,7 +30,7 @@ struct SlotRecorder {
 
 #[async_trait]
 impl Invoker for SlotRecorder {
-    async fn invoke(&self, payload: &WorkerPayload) -> PortResult<()> {
+    async fn invoke(&self, payload: &WorkerPayload, _from_receipt: Option<&str>) -> PortResult<()> {
         let WorkerPayload::Job { slot: Some(slot), .. } = payload else { return Ok(()) };
         let (clock, record, slot) = (self.clock.clone(), self.lateness_us.clone(), *slot);
         tokio::spawn(async move {
@@ -107,7 +107,7 @@ struct NoWorker;
 
 #[async_trait]
 impl Invoker for NoWorker {
-    async fn invoke(&self, _payload: &WorkerPayload) -> PortResult<()> {
+    async fn invoke(&self, _payload: &WorkerPayload, _from_receipt: Option<&str>) -> PortResult<()> {
         Ok(())
     }
 }

@@ -348,11 +348,12 @@ impl StateStore for SimStore {
         Ok(keys.iter().map(|k| state.usage.get(k).copied().unwrap_or(0)).collect())
     }
 
-    async fn add_usage(&self, deltas: &[(String, u64)]) -> PortResult<()> {
+    async fn add_usage(&self, deltas: &[(String, i64)]) -> PortResult<()> {
         self.write("dynamodb:UpdateItem", deltas.len() as u64, deltas.len() as u64).await;
         let mut state = self.state();
         for (key, delta) in deltas {
-            *state.usage.entry(key.clone()).or_default() += delta;
+            let used = state.usage.entry(key.clone()).or_default();
+            *used = used.saturating_add_signed(*delta);
         }
         Ok(())
     }
@@ -398,6 +399,12 @@ impl StateStore for SimStore {
         self.write("dynamodb:UpdateItem", 1, 1).await;
         let mut state = self.state();
         state.cool_down = state.cool_down.max(until);
+        Ok(())
+    }
+
+    async fn clear_cool_down(&self) -> PortResult<()> {
+        self.write("dynamodb:DeleteItem", 1, 1).await;
+        self.state().cool_down = UnixMillis(0);
         Ok(())
     }
 }
@@ -460,7 +467,7 @@ impl SimLambda {
 
 #[async_trait]
 impl Invoker for SimLambda {
-    async fn invoke(&self, payload: &WorkerPayload) -> PortResult<()> {
+    async fn invoke(&self, payload: &WorkerPayload, _from_receipt: Option<&str>) -> PortResult<()> {
         self.world.ledger.count("lambda:Invoke", 1);
         if let Some(n) = job_number(payload) {
             if let Some(at) = lock(&self.dispatched_at).get_mut(usize::try_from(n).unwrap_or(usize::MAX)) {

@@ -271,3 +271,35 @@ async fn the_worker_reads_its_api_token_from_secrets_manager_and_a_missing_one_f
     let none = |_: &str| None;
     assert!(paceline_worker::lambda::fetch_secrets(&Env::new(&none), &sdk).await.unwrap().is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_orchestrator_killed_mid_run_never_lets_the_day_counter_fall_under_the_calls() {
+    let mut lane = lane("5/s,60/day").await;
+    lane.env.insert("PACELINE_LEASE_TTL".into(), "2s".into());
+    lane.env.insert("PACELINE_VISIBILITY_TIMEOUT".into(), "4s".into());
+    let api = api(&["5/s", "60/day"], None).await;
+    lane.with_worker_calling(&api);
+    lane.enqueue(jobs("crash", 30)).await;
+    let key = "60/day".parse::<paceline_shared::quota::Tier>().unwrap().usage_key(paceline_shared::quota::chrono_tz::UTC, system_now());
+
+    // Killed 3.3 s in: the run's future is dropped where it stands, nothing flushed.
+    let killed = tokio::time::timeout(Duration::from_millis(3_300), lane.orchestrator().run(&drain_opts("killed", Duration::from_secs(60)))).await;
+    assert!(killed.is_err(), "the run was meant to be cut off");
+    let handed_off = lane.job_ids().len() as u64;
+    let counted = lane.store().load_usage(&[key.clone()]).await.unwrap()[0];
+    assert!(handed_off >= 10, "the killed run had barely started ({handed_off})");
+    assert!(counted >= handed_off, "the day counter says {counted} after {handed_off} hand-offs");
+
+    // Once its lease expires, a second run finishes the drain.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let report = lane.orchestrator().run(&drain_opts("second", Duration::from_secs(60))).await.unwrap();
+    assert_eq!(report.stop, StopReason::Drained);
+    let log = api.log();
+    let counted = lane.store().load_usage(&[key]).await.unwrap()[0];
+    println!("killed after {handed_off} hand-offs; the API saw {} calls; day counter {counted}", log.arrivals.len());
+    assert_eq!(log.quota_rejections, 0, "a window or the day went over its limit");
+    assert!(counted <= 60 && log.arrivals.len() <= 60);
+    assert!(counted >= log.arrivals.len() as u64, "the day counter {counted} is under the {} calls made", log.arrivals.len());
+    let succeeded: BTreeSet<String> = log.ok_by_path.keys().filter_map(|p| p.strip_prefix("/items/")).map(str::to_owned).collect();
+    assert_eq!(succeeded.len(), 30, "every job succeeded");
+}

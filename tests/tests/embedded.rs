@@ -142,3 +142,79 @@ async fn a_malformed_config_names_the_key_and_the_problem() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("max_attempts"), "{stderr}");
 }
+
+/// Sends `signal` to a running `paceline run` (SIGKILL: a crash; SIGTERM: a stop).
+fn signal(child: &tokio::process::Child, signal: &str) {
+    let pid = child.id().expect("the run is still running").to_string();
+    let sent = std::process::Command::new("kill").args([&format!("-{signal}"), &pid]).status().expect("kill");
+    assert!(sent.success(), "kill -{signal} {pid}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_kill_9_and_sigterm_never_overrun_a_tier_or_lose_a_job() {
+    let _alone = one_lane_at_a_time().await;
+    let tiers = ["5/s", "100/day"];
+    let api = api(&tiers, None).await;
+    let dir = lane_dir("faults");
+    let config = write_config(&dir, &api.base_url, &tiers, "");
+    let config = config.to_str().unwrap();
+    let mut jobs = ids("fault", 37);
+    jobs.extend(ids("gone", 3));
+    assert!(paceline(&["enqueue", "--config", config], &job_lines(&jobs)).await.status.success());
+
+    // Random points of the drain, printed so that a failure can be replayed.
+    let seed = std::env::var("PACELINE_FAULT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| u64::from(std::process::id()));
+    let mut random = seed;
+    let mut next_ms = |low: u64, high: u64| {
+        random = random.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        low + (random >> 33) % (high - low)
+    };
+    let (mut kills, mut terms) = (0, 0);
+    for round in 0..4 {
+        let child = tokio::process::Command::new(paceline_bin())
+            .args(["run", "--config", config, "--json"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let after = next_ms(1_200, 2_800);
+        tokio::time::sleep(Duration::from_millis(after)).await;
+        if round % 2 == 0 {
+            signal(&child, "KILL");
+            kills += 1;
+            child.wait_with_output().await.unwrap();
+        } else {
+            signal(&child, "TERM");
+            terms += 1;
+            let out = child.wait_with_output().await.unwrap();
+            assert!(out.status.success(), "SIGTERM is a clean stop, not a crash: {}", out.status);
+            let summary = json_of(&out);
+            assert_eq!(summary["stop"], "stopped", "{summary}");
+            let status = json_of(&paceline(&["status", "--config", config, "--json"], "").await);
+            assert_eq!(status["queue"]["not_visible"], 0, "a clean stop leaves nothing hidden: {status}");
+            assert!(status["lease"].is_null(), "a clean stop gives the lease up: {status}");
+        }
+        println!("round {round}: signal after {after} ms; {} calls so far", api.log().arrivals.len());
+    }
+
+    let run = paceline(&["run", "--config", config, "--drain", "--json"], "").await;
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let log = api.log();
+    let status = json_of(&paceline(&["status", "--config", config, "--json"], "").await);
+    let repeats: u32 = log.ok_by_path.values().map(|n| n - 1).sum();
+    let most = log.ok_by_path.values().copied().max().unwrap_or(0);
+    println!(
+        "seed {seed}: {kills} kill -9, {terms} SIGTERM; the API saw {} calls ({} ok, {} over quota), {repeats} repeated, at most {most} per job; day counter {}",
+        log.arrivals.len(),
+        log.ok,
+        log.quota_rejections,
+        status["tiers"][1]["used"]
+    );
+    assert_eq!(log.quota_rejections, 0, "a window of a tier (the day tier included) went over its limit");
+    assert!(log.arrivals.len() <= 100, "{} calls in a 100/day tier", log.arrivals.len());
+    let expected: BTreeSet<String> = jobs.iter().filter(|id| id.starts_with("fault")).cloned().collect();
+    assert_eq!(succeeded_ids(&log), expected, "every job succeeded");
+    assert_eq!(status["queue"]["dead"], 3, "the missing items are dead-lettered with their cause: {status}");
+    assert_eq!((status["queue"]["visible"].as_u64(), status["queue"]["not_visible"].as_u64()), (Some(0), Some(0)));
+    assert!(most <= 1 + kills, "a job was called {most} times over {kills} crashes");
+}

@@ -27,7 +27,8 @@ pub enum CircuitAction {
     /// Stop dispatching jobs. The orchestrator then sends health checks; a healthy one
     /// closes the circuit again.
     Open(Change),
-    /// Let jobs flow again now, without waiting for a health check.
+    /// Let jobs flow again now, without waiting for a health check; also ends a
+    /// cool-down the API asked for.
     Close(Change),
 }
 
@@ -46,6 +47,13 @@ impl CircuitArgs {
     /// A bad lane, an unavailable store, or a circuit that moved past `--epoch`.
     pub async fn run(self) -> anyhow::Result<()> {
         let lane = self.lane.open().await?;
+        if matches!(self.action, CircuitAction::Close(_)) {
+            let cool_down = lane.state.cool_down().await?;
+            if cool_down > system_now() {
+                lane.state.clear_cool_down().await?;
+                println!("cool-down until {} cleared", cool_down.to_rfc3339());
+            }
+        }
         let current = lane.state.circuit().await?;
         let (change, transition): (&Change, Transition) = match &self.action {
             CircuitAction::Open(change) => (change, Circuit::open),

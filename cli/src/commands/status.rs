@@ -66,6 +66,8 @@ impl StatusArgs {
             drain_estimate_seconds = Some(quota.drain_estimate(waiting, &calendar_used, now).as_secs());
         }
         let cool_down = lane.state.cool_down().await?;
+        // Nothing is dispatched before the cool-down ends.
+        let drain_estimate_seconds = drain_estimate_seconds.map(|seconds| seconds + cool_down.since(now).as_secs());
         let status = Status {
             queue,
             worker_dead,
@@ -103,7 +105,7 @@ fn print_status(status: &Status, now: UnixMillis) {
         None => println!("lease: free (no run in progress)"),
     }
     if let Some(until) = &status.cool_down_until {
-        println!("cool-down until {until} (the API asked us to wait)");
+        println!("cool-down until {until} (the API asked us to wait; `paceline circuit close` ends it)");
     }
     for t in &status.tiers {
         match (t.used, &t.resets_at) {

@@ -93,7 +93,8 @@ impl EmbeddedStore {
             std::fs::create_dir_all(dir).map_err(|e| fatal(format!("cannot create {}: {e}", dir.display())))?;
         }
         let conn = Connection::open(path).map_err(|e| fatal(format!("cannot open {}: {e}", path.display())))?;
-        Self::init(conn, clock)
+        // Initialising writes (schema, WAL): a read-only file fails here, named.
+        Self::init(conn, clock).map_err(|e| fatal(format!("cannot use {}: {e}", path.display())))
     }
 
     /// A private in-memory database, for tests.
@@ -195,11 +196,20 @@ impl EmbeddedStore {
         Ok(())
     }
 
-    fn record_invocation(&self, payload: &WorkerPayload) -> PortResult<i64> {
-        let conn = self.conn();
-        conn.execute("INSERT INTO invocations (payload, created_at) VALUES (?1, ?2)", params![payload.to_json(), to_i64(self.clock.now().0)])
+    /// Records a hand-off and, in the same transaction, deletes the message it comes
+    /// from: after a crash either the message is back on the queue (not handed off) or
+    /// the invocation is re-queued, never both.
+    fn record_invocation(&self, payload: &WorkerPayload, from_receipt: Option<&str>) -> PortResult<i64> {
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(sql_err)?;
+        tx.execute("INSERT INTO invocations (payload, created_at) VALUES (?1, ?2)", params![payload.to_json(), to_i64(self.clock.now().0)])
             .map_err(sql_err)?;
-        Ok(conn.last_insert_rowid())
+        let seq = tx.last_insert_rowid();
+        if let Some(receipt) = from_receipt {
+            tx.execute("DELETE FROM messages WHERE receipt = ?1", [receipt]).map_err(sql_err)?;
+        }
+        tx.commit().map_err(sql_err)?;
+        Ok(seq)
     }
 
     fn finish_invocation(&self, seq: i64) -> PortResult<()> {
@@ -256,14 +266,29 @@ fn insert_message(conn: &Connection, body: &str, attempt: u32, visible_at: i64) 
     Ok(())
 }
 
-/// Takes an exclusive lock on a file beside the database, held as long as the returned
-/// handle lives: proof that no other `paceline run` uses it. The OS drops the lock when
-/// the process dies, however it dies.
+/// The database's real path: symlinks and `..` resolved, so that two spellings of one
+/// file are one lane. A file not created yet is named under its folder's real path.
+///
+/// # Errors
+/// `Fatal` when neither the file nor its folder can be resolved.
+pub fn canonical_db_path(db_path: &Path) -> PortResult<std::path::PathBuf> {
+    if let Ok(real) = std::fs::canonicalize(db_path) {
+        return Ok(real);
+    }
+    let dir = db_path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = db_path.file_name().ok_or_else(|| fatal(format!("{} names no file", db_path.display())))?;
+    let real_dir = std::fs::canonicalize(dir).map_err(|e| fatal(format!("cannot resolve {}: {e}", dir.display())))?;
+    Ok(real_dir.join(name))
+}
+
+/// Takes an exclusive lock on a file beside the database (its real path, however it
+/// is spelled), held as long as the returned handle lives: proof that no other
+/// `paceline run` uses it. The OS drops the lock when the process dies, however it dies.
 ///
 /// # Errors
 /// `Conflict` when another process holds it; `Fatal` when the file cannot be opened.
 pub fn lock_exclusive(db_path: &Path) -> PortResult<std::fs::File> {
-    let lock_path = db_path.with_extension("lock");
+    let lock_path = canonical_db_path(db_path)?.with_extension("lock");
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -475,11 +500,11 @@ impl StateStore for EmbeddedStore {
             .collect()
     }
 
-    async fn add_usage(&self, deltas: &[(String, u64)]) -> PortResult<()> {
+    async fn add_usage(&self, deltas: &[(String, i64)]) -> PortResult<()> {
         let mut conn = self.conn();
         let tx = conn.transaction().map_err(sql_err)?;
         for (key, delta) in deltas {
-            tx.execute("INSERT INTO usage (key, used) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET used = used + ?2", params![key, to_i64(*delta)])
+            tx.execute("INSERT INTO usage (key, used) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET used = used + ?2", params![key, delta])
                 .map_err(sql_err)?;
         }
         tx.commit().map_err(sql_err)
@@ -525,6 +550,11 @@ impl StateStore for EmbeddedStore {
         Self::put_kv(&tx, "cool_down", &current.max(until))?;
         tx.commit().map_err(sql_err)
     }
+
+    async fn clear_cool_down(&self) -> PortResult<()> {
+        self.conn().execute("DELETE FROM kv WHERE key = 'cool_down'", []).map_err(sql_err)?;
+        Ok(())
+    }
 }
 
 /// Runs workers in this process. Each hand-off is first written to the database (like
@@ -545,8 +575,8 @@ impl EmbeddedInvoker {
 
 #[async_trait]
 impl Invoker for EmbeddedInvoker {
-    async fn invoke(&self, payload: &WorkerPayload) -> PortResult<()> {
-        let seq = self.store.record_invocation(payload)?;
+    async fn invoke(&self, payload: &WorkerPayload, from_receipt: Option<&str>) -> PortResult<()> {
+        let seq = self.store.record_invocation(payload, from_receipt)?;
         self.in_flight.fetch_add(1, Ordering::SeqCst);
         let (store, handler, in_flight, payload) = (self.store.clone(), self.handler.clone(), self.in_flight.clone(), payload.clone());
         tokio::spawn(async move {
@@ -662,5 +692,41 @@ mod tests {
         assert!(matches!(lock_exclusive(&db), Err(PortError::Conflict(_))));
         drop(held);
         assert!(lock_exclusive(&db).is_ok());
+    }
+
+    #[test]
+    fn the_file_lock_follows_the_real_file_not_its_spelling() {
+        let dir = std::env::temp_dir().join(format!("paceline-lock-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(dir.join("sub")).unwrap();
+        let db = dir.join("lane.db");
+        std::fs::write(&db, b"").unwrap();
+        std::os::unix::fs::symlink(&db, dir.join("alias.db")).unwrap();
+        let held = lock_exclusive(&db).unwrap();
+        assert!(matches!(lock_exclusive(&dir.join("alias.db")), Err(PortError::Conflict(_))), "a symlink got past the lock");
+        assert!(matches!(lock_exclusive(&dir.join("sub/../lane.db")), Err(PortError::Conflict(_))), "a `..` spelling got past the lock");
+        drop(held);
+    }
+
+    #[tokio::test]
+    async fn a_hand_off_deletes_its_message_in_the_same_transaction() {
+        struct Idle;
+        #[async_trait]
+        impl WorkerHandler for Idle {
+            async fn handle(&self, _payload: WorkerPayload) -> PortResult<()> {
+                std::future::pending().await
+            }
+        }
+        let (_, store) = store();
+        let store = Arc::new(store);
+        store.send(&[msg(r#"{"id":"j","request":{"method":"GET","path":"/"}}"#, 0)]).await.unwrap();
+        let got = store.receive(1, Duration::ZERO, Duration::from_secs(30)).await.unwrap();
+        let job = crate::job::Job::parse(&got[0].body).unwrap();
+        let invoker = EmbeddedInvoker::new(store.clone(), Arc::new(Idle));
+        let payload = WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None };
+        invoker.invoke(&payload, Some(&got[0].receipt)).await.unwrap();
+        // As after a kill -9 here, before the orchestrator deleted the message: the
+        // restart finds one copy of the job, not two.
+        assert_eq!(store.recover_after_crash().unwrap(), (0, 1));
+        assert_eq!(store.receive(10, Duration::ZERO, Duration::from_secs(30)).await.unwrap().len(), 1);
     }
 }

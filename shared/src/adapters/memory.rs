@@ -54,7 +54,7 @@ impl RecordingInvoker {
 
 #[async_trait]
 impl Invoker for RecordingInvoker {
-    async fn invoke(&self, payload: &WorkerPayload) -> PortResult<()> {
+    async fn invoke(&self, payload: &WorkerPayload, _from_receipt: Option<&str>) -> PortResult<()> {
         if let Some(error) = self.scripted_errors.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop_front() {
             return Err(error);
         }

@@ -147,7 +147,7 @@ impl StateStore for DynamoStateStore {
         Ok(used)
     }
 
-    async fn add_usage(&self, deltas: &[(String, u64)]) -> PortResult<()> {
+    async fn add_usage(&self, deltas: &[(String, i64)]) -> PortResult<()> {
         for (key, delta) in deltas {
             self.client
                 .update_item()
@@ -236,5 +236,16 @@ impl StateStore for DynamoStateStore {
             Ok(_) | Err(PortError::Conflict(_)) => Ok(()),
             Err(e) => Err(e),
         }
+    }
+
+    async fn clear_cool_down(&self) -> PortResult<()> {
+        self.client
+            .delete_item()
+            .table_name(&self.table)
+            .key("pk", s(COOL_DOWN))
+            .send()
+            .await
+            .map_err(|e| map_sdk_error("dynamodb DeleteItem (cool-down)", &e))?;
+        Ok(())
     }
 }

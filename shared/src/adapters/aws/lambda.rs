@@ -53,7 +53,7 @@ impl LambdaInvoker {
 
 #[async_trait]
 impl Invoker for LambdaInvoker {
-    async fn invoke(&self, payload: &WorkerPayload) -> PortResult<()> {
+    async fn invoke(&self, payload: &WorkerPayload, _from_receipt: Option<&str>) -> PortResult<()> {
         self.invoke_event(payload.to_json()).await
     }
 }

@@ -44,6 +44,9 @@ const TRANSIENT: &[&str] = &[
     "KMSThrottlingException",
 ];
 
+/// Error codes of one request over a size limit (Lambda's async payload, an SQS batch).
+const TOO_LARGE: &[&str] = &["RequestTooLargeException", "RequestEntityTooLargeException", "BatchRequestTooLong", "AWS.SimpleQueueService.BatchRequestTooLong"];
+
 /// Error codes of a failed condition.
 const CONFLICT: &[&str] = &["ConditionalCheckFailedException", "TransactionCanceledException", "TransactionConflictException"];
 
@@ -57,6 +60,8 @@ pub fn classify_code(what: &str, code: &str, message: &str) -> PortError {
         PortError::Throttled(text)
     } else if TRANSIENT.contains(&code) {
         PortError::Transient(text)
+    } else if TOO_LARGE.contains(&code) || (code == "InvalidParameterValue" && message.contains("shorter than")) {
+        PortError::TooLarge(text)
     } else {
         PortError::Fatal(text)
     }

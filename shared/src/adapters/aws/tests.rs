@@ -106,17 +106,17 @@ async fn invokes_are_async_events_and_throttling_is_typed() {
         .match_requests(|r| {
             r.function_name() == Some("worker")
                 && r.invocation_type() == Some(&aws_sdk_lambda::types::InvocationType::Event)
-                && r.payload().is_some_and(|p| p.as_ref().starts_with(b"{\"v\":1"))
+                && r.payload().is_some_and(|p| p.as_ref().starts_with(b"{\"v\":2"))
         })
         .then_output(|| InvokeOutput::builder().status_code(202).build());
     let invoker = LambdaInvoker::new(mock_client!(aws_sdk_lambda, [&accepted]), "worker");
-    invoker.invoke(&payload).await.unwrap();
+    invoker.invoke(&payload, None).await.unwrap();
     assert_eq!(accepted.num_calls(), 1);
 
     let throttled = mock!(aws_sdk_lambda::Client::invoke)
         .then_error(|| InvokeError::TooManyRequestsException(TooManyRequestsException::builder().message("Rate exceeded").meta(meta("TooManyRequestsException")).build()));
     let invoker = LambdaInvoker::new(mock_client!(aws_sdk_lambda, [&throttled]), "worker");
-    assert!(matches!(invoker.invoke(&payload).await, Err(PortError::Throttled(_))));
+    assert!(matches!(invoker.invoke(&payload, None).await, Err(PortError::Throttled(_))));
 }
 
 #[tokio::test]
@@ -145,4 +145,6 @@ fn error_codes_map_by_what_the_caller_can_do() {
     assert!(matches!(classify_code("x", "TransactionCanceledException", ""), PortError::Conflict(_)));
     assert!(matches!(classify_code("x", "ServiceException", ""), PortError::Transient(_)));
     assert!(matches!(classify_code("x", "ResourceNotFoundException", "no such table"), PortError::Fatal(_)));
+    assert!(matches!(classify_code("x", "RequestTooLargeException", "payload over 262144 bytes"), PortError::TooLarge(_)));
+    assert!(matches!(classify_code("x", "InvalidParameterValue", "Message must be shorter than 262144 bytes."), PortError::TooLarge(_)));
 }
