@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite: lints, unit, property, paused-time and end-to-end tests, the
+# The whole test suite: formatting, lints, unit, property, paused-time and end-to-end tests, the
 # AWS adapters and operator commands against the moto server, the SAM template
 # (cfn-lint, sam validate, checkov, a deploy into moto's CloudFormation) and the
 # Lambda functions' arm64 build. Installs what it needs on first use: Python tools from
@@ -25,6 +25,9 @@ echo "== the SAM template: cfn-lint, sam validate --lint, checkov (skips are jus
 cfn-lint infra/template.yaml
 AWS_DEFAULT_REGION=us-east-1 SAM_CLI_TELEMETRY=0 sam validate --lint --template infra/template.yaml
 .venv-checkov/bin/checkov --skip-download --quiet --compact --framework cloudformation --file infra/template.yaml
+
+echo "== rustfmt (rustfmt.toml)"
+cargo fmt --all --check
 
 echo "== clippy"
 cargo clippy --workspace --all-targets --all-features --quiet -- -D warnings

@@ -66,11 +66,7 @@ impl LaneArgs {
 
     /// Applies the flags (and their variables) over `aws`, and checks nothing is missing.
     fn apply_overrides(&self, aws: &mut AwsBackend) -> anyhow::Result<()> {
-        let overrides = [
-            (&mut aws.queue_url, &self.queue_url),
-            (&mut aws.dlq_url, &self.dlq_url),
-            (&mut aws.table, &self.table),
-        ];
+        let overrides = [(&mut aws.queue_url, &self.queue_url), (&mut aws.dlq_url, &self.dlq_url), (&mut aws.table, &self.table)];
         for (field, value) in overrides {
             if let Some(value) = value {
                 field.clone_from(value);
@@ -106,10 +102,7 @@ impl LaneArgs {
         let config = if self.config.exists() {
             Some(load_config_for_operations(&self.config)?)
         } else if !self.any_aws_override() {
-            anyhow::bail!(
-                "config {} not found: pass --config FILE, or the AWS names (--stack, or --queue-url, --dlq-url and --table)",
-                self.config.display()
-            );
+            anyhow::bail!("config {} not found: pass --config FILE, or the AWS names (--stack, or --queue-url, --dlq-url and --table)", self.config.display());
         } else {
             None
         };
@@ -139,7 +132,8 @@ impl LaneArgs {
                 };
                 let adapters = AwsAdapters::new(&sdk, &names, None);
                 let orchestrator = aws.orchestrator_function.map(|f| adapters.invoker.for_function(f)).ok_or_else(|| {
-                    "no orchestrator function is named: set orchestrator_function in [backend], --orchestrator-function or PACELINE_ORCHESTRATOR_FUNCTION".to_owned()
+                    "no orchestrator function is named: set orchestrator_function in [backend], --orchestrator-function or PACELINE_ORCHESTRATOR_FUNCTION"
+                        .to_owned()
                 });
                 Ok(OperatorLane { config, queues: Arc::new(adapters.queue), state: Arc::new(adapters.store), orchestrator })
             }
@@ -155,12 +149,8 @@ async fn fill_from_stack(sdk: &aws_config::SdkConfig, stack: &str, aws: &mut Aws
         .send()
         .await
         .map_err(|e| anyhow::anyhow!("cannot read stack {stack}: {} (check its name, region and your credentials)", paceline_shared::error_chain(&e)))?;
-    let outputs: std::collections::BTreeMap<&str, &str> = described
-        .stacks()
-        .iter()
-        .flat_map(|s| s.outputs())
-        .filter_map(|o| Some((o.output_key()?, o.output_value()?)))
-        .collect();
+    let outputs: std::collections::BTreeMap<&str, &str> =
+        described.stacks().iter().flat_map(|s| s.outputs()).filter_map(|o| Some((o.output_key()?, o.output_value()?))).collect();
     let get = |key: &str| outputs.get(key).map(|v| (*v).to_owned());
     let required = |key: &str| get(key).with_context(|| format!("stack {stack} has no output {key}: is it a Paceline stack (infra/template.yaml)?"));
     aws.queue_url = required("JobsQueueUrl")?;

@@ -114,8 +114,7 @@ async fn answer(state: &Mutex<State>, request: Request) -> (StatusCode, HeaderMa
         let n = s.log.arrivals.len() as u32;
         let (low, high) = s.spec.latency;
         let latency = low + (high.saturating_sub(low)) * (n.wrapping_mul(2_654_435_761) % 1000) / 1000;
-        let fits = s.limiters.iter_mut().all(|l| l.fits(now, 1))
-            && s.spec.tiers.iter().filter(|t| t.is_calendar()).all(|t| s.calendar_calls < t.limit);
+        let fits = s.limiters.iter_mut().all(|l| l.fits(now, 1)) && s.spec.tiers.iter().filter(|t| t.is_calendar()).all(|t| s.calendar_calls < t.limit);
         s.limiters.iter_mut().for_each(|l| l.record(now, 1));
         s.calendar_calls += 1;
         let in_outage = s.spec.outage.is_some_and(|(after, length)| now >= first.plus(after) && now < first.plus(after + length));

@@ -39,7 +39,9 @@ pub fn load_config_for_operations(path: &Path) -> anyhow::Result<Config> {
 pub fn embedded_path(config: &Config) -> anyhow::Result<PathBuf> {
     match &config.backend {
         Backend::Embedded { path } => Ok(path.clone()),
-        Backend::Aws { .. } => bail!("this command runs the embedded backend; the config's [backend] kind is \"aws\" (use the Lambda functions, or kind = \"embedded\")"),
+        Backend::Aws { .. } => {
+            bail!("this command runs the embedded backend; the config's [backend] kind is \"aws\" (use the Lambda functions, or kind = \"embedded\")")
+        }
     }
 }
 

@@ -77,7 +77,8 @@ impl Summary {
         out += &format!("  dead-lettered  {:>7}   ({} in the DLQ in all)\n", self.dead_lettered, self.dead_letters_total);
         out += &format!("  circuit        opened {}, closed {}\n", self.circuit_opened, self.circuit_closed);
         if self.interrupted > 0 {
-            out += &format!("  interrupted    {:>7}   (calls still running at the stop; their jobs go back on the queue at the next start)\n", self.interrupted);
+            out +=
+                &format!("  interrupted    {:>7}   (calls still running at the stop; their jobs go back on the queue at the next start)\n", self.interrupted);
         }
         out += "  tier           units   peak window   limit   utilization\n";
         for t in &self.tiers {

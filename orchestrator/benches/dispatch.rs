@@ -20,9 +20,7 @@ use paceline_shared::adapters::memory::RecordingInvoker;
 use paceline_shared::breaker::Circuit;
 use paceline_shared::config::{CircuitConfig, OrchestratorConfig};
 use paceline_shared::job::{DeadLetterReason, WorkerPayload};
-use paceline_shared::ports::{
-    Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortResult, QueueDepth, QueuedMessage, StateStore,
-};
+use paceline_shared::ports::{Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortResult, QueueDepth, QueuedMessage, StateStore};
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 

@@ -48,12 +48,7 @@ pub async fn handle(event: LambdaEvent<Value>, orchestrator: &Orchestrator) -> R
         Some(tick) => handover_deadline(deadline, tick, SCHEDULE_EVERY, orchestrator.settings.orchestrator.deadline_margin),
         None => deadline,
     };
-    let opts = RunOptions {
-        holder: format!("lambda:{}", event.context.request_id),
-        deadline,
-        drain: false,
-        stop: None,
-    };
+    let opts = RunOptions { holder: format!("lambda:{}", event.context.request_id), deadline, drain: false, stop: None };
     match orchestrator.run(&opts).await {
         Ok(report) => {
             let circuit_open = orchestrator.progress.circuit_open.load(std::sync::atomic::Ordering::Relaxed);

@@ -36,8 +36,8 @@ use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, UnixMillis, COARSE_WAKE_SLACK};
 use tracing::{debug, info, warn};
 
-pub use report::{Progress, RunReport, StopReason, TierReport};
 use report::TierMeter;
+pub use report::{Progress, RunReport, StopReason, TierReport};
 
 /// Longest long poll (SQS allows 20 s).
 const MAX_POLL: Duration = Duration::from_secs(20);
@@ -281,9 +281,7 @@ impl Run<'_> {
     fn decide(&self, cost: u64, now: UnixMillis) -> (UnixMillis, Decision) {
         let slot = self.slot_at(now);
         match self.quota().decide(&self.pacer, cost, slot) {
-            Decision::WaitUntil { at, .. } if !self.lead().is_zero() && at <= slot.plus(COARSE_WAKE_SLACK) => {
-                (at, self.quota().decide(&self.pacer, cost, at))
-            }
+            Decision::WaitUntil { at, .. } if !self.lead().is_zero() && at <= slot.plus(COARSE_WAKE_SLACK) => (at, self.quota().decide(&self.pacer, cost, at)),
             decision => (slot, decision),
         }
     }
@@ -677,8 +675,11 @@ impl Run<'_> {
 
     /// Gives back the reserved units this run did not spend.
     async fn return_unspent(&mut self) -> Result<(), RunError> {
-        let unspent: Vec<(String, i64)> =
-            std::mem::take(&mut self.reserved).into_iter().filter(|(_, units)| *units > 0).map(|(key, units)| (key, -i64::try_from(units).unwrap_or(i64::MAX))).collect();
+        let unspent: Vec<(String, i64)> = std::mem::take(&mut self.reserved)
+            .into_iter()
+            .filter(|(_, units)| *units > 0)
+            .map(|(key, units)| (key, -i64::try_from(units).unwrap_or(i64::MAX)))
+            .collect();
         if unspent.is_empty() {
             return Ok(());
         }

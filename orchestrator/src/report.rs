@@ -84,10 +84,12 @@ impl TierMeter {
             peaks: quota
                 .tiers
                 .iter()
-                .map(|t| WindowPeak::new(match t.period {
-                    Period::Rolling(d) => d,
-                    Period::Day | Period::Month => Duration::MAX,
-                }))
+                .map(|t| {
+                    WindowPeak::new(match t.period {
+                        Period::Rolling(d) => d,
+                        Period::Day | Period::Month => Duration::MAX,
+                    })
+                })
                 .collect(),
             units: vec![0; quota.tiers.len()],
             paced_ms: 0,

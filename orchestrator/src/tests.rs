@@ -131,11 +131,8 @@ async fn open_circuit_holds_jobs_sends_health_checks_and_resumes_when_closed() {
     enqueue(&lane, (0..3).map(|i| job(&format!("j{i}")))).await;
     let orchestrator = Orchestrator { invoker: invoker.clone(), ..lane.orchestrator };
     let report = orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
-    let sent: Vec<(u64, &str)> = invoker
-        .accepted()
-        .iter()
-        .map(|(t, p)| (t.0 - T0.0, if matches!(p, WorkerPayload::HealthCheck { .. }) { "check" } else { "job" }))
-        .collect();
+    let sent: Vec<(u64, &str)> =
+        invoker.accepted().iter().map(|(t, p)| (t.0 - T0.0, if matches!(p, WorkerPayload::HealthCheck { .. }) { "check" } else { "job" })).collect();
     // First check one interval after opening; the circuit is re-read within a second;
     // then the jobs flow at 2/s after the check's own slot.
     assert_eq!(sent[0], (2_000, "check"));

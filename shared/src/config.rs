@@ -164,18 +164,42 @@ pub const MAX_DISPATCH_AHEAD: Duration = Duration::from_secs(10);
 
 pub(crate) mod defaults {
     use std::time::Duration;
-    pub fn health_check_interval() -> Duration { Duration::from_secs(5) }
-    pub fn max_attempts() -> u32 { 5 }
-    pub fn default_cool_down() -> Duration { Duration::from_secs(1) }
-    pub fn max_cool_down() -> Duration { Duration::from_secs(3600) }
-    pub fn max_body() -> usize { 256 * 1024 }
-    pub fn lease_ttl() -> Duration { Duration::from_secs(30) }
-    pub fn visibility_timeout() -> Duration { Duration::from_secs(60) }
-    pub fn flush_interval() -> Duration { Duration::from_secs(2) }
-    pub fn state_refresh() -> Duration { Duration::from_secs(1) }
-    pub fn deadline_margin() -> Duration { Duration::from_secs(5) }
-    pub fn timeout() -> Duration { Duration::from_secs(10) }
-    pub fn safety_margin() -> Duration { Duration::from_millis(10) }
+    pub fn health_check_interval() -> Duration {
+        Duration::from_secs(5)
+    }
+    pub fn max_attempts() -> u32 {
+        5
+    }
+    pub fn default_cool_down() -> Duration {
+        Duration::from_secs(1)
+    }
+    pub fn max_cool_down() -> Duration {
+        Duration::from_secs(3600)
+    }
+    pub fn max_body() -> usize {
+        256 * 1024
+    }
+    pub fn lease_ttl() -> Duration {
+        Duration::from_secs(30)
+    }
+    pub fn visibility_timeout() -> Duration {
+        Duration::from_secs(60)
+    }
+    pub fn flush_interval() -> Duration {
+        Duration::from_secs(2)
+    }
+    pub fn state_refresh() -> Duration {
+        Duration::from_secs(1)
+    }
+    pub fn deadline_margin() -> Duration {
+        Duration::from_secs(5)
+    }
+    pub fn timeout() -> Duration {
+        Duration::from_secs(10)
+    }
+    pub fn safety_margin() -> Duration {
+        Duration::from_millis(10)
+    }
 }
 
 impl Default for CircuitConfig {
@@ -309,14 +333,12 @@ fn size<'de, D: Deserializer<'de>>(d: D) -> Result<usize, D::Error> {
 
 fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     let text = String::deserialize(d)?;
-    humantime::parse_duration(&text)
-        .map_err(|e| serde::de::Error::custom(format!("`{text}` is not a duration ({e}); write for example 500ms, 10s, 5m")))
+    humantime::parse_duration(&text).map_err(|e| serde::de::Error::custom(format!("`{text}` is not a duration ({e}); write for example 500ms, 10s, 5m")))
 }
 
 fn time_zone<'de, D: Deserializer<'de>>(d: D) -> Result<chrono_tz::Tz, D::Error> {
     let text = String::deserialize(d)?;
-    text.parse()
-        .map_err(|_| serde::de::Error::custom(format!("unknown time zone `{text}` (use an IANA name such as UTC or America/New_York)")))
+    text.parse().map_err(|_| serde::de::Error::custom(format!("unknown time zone `{text}` (use an IANA name such as UTC or America/New_York)")))
 }
 
 fn base_url<'de, D: Deserializer<'de>>(d: D) -> Result<url::Url, D::Error> {
@@ -359,8 +381,14 @@ struct RawApi {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, untagged)]
 pub(crate) enum HeaderSource {
-    Value { value: String },
-    Env { env: String, #[serde(default)] prefix: String },
+    Value {
+        value: String,
+    },
+    Env {
+        env: String,
+        #[serde(default)]
+        prefix: String,
+    },
 }
 
 #[derive(Deserialize)]
@@ -380,7 +408,10 @@ fn utc() -> chrono_tz::Tz {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, tag = "kind", rename_all = "snake_case")]
 enum RawBackend {
-    Embedded { #[serde(default = "default_db")] path: PathBuf },
+    Embedded {
+        #[serde(default = "default_db")]
+        path: PathBuf,
+    },
     Aws(AwsBackend),
 }
 

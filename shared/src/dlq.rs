@@ -73,8 +73,7 @@ pub struct DeadLetterRecord {
 /// `http_5..` part).
 #[must_use]
 pub fn cause_matches(label: &str, wanted: &str) -> bool {
-    label == wanted
-        || label.split(':').any(|part| part == wanted || part.strip_prefix("http_") == Some(wanted) || in_status_class(part, wanted))
+    label == wanted || label.split(':').any(|part| part == wanted || part.strip_prefix("http_") == Some(wanted) || in_status_class(part, wanted))
 }
 
 fn in_status_class(part: &str, class: &str) -> bool {
@@ -186,10 +185,8 @@ pub struct LambdaFailure {
 /// When the body is not such a record.
 pub fn parse_lambda_failure(body: &str) -> Result<LambdaFailure, String> {
     let record: Value = serde_json::from_str(body).map_err(|e| format!("not JSON: {e}"))?;
-    let condition = record
-        .pointer("/requestContext/condition")
-        .and_then(Value::as_str)
-        .ok_or("not a Lambda destination record: no requestContext.condition")?;
+    let condition =
+        record.pointer("/requestContext/condition").and_then(Value::as_str).ok_or("not a Lambda destination record: no requestContext.condition")?;
     let mut cause = format!("worker:{}", snake_case(condition));
     if let Some(kind) = record.pointer("/responseContext/functionError").and_then(Value::as_str) {
         cause.push(':');
@@ -252,7 +249,15 @@ mod tests {
     use super::*;
 
     fn record(cause: &str, dead_at: u64) -> DeadLetterRecord {
-        jobs_record("h".into(), format!("m-{dead_at}"), r#"{"id":"j","request":{"method":"GET","path":"/"}}"#.into(), 0, cause.into(), format!("d{dead_at}"), UnixMillis(dead_at))
+        jobs_record(
+            "h".into(),
+            format!("m-{dead_at}"),
+            r#"{"id":"j","request":{"method":"GET","path":"/"}}"#.into(),
+            0,
+            cause.into(),
+            format!("d{dead_at}"),
+            UnixMillis(dead_at),
+        )
     }
 
     #[test]

@@ -193,7 +193,11 @@ const METHODS: &[&str] = &["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPT
 
 fn parse_method(method: &str) -> Result<String, JobError> {
     let upper = method.to_ascii_uppercase();
-    if METHODS.contains(&upper.as_str()) { Ok(upper) } else { Err(JobError::Method(method.to_owned())) }
+    if METHODS.contains(&upper.as_str()) {
+        Ok(upper)
+    } else {
+        Err(JobError::Method(method.to_owned()))
+    }
 }
 
 /// A header name is an RFC 9110 token; a value is visible ASCII, spaces and tabs (no
@@ -232,7 +236,11 @@ fn check_path(path: &str) -> Result<(), JobError> {
         || path.contains('#')
         || path.chars().any(char::is_control)
         || path.split('/').any(is_dot_or_encoded_separator);
-    if refused { Err(JobError::Path(path.chars().take(80).flat_map(char::escape_default).collect())) } else { Ok(()) }
+    if refused {
+        Err(JobError::Path(path.chars().take(80).flat_map(char::escape_default).collect()))
+    } else {
+        Ok(())
+    }
 }
 
 /// `.` or `..` once `%2e` is decoded, or a segment hiding a `/` or `\` as `%2f`/`%5c`.
@@ -336,9 +344,7 @@ impl WorkerPayload {
             Some(v) => return Err(PayloadError::Version(u32::try_from(v).unwrap_or(u32::MAX))),
             None => return Err(PayloadError::Invalid("missing version field `v`".into())),
         }
-        serde_json::from_value::<VersionedPayload>(value)
-            .map(|p| p.payload)
-            .map_err(|e| PayloadError::Invalid(e.to_string()))
+        serde_json::from_value::<VersionedPayload>(value).map(|p| p.payload).map_err(|e| PayloadError::Invalid(e.to_string()))
     }
 }
 

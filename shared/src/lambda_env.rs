@@ -7,8 +7,8 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use crate::config::{
-    check_health_request, check_timeout, defaults, parse_base_url, parse_size, resolve_headers, ApiConfig, CircuitConfig, HeaderSource, Invalid, OrchestratorConfig,
-    RetryConfig,
+    check_health_request, check_timeout, defaults, parse_base_url, parse_size, resolve_headers, ApiConfig, CircuitConfig, HeaderSource, Invalid,
+    OrchestratorConfig, RetryConfig,
 };
 use crate::quota::{Quota, Tier};
 
@@ -160,12 +160,22 @@ mod tests {
 
     #[test]
     fn missing_or_invalid_variables_are_named() {
-        let get = env_of(&[("PACELINE_TIERS", "10/s,5/fortnight"), ("PACELINE_MAX_ATTEMPTS", "0"), ("PACELINE_API_HEADERS", r#"{"X-Key":{"env":"NOPE"}}"#), ("PACELINE_API_BASE_URL", "https://x")]);
+        let get = env_of(&[
+            ("PACELINE_TIERS", "10/s,5/fortnight"),
+            ("PACELINE_MAX_ATTEMPTS", "0"),
+            ("PACELINE_API_HEADERS", r#"{"X-Key":{"env":"NOPE"}}"#),
+            ("PACELINE_API_BASE_URL", "https://x"),
+        ]);
         let env = Env::new(&get);
         assert!(env.quota().unwrap_err().starts_with("PACELINE_TIERS: unknown period `fortnight`"));
         assert!(env.retry().unwrap_err().starts_with("PACELINE_MAX_ATTEMPTS"));
         assert!(env.api().unwrap_err().contains("NOPE is not set"));
-        let harmful = env_of(&[("PACELINE_STATE_REFRESH", "0s"), ("PACELINE_API_TIMEOUT", "0s"), ("PACELINE_API_BASE_URL", "http:///v1"), ("PACELINE_MAX_COOL_DOWN", "0s")]);
+        let harmful = env_of(&[
+            ("PACELINE_STATE_REFRESH", "0s"),
+            ("PACELINE_API_TIMEOUT", "0s"),
+            ("PACELINE_API_BASE_URL", "http:///v1"),
+            ("PACELINE_MAX_COOL_DOWN", "0s"),
+        ]);
         let env = Env::new(&harmful);
         assert!(env.orchestrator().unwrap_err().starts_with("PACELINE_STATE_REFRESH: must be at least"));
         assert!(env.api().unwrap_err().starts_with("PACELINE_API_BASE_URL"));

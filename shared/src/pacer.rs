@@ -182,7 +182,11 @@ impl Quota {
                 None => {
                     let (start, end) = tier.window_at(self.zone, now);
                     let used = if tier_state.calendar.window_start >= start { tier_state.calendar.used } else { 0 };
-                    if used + cost <= tier.limit { now } else { end }
+                    if used + cost <= tier.limit {
+                        now
+                    } else {
+                        end
+                    }
                 }
             };
             if tier_ready > ready {
@@ -226,10 +230,9 @@ impl PacerState {
             .map(|tier| TierState {
                 tier: *tier,
                 rolling: match tier.period {
-                    Period::Rolling(_) => Some(RollingState {
-                        tat_scaled: 0,
-                        log: SlidingWindowLog::new(Duration::from_millis(quota.effective_window_ms(tier)), tier.limit),
-                    }),
+                    Period::Rolling(_) => {
+                        Some(RollingState { tat_scaled: 0, log: SlidingWindowLog::new(Duration::from_millis(quota.effective_window_ms(tier)), tier.limit) })
+                    }
                     Period::Day | Period::Month => None,
                 },
                 calendar: CalendarState::default(),
@@ -313,7 +316,11 @@ impl PacerState {
                 Some(rolling) => rolling.log.in_window(now),
                 None => {
                     let (start, _) = tier.window_at(quota.zone, now);
-                    if s.calendar.window_start >= start { s.calendar.used } else { 0 }
+                    if s.calendar.window_start >= start {
+                        s.calendar.used
+                    } else {
+                        0
+                    }
                 }
             })
             .collect()
@@ -327,12 +334,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn quota(tiers: &[&str], margin_ms: u64) -> Quota {
-        Quota::new(
-            tiers.iter().map(|t| t.parse().unwrap()).collect(),
-            chrono_tz::UTC,
-            Duration::from_millis(margin_ms),
-        )
-        .unwrap()
+        Quota::new(tiers.iter().map(|t| t.parse().unwrap()).collect(), chrono_tz::UTC, Duration::from_millis(margin_ms)).unwrap()
     }
 
     /// Dispatches a saturating backlog of `cost`-unit jobs from `start` for `span`,
@@ -426,10 +428,7 @@ mod tests {
         state.set_calendar_used(&q, 1, 2, UnixMillis(day_start + 5_000));
         assert_eq!(q.decide(&state, 1, UnixMillis(day_start + 5_000)), Decision::Allow);
         state.commit(&q, 1, UnixMillis(day_start + 5_000));
-        assert_eq!(
-            q.decide(&state, 1, UnixMillis(day_start + 6_000)),
-            Decision::WaitUntil { at: UnixMillis(day_start + 86_400_000), by: Hold::Tier(1) }
-        );
+        assert_eq!(q.decide(&state, 1, UnixMillis(day_start + 6_000)), Decision::WaitUntil { at: UnixMillis(day_start + 86_400_000), by: Hold::Tier(1) });
         assert_eq!(q.decide(&state, 1, UnixMillis(day_start + 86_400_000)), Decision::Allow);
         assert_eq!(state.usage(&q, UnixMillis(day_start + 5_500)), vec![1, 3]);
     }

@@ -51,11 +51,7 @@ impl FromStr for Tier {
     fn from_str(text: &str) -> Result<Self, Self::Err> {
         let (limit, period) = text.split_once('/').ok_or_else(|| TierParseError::Shape(text.to_owned()))?;
         let limit = limit.trim();
-        let limit: u64 = limit
-            .parse()
-            .ok()
-            .filter(|l| *l > 0)
-            .ok_or_else(|| TierParseError::Limit(limit.to_owned()))?;
+        let limit: u64 = limit.parse().ok().filter(|l| *l > 0).ok_or_else(|| TierParseError::Limit(limit.to_owned()))?;
         let period = parse_period(period.trim())?;
         Ok(Self { limit, period })
     }
@@ -143,19 +139,13 @@ impl Tier {
 }
 
 fn calendar_window(period: Period, zone: Tz, now: UnixMillis) -> (UnixMillis, UnixMillis) {
-    let utc = i64::try_from(now.0)
-        .ok()
-        .and_then(chrono::DateTime::from_timestamp_millis)
-        .unwrap_or_default();
+    let utc = i64::try_from(now.0).ok().and_then(chrono::DateTime::from_timestamp_millis).unwrap_or_default();
     let local = utc.with_timezone(&zone).date_naive();
     let (start, end) = match period {
         Period::Month => {
             let first = local.with_day(1).unwrap_or(local);
-            let next = if first.month() == 12 {
-                NaiveDate::from_ymd_opt(first.year() + 1, 1, 1)
-            } else {
-                NaiveDate::from_ymd_opt(first.year(), first.month() + 1, 1)
-            };
+            let next =
+                if first.month() == 12 { NaiveDate::from_ymd_opt(first.year() + 1, 1, 1) } else { NaiveDate::from_ymd_opt(first.year(), first.month() + 1, 1) };
             (first, next.unwrap_or(first))
         }
         _ => (local, local.succ_opt().unwrap_or(local)),
@@ -213,10 +203,7 @@ impl Quota {
     /// The tier whose rate is lowest: the one that binds a steady backlog.
     #[must_use]
     pub fn binding_tier(&self) -> &Tier {
-        self.tiers
-            .iter()
-            .min_by(|a, b| a.rate_per_second().total_cmp(&b.rate_per_second()))
-            .unwrap_or(&self.tiers[0])
+        self.tiers.iter().min_by(|a, b| a.rate_per_second().total_cmp(&b.rate_per_second())).unwrap_or(&self.tiers[0])
     }
 
     /// The steady rate the rolling tiers allow, in units per second: the pace of a backlog
@@ -259,7 +246,7 @@ mod tests {
     fn drain_estimate_takes_the_slowest_rate_and_waits_for_calendar_resets() {
         let quota = Quota::new(vec![tier("10/s"), tier("500/min"), tier("1000/day")], chrono_tz::UTC, Duration::ZERO).unwrap();
         let noon = UnixMillis(1_795_348_800_000); // 2026-11-22T12:00:00Z
-        // 500/min binds: 300 units take 36 s; the day tier has room.
+                                                  // 500/min binds: 300 units take 36 s; the day tier has room.
         assert_eq!(quota.drain_estimate(300, &[0, 0, 0], noon), Duration::from_secs(36));
         // The day tier has 100 left: the rest waits for midnight (12 h), then one day is enough.
         assert_eq!(quota.drain_estimate(300, &[0, 0, 900], noon), Duration::from_secs(12 * 3600));
@@ -310,10 +297,7 @@ mod tests {
     #[test]
     fn quota_refuses_empty_and_duplicate_tiers() {
         assert_eq!(Quota::new(vec![], chrono_tz::UTC, Duration::ZERO), Err(QuotaError::Empty));
-        assert!(matches!(
-            Quota::new(vec![tier("1/s"), tier("2/s")], chrono_tz::UTC, Duration::ZERO),
-            Err(QuotaError::Duplicate(_))
-        ));
+        assert!(matches!(Quota::new(vec![tier("1/s"), tier("2/s")], chrono_tz::UTC, Duration::ZERO), Err(QuotaError::Duplicate(_))));
         let q = Quota::new(vec![tier("10/s"), tier("500/min")], chrono_tz::UTC, Duration::ZERO).unwrap();
         assert_eq!(q.binding_tier().to_string(), "500/min");
     }

@@ -165,7 +165,12 @@ impl SimQueue {
             let Some(message) = state.visible.pop_front() else { break };
             let receipt = state.next_receipt;
             state.next_receipt += 1;
-            received.push(QueuedMessage { message_id: message.id.to_string(), receipt: receipt.to_string(), body: message.body.clone(), attempt: message.attempt });
+            received.push(QueuedMessage {
+                message_id: message.id.to_string(),
+                receipt: receipt.to_string(),
+                body: message.body.clone(),
+                attempt: message.attempt,
+            });
             state.hidden.insert(receipt, (message, now.plus(visibility)));
         }
         received

@@ -105,7 +105,11 @@ pub struct ConcurrencyCap {
 
 impl Admission for ConcurrencyCap {
     fn admit(&mut self, now: UnixMillis, running: u64) -> Result<(), UnixMillis> {
-        if running < self.limit { Ok(()) } else { Err(now.plus(Duration::from_millis(10))) }
+        if running < self.limit {
+            Ok(())
+        } else {
+            Err(now.plus(Duration::from_millis(10)))
+        }
     }
 }
 

@@ -64,10 +64,7 @@ pub fn svg(report: &SimReport, quota: &Quota) -> String {
     let max_rate = offered.iter().chain(&admitted).copied().fold(limit, f64::max) * 1.1;
     let y = |r: f64| TOP + (1.0 - r / max_rate) * (HEIGHT - TOP - BOTTOM);
     let mut out = String::new();
-    let _ = write!(
-        out,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" font-family="sans-serif" font-size="12">"#
-    );
+    let _ = write!(out, r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" font-family="sans-serif" font-size="12">"#);
     let _ = write!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
     let title = format!("{}: {} jobs, quota {}", report.dispatcher, report.jobs, report.quota.join(", "));
     let _ = write!(out, r#"<text x="{LEFT}" y="22" font-size="14">{}</text>"#, escape(&title));
@@ -81,7 +78,13 @@ pub fn svg(report: &SimReport, quota: &Quota) -> String {
     let _ = write!(out, r#"<text x="{x0}" y="{y1}" text-anchor="end" dx="-6">0</text>"#);
     let _ = write!(out, r#"<text x="{x1}" y="{}" text-anchor="end">{} s</text>"#, y1 + 18.0, seconds);
     let _ = write!(out, r#"<text x="{x0}" y="{}">0 s (calls per second, averaged over {width_s} s)</text>"#, y1 + 18.0);
-    let _ = write!(out, r##"<text x="{x0}" y="{}" fill="#1f6feb">admitted</text><text x="{}" y="{}" fill="#999">arrived (incl. refused)</text>"##, y1 + 36.0, x0 + 80.0, y1 + 36.0);
+    let _ = write!(
+        out,
+        r##"<text x="{x0}" y="{}" fill="#1f6feb">admitted</text><text x="{}" y="{}" fill="#999">arrived (incl. refused)</text>"##,
+        y1 + 36.0,
+        x0 + 80.0,
+        y1 + 36.0
+    );
     out.push_str("</svg>\n");
     out
 }
@@ -104,7 +107,8 @@ mod tests {
 
     #[test]
     fn sustained_rate_is_the_tightest_tier() {
-        let quota = Quota::new(vec!["10/s".parse().unwrap(), "86400/day".parse().unwrap()], paceline_shared::quota::chrono_tz::UTC, std::time::Duration::ZERO).unwrap();
+        let quota =
+            Quota::new(vec!["10/s".parse().unwrap(), "86400/day".parse().unwrap()], paceline_shared::quota::chrono_tz::UTC, std::time::Duration::ZERO).unwrap();
         assert!((sustained_rate(&quota) - 1.0).abs() < 1e-9);
     }
 }

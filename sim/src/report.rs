@@ -147,12 +147,24 @@ fn human(seconds: f64) -> String {
 #[must_use]
 pub fn render(r: &SimReport) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "Simulated {} jobs with {} (seed {}), quota {} (safety margin {} ms)", r.jobs, r.dispatcher, r.seed, r.quota.join(", "), r.safety_margin_ms);
+    let _ = writeln!(
+        out,
+        "Simulated {} jobs with {} (seed {}), quota {} (safety margin {} ms)",
+        r.jobs,
+        r.dispatcher,
+        r.seed,
+        r.quota.join(", "),
+        r.safety_margin_ms
+    );
     let drained = if r.drained { "drained in" } else { "NOT drained after" };
     let _ = writeln!(out, "  {drained} {} of simulated time ({:.1} s of wall time)", human(r.time_to_drain_s), r.wall_seconds);
     let o = &r.outcomes;
     let dead: u64 = o.dead_lettered.values().sum();
-    let _ = writeln!(out, "  succeeded {}, dead-lettered {dead}, re-queued {}, missed slots {}, circuit opened {}x", o.succeeded, o.requeued, o.missed_slots, o.circuit_opened);
+    let _ = writeln!(
+        out,
+        "  succeeded {}, dead-lettered {dead}, re-queued {}, missed slots {}, circuit opened {}x",
+        o.succeeded, o.requeued, o.missed_slots, o.circuit_opened
+    );
     for (cause, n) in &o.dead_lettered {
         let _ = writeln!(out, "    DLQ {cause}: {n}");
     }

@@ -70,9 +70,7 @@ fn a_broken_pacer_is_caught_by_the_checker_and_the_real_one_is_not() {
     let quota = plan.settings.quota.clone();
     let broken = Dispatcher::Custom {
         name: "off-by-one pacer".into(),
-        admission: Box::new(move || {
-            Box::new(OffByOne { state: paceline_shared::pacer::PacerState::new(&quota), quota: quota.clone(), extra_given_at: None })
-        }),
+        admission: Box::new(move || Box::new(OffByOne { state: paceline_shared::pacer::PacerState::new(&quota), quota: quota.clone(), extra_given_at: None })),
     };
     let caught = simulate(&plan, &broken);
     assert!(caught.violations() > 0, "the checker missed a pacer admitting 6 per second: {:?}", caught.tiers);

@@ -81,10 +81,15 @@ pub fn lane_env(names: &AwsNames, extra: &[(&str, &str)]) -> std::collections::B
 /// and the endpoint.
 #[must_use]
 pub fn moto_env() -> Vec<(String, String)> {
-    [("AWS_ACCESS_KEY_ID", "test".to_owned()), ("AWS_SECRET_ACCESS_KEY", "test".to_owned()), ("AWS_REGION", "us-east-1".to_owned()), ("AWS_ENDPOINT_URL", moto_url())]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v))
-        .collect()
+    [
+        ("AWS_ACCESS_KEY_ID", "test".to_owned()),
+        ("AWS_SECRET_ACCESS_KEY", "test".to_owned()),
+        ("AWS_REGION", "us-east-1".to_owned()),
+        ("AWS_ENDPOINT_URL", moto_url()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect()
 }
 
 /// Creates a jobs queue with a DLQ (redrive after 5 receives) and a state table, with

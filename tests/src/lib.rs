@@ -16,8 +16,7 @@ use std::process::Output;
 pub fn paceline_bin() -> PathBuf {
     let path = std::env::var_os("PACELINE_BIN").map_or_else(
         || {
-            let target = std::env::var_os("CARGO_TARGET_DIR")
-                .map_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"), PathBuf::from);
+            let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"), PathBuf::from);
             target.join("debug/paceline")
         },
         PathBuf::from,

@@ -97,9 +97,13 @@ fn drain_opts(holder: &str, within: Duration) -> RunOptions {
 }
 
 async fn api(tiers: &[&str], outage: Option<(Duration, Duration)>) -> FakeApi {
-    FakeApi::start(FakeApiSpec { tiers: tiers.iter().map(|t| t.parse().unwrap()).collect(), latency: (Duration::from_millis(20), Duration::from_millis(80)), outage })
-        .await
-        .unwrap()
+    FakeApi::start(FakeApiSpec {
+        tiers: tiers.iter().map(|t| t.parse().unwrap()).collect(),
+        latency: (Duration::from_millis(20), Duration::from_millis(80)),
+        outage,
+    })
+    .await
+    .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,11 +13,8 @@ fn ids(prefix: &str, n: usize) -> Vec<String> {
 }
 
 async fn api(tiers: &[&str], outage: Option<(Duration, Duration)>) -> FakeApi {
-    let spec = FakeApiSpec {
-        tiers: tiers.iter().map(|t| t.parse().unwrap()).collect(),
-        latency: (Duration::from_millis(50), Duration::from_millis(600)),
-        outage,
-    };
+    let spec =
+        FakeApiSpec { tiers: tiers.iter().map(|t| t.parse().unwrap()).collect(), latency: (Duration::from_millis(50), Duration::from_millis(600)), outage };
     FakeApi::start(spec).await.unwrap()
 }
 

@@ -31,7 +31,8 @@ fn job_payload(id: &str) -> WorkerPayload {
 }
 
 async fn api(tiers: &[&str], outage: Option<(Duration, Duration)>) -> FakeApi {
-    let spec = FakeApiSpec { tiers: tiers.iter().map(|t| t.parse().unwrap()).collect(), latency: (Duration::from_millis(5), Duration::from_millis(20)), outage };
+    let spec =
+        FakeApiSpec { tiers: tiers.iter().map(|t| t.parse().unwrap()).collect(), latency: (Duration::from_millis(5), Duration::from_millis(20)), outage };
     FakeApi::start(spec).await.unwrap()
 }
 
@@ -90,7 +91,12 @@ async fn take_all(queue: &SqsQueue) -> Vec<(String, u32)> {
 }
 
 fn group_counts(summary: &serde_json::Value) -> BTreeMap<String, u64> {
-    summary.as_array().unwrap().iter().map(|g| (format!("{}/{}", g["source"].as_str().unwrap(), g["cause"].as_str().unwrap()), g["count"].as_u64().unwrap())).collect()
+    summary
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| (format!("{}/{}", g["source"].as_str().unwrap(), g["cause"].as_str().unwrap()), g["count"].as_u64().unwrap()))
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -138,7 +144,8 @@ async fn enqueue_status_circuit_and_kick_on_an_aws_lane() {
     assert_eq!((kicks[0].0.as_str(), kicks[0].1["source"].as_str()), ("paceline-orchestrator", Some("paceline.cli")));
 
     // Names from flags alone, no config file: the same lane.
-    let flags = ["status", "--json", "--config", "/nonexistent/paceline.toml", "--queue-url", &names.queue_url, "--dlq-url", &names.dlq_url, "--table", &names.table];
+    let flags =
+        ["status", "--json", "--config", "/nonexistent/paceline.toml", "--queue-url", &names.queue_url, "--dlq-url", &names.dlq_url, "--table", &names.table];
     let status = json_of(&paceline_with_env(&flags, "", &moto_env()).await);
     assert_eq!(status["queue"]["visible"], 1000);
     let missing = paceline_with_env(&["status", "--config", "/nonexistent/paceline.toml", "--queue-url", &names.queue_url], "", &moto_env()).await;
@@ -232,7 +239,15 @@ async fn after_an_outage_dlq_summary_groups_causes_and_redrive_moves_exactly_tho
     assert!(cli(&config, &["circuit", "close", "--reason", "API back"]).await.status.success());
     let healthy = api(&["10/s"], None).await;
     let lambda = FakeLambda::start().await;
-    let env = lane_env(&names, &[("PACELINE_WORKER_FUNCTION", "paceline-worker"), ("PACELINE_TIERS", "10/s"), ("PACELINE_SAFETY_MARGIN", "25ms"), ("PACELINE_API_BASE_URL", healthy.base_url.as_str())]);
+    let env = lane_env(
+        &names,
+        &[
+            ("PACELINE_WORKER_FUNCTION", "paceline-worker"),
+            ("PACELINE_TIERS", "10/s"),
+            ("PACELINE_SAFETY_MARGIN", "25ms"),
+            ("PACELINE_API_BASE_URL", healthy.base_url.as_str()),
+        ],
+    );
     let get = |k: &str| env.get(k).cloned();
     let worker: Arc<dyn WorkerHandler> = Arc::new(paceline_worker::lambda::from_env(&Env::new(&get), &sdk).unwrap());
     lambda.run_worker(worker);
@@ -258,7 +273,8 @@ async fn a_redrive_killed_midway_and_run_again_loses_nothing_and_duplicates_noth
     for (id, status) in failed.iter().map(|id| (id.clone(), 503)).chain(refused.iter().map(|id| (id.clone(), 404))) {
         let queue = queue.clone();
         sends.spawn(async move {
-            let cause = if status == 503 { DeadLetterCause::AttemptsExhausted { last_failure: Some("http_503".into()) } } else { DeadLetterCause::Rejected { status } };
+            let cause =
+                if status == 503 { DeadLetterCause::AttemptsExhausted { last_failure: Some("http_503".into()) } } else { DeadLetterCause::Rejected { status } };
             queue.dead_letter(&id, &job(&id).to_json(), 4, &DeadLetterReason { cause, detail: format!("HTTP {status}") }).await.unwrap();
         });
         if sends.len() >= 16 {

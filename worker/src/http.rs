@@ -118,11 +118,7 @@ impl ApiClient {
         Ok(match self.client.execute(request).await {
             Ok(response) => {
                 let status = response.status().as_u16();
-                let headers = response
-                    .headers()
-                    .iter()
-                    .filter_map(|(n, v)| v.to_str().ok().map(|v| (n.as_str().to_owned(), v.to_owned())))
-                    .collect();
+                let headers = response.headers().iter().filter_map(|(n, v)| v.to_str().ok().map(|v| (n.as_str().to_owned(), v.to_owned()))).collect();
                 // Drain the body so the connection goes back to the pool.
                 let _ = response.bytes().await;
                 CallResult::Response { status, headers }

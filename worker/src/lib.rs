@@ -7,9 +7,9 @@
 //! the call (re-queueing the job) when it started too late to make it.
 
 pub mod classify;
+pub mod http;
 #[cfg(feature = "lambda")]
 pub mod lambda;
-pub mod http;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -162,7 +162,13 @@ async fn a_slotted_job_calls_at_its_slot_and_a_late_one_is_requeued_without_call
     let t0 = worker.clock.now();
     let slotted = |not_before: UnixMillis| {
         let WorkerPayload::Job { job, .. } = job_to(200) else { unreachable!() };
-        WorkerPayload::Job { job, attempt: 1, circuit_epoch: 0, dispatched_at: t0, slot: Some(CallSlot { not_before, call_by: not_before.plus(Duration::from_millis(5)) }) }
+        WorkerPayload::Job {
+            job,
+            attempt: 1,
+            circuit_epoch: 0,
+            dispatched_at: t0,
+            slot: Some(CallSlot { not_before, call_by: not_before.plus(Duration::from_millis(5)) }),
+        }
     };
     worker.handle(slotted(t0.plus(Duration::from_millis(250)))).await.unwrap();
     assert_eq!(*api.calls.lock().unwrap(), vec![t0.plus(Duration::from_millis(250))], "waits for the slot, then calls");

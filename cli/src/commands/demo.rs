@@ -63,9 +63,8 @@ struct DemoReport {
 }
 
 fn demo_jobs(good: usize) -> Vec<String> {
-    let mut bodies: Vec<String> = (0..good)
-        .map(|i| format!(r#"{{"id":"job-{i:04}","request":{{"method":"POST","path":"/items/job-{i:04}","body":{{"n":{i}}}}}}}"#))
-        .collect();
+    let mut bodies: Vec<String> =
+        (0..good).map(|i| format!(r#"{{"id":"job-{i:04}","request":{{"method":"POST","path":"/items/job-{i:04}","body":{{"n":{i}}}}}}}"#)).collect();
     for i in 0..5 {
         let at = (i + 1) * good / 6;
         bodies.insert(at.min(bodies.len()), format!(r#"{{"id":"gone-{i}","request":{{"method":"GET","path":"/missing/{i}"}}}}"#));
@@ -151,7 +150,9 @@ impl DemoArgs {
             println!("Paceline demo");
             println!("  fake API   {} (strict quota {}; calls take 0.2-1.5 s)", api.base_url, TIERS.join(" + "));
             match outage {
-                Some((after, length)) => println!("  outage     503s from {} after its first call, for {}", humantime::format_duration(after), humantime::format_duration(length)),
+                Some((after, length)) => {
+                    println!("  outage     503s from {} after its first call, for {}", humantime::format_duration(after), humantime::format_duration(length))
+                }
                 None => println!("  outage     none"),
             }
             println!("  lane       {} ({} jobs enqueued: {} good, 5 for missing items, 4 malformed)", config_path.display(), bodies.len(), self.jobs);
@@ -185,7 +186,10 @@ impl DemoArgs {
 
 fn print_report(r: &DemoReport) {
     println!("What the API saw");
-    println!("  calls {}: {} ok, {} quota rejections (429), {} failed in the outage (503), {} not found (404)", r.api_calls, r.api_ok, r.quota_rejections, r.outage_failures, r.not_found);
+    println!(
+        "  calls {}: {} ok, {} quota rejections (429), {} failed in the outage (503), {} not found (404)",
+        r.api_calls, r.api_ok, r.quota_rejections, r.outage_failures, r.not_found
+    );
     for t in &r.api_tiers {
         println!("  {:<10} busiest window held {:>5} of {:>5} calls  {}", t.tier, t.peak_window, t.limit, if t.within_limit { "ok" } else { "OVER QUOTA" });
     }

@@ -244,7 +244,8 @@ async fn show(queues: &dyn DeadLetterQueues, id: &str, hold: Duration, json: boo
     println!("detail:     {}", record.detail);
     println!("attempt:    {}", record.attempt);
     println!("dead since: {}", record.dead_at.to_rfc3339());
-    let body = serde_json::from_str::<serde_json::Value>(&record.raw).map_or_else(|_| record.raw.clone(), |v| serde_json::to_string_pretty(&v).unwrap_or_default());
+    let body =
+        serde_json::from_str::<serde_json::Value>(&record.raw).map_or_else(|_| record.raw.clone(), |v| serde_json::to_string_pretty(&v).unwrap_or_default());
     println!("message:\n{body}");
     Ok(())
 }
@@ -302,10 +303,8 @@ async fn remove(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duratio
                 break;
             }
             bar.inc(page.len() as u64);
-            let (act_on, no_job): (Vec<DeadLetterRecord>, Vec<DeadLetterRecord>) = page
-                .into_iter()
-                .filter(|r| filter.matches(r, now))
-                .partition(|r| matches!(kind, RemovalKind::Purge) || r.job_body.is_some());
+            let (act_on, no_job): (Vec<DeadLetterRecord>, Vec<DeadLetterRecord>) =
+                page.into_iter().filter(|r| filter.matches(r, now)).partition(|r| matches!(kind, RemovalKind::Purge) || r.job_body.is_some());
             outcome.matched += (act_on.len() + no_job.len()) as u64;
             outcome.no_job += no_job.len() as u64;
             if dry_run {

@@ -85,9 +85,7 @@ impl SimulateArgs {
         let plan = self.plan()?;
         let baselines = self.baselines;
         // The simulation runs its own paused runtime, on a thread of its own.
-        let reports = tokio::task::spawn_blocking(move || run_all(&plan, baselines).map(|reports| (plan, reports)))
-            .await
-            .context("the simulation failed")?;
+        let reports = tokio::task::spawn_blocking(move || run_all(&plan, baselines).map(|reports| (plan, reports))).await.context("the simulation failed")?;
         let (plan, reports) = reports?;
         let main = &reports[0];
         if let Some(path) = &self.plot {

@@ -16,11 +16,11 @@ use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::breaker::Circuit;
-use crate::job::{DeadLetterReason, WorkerPayload};
 use crate::dlq::{jobs_record, DeadLetterRecord, DlqSource};
+use crate::job::{DeadLetterReason, WorkerPayload};
 use crate::ports::{
-    redrive_messages, DeadLetter, DeadLetterQueues, PacerSnapshot, Invoker, JobQueue, Lease, OutgoingMessage, PortError, PortResult, QueueDepth, QueuedMessage, StateStore,
-    WorkerHandler,
+    redrive_messages, DeadLetter, DeadLetterQueues, Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth, QueuedMessage,
+    StateStore, WorkerHandler,
 };
 use crate::time::{Clock, UnixMillis};
 
@@ -116,18 +116,13 @@ impl EmbeddedStore {
     }
 
     fn get_kv<T: serde::de::DeserializeOwned>(&self, key: &str) -> PortResult<Option<T>> {
-        let text: Option<String> = self
-            .conn()
-            .query_row("SELECT value FROM kv WHERE key = ?1", [key], |r| r.get(0))
-            .optional()
-            .map_err(sql_err)?;
+        let text: Option<String> = self.conn().query_row("SELECT value FROM kv WHERE key = ?1", [key], |r| r.get(0)).optional().map_err(sql_err)?;
         text.map(|t| serde_json::from_str(&t).map_err(|e| fatal(format!("stored {key} is unreadable: {e}")))).transpose()
     }
 
     fn put_kv<T: serde::Serialize>(conn: &Connection, key: &str, value: &T) -> PortResult<()> {
         let text = serde_json::to_string(value).map_err(fatal)?;
-        conn.execute("INSERT INTO kv (key, value) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET value = ?2", params![key, text])
-            .map_err(sql_err)?;
+        conn.execute("INSERT INTO kv (key, value) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET value = ?2", params![key, text]).map_err(sql_err)?;
         Ok(())
     }
 
@@ -145,9 +140,8 @@ impl EmbeddedStore {
                     Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, u32>(3)?))
                 })
                 .map_err(sql_err)?;
-            let mut update = tx
-                .prepare_cached("UPDATE messages SET visible_at = ?1, receipt = ?2, receive_count = receive_count + 1 WHERE seq = ?3")
-                .map_err(sql_err)?;
+            let mut update =
+                tx.prepare_cached("UPDATE messages SET visible_at = ?1, receipt = ?2, receive_count = receive_count + 1 WHERE seq = ?3").map_err(sql_err)?;
             for row in rows {
                 let (seq, message_id, body, attempt) = row.map_err(sql_err)?;
                 let receipt = uuid::Uuid::new_v4().to_string();
@@ -170,9 +164,8 @@ impl EmbeddedStore {
     /// Up to `limit` dead letters after row `after`, with their row numbers.
     fn dead_letter_rows(&self, after: i64, limit: i64) -> PortResult<Vec<(i64, DeadLetter)>> {
         let conn = self.conn();
-        let mut select = conn
-            .prepare("SELECT seq, message_id, body, attempt, reason, dead_at FROM dead_letters WHERE seq > ?1 ORDER BY seq LIMIT ?2")
-            .map_err(sql_err)?;
+        let mut select =
+            conn.prepare("SELECT seq, message_id, body, attempt, reason, dead_at FROM dead_letters WHERE seq > ?1 ORDER BY seq LIMIT ?2").map_err(sql_err)?;
         let rows = select
             .query_map(params![after, limit], |r| {
                 Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, u32>(3)?, r.get::<_, String>(4)?, r.get::<_, i64>(5)?))
@@ -202,8 +195,7 @@ impl EmbeddedStore {
     fn record_invocation(&self, payload: &WorkerPayload, from_receipt: Option<&str>) -> PortResult<i64> {
         let mut conn = self.conn();
         let tx = conn.transaction().map_err(sql_err)?;
-        tx.execute("INSERT INTO invocations (payload, created_at) VALUES (?1, ?2)", params![payload.to_json(), to_i64(self.clock.now().0)])
-            .map_err(sql_err)?;
+        tx.execute("INSERT INTO invocations (payload, created_at) VALUES (?1, ?2)", params![payload.to_json(), to_i64(self.clock.now().0)]).map_err(sql_err)?;
         let seq = tx.last_insert_rowid();
         if let Some(receipt) = from_receipt {
             tx.execute("DELETE FROM messages WHERE receipt = ?1", [receipt]).map_err(sql_err)?;
@@ -226,10 +218,8 @@ impl EmbeddedStore {
     /// `Fatal` on a database failure.
     pub fn recover_after_crash(&self) -> PortResult<(usize, usize)> {
         let now = to_i64(self.clock.now().0);
-        let released = self
-            .conn()
-            .execute("UPDATE messages SET visible_at = ?1, receipt = NULL WHERE receipt IS NOT NULL AND visible_at > ?1", [now])
-            .map_err(sql_err)?;
+        let released =
+            self.conn().execute("UPDATE messages SET visible_at = ?1, receipt = NULL WHERE receipt IS NOT NULL AND visible_at > ?1", [now]).map_err(sql_err)?;
         Ok((released, self.requeue_invocations(None)?))
     }
 
@@ -297,11 +287,9 @@ pub fn lock_exclusive(db_path: &Path) -> PortResult<std::fs::File> {
         .map_err(|e| fatal(format!("cannot open {}: {e}", lock_path.display())))?;
     match file.try_lock() {
         Ok(()) => Ok(file),
-        Err(std::fs::TryLockError::WouldBlock) => Err(PortError::Conflict(format!(
-            "another paceline run is using {} (lock file {})",
-            db_path.display(),
-            lock_path.display()
-        ))),
+        Err(std::fs::TryLockError::WouldBlock) => {
+            Err(PortError::Conflict(format!("another paceline run is using {} (lock file {})", db_path.display(), lock_path.display())))
+        }
         Err(std::fs::TryLockError::Error(e)) => Err(fatal(format!("cannot lock {}: {e}", lock_path.display()))),
     }
 }
@@ -332,8 +320,7 @@ impl JobQueue for EmbeddedStore {
         let now = to_i64(self.clock.now().0);
         let conn = self.conn();
         for receipt in receipts {
-            conn.execute("UPDATE messages SET visible_at = ?1, receipt = NULL WHERE receipt = ?2", params![now, receipt])
-                .map_err(sql_err)?;
+            conn.execute("UPDATE messages SET visible_at = ?1, receipt = NULL WHERE receipt = ?2", params![now, receipt]).map_err(sql_err)?;
         }
         Ok(())
     }
@@ -365,8 +352,7 @@ impl JobQueue for EmbeddedStore {
         let count = |sql: &str, p: &[&dyn rusqlite::ToSql]| conn.query_row(sql, p, |r| r.get::<_, i64>(0)).map(to_u64).map_err(sql_err);
         Ok(QueueDepth {
             visible: count("SELECT COUNT(*) FROM messages WHERE visible_at <= ?1", &[&now])?,
-            not_visible: count("SELECT COUNT(*) FROM messages WHERE visible_at > ?1", &[&now])?
-                + count("SELECT COUNT(*) FROM invocations", &[])?,
+            not_visible: count("SELECT COUNT(*) FROM messages WHERE visible_at > ?1", &[&now])? + count("SELECT COUNT(*) FROM invocations", &[])?,
             dead: count("SELECT COUNT(*) FROM dead_letters", &[])?,
         })
     }
@@ -492,10 +478,7 @@ impl StateStore for EmbeddedStore {
         let conn = self.conn();
         keys.iter()
             .map(|k| {
-                conn.query_row("SELECT used FROM usage WHERE key = ?1", [k], |r| r.get::<_, i64>(0))
-                    .optional()
-                    .map(|v| v.map_or(0, to_u64))
-                    .map_err(sql_err)
+                conn.query_row("SELECT used FROM usage WHERE key = ?1", [k], |r| r.get::<_, i64>(0)).optional().map(|v| v.map_or(0, to_u64)).map_err(sql_err)
             })
             .collect()
     }

@@ -58,10 +58,7 @@ impl Invoker for RecordingInvoker {
         if let Some(error) = self.scripted_errors.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop_front() {
             return Err(error);
         }
-        self.accepted
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push((self.clock.now(), payload.clone()));
+        self.accepted.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((self.clock.now(), payload.clone()));
         if let Some(handler) = &self.forward_to {
             handler.handle(payload.clone()).await?;
         }

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use aws_sdk_sqs::types::{
-    ChangeMessageVisibilityBatchRequestEntry, DeleteMessageBatchRequestEntry, Message, MessageAttributeValue, MessageSystemAttributeName,
-    QueueAttributeName, SendMessageBatchRequestEntry,
+    ChangeMessageVisibilityBatchRequestEntry, DeleteMessageBatchRequestEntry, Message, MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
+    SendMessageBatchRequestEntry,
 };
 use aws_sdk_sqs::Client;
 
@@ -95,7 +95,12 @@ impl SqsQueue {
                 .iter()
                 .enumerate()
                 .map(|(i, r)| {
-                    ChangeMessageVisibilityBatchRequestEntry::builder().id(i.to_string()).receipt_handle(r).visibility_timeout(seconds).build().map_err(build_error)
+                    ChangeMessageVisibilityBatchRequestEntry::builder()
+                        .id(i.to_string())
+                        .receipt_handle(r)
+                        .visibility_timeout(seconds)
+                        .build()
+                        .map_err(build_error)
                 })
                 .collect::<PortResult<Vec<_>>>()?;
             self.client
@@ -162,12 +167,7 @@ impl JobQueue for SqsQueue {
                 message_id: m.message_id().unwrap_or_default().to_owned(),
                 receipt: m.receipt_handle().unwrap_or_default().to_owned(),
                 body: m.body().unwrap_or_default().to_owned(),
-                attempt: m
-                    .message_attributes()
-                    .and_then(|a| a.get("attempt"))
-                    .and_then(|v| v.string_value())
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(0),
+                attempt: m.message_attributes().and_then(|a| a.get("attempt")).and_then(|v| v.string_value()).and_then(|v| v.parse().ok()).unwrap_or(0),
             })
             .collect())
     }
@@ -185,10 +185,8 @@ impl JobQueue for SqsQueue {
         for batch in messages.chunks(BATCH) {
             let mut pending: HashMap<String, SendMessageBatchRequestEntry> = HashMap::new();
             for (i, m) in batch.iter().enumerate() {
-                let mut entry = SendMessageBatchRequestEntry::builder()
-                    .id(i.to_string())
-                    .message_body(&m.body)
-                    .message_attributes("attempt", number(m.attempt)?);
+                let mut entry =
+                    SendMessageBatchRequestEntry::builder().id(i.to_string()).message_body(&m.body).message_attributes("attempt", number(m.attempt)?);
                 if fifo {
                     entry = entry.message_group_id("paceline").message_deduplication_id(uuid::Uuid::new_v4().to_string());
                 } else {

@@ -113,8 +113,9 @@ async fn invokes_are_async_events_and_throttling_is_typed() {
     invoker.invoke(&payload, None).await.unwrap();
     assert_eq!(accepted.num_calls(), 1);
 
-    let throttled = mock!(aws_sdk_lambda::Client::invoke)
-        .then_error(|| InvokeError::TooManyRequestsException(TooManyRequestsException::builder().message("Rate exceeded").meta(meta("TooManyRequestsException")).build()));
+    let throttled = mock!(aws_sdk_lambda::Client::invoke).then_error(|| {
+        InvokeError::TooManyRequestsException(TooManyRequestsException::builder().message("Rate exceeded").meta(meta("TooManyRequestsException")).build())
+    });
     let invoker = LambdaInvoker::new(mock_client!(aws_sdk_lambda, [&throttled]), "worker");
     assert!(matches!(invoker.invoke(&payload, None).await, Err(PortError::Throttled(_))));
 }
