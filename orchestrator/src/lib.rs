@@ -61,9 +61,6 @@ const MAX_INVOKES_IN_FLIGHT: usize = 256;
 /// last hand-offs, flush and give the lease up).
 pub const HANDOVER: Duration = Duration::from_millis(250);
 
-/// How long, at the rolling tiers' pace, one reservation of calendar units lasts, in
-/// flush intervals: one store write per that many.
-const RESERVATION_FLUSHES: u32 = 1;
 /// Units reserved at a time when no rolling tier sets a pace.
 const RESERVATION_WITHOUT_PACE: u64 = 10;
 
@@ -635,11 +632,7 @@ impl Run<'_> {
         let quota = &self.o.settings.quota;
         let used = self.pacer.usage(quota, slot);
         let rate = quota.rolling_rate_per_second();
-        let block = if rate.is_finite() {
-            (rate * (self.o.settings.orchestrator.flush_interval * RESERVATION_FLUSHES).as_secs_f64()).ceil() as u64
-        } else {
-            RESERVATION_WITHOUT_PACE
-        };
+        let block = if rate.is_finite() { (rate * self.o.settings.orchestrator.flush_interval.as_secs_f64()).ceil() as u64 } else { RESERVATION_WITHOUT_PACE };
         let mut needed = Vec::new();
         for (index, tier) in quota.tiers.iter().enumerate().filter(|(_, t)| t.is_calendar()) {
             let key = tier.usage_key(quota.zone, slot);
@@ -777,11 +770,9 @@ impl Run<'_> {
             return Ok(());
         }
         let slot = self.slot_at(now);
+        let needed = self.reservations_needed(1, slot);
         match self.quota().decide(&self.pacer, 1, slot) {
-            Decision::Allow if !self.reservations_needed(1, slot).is_empty() => {
-                let needed = self.reservations_needed(1, slot);
-                self.reserve(needed).await?;
-            }
+            Decision::Allow if !needed.is_empty() => self.reserve(needed).await?,
             Decision::Allow => {
                 let payload = WorkerPayload::HealthCheck { circuit_epoch: self.circuit.epoch, sent_at: now, slot: self.call_slot(slot) };
                 if self.invoke_health_check(&payload).await? {

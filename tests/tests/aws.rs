@@ -290,7 +290,7 @@ async fn an_orchestrator_killed_mid_run_never_lets_the_day_counter_fall_under_th
     let killed = tokio::time::timeout(Duration::from_millis(3_300), lane.orchestrator().run(&drain_opts("killed", Duration::from_secs(60)))).await;
     assert!(killed.is_err(), "the run was meant to be cut off");
     let handed_off = lane.job_ids().len() as u64;
-    let counted = lane.store().load_usage(&[key.clone()]).await.unwrap()[0];
+    let counted = lane.store().load_usage(std::slice::from_ref(&key)).await.unwrap()[0];
     assert!(handed_off >= 10, "the killed run had barely started ({handed_off})");
     assert!(counted >= handed_off, "the day counter says {counted} after {handed_off} hand-offs");
 
