@@ -426,3 +426,15 @@ async fn a_cleared_cool_down_no_longer_holds_the_next_run() {
     lane.orchestrator.run(&RunOptions { deadline: at.plus(Duration::from_secs(10)), ..opts(true, Duration::ZERO) }).await.unwrap();
     assert_eq!(lane.invoker.accepted().first().map(|(t, _)| *t), Some(at));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_large_body_is_paced_on_its_arrival_so_the_next_call_keeps_its_distance() {
+    let lane = lane(&["5/s"], 0);
+    let body = format!("\"{}\"", "x".repeat(1_000_000));
+    let big = format!(r#"{{"id":"big","request":{{"method":"POST","path":"/upload","body":{body}}}}}"#);
+    enqueue(&lane, vec![job("a"), big, job("b"), job("c")]).await;
+    lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    // The 1 MB body may arrive 100 ms after its slot (200): the next call goes 200 ms
+    // after that arrival, not after the slot.
+    assert_eq!(offsets(&lane), vec![0, 200, 500, 700]);
+}
