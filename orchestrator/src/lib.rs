@@ -642,17 +642,18 @@ impl Run<'_> {
     /// uses in a flush interval, no more than the tier has left and no less than needed.
     fn reservations_needed(&self, cost: u64, slot: UnixMillis) -> Vec<(String, u64)> {
         let quota = &self.o.settings.quota;
-        let used = self.pacer.usage(quota, slot);
-        let rate = quota.rolling_rate_per_second();
-        let block = if rate.is_finite() { (rate * self.o.settings.orchestrator.flush_interval.as_secs_f64()).ceil() as u64 } else { RESERVATION_WITHOUT_PACE };
         let mut needed = Vec::new();
         for (index, tier) in quota.tiers.iter().enumerate().filter(|(_, t)| t.is_calendar()) {
             let key = tier.usage_key(quota.zone, slot);
             let have = self.reserved.get(&key).copied().unwrap_or(0);
-            if have < cost {
-                let left = tier.limit.saturating_sub(used[index]).saturating_sub(have);
-                needed.push((key, block.min(left).max(cost - have)));
+            if have >= cost {
+                continue; // the common case, on every dispatch: no work beyond the lookup
             }
+            let rate = quota.rolling_rate_per_second();
+            let block =
+                if rate.is_finite() { (rate * self.o.settings.orchestrator.flush_interval.as_secs_f64()).ceil() as u64 } else { RESERVATION_WITHOUT_PACE };
+            let left = tier.limit.saturating_sub(self.pacer.usage(quota, slot)[index]).saturating_sub(have);
+            needed.push((key, block.min(left).max(cost - have)));
         }
         needed
     }
