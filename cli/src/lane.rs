@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
-use paceline_orchestrator::{Orchestrator, Progress, RunOptions, RunReport, Settings};
+use paceline_orchestrator::{Orchestrator, RunOptions, RunReport, Settings};
 use paceline_shared::adapters::embedded::{canonical_db_path, lock_exclusive, EmbeddedInvoker, EmbeddedStore};
 use paceline_shared::config::{Backend, Config};
 use paceline_shared::ports::{JobQueue, WorkerHandler};
@@ -109,14 +109,8 @@ impl EmbeddedLane {
             health_check: config.api.health_check.clone(),
             stats: worker_stats.clone(),
         });
-        let orchestrator = Orchestrator {
-            queue: store.clone(),
-            store: store.clone(),
-            invoker: Arc::new(EmbeddedInvoker::new(store.clone(), worker)),
-            clock,
-            settings: Settings { quota: config.quota.clone(), orchestrator: config.orchestrator, circuit: config.circuit },
-            progress: Arc::new(Progress::default()),
-        };
+        let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), worker));
+        let orchestrator = Orchestrator::new(store.clone(), store.clone(), invoker, clock, Settings::from_config(config));
         let settle_for = config.api.timeout + config.orchestrator.dispatch_ahead + Duration::from_secs(1);
         Ok(Self { store, orchestrator, worker_stats, settle_for, _lock: lock })
     }
@@ -138,8 +132,8 @@ impl EmbeddedLane {
             }
             let _ = stop_tx.send(true);
         });
-        let now = self.orchestrator.clock.now();
-        let deadline = for_at_most.map_or(UnixMillis(u64::MAX / 2), |d| now.plus(d).plus(self.orchestrator.settings.orchestrator.deadline_margin));
+        let now = self.orchestrator.clock().now();
+        let deadline = for_at_most.map_or(UnixMillis(u64::MAX / 2), |d| now.plus(d).plus(self.orchestrator.settings().orchestrator.deadline_margin));
         let opts = RunOptions { holder: format!("paceline-run-{}", std::process::id()), deadline, drain, stop: Some(stop_rx) };
         let bar = show_progress.then(|| self.progress_bar());
         let report = self.orchestrator.run(&opts).await;
@@ -157,7 +151,7 @@ impl EmbeddedLane {
     /// take; returns how many are still running.
     async fn settle_in_flight(&self) -> usize {
         let give_up = tokio::time::Instant::now() + self.settle_for;
-        let invoker = &self.orchestrator.invoker;
+        let invoker = self.orchestrator.invoker();
         while invoker.in_flight() > 0 && tokio::time::Instant::now() < give_up {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -170,7 +164,7 @@ impl EmbeddedLane {
             ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {pos}/{len} jobs settled  {per_sec}  ETA {eta}  {msg}")
                 .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
-        let (store, stats, progress, ticking) = (self.store.clone(), self.worker_stats.clone(), self.orchestrator.progress.clone(), bar.clone());
+        let (store, stats, progress, ticking) = (self.store.clone(), self.worker_stats.clone(), self.orchestrator.progress().clone(), bar.clone());
         let ticker = tokio::spawn(async move {
             loop {
                 let settled = WorkerStats::get(&stats.succeeded) + store.depth().await.map_or(0, |d| d.dead);

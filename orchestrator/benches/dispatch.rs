@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use paceline_orchestrator::{Orchestrator, Progress, RunOptions, Settings};
+use paceline_orchestrator::{Orchestrator, RunOptions, Settings};
 use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::adapters::memory::RecordingInvoker;
 use paceline_shared::breaker::Circuit;
@@ -161,14 +161,9 @@ async fn lane(tiers: &[&str], jobs: usize, invoke_latency: Duration, receive_lat
     let counts = Counts::default();
     let counting = Arc::new(Counting { inner: store, counts: counts.clone(), clock: clock.clone(), receive_latency });
     let quota = Quota::new(tiers.iter().map(|t| t.parse().unwrap()).collect(), chrono_tz::UTC, Duration::from_millis(10)).unwrap();
-    let orchestrator = Orchestrator {
-        queue: counting.clone(),
-        store: counting,
-        invoker: Arc::new(CountingInvoker { inner: RecordingInvoker::new(clock.clone()).with_latency(invoke_latency), counts: counts.clone() }),
-        clock,
-        settings: Settings { quota, orchestrator: OrchestratorConfig::default(), circuit: CircuitConfig::default() },
-        progress: Arc::new(Progress::default()),
-    };
+    let invoker = Arc::new(CountingInvoker { inner: RecordingInvoker::new(clock.clone()).with_latency(invoke_latency), counts: counts.clone() });
+    let settings = Settings { quota, orchestrator: OrchestratorConfig::default(), circuit: CircuitConfig::default() };
+    let orchestrator = Orchestrator::new(counting.clone(), counting, invoker, clock, settings);
     Bench { orchestrator, counts }
 }
 
@@ -185,7 +180,7 @@ fn requests_per_job() {
         runtime.block_on(async {
             let jobs = rate * 60;
             let bench = lane(&[tier, "10000000/day"], jobs, Duration::from_millis(20), Duration::from_millis(10)).await;
-            let report = bench.orchestrator.run(&drain_within(bench.orchestrator.clock.as_ref(), Duration::from_secs(600))).await.unwrap();
+            let report = bench.orchestrator.run(&drain_within(bench.orchestrator.clock().as_ref(), Duration::from_secs(600))).await.unwrap();
             assert_eq!(report.dispatched as usize, jobs);
             let counts = bench.counts.lock().unwrap().clone();
             let mut besides_invoke = 0.0;
@@ -213,7 +208,7 @@ fn dispatch_rate() {
             let jobs = 10_000;
             let bench = lane(&["5000/s"], jobs, Duration::from_millis(20), receive_latency).await;
             let started = Instant::now();
-            let report = bench.orchestrator.run(&drain_within(bench.orchestrator.clock.as_ref(), Duration::from_secs(120))).await.unwrap();
+            let report = bench.orchestrator.run(&drain_within(bench.orchestrator.clock().as_ref(), Duration::from_secs(120))).await.unwrap();
             let seconds = started.elapsed().as_secs_f64();
             assert_eq!(report.dispatched as usize, jobs);
             println!("| 20 ms | {} ms | {jobs} | {seconds:.2} | {:.0} |", receive_latency.as_millis(), jobs as f64 / seconds);

@@ -13,7 +13,7 @@ use paceline_shared::lambda_env::Env;
 use paceline_shared::time::{SystemClock, UnixMillis};
 use serde_json::{json, Value};
 
-use crate::{handover_deadline, Orchestrator, Progress, RunError, RunOptions, RunReport, Settings};
+use crate::{handover_deadline, Orchestrator, RunError, RunOptions, RunReport, Settings};
 
 /// How often the stack's schedule kicks the orchestrator (`rate(1 minute)` in
 /// `infra/template.yaml`).
@@ -27,14 +27,7 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
     let names = AwsNames::from_env(env, true)?;
     let settings = Settings { quota: env.quota()?, orchestrator: env.orchestrator()?, circuit: env.circuit()? };
     let aws = AwsAdapters::new(sdk, &names, lambda_endpoint);
-    Ok(Orchestrator {
-        queue: Arc::new(aws.queue),
-        store: Arc::new(aws.store),
-        invoker: Arc::new(aws.invoker),
-        clock: Arc::new(SystemClock),
-        settings,
-        progress: Arc::new(Progress::default()),
-    })
+    Ok(Orchestrator::new(Arc::new(aws.queue), Arc::new(aws.store), Arc::new(aws.invoker), Arc::new(SystemClock), settings))
 }
 
 /// Handles one kick. A kick while another run holds the lease is not an error: it

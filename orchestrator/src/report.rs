@@ -68,6 +68,23 @@ pub struct RunReport {
     pub tiers: Vec<TierReport>,
 }
 
+impl RunReport {
+    /// The report of a run that started at `at` and has done nothing yet.
+    pub(crate) fn starting_at(at: UnixMillis) -> Self {
+        Self {
+            started_at: at,
+            ended_at: at,
+            stop: StopReason::Deadline,
+            dispatched: 0,
+            health_checks: 0,
+            dead_lettered: 0,
+            released: 0,
+            paced_ms: 0,
+            tiers: Vec::new(),
+        }
+    }
+}
+
 /// Accumulates the per-tier figures during a run.
 pub(crate) struct TierMeter {
     peaks: Vec<WindowPeak>,

@@ -24,24 +24,27 @@ struct Lane {
     orchestrator: Orchestrator,
 }
 
-fn lane_with(tiers: &[&str], margin_ms: u64, invoker: impl FnOnce(Arc<TokioClock>) -> RecordingInvoker) -> Lane {
+fn lane_built(tiers: &[&str], margin_ms: u64, invoker: impl FnOnce(Arc<TokioClock>) -> RecordingInvoker, adjust: impl FnOnce(&mut Settings)) -> Lane {
     let clock = Arc::new(TokioClock::anchored_at(T0));
     let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap());
     let invoker = Arc::new(invoker(clock.clone()));
     let quota = Quota::new(tiers.iter().map(|t| t.parse().unwrap()).collect(), chrono_tz::UTC, Duration::from_millis(margin_ms)).unwrap();
-    let orchestrator = Orchestrator {
-        queue: store.clone(),
-        store: store.clone(),
-        invoker: invoker.clone(),
-        clock: clock.clone(),
-        settings: Settings {
-            quota,
-            orchestrator: OrchestratorConfig { deadline_margin: Duration::from_secs(1), ..OrchestratorConfig::default() },
-            circuit: CircuitConfig { health_check_interval: Duration::from_secs(2) },
-        },
-        progress: Arc::default(),
+    let mut settings = Settings {
+        quota,
+        orchestrator: OrchestratorConfig { deadline_margin: Duration::from_secs(1), ..OrchestratorConfig::default() },
+        circuit: CircuitConfig { health_check_interval: Duration::from_secs(2) },
     };
+    adjust(&mut settings);
+    let orchestrator = Orchestrator::new(store.clone(), store.clone(), invoker.clone(), clock.clone(), settings);
     Lane { clock, store, invoker, orchestrator }
+}
+
+fn lane_with(tiers: &[&str], margin_ms: u64, invoker: impl FnOnce(Arc<TokioClock>) -> RecordingInvoker) -> Lane {
+    lane_built(tiers, margin_ms, invoker, |_| {})
+}
+
+fn lane_with_settings(tiers: &[&str], margin_ms: u64, adjust: impl FnOnce(&mut Settings)) -> Lane {
+    lane_built(tiers, margin_ms, |clock| RecordingInvoker::new(clock), adjust)
 }
 
 fn lane(tiers: &[&str], margin_ms: u64) -> Lane {
@@ -129,7 +132,7 @@ async fn open_circuit_holds_jobs_sends_health_checks_and_resumes_when_closed() {
     let open = lane.store.circuit().await.unwrap().open(0, "HTTP 503", T0).unwrap();
     lane.store.swap_circuit(0, &open).await.unwrap();
     enqueue(&lane, (0..3).map(|i| job(&format!("j{i}")))).await;
-    let orchestrator = Orchestrator { invoker: invoker.clone(), ..lane.orchestrator };
+    let orchestrator = lane.orchestrator.with_invoker(invoker.clone());
     let report = orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
     let sent: Vec<(u64, &str)> =
         invoker.accepted().iter().map(|(t, p)| (t.0 - T0.0, if matches!(p, WorkerPayload::HealthCheck { .. }) { "check" } else { "job" })).collect();
@@ -240,7 +243,8 @@ async fn after_a_crashed_run_dispatch_waits_one_window_of_the_longest_tier() {
     let lane = lane(&["5/s", "60/min"], 0);
     // A run that crashed leaves a mid-run snapshot behind.
     let lease = lane.store.acquire_lease("crashed", Duration::from_secs(30), T0).await.unwrap();
-    let snapshot = paceline_shared::ports::PacerSnapshot { state: paceline_shared::pacer::PacerState::new(&lane.orchestrator.settings.quota), at_exit: false };
+    let snapshot =
+        paceline_shared::ports::PacerSnapshot { state: paceline_shared::pacer::PacerState::new(&lane.orchestrator.settings().quota), at_exit: false };
     lane.store.save_pacer(&lease, &snapshot).await.unwrap();
     lane.store.clear_lease().unwrap();
     enqueue(&lane, vec![job("a"), job("b")]).await;
@@ -265,8 +269,7 @@ async fn slow_invokes_do_not_delay_the_next_slot() {
 
 #[tokio::test(start_paused = true)]
 async fn dispatch_ahead_hands_jobs_off_early_with_their_slot() {
-    let mut lane = lane(&["1/s"], 20);
-    lane.orchestrator.settings.orchestrator.dispatch_ahead = Duration::from_millis(300);
+    let lane = lane_with_settings(&["1/s"], 20, |settings| settings.orchestrator.dispatch_ahead = Duration::from_millis(300));
     enqueue(&lane, (0..4).map(|i| job(&format!("j{i}")))).await;
     lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
     let slots: Vec<(u64, u64, u64)> = lane
@@ -390,7 +393,7 @@ impl StateStore for RenewalsFail {
 #[tokio::test(start_paused = true)]
 async fn while_renewals_fail_dispatch_stops_when_the_lease_runs_out_locally() {
     let mut lane = lane(&["1/s"], 0);
-    lane.orchestrator.store = Arc::new(RenewalsFail(lane.store.clone()));
+    lane.orchestrator = lane.orchestrator.with_store(Arc::new(RenewalsFail(lane.store.clone())));
     enqueue(&lane, (0..60).map(|i| job(&format!("j{i}")))).await;
     let report = lane.orchestrator.run(&opts(true, Duration::from_secs(120))).await.unwrap();
     // lease_ttl 30 s, of which this process counts on 24 s: the last slot before that.

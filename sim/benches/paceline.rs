@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use paceline_orchestrator::{Orchestrator, Progress, RunOptions, Settings};
+use paceline_orchestrator::{Orchestrator, RunOptions, Settings};
 use paceline_shared::config::{CircuitConfig, OrchestratorConfig, RetryConfig};
 use paceline_shared::job::WorkerPayload;
 use paceline_shared::ports::{Invoker, PortResult};
@@ -84,14 +84,7 @@ fn drain_at_1000_per_second(jobs: usize, invoker: Arc<dyn Invoker>) -> Duration 
         let queue = Arc::new(SimQueue::new(world.clone()));
         queue.preload((0..jobs).map(|n| format!(r#"{{"id":"job-{n}","request":{{"method":"GET","path":"/jobs/{n}"}}}}"#)));
         let clock = Arc::new(SystemClock);
-        let orchestrator = Orchestrator {
-            queue,
-            store: Arc::new(SimStore::new(world)),
-            invoker,
-            clock: clock.clone(),
-            settings: settings(&["1000/s"], 0, 50),
-            progress: Arc::new(Progress::default()),
-        };
+        let orchestrator = Orchestrator::new(queue, Arc::new(SimStore::new(world)), invoker, clock.clone(), settings(&["1000/s"], 0, 50));
         let started = Instant::now();
         let opts = RunOptions { holder: "bench".into(), deadline: clock.now().plus(Duration::from_secs(600)), drain: true, stop: None };
         let report = orchestrator.run(&opts).await.unwrap();

@@ -17,7 +17,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use paceline_orchestrator::{handover_deadline, Orchestrator, Progress, RunOptions, Settings};
+use paceline_orchestrator::{handover_deadline, Orchestrator, RunOptions, Settings};
 use paceline_shared::config::RetryConfig;
 use paceline_shared::job::ApiRequest;
 use paceline_shared::ports::WorkerHandler;
@@ -227,14 +227,7 @@ impl WorkerHandler for Notifying {
 /// 2 s, 4 s... until it is a minute old. Returns when every job settled or time is up.
 async fn run_paceline(plan: &Plan, lane: &Lane) -> (bool, u64) {
     let settings = Settings { quota: plan.settings.quota.clone(), orchestrator: plan.settings.orchestrator, circuit: plan.settings.circuit };
-    let orchestrator = Arc::new(Orchestrator {
-        queue: lane.queue.clone(),
-        store: lane.store.clone(),
-        invoker: lane.lambda.clone(),
-        clock: lane.world.clock.clone(),
-        settings,
-        progress: Arc::new(Progress::default()),
-    });
+    let orchestrator = Arc::new(Orchestrator::new(lane.queue.clone(), lane.store.clone(), lane.lambda.clone(), lane.world.clock.clone(), settings));
     let clock = lane.world.clock.clone();
     let give_up = lane.world.start.plus(plan.time_limit);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

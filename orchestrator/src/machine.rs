@@ -1,0 +1,829 @@
+//! The drain loop's decision step, pure: [`DrainState::next_action`] says what to do at
+//! `now` (renew, refresh, flush, reserve, receive, dead-letter, dispatch, health check,
+//! sleep, stop) and [`DrainState::on_event`] takes what came of it. No port is called
+//! and no time passes here; the executor in `lib.rs` performs the actions.
+//!
+//! The circuit's states are what the dispatch decision matches on: closed, jobs flow;
+//! open, messages in hand are released and a health check goes every interval.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use paceline_shared::breaker::{Circuit, CircuitStatus};
+use paceline_shared::job::{CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
+use paceline_shared::pacer::{Decision, Hold, PacerState};
+use paceline_shared::ports::{Lease, PacerSnapshot, PortError, PortResult, QueuedMessage};
+use paceline_shared::quota::Quota;
+use paceline_shared::time::{UnixMillis, COARSE_WAKE_SLACK};
+use tracing::{debug, info, warn};
+
+use crate::report::TierMeter;
+use crate::timers::{Backoff, Timer, TimerTable};
+use crate::{Progress, RunError, RunReport, Settings, StopReason};
+
+/// Longest long poll (SQS allows 20 s).
+const MAX_POLL: Duration = Duration::from_secs(20);
+/// A draining run's long poll: short, so it notices soon that nothing is left.
+const DRAIN_POLL: Duration = Duration::from_millis(500);
+/// Messages one receive returns at most (SQS batch size).
+pub(crate) const RECEIVE_BATCH: usize = 10;
+/// Prefetch receives under way at once at most: with 10 ms per receive, enough for
+/// 4,000 jobs/s.
+const MAX_RECEIVES_IN_FLIGHT: usize = 4;
+/// After a prefetch found nothing, the next waits this long: an idle queue is not
+/// polled in a loop.
+const PREFETCH_PAUSE: Duration = Duration::from_secs(1);
+/// Receipts deleted in one call at most (SQS batch size).
+pub(crate) const DELETE_BATCH: usize = 10;
+/// Hand-offs awaiting their answer at once at most. Invokes are pipelined so that the
+/// invoke's own latency never delays the next slot: pacing is about frequency.
+const MAX_INVOKES_IN_FLIGHT: usize = 256;
+/// Retries of a refused hand-off: quick, since slots are waiting.
+const INVOKE_BACKOFF: Backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(5));
+/// Retries of a store or queue call that met a passing fault.
+const PORT_BACKOFF: Backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(8));
+/// Lease renewals retry at most a second apart: the lease runs out otherwise.
+const RENEW_BACKOFF: Backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(1));
+/// Units reserved at a time when no rolling tier sets a pace.
+const RESERVATION_WITHOUT_PACE: u64 = 10;
+
+/// The upload rate a call's body is assumed to leave at: a call is paced on its arrival
+/// at the provider, not on its send, so the pacer counts a large body's call that much
+/// after its slot (1 MiB: 105 ms; measured on loopback: 5 to 83 ms late) and the next
+/// call keeps its distance from the arrival.
+const UPLOAD_BYTES_PER_SECOND: u64 = 10_000_000;
+
+/// How much later than its slot a job's call may arrive because of its body's size.
+fn upload_allowance(job: &Job) -> Duration {
+    let bytes = job.request.body.as_ref().map_or(0, |body| body.len() as u64);
+    Duration::from_millis(bytes * 1_000 / UPLOAD_BYTES_PER_SECOND)
+}
+
+/// The part of the lease's time-to-live this process does not count on (clock drift,
+/// a renewal that lands late): the lease is taken as lost a fifth of the TTL early.
+pub(crate) fn lease_valid_for(ttl: Duration) -> Duration {
+    ttl - ttl / 5
+}
+
+/// A message taken off the queue, parsed once, with when it came into hand.
+pub(crate) struct InHand {
+    pub message: QueuedMessage,
+    job: Result<Job, String>,
+    since: UnixMillis,
+}
+
+/// What the executor is to do next. (Moved once per decision; boxing the hand-off would
+/// only add an allocation per job.)
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Action {
+    /// Renew the lease (await it).
+    Renew(Lease),
+    /// Re-read the circuit and the provider's cool-down (await it).
+    Refresh,
+    /// Save the pacer snapshot while the lease is ours (await it).
+    Flush(Lease, PacerSnapshot),
+    /// Add these calendar units to the store before they are spent (await it).
+    Reserve(Vec<(String, u64)>),
+    /// Move a message to the jobs DLQ with its reason (await it).
+    DeadLetter(QueuedMessage, DeadLetterReason),
+    /// Make these received messages visible again (await it).
+    Release(Vec<String>),
+    /// Receive up to `max` messages, waiting up to `wait` for the first (background):
+    /// a long poll when the loop ran dry, a prefetch (no wait) while jobs are in hand.
+    Receive { max: usize, wait: Duration, long_poll: bool },
+    /// Delete these handed-off or dead-lettered messages (background).
+    Delete(Vec<String>),
+    /// Hand a job to a worker (background).
+    Dispatch(InHand, WorkerPayload),
+    /// Hand a health check to a worker (background).
+    HealthCheck(WorkerPayload),
+    /// Nothing left here: ask whether anything is left anywhere (drain mode; await it).
+    CheckDrained,
+    /// Wait until `until` or the first event that comes back, whichever is first.
+    /// `precise`: at the millisecond (dispatching at the slot) or coarsely.
+    Sleep { until: UnixMillis, precise: bool },
+    /// Stop dispatching and finish the run (the reason is in the report).
+    Stop,
+}
+
+/// What came of an action.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Event {
+    Renewed(PortResult<Lease>),
+    Refreshed(PortResult<(Circuit, UnixMillis)>),
+    Flushed(PortResult<()>),
+    Reserved(Vec<(String, u64)>, PortResult<()>),
+    DeadLettered(QueuedMessage, PortResult<()>),
+    Released(usize, PortResult<()>),
+    /// A receive returned, after `took`; `long_poll` when it was allowed to wait.
+    Received {
+        result: PortResult<Vec<QueuedMessage>>,
+        took: Duration,
+        long_poll: bool,
+    },
+    Deleted(Vec<String>, PortResult<()>),
+    HandedOff(InHand, WorkerPayload, PortResult<()>),
+    HealthChecked(PortResult<()>),
+    /// `true` when nothing is left on the queue or in flight anywhere.
+    DrainChecked(PortResult<bool>),
+    /// The operator asked the run to stop.
+    StopRequested,
+}
+
+/// What is under way in the background.
+#[derive(Debug, Default)]
+struct InFlight {
+    hand_offs: usize,
+    receives: usize,
+    deletes: usize,
+    health_check: bool,
+}
+
+impl InFlight {
+    fn any(&self) -> bool {
+        self.hand_offs > 0 || self.receives > 0 || self.deletes > 0 || self.health_check
+    }
+}
+
+/// Retries of each kind, backing off independently.
+struct Backoffs {
+    renew: Backoff,
+    refresh: Backoff,
+    flush: Backoff,
+    receive: Backoff,
+    reserve: Backoff,
+    invoke: Backoff,
+}
+
+/// The state of one run, and the decisions it makes.
+pub(crate) struct DrainState<'a> {
+    settings: &'a Settings,
+    progress: &'a Progress,
+    drain: bool,
+    lease: Lease,
+    /// When the renewal under way was sent: the renewed lease counts from then.
+    renew_sent_at: UnixMillis,
+    pacer: PacerState,
+    /// The hold this lane set itself (after an unclean stop); the provider's cool-down is
+    /// added to it on every refresh, never saved with the pacer.
+    own_hold: UnixMillis,
+    circuit: Circuit,
+    buffer: VecDeque<InHand>,
+    pending_deletes: Vec<String>,
+    /// Messages to dead-letter whose reason came back from a hand-off.
+    to_dead_letter: VecDeque<(QueuedMessage, DeadLetterReason)>,
+    /// Calendar units reserved in the store and not yet spent, by usage key.
+    reserved: BTreeMap<String, u64>,
+    timers: TimerTable,
+    backoffs: Backoffs,
+    in_flight: InFlight,
+    /// How long a receive takes, smoothed: the prefetch keeps that much work in hand.
+    receive_latency: Duration,
+    /// Draining: the last long poll found the queue empty.
+    queue_seen_empty: bool,
+    last_health_check: Option<UnixMillis>,
+    last_dispatch: Option<UnixMillis>,
+    exhausted_logged_until: UnixMillis,
+    meter: TierMeter,
+    stop: Option<StopReason>,
+    pub report: RunReport,
+}
+
+impl<'a> DrainState<'a> {
+    /// The state of a run that took `lease` at `started`, until `deadline`.
+    pub fn new(settings: &'a Settings, progress: &'a Progress, lease: Lease, started: UnixMillis, deadline: UnixMillis, drain: bool) -> Self {
+        let cfg = &settings.orchestrator;
+        let mut timers = TimerTable::default();
+        timers.set(Timer::Renew, started.plus(cfg.lease_ttl / 3));
+        timers.set(Timer::LeaseExpiry, started.plus(lease_valid_for(cfg.lease_ttl)));
+        timers.set(Timer::Refresh, started.plus(cfg.state_refresh));
+        timers.set(Timer::Flush, started.plus(cfg.flush_interval));
+        timers.set(Timer::Stop, deadline.minus(cfg.deadline_margin));
+        Self {
+            settings,
+            progress,
+            drain,
+            lease,
+            renew_sent_at: started,
+            pacer: PacerState::new(&settings.quota),
+            own_hold: UnixMillis(0),
+            circuit: Circuit::default(),
+            buffer: VecDeque::new(),
+            pending_deletes: Vec::new(),
+            to_dead_letter: VecDeque::new(),
+            reserved: BTreeMap::new(),
+            timers,
+            backoffs: Backoffs {
+                renew: RENEW_BACKOFF,
+                refresh: PORT_BACKOFF,
+                flush: PORT_BACKOFF,
+                receive: PORT_BACKOFF,
+                reserve: PORT_BACKOFF,
+                invoke: INVOKE_BACKOFF,
+            },
+            in_flight: InFlight::default(),
+            receive_latency: Duration::ZERO,
+            queue_seen_empty: false,
+            last_health_check: None,
+            last_dispatch: None,
+            exhausted_logged_until: UnixMillis(0),
+            meter: TierMeter::new(&settings.quota),
+            stop: None,
+            report: RunReport::starting_at(started),
+        }
+    }
+
+    fn quota(&self) -> &'a Quota {
+        &self.settings.quota
+    }
+
+    /// How far ahead of its slot a job is handed off.
+    fn lead(&self) -> Duration {
+        self.settings.orchestrator.dispatch_ahead
+    }
+
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// Starts from the last run's snapshot (if any) and the calendar usage in the store.
+    pub fn hydrate(&mut self, snapshot: Option<PacerSnapshot>, calendar_used: &[u64], now: UnixMillis) {
+        let quota = self.quota();
+        if let Some(snapshot) = snapshot {
+            self.pacer = PacerState::restored(quota, &snapshot.state);
+            // A hold left by an earlier run is at most one window of the longest tier
+            // (older versions saved the provider's cool-down in it: never past that).
+            self.pacer.hold_until = self.pacer.hold_until.min(now.plus(quota.longest_window()));
+            if !snapshot.at_exit {
+                warn!("the last run did not stop cleanly: holding dispatch for one window of the longest tier");
+                self.pacer.hold_after_unclean_stop(quota, now);
+            }
+        }
+        self.own_hold = self.pacer.hold_until;
+        for (index, tier) in quota.tiers.iter().enumerate() {
+            if tier.is_calendar() {
+                self.pacer.set_calendar_used(quota, index, calendar_used[index], now);
+            }
+        }
+    }
+
+    /// The pacer snapshot to save: this lane's own hold, not the provider's cool-down.
+    pub fn snapshot(&self, at_exit: bool) -> PacerSnapshot {
+        let mut state = self.pacer.clone();
+        state.hold_until = self.own_hold;
+        PacerSnapshot { state, at_exit }
+    }
+
+    /// Applies a fresh read of the circuit and the provider's cool-down.
+    pub fn apply_shared_state(&mut self, circuit: Circuit, cool_down: UnixMillis, now: UnixMillis) {
+        if circuit.status != self.circuit.status || circuit.epoch != self.circuit.epoch {
+            info!(status = %circuit.status, epoch = circuit.epoch, reason = %circuit.reason, "circuit");
+            self.progress.circuit_open.store(!circuit.is_closed(), Ordering::Relaxed);
+        }
+        match circuit.next_health_check(self.last_health_check, self.settings.circuit.health_check_interval) {
+            Some(due) => self.timers.set(Timer::HealthCheck, due),
+            None => self.timers.stop(Timer::HealthCheck),
+        }
+        self.circuit = circuit;
+        // Not `max` with the last value: an operator may have cleared the cool-down.
+        self.pacer.hold_until = self.own_hold.max(cool_down);
+        self.timers.set(Timer::Refresh, now.plus(self.settings.orchestrator.state_refresh));
+    }
+
+    /// What to do at `now`.
+    pub fn next_action(&mut self, now: UnixMillis) -> Action {
+        if self.stop.is_some() {
+            return Action::Stop;
+        }
+        for hold in [Timer::InvokeHold, Timer::Reserve, Timer::Receive, Timer::Prefetch] {
+            if self.timers.is_expired(hold, now) {
+                self.timers.stop(hold); // over: nothing to wake for
+            }
+        }
+        if self.timers.is_expired(Timer::Stop, now) {
+            return self.stop_with(StopReason::Deadline);
+        }
+        if let Some((message, reason)) = self.to_dead_letter.pop_front() {
+            return Action::DeadLetter(message, reason);
+        }
+        if self.timers.is_expired(Timer::Renew, now) {
+            self.timers.stop(Timer::Renew);
+            self.renew_sent_at = now;
+            return Action::Renew(self.lease.clone());
+        }
+        if self.timers.is_expired(Timer::Refresh, now) {
+            self.timers.stop(Timer::Refresh);
+            return Action::Refresh;
+        }
+        let flush_due = self.timers.is_expired(Timer::Flush, now);
+        if self.pending_deletes.len() >= DELETE_BATCH || (flush_due && !self.pending_deletes.is_empty()) {
+            return self.delete_batch();
+        }
+        if flush_due {
+            self.timers.stop(Timer::Flush);
+            return Action::Flush(self.lease.clone(), self.snapshot(false));
+        }
+        if self.timers.is_expired(Timer::LeaseExpiry, now) {
+            warn!(valid_until = ?self.timers.get(Timer::LeaseExpiry), "the lease ran out before a renewal came through: dispatching stops now");
+            return self.stop_with(StopReason::LeaseLost);
+        }
+        match self.circuit.status {
+            CircuitStatus::Closed => self.while_closed(now),
+            CircuitStatus::Open => self.while_open(now),
+        }
+    }
+
+    fn stop_with(&mut self, reason: StopReason) -> Action {
+        self.stop = Some(reason);
+        Action::Stop
+    }
+
+    fn delete_batch(&mut self) -> Action {
+        self.in_flight.deletes += 1;
+        Action::Delete(self.pending_deletes.drain(..self.pending_deletes.len().min(DELETE_BATCH)).collect())
+    }
+
+    /// Sleeps until `t`, or sooner if a timer fires first.
+    fn sleep_until(&self, t: UnixMillis) -> Action {
+        let until = self.timers.next_timeout().map_or(t, |timeout| timeout.min(t));
+        Action::Sleep { until, precise: self.lead().is_zero() }
+    }
+
+    /// Sleeps until something comes back or a timer fires.
+    fn await_event(&self) -> Action {
+        self.sleep_until(UnixMillis(u64::MAX))
+    }
+
+    /// Jobs flow: prefetch, dead-letter what cannot go, wait for the slot, dispatch.
+    fn while_closed(&mut self, now: UnixMillis) -> Action {
+        let Some(front) = self.buffer.front() else {
+            return self.when_nothing_in_hand(now);
+        };
+        let since = front.since;
+        if let Some(prefetch) = self.prefetch(now) {
+            return prefetch;
+        }
+        let front = self.buffer.front().expect("the message in hand");
+        let job = match &front.job {
+            Ok(job) => job,
+            Err(why) => {
+                let why = why.clone();
+                let in_hand = self.buffer.pop_front().expect("the message in hand");
+                return Action::DeadLetter(in_hand.message, DeadLetterReason { cause: DeadLetterCause::Malformed, detail: why });
+            }
+        };
+        if let Some(hold) = [Timer::InvokeHold, Timer::Reserve].into_iter().find(|t| self.timers.is_pending(*t, now)) {
+            return self.sleep_until(self.timers.get(hold).expect("a pending timer"));
+        }
+        if self.in_flight.hand_offs >= MAX_INVOKES_IN_FLIGHT {
+            return self.await_event();
+        }
+        let cost = job.cost;
+        let (slot, decision) = self.decide(cost, now);
+        match decision {
+            Decision::Never { tier } => {
+                let in_hand = self.buffer.pop_front().expect("the message in hand");
+                let detail = format!("cost {cost} exceeds the whole {tier} tier");
+                Action::DeadLetter(in_hand.message, DeadLetterReason { cause: DeadLetterCause::NeverFits, detail })
+            }
+            Decision::WaitUntil { at, by } => {
+                self.log_exhausted(at, by);
+                self.sleep_until(self.hand_off_time(at, now))
+            }
+            Decision::Allow => {
+                let needed = self.reservations_needed(cost, slot);
+                if !needed.is_empty() {
+                    return Action::Reserve(needed);
+                }
+                let mut in_hand = self.buffer.pop_front().expect("the message in hand");
+                let job = std::mem::replace(&mut in_hand.job, Err(String::new())).expect("a parsed job");
+                let paced = slot.since(self.last_dispatch.unwrap_or(since).max(since));
+                self.commit(cost, slot, upload_allowance(&job), paced);
+                debug!(job_id = %job.id, attempt = in_hand.message.attempt, cost, "dispatching");
+                let payload = WorkerPayload::Job {
+                    job,
+                    attempt: in_hand.message.attempt,
+                    circuit_epoch: self.circuit.epoch,
+                    dispatched_at: now,
+                    slot: self.call_slot(slot),
+                };
+                self.in_flight.hand_offs += 1;
+                Action::Dispatch(in_hand, payload)
+            }
+        }
+    }
+
+    /// Nothing in hand: wait for a receive under way, find out whether a draining run is
+    /// done, or receive (a long poll) no more than the quota can use before the
+    /// visibility timeout.
+    fn when_nothing_in_hand(&mut self, now: UnixMillis) -> Action {
+        if self.in_flight.receives > 0 {
+            return self.await_event();
+        }
+        if self.drain && self.queue_seen_empty {
+            if !self.pending_deletes.is_empty() {
+                return self.delete_batch();
+            }
+            // Our own answered hand-offs still count as in flight until deleted.
+            if self.in_flight.any() {
+                return self.await_event();
+            }
+            return Action::CheckDrained;
+        }
+        if self.timers.is_pending(Timer::Receive, now) {
+            return self.sleep_until(self.timers.get(Timer::Receive).expect("a pending timer"));
+        }
+        let (slot, decision) = self.decide(1, now);
+        let max = self.quota().capacity_until(&self.pacer, slot, self.receive_horizon(now), RECEIVE_BATCH);
+        if max == 0 {
+            return match decision {
+                Decision::WaitUntil { at, by } => {
+                    self.log_exhausted(at, by);
+                    self.sleep_until(self.hand_off_time(at, now))
+                }
+                _ => self.await_event(),
+            };
+        }
+        let poll = if self.drain { DRAIN_POLL } else { MAX_POLL };
+        let until_timer = self.timers.next_timeout().map_or(poll, |t| t.since(now));
+        self.in_flight.receives += 1;
+        Action::Receive { max, wait: poll.min(until_timer), long_poll: true }
+    }
+
+    /// While the circuit is open: hold no messages, send a health check when due.
+    fn while_open(&mut self, now: UnixMillis) -> Action {
+        if !self.buffer.is_empty() {
+            return Action::Release(self.buffer.drain(..).map(|held| held.message.receipt).collect());
+        }
+        if self.in_flight.health_check {
+            return self.await_event();
+        }
+        if let Some(hold) = [Timer::InvokeHold, Timer::Reserve].into_iter().find(|t| self.timers.is_pending(*t, now)) {
+            return self.sleep_until(self.timers.get(hold).expect("a pending timer"));
+        }
+        if let Some(due) = self.timers.get(Timer::HealthCheck) {
+            if now < due {
+                return self.sleep_until(due);
+            }
+            self.timers.stop(Timer::HealthCheck); // due until one goes: nothing to wake for
+        }
+        let slot = self.slot_at(now);
+        match self.quota().decide(&self.pacer, 1, slot) {
+            Decision::Allow => {
+                let needed = self.reservations_needed(1, slot);
+                if !needed.is_empty() {
+                    return Action::Reserve(needed);
+                }
+                // The slot is spent whatever the answer: a refused invoke may still have run.
+                self.commit(1, slot, Duration::ZERO, Duration::ZERO);
+                self.last_health_check = Some(now);
+                self.in_flight.health_check = true;
+                Action::HealthCheck(WorkerPayload::HealthCheck { circuit_epoch: self.circuit.epoch, sent_at: now, slot: self.call_slot(slot) })
+            }
+            Decision::WaitUntil { at, .. } => self.sleep_until(at.minus(self.lead()).max(now.plus(Duration::from_millis(1)))),
+            Decision::Never { .. } => unreachable!("a 1-unit health check fits every tier"),
+        }
+    }
+
+    /// Takes what came of an action at `now`.
+    ///
+    /// # Errors
+    /// A fatal port error: the run ends (and releases what it holds).
+    pub fn on_event(&mut self, event: Event, now: UnixMillis) -> Result<(), RunError> {
+        match event {
+            Event::Renewed(result) => self.on_renewed(result, now),
+            Event::Refreshed(Ok((circuit, cool_down))) => {
+                self.backoffs.refresh.succeeded();
+                self.apply_shared_state(circuit, cool_down, now);
+                Ok(())
+            }
+            Event::Refreshed(Err(e)) => self.retry_later(e, Timer::Refresh, now, "could not re-read the circuit"),
+            Event::Flushed(Ok(()) | Err(PortError::Conflict(_))) => {
+                // A lost lease: the next renewal says so; the new holder's snapshot wins.
+                self.backoffs.flush.succeeded();
+                self.timers.set(Timer::Flush, now.plus(self.settings.orchestrator.flush_interval));
+                Ok(())
+            }
+            Event::Flushed(Err(e)) => self.retry_later(e, Timer::Flush, now, "could not save the pacer snapshot"),
+            Event::Reserved(needed, Ok(())) => {
+                self.backoffs.reserve.succeeded();
+                for (key, units) in needed {
+                    *self.reserved.entry(key).or_default() += units;
+                }
+                Ok(())
+            }
+            Event::Reserved(_, Err(e)) => self.retry_later(e, Timer::Reserve, now, "could not reserve calendar units; nothing is dispatched meanwhile"),
+            Event::DeadLettered(message, result) => self.on_dead_lettered(message, result),
+            Event::Released(count, Ok(())) => {
+                self.report.released += count as u64;
+                Ok(())
+            }
+            Event::Released(_, Err(e)) => {
+                Self::passing(e, "could not release messages; they come back after their visibility timeout")?;
+                Ok(())
+            }
+            Event::Received { result, took, long_poll } => self.on_received(result, took, long_poll, now),
+            Event::Deleted(receipts, result) => {
+                self.in_flight.deletes -= 1;
+                if let Err(e) = result {
+                    Self::passing(e, "delete failed; trying again with the next batch")?;
+                    self.pending_deletes.extend(receipts);
+                }
+                Ok(())
+            }
+            Event::HandedOff(in_hand, payload, result) => self.on_handed_off(in_hand, payload, result, now),
+            Event::HealthChecked(result) => {
+                self.in_flight.health_check = false;
+                match result {
+                    Ok(()) => {
+                        self.backoffs.invoke.succeeded();
+                        self.report.health_checks += 1;
+                        Progress::bump(&self.progress.health_checks);
+                        info!(epoch = self.circuit.epoch, "health check sent");
+                        if let Some(due) = self.circuit.next_health_check(self.last_health_check, self.settings.circuit.health_check_interval) {
+                            self.timers.set(Timer::HealthCheck, due);
+                        }
+                        Ok(())
+                    }
+                    Err(e) => self.retry_later(e, Timer::InvokeHold, now, "health check refused; trying again"),
+                }
+            }
+            Event::DrainChecked(Ok(true)) => {
+                self.stop = Some(StopReason::Drained);
+                Ok(())
+            }
+            Event::DrainChecked(result) => {
+                if let Err(e) = result {
+                    Self::passing(e, "could not read the queue's depth")?;
+                }
+                self.queue_seen_empty = false;
+                Ok(())
+            }
+            Event::StopRequested => {
+                self.stop.get_or_insert(StopReason::Stopped);
+                Ok(())
+            }
+        }
+    }
+
+    fn on_renewed(&mut self, result: PortResult<Lease>, now: UnixMillis) -> Result<(), RunError> {
+        let ttl = self.settings.orchestrator.lease_ttl;
+        match result {
+            Ok(lease) => {
+                self.backoffs.renew.succeeded();
+                self.lease = lease;
+                self.timers.set(Timer::Renew, self.renew_sent_at.plus(ttl / 3));
+                self.timers.set(Timer::LeaseExpiry, self.renew_sent_at.plus(lease_valid_for(ttl)));
+                Ok(())
+            }
+            Err(PortError::Conflict(why)) => {
+                warn!(%why, "lease lost: dispatching stops now");
+                self.stop = Some(StopReason::LeaseLost);
+                Ok(())
+            }
+            Err(e) => self.retry_later(e, Timer::Renew, now, "could not renew the lease"),
+        }
+    }
+
+    fn on_dead_lettered(&mut self, message: QueuedMessage, result: PortResult<()>) -> Result<(), RunError> {
+        match result {
+            Ok(()) => {
+                self.pending_deletes.push(message.receipt);
+                self.report.dead_lettered += 1;
+                Progress::bump(&self.progress.dead_lettered);
+            }
+            Err(PortError::TooLarge(why)) => {
+                // The DLQ cannot take it with its reason: leave it hidden on the queue,
+                // whose redrive policy moves it to the DLQ after its last receive.
+                warn!(message_id = %message.message_id, %why, "too large to dead-letter with a reason; the queue's redrive policy will move it");
+            }
+            Err(e) => {
+                // Left hidden: it comes back after its visibility timeout and is tried again.
+                Self::passing(e, "could not dead-letter a message; it is tried again when it is visible again")?;
+            }
+        }
+        Ok(())
+    }
+
+    fn on_received(&mut self, result: PortResult<Vec<QueuedMessage>>, took: Duration, long_poll: bool, now: UnixMillis) -> Result<(), RunError> {
+        self.in_flight.receives -= 1;
+        if !long_poll {
+            // An exponential average (weight 1/8), as TCP smooths round-trip times.
+            self.receive_latency = if self.receive_latency.is_zero() { took } else { (self.receive_latency * 7 + took) / 8 };
+        }
+        match result {
+            Ok(received) if received.is_empty() => {
+                if long_poll {
+                    self.queue_seen_empty = true;
+                } else {
+                    self.timers.set(Timer::Prefetch, now.plus(PREFETCH_PAUSE));
+                }
+            }
+            Ok(received) => {
+                self.backoffs.receive.succeeded();
+                self.queue_seen_empty = false;
+                self.buffer.extend(received.into_iter().map(|message| InHand {
+                    job: Job::parse(&message.body).map_err(|e| e.to_string()),
+                    message,
+                    since: now,
+                }));
+            }
+            Err(e) => self.retry_later(e, Timer::Receive, now, "receive failed")?,
+        }
+        Ok(())
+    }
+
+    /// Acts on a hand-off's answer: delete the message, dead-letter it (over the
+    /// invoker's size limit), or put it back in hand and hold dispatch for a back-off.
+    /// A refused hand-off's slot stays spent: it may still have run.
+    fn on_handed_off(&mut self, in_hand: InHand, payload: WorkerPayload, result: PortResult<()>, now: UnixMillis) -> Result<(), RunError> {
+        self.in_flight.hand_offs -= 1;
+        match result {
+            Ok(()) => {
+                self.backoffs.invoke.succeeded();
+                self.pending_deletes.push(in_hand.message.receipt);
+                self.report.dispatched += 1;
+                Progress::bump(&self.progress.dispatched);
+                Ok(())
+            }
+            Err(PortError::TooLarge(why)) => {
+                let detail = format!("the worker payload is over the invoker's limit: {why}");
+                self.to_dead_letter.push_back((in_hand.message, DeadLetterReason { cause: DeadLetterCause::Malformed, detail }));
+                Ok(())
+            }
+            Err(e) => {
+                let WorkerPayload::Job { job, .. } = payload else { unreachable!("a hand-off carries a job") };
+                warn!(error = %e, message_id = %in_hand.message.message_id, "hand-off refused; the job goes again after a back-off");
+                self.buffer.push_front(InHand { job: Ok(job), ..in_hand });
+                self.retry_later(e, Timer::InvokeHold, now, "hand-off refused")
+            }
+        }
+    }
+
+    /// A passing fault arms `timer` for the next try after its back-off; anything else
+    /// ends the run.
+    fn retry_later(&mut self, e: PortError, timer: Timer, now: UnixMillis, what: &str) -> Result<(), RunError> {
+        Self::passing(e, what)?;
+        let backoff = match timer {
+            Timer::Renew => &mut self.backoffs.renew,
+            Timer::Refresh => &mut self.backoffs.refresh,
+            Timer::Flush => &mut self.backoffs.flush,
+            Timer::Receive => &mut self.backoffs.receive,
+            Timer::Reserve => &mut self.backoffs.reserve,
+            _ => &mut self.backoffs.invoke,
+        };
+        self.timers.set(timer, now.plus(backoff.failed()));
+        Ok(())
+    }
+
+    /// Lets a passing fault (throttling, a blip) through with a warning; anything else is
+    /// the run's error.
+    fn passing(e: PortError, what: &str) -> Result<(), RunError> {
+        if e.is_retryable() {
+            warn!(error = %e, "{what}; trying again shortly");
+            Ok(())
+        } else {
+            Err(e.into())
+        }
+    }
+
+    /// The pacer slot a hand-off made at `now` takes.
+    fn slot_at(&self, now: UnixMillis) -> UnixMillis {
+        now.plus(self.lead())
+    }
+
+    /// Decides the slot of a job handed off at `now`. Dispatching ahead, a slot up to
+    /// [`COARSE_WAKE_SLACK`] after `now + lead` is taken at once (handed off that much
+    /// earlier), so the loop wakes coarsely, without a precise timer, and a late wake-up
+    /// still never pushes a slot back. Dispatching at the slot, the slot is `now`.
+    fn decide(&self, cost: u64, now: UnixMillis) -> (UnixMillis, Decision) {
+        let slot = self.slot_at(now);
+        match self.quota().decide(&self.pacer, cost, slot) {
+            Decision::WaitUntil { at, .. } if !self.lead().is_zero() && at <= slot.plus(COARSE_WAKE_SLACK) => (at, self.quota().decide(&self.pacer, cost, at)),
+            decision => (slot, decision),
+        }
+    }
+
+    /// When to wake, at `now`, to hand off a job whose slot is `at`: never `now` itself, so
+    /// a wait always lets time pass.
+    fn hand_off_time(&self, at: UnixMillis, now: UnixMillis) -> UnixMillis {
+        let wake = if self.lead().is_zero() { at } else { at.minus(self.lead()).minus(COARSE_WAKE_SLACK) };
+        wake.max(now.plus(Duration::from_millis(1)))
+    }
+
+    /// The slot as the worker gets it: none when dispatching at the slot. Half the safety
+    /// margin may go to a late start, the other half to network jitter.
+    fn call_slot(&self, slot: UnixMillis) -> Option<CallSlot> {
+        (!self.lead().is_zero()).then(|| CallSlot { not_before: slot, call_by: slot.plus(self.quota().safety_margin / 2) })
+    }
+
+    fn log_exhausted(&mut self, at: UnixMillis, by: Hold) {
+        if let Hold::Tier(i) = by {
+            let tier = self.quota().tiers[i];
+            if tier.is_calendar() && at > self.exhausted_logged_until {
+                warn!(tier = %tier, resets_at = %at, "quota exhausted: no dispatch until it resets");
+                self.exhausted_logged_until = at;
+            }
+        }
+    }
+
+    /// A receive in the background while the jobs in hand are paced, so the queue's
+    /// latency never leaves a slot unused: enough receives under way for what the pace
+    /// uses meanwhile, no more than the quota can use before the visibility timeout, and
+    /// a short poll (the loop long-polls when it runs dry).
+    fn prefetch(&mut self, now: UnixMillis) -> Option<Action> {
+        if self.in_flight.receives >= MAX_RECEIVES_IN_FLIGHT || self.timers.is_pending(Timer::Receive, now) || self.timers.is_pending(Timer::Prefetch, now) {
+            return None;
+        }
+        let coming = self.buffer.len() + RECEIVE_BATCH * self.in_flight.receives;
+        if coming >= self.prefetch_target() {
+            return None;
+        }
+        let capacity = self.quota().capacity_until(&self.pacer, self.slot_at(now), self.receive_horizon(now), coming + RECEIVE_BATCH).saturating_sub(coming);
+        if capacity == 0 {
+            return None;
+        }
+        self.in_flight.receives += 1;
+        Some(Action::Receive { max: capacity, wait: Duration::ZERO, long_poll: false })
+    }
+
+    /// Jobs to have in hand or on their way: what the pace uses during two receives, and
+    /// at least one batch.
+    fn prefetch_target(&self) -> usize {
+        let meanwhile = self.quota().rolling_rate_per_second() * (self.receive_latency * 2).as_secs_f64();
+        let most = RECEIVE_BATCH * MAX_RECEIVES_IN_FLIGHT;
+        if meanwhile >= most as f64 {
+            most
+        } else {
+            (meanwhile.ceil() as usize).max(RECEIVE_BATCH)
+        }
+    }
+
+    /// Jobs received at `now` must be dispatched by this slot (before their visibility
+    /// timeout, with a fifth of it to spare), and no later than the run's end.
+    fn receive_horizon(&self, now: UnixMillis) -> UnixMillis {
+        let visibility = self.settings.orchestrator.visibility_timeout;
+        let stop_at = self.timers.get(Timer::Stop).unwrap_or(UnixMillis(u64::MAX));
+        now.plus(visibility).minus(visibility / 5).min(stop_at).plus(self.lead())
+    }
+
+    /// Calendar units to reserve before `cost` units may be spent at `slot`: for each
+    /// calendar tier whose reservation does not cover them, a block of what the pace
+    /// uses in a flush interval, no more than the tier has left and no less than needed.
+    fn reservations_needed(&self, cost: u64, slot: UnixMillis) -> Vec<(String, u64)> {
+        let quota = self.quota();
+        let mut needed = Vec::new();
+        for (index, tier) in quota.tiers.iter().enumerate().filter(|(_, t)| t.is_calendar()) {
+            let key = tier.usage_key(quota.zone, slot);
+            let have = self.reserved.get(&key).copied().unwrap_or(0);
+            if have >= cost {
+                continue; // the common case, on every dispatch: no work beyond the lookup
+            }
+            let rate = quota.rolling_rate_per_second();
+            let block =
+                if rate.is_finite() { (rate * self.settings.orchestrator.flush_interval.as_secs_f64()).ceil() as u64 } else { RESERVATION_WITHOUT_PACE };
+            let left = tier.limit.saturating_sub(self.pacer.usage(quota, slot)[index]).saturating_sub(have);
+            needed.push((key, block.min(left).max(cost - have)));
+        }
+        needed
+    }
+
+    /// Spends `cost` units at `now`, counted by rolling tiers as arriving up to `upload`
+    /// later (a large body), so that the next call keeps its distance from the arrival.
+    fn commit(&mut self, cost: u64, now: UnixMillis, upload: Duration, paced: Duration) {
+        let quota = self.quota();
+        self.pacer.commit(quota, cost, now.plus(upload));
+        for tier in quota.tiers.iter().filter(|t| t.is_calendar()) {
+            if let Some(reserved) = self.reserved.get_mut(&tier.usage_key(quota.zone, now)) {
+                *reserved = reserved.saturating_sub(cost);
+            }
+        }
+        self.meter.record(now, cost, paced);
+        self.last_dispatch = Some(now);
+    }
+
+    /// What is left to settle at the end: deletes not yet sent, messages still in hand,
+    /// and the reserved units not spent (as negative deltas).
+    pub fn leftovers(&mut self) -> (Vec<String>, Vec<String>, Vec<(String, i64)>) {
+        let deletes = std::mem::take(&mut self.pending_deletes);
+        let in_hand = self.buffer.drain(..).map(|held| held.message.receipt).collect();
+        let unspent = std::mem::take(&mut self.reserved)
+            .into_iter()
+            .filter(|(_, units)| *units > 0)
+            .map(|(key, units)| (key, -i64::try_from(units).unwrap_or(i64::MAX)))
+            .collect();
+        (deletes, in_hand, unspent)
+    }
+
+    /// Closes the report at `now`.
+    pub fn close_report(&mut self, now: UnixMillis) {
+        let calendar_used = self.pacer.usage(self.quota(), now);
+        self.report.tiers = self.meter.report(self.quota(), &calendar_used);
+        self.report.paced_ms = self.meter.paced_ms;
+        self.report.ended_at = now;
+        if let Some(reason) = &self.stop {
+            self.report.stop = reason.clone();
+        }
+    }
+}

@@ -1,0 +1,137 @@
+//! The drain loop's named deadlines in one table (quinn-proto's `TimerTable` is the
+//! model), and the one back-off every retry in the loop uses.
+
+use std::time::Duration;
+
+use paceline_shared::time::UnixMillis;
+
+/// Every deadline the drain loop keeps. A timer is either armed (at an instant) or not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Timer {
+    /// The lease's next renewal (a third of its TTL after the last, sooner after a failure).
+    Renew,
+    /// Until when the lease is ours as this process sees it: no hand-off at or after it.
+    LeaseExpiry,
+    /// The next re-read of the circuit and the provider's cool-down.
+    Refresh,
+    /// The next write of the pacer snapshot (and of the deletes waiting).
+    Flush,
+    /// No receive before this (after a receive failed).
+    Receive,
+    /// No prefetch before this (after one found the queue empty): an idle queue is not
+    /// polled in a loop. A long poll, when nothing is in hand, does not wait for it.
+    Prefetch,
+    /// No hand-off before this (after the invoker refused one).
+    InvokeHold,
+    /// No reservation (so no dispatch that needs one) before this, after one failed.
+    Reserve,
+    /// The next health check, while the circuit is open.
+    HealthCheck,
+    /// The run stops dispatching: its deadline less the margin.
+    Stop,
+}
+
+impl Timer {
+    const ALL: [Timer; 10] = [
+        Timer::Renew,
+        Timer::LeaseExpiry,
+        Timer::Refresh,
+        Timer::Flush,
+        Timer::Receive,
+        Timer::Prefetch,
+        Timer::InvokeHold,
+        Timer::Reserve,
+        Timer::HealthCheck,
+        Timer::Stop,
+    ];
+    const COUNT: usize = Self::ALL.len();
+}
+
+/// When each [`Timer`] fires, if it is armed.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct TimerTable {
+    at: [Option<UnixMillis>; Timer::COUNT],
+}
+
+impl TimerTable {
+    pub fn set(&mut self, timer: Timer, at: UnixMillis) {
+        self.at[timer as usize] = Some(at);
+    }
+
+    pub fn stop(&mut self, timer: Timer) {
+        self.at[timer as usize] = None;
+    }
+
+    pub fn get(&self, timer: Timer) -> Option<UnixMillis> {
+        self.at[timer as usize]
+    }
+
+    /// Whether `timer` is armed and its instant has come.
+    pub fn is_expired(&self, timer: Timer, now: UnixMillis) -> bool {
+        self.get(timer).is_some_and(|at| at <= now)
+    }
+
+    /// Whether `timer` is armed for later than `now` (a hold still in force).
+    pub fn is_pending(&self, timer: Timer, now: UnixMillis) -> bool {
+        self.get(timer).is_some_and(|at| at > now)
+    }
+
+    /// The earliest armed timer's instant: the loop never sleeps past it.
+    pub fn next_timeout(&self) -> Option<UnixMillis> {
+        self.at.iter().flatten().copied().min()
+    }
+}
+
+/// Exponential back-off between retries of one thing: `first`, doubling up to `max`,
+/// back to `first` after a success.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Backoff {
+    first: Duration,
+    max: Duration,
+    failures: u32,
+}
+
+impl Backoff {
+    pub const fn new(first: Duration, max: Duration) -> Self {
+        Self { first, max, failures: 0 }
+    }
+
+    /// Counts a failure and returns the pause before the next try.
+    pub fn failed(&mut self) -> Duration {
+        let pause = self.first.saturating_mul(1 << self.failures.min(16)).min(self.max);
+        self.failures = self.failures.saturating_add(1);
+        pause
+    }
+
+    pub fn succeeded(&mut self) {
+        self.failures = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_next_timeout_is_the_earliest_armed_timer() {
+        let mut timers = TimerTable::default();
+        assert_eq!(timers.next_timeout(), None);
+        timers.set(Timer::Stop, UnixMillis(9_000));
+        timers.set(Timer::Flush, UnixMillis(5_000));
+        timers.set(Timer::InvokeHold, UnixMillis(7_000));
+        assert_eq!(timers.next_timeout(), Some(UnixMillis(5_000)));
+        timers.stop(Timer::Flush);
+        assert_eq!(timers.next_timeout(), Some(UnixMillis(7_000)));
+        assert!(timers.is_expired(Timer::InvokeHold, UnixMillis(7_000)) && !timers.is_pending(Timer::InvokeHold, UnixMillis(7_000)));
+        assert!(timers.is_pending(Timer::Stop, UnixMillis(7_000)) && !timers.is_expired(Timer::Renew, UnixMillis(u64::MAX)));
+    }
+
+    #[test]
+    fn backoff_doubles_to_its_cap_and_starts_over_after_a_success() {
+        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_millis(300));
+        let pauses: Vec<u128> = (0..5).map(|_| backoff.failed().as_millis()).collect();
+        assert_eq!(pauses, vec![50, 100, 200, 300, 300]);
+        backoff.succeeded();
+        assert_eq!(backoff.failed(), Duration::from_millis(50));
+    }
+}
