@@ -11,6 +11,8 @@ pub mod lambda_env;
 pub mod pacer;
 pub mod ports;
 pub mod quota;
+#[cfg(any(test, feature = "test-util"))]
+pub mod testing;
 pub mod time;
 
 /// An error with all its sources, `outer: inner: innermost`, for logs and messages.

@@ -1,9 +1,12 @@
 //! The ports the orchestrator and worker talk through: the job queue (with its DLQ), the
 //! state store (lease, quota usage, pacer snapshot, circuit, cool-down) and the invoker;
 //! and the dead-letter queues as the operator commands read them.
-//! Adapters: `adapters::embedded` (SQLite, for `paceline run` and tests) and
-//! `adapters::memory` (a recording invoker for tests); the AWS adapters implement the
-//! same traits.
+//! Adapters: `adapters::embedded` (SQLite, for `paceline run` and tests), the AWS
+//! adapters (SQS, DynamoDB, Lambda) and the simulator's; `adapters::memory` has test
+//! doubles (feature `test-util`).
+//!
+//! The rules every adapter keeps are on each trait and its methods below; the suites in
+//! `testing::contract` check them against every adapter (the AWS ones on moto).
 
 use std::time::Duration;
 
@@ -89,7 +92,10 @@ pub struct DeadLetter {
     pub dead_at: UnixMillis,
 }
 
-/// The jobs queue and its dead-letter queue.
+/// The jobs queue and its dead-letter queue. Every adapter: carries a message's attempt
+/// count; hides a received message until it is deleted, released or its visibility
+/// timeout passes (then it comes back); ignores unknown receipts; returns at most `max`;
+/// counts dead letters apart from the queue.
 #[async_trait]
 pub trait JobQueue: Send + Sync {
     /// Receives up to `max` messages (at most 10), waiting up to `wait` for the first,
@@ -220,18 +226,30 @@ pub struct Lease {
 }
 
 /// Lease, quota usage, pacer snapshot, circuit and cool-down.
+///
+/// The lease rules every adapter keeps (each check and write is one atomic step):
+/// - an unexpired lease is never taken, by its own holder neither (a holder name is one
+///   run's; a second process with the same name must not share it);
+/// - an expired or released lease is taken, with an epoch higher than every epoch
+///   before (the fencing token never repeats, releases included);
+/// - a holder renews its lease while the epoch and holder are unchanged, after its
+///   expiry too (no one took it meanwhile, so no one else dispatched); the orchestrator
+///   itself stops dispatching at its local view of the expiry, a fifth of the TTL early
+///   for clock drift;
+/// - a lost or released lease is neither renewed nor saved under; giving up a lease that
+///   is no longer ours changes nothing.
 #[async_trait]
 pub trait StateStore: Send + Sync {
-    /// Takes the lease if it is free or expired.
+    /// Takes the lease if it is free, expired or released.
     ///
     /// # Errors
     /// `Conflict` naming the current holder when it is held; others as for any call.
     async fn acquire_lease(&self, holder: &str, ttl: Duration, now: UnixMillis) -> PortResult<Lease>;
 
-    /// Extends a held lease.
+    /// Extends a lease to `now + ttl` while it is still `lease` (same epoch and holder).
     ///
     /// # Errors
-    /// `Conflict` when the lease was lost (expired and taken, or released).
+    /// `Conflict` when the lease was lost (taken by another, or released).
     async fn renew_lease(&self, lease: &Lease, ttl: Duration, now: UnixMillis) -> PortResult<Lease>;
 
     /// Gives the lease up (no-op if it is no longer ours).
@@ -240,7 +258,7 @@ pub trait StateStore: Send + Sync {
     /// Transport errors only.
     async fn release_lease(&self, lease: &Lease) -> PortResult<()>;
 
-    /// The current lease, if any, expired or not.
+    /// The current lease, if any, expired or not (`None` once released).
     ///
     /// # Errors
     /// Transport errors only.

@@ -325,7 +325,8 @@ impl StateStore for SimStore {
         self.write("dynamodb:UpdateItem", 1, 1).await;
         let mut state = self.state();
         match state.lease.as_mut() {
-            Some(current) if current.epoch == lease.epoch && current.expires_at > now => {
+            // Past its expiry too, as long as no one took it (the ports' lease rules).
+            Some(current) if current.epoch == lease.epoch && current.holder == lease.holder => {
                 current.expires_at = now.plus(ttl);
                 Ok(current.clone())
             }
@@ -373,7 +374,7 @@ impl StateStore for SimStore {
         let kib = serde_json::to_string(snapshot).map_or(1, |json| (json.len() as u64).div_ceil(1024).max(1));
         self.write("dynamodb:TransactWriteItems", 1, 2 * (1 + kib)).await;
         let mut state = self.state();
-        if state.lease.as_ref().is_none_or(|l| l.epoch != lease.epoch) {
+        if state.lease.as_ref().is_none_or(|l| l.epoch != lease.epoch || l.holder != lease.holder) {
             return Err(PortError::Conflict("the lease was lost".into()));
         }
         state.pacer = Some(snapshot.clone());

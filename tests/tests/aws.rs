@@ -11,11 +11,13 @@ use paceline_cli::fake_api::{FakeApi, FakeApiSpec};
 use paceline_e2e::aws::{create_lane, lane_env, moto_sdk_config, FakeLambda};
 use paceline_orchestrator::{lambda as orchestrator_lambda, Orchestrator, RunError, RunOptions, StopReason};
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames, DynamoStateStore, SqsQueue};
+use paceline_shared::adapters::memory::RecordingWorker;
 use paceline_shared::check::peak_in_any_window;
 use paceline_shared::job::WorkerPayload;
 use paceline_shared::lambda_env::Env;
 use paceline_shared::ports::{JobQueue, OutgoingMessage, StateStore, WorkerHandler};
-use paceline_shared::time::{system_now, UnixMillis};
+use paceline_shared::testing::contract;
+use paceline_shared::time::{system_now, SystemClock, UnixMillis};
 
 /// A lane on moto: resources, a fake Lambda, and the environment its functions read.
 struct Lane {
@@ -306,4 +308,36 @@ async fn an_orchestrator_killed_mid_run_never_lets_the_day_counter_fall_under_th
     assert!(counted >= log.arrivals.len() as u64, "the day counter {counted} is under the {} calls made", log.arrivals.len());
     let succeeded: BTreeSet<String> = log.ok_by_path.keys().filter_map(|p| p.strip_prefix("/items/")).map(str::to_owned).collect();
     assert_eq!(succeeded.len(), 30, "every job succeeded");
+}
+
+#[tokio::test]
+async fn sqs_on_moto_keeps_the_job_queue_and_dead_letter_contracts() {
+    let lane = lane("5/s").await;
+    contract::job_queue(&lane.queue(), &SystemClock).await;
+    let fresh = self::lane("5/s").await;
+    contract::dead_letter_queues(&fresh.queue()).await;
+}
+
+#[tokio::test]
+async fn dynamodb_on_moto_keeps_the_state_store_contract() {
+    let lane = lane("5/s").await;
+    let quota = "5/s"
+        .parse::<paceline_shared::quota::Tier>()
+        .map(|t| paceline_shared::quota::Quota::new(vec![t], paceline_shared::quota::chrono_tz::UTC, Duration::ZERO))
+        .unwrap()
+        .unwrap();
+    contract::state_store(Arc::new(lane.store()), &quota).await;
+}
+
+#[tokio::test]
+async fn lambda_invoke_keeps_the_invoker_contract() {
+    let lane = lane("5/s").await;
+    let worker = Arc::new(RecordingWorker::default());
+    lane.lambda.run_worker(worker.clone());
+    let invoker = lane.adapters().invoker;
+    contract::invoker(&invoker, || async {
+        lane.lambda.settle(Duration::from_secs(5)).await;
+        worker.ran()
+    })
+    .await;
 }

@@ -116,7 +116,11 @@ impl EmbeddedStore {
     }
 
     fn get_kv<T: serde::de::DeserializeOwned>(&self, key: &str) -> PortResult<Option<T>> {
-        let text: Option<String> = self.conn().query_row("SELECT value FROM kv WHERE key = ?1", [key], |r| r.get(0)).optional().map_err(sql_err)?;
+        Self::read_kv(&self.conn(), key)
+    }
+
+    fn read_kv<T: serde::de::DeserializeOwned>(conn: &Connection, key: &str) -> PortResult<Option<T>> {
+        let text: Option<String> = conn.query_row("SELECT value FROM kv WHERE key = ?1", [key], |r| r.get(0)).optional().map_err(sql_err)?;
         text.map(|t| serde_json::from_str(&t).map_err(|e| fatal(format!("stored {key} is unreadable: {e}")))).transpose()
     }
 
@@ -434,18 +438,16 @@ impl DeadLetterQueues for EmbeddedStore {
 
 #[async_trait]
 impl StateStore for EmbeddedStore {
+    // Each lease operation reads and writes in one transaction, under the one connection
+    // lock: no other call sees or changes the lease between its check and its write.
     async fn acquire_lease(&self, holder: &str, ttl: Duration, now: UnixMillis) -> PortResult<Lease> {
-        let current: Option<Lease> = self.get_kv("lease_holder")?;
-        let epoch = match current {
-            Some(lease) if lease.expires_at > now && lease.holder != holder => {
-                return Err(PortError::Conflict(format!("lease held by {} until {}", lease.holder, lease.expires_at)));
-            }
-            Some(lease) => lease.epoch + 1,
-            None => self.get_kv::<u64>("lease_epoch")?.unwrap_or(0) + 1,
-        };
-        let lease = Lease { holder: holder.to_owned(), epoch, expires_at: now.plus(ttl) };
         let mut conn = self.conn();
         let tx = conn.transaction().map_err(sql_err)?;
+        if let Some(current) = Self::read_kv::<Lease>(&tx, "lease_holder")?.filter(|lease| lease.expires_at > now) {
+            return Err(PortError::Conflict(format!("lease held by {} until {}", current.holder, current.expires_at)));
+        }
+        let epoch = Self::read_kv::<u64>(&tx, "lease_epoch")?.unwrap_or(0) + 1;
+        let lease = Lease { holder: holder.to_owned(), epoch, expires_at: now.plus(ttl) };
         Self::put_kv(&tx, "lease_holder", &lease)?;
         Self::put_kv(&tx, "lease_epoch", &epoch)?;
         tx.commit().map_err(sql_err)?;
@@ -453,10 +455,13 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn renew_lease(&self, lease: &Lease, ttl: Duration, now: UnixMillis) -> PortResult<Lease> {
-        match self.get_kv::<Lease>("lease_holder")? {
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(sql_err)?;
+        match Self::read_kv::<Lease>(&tx, "lease_holder")? {
             Some(current) if current.epoch == lease.epoch && current.holder == lease.holder => {
                 let renewed = Lease { expires_at: now.plus(ttl), ..current };
-                Self::put_kv(&self.conn(), "lease_holder", &renewed)?;
+                Self::put_kv(&tx, "lease_holder", &renewed)?;
+                tx.commit().map_err(sql_err)?;
                 Ok(renewed)
             }
             _ => Err(PortError::Conflict(format!("lease epoch {} was lost", lease.epoch))),
@@ -464,8 +469,9 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn release_lease(&self, lease: &Lease) -> PortResult<()> {
-        if self.get_kv::<Lease>("lease_holder")?.is_some_and(|c| c.epoch == lease.epoch) {
-            self.conn().execute("DELETE FROM kv WHERE key = 'lease_holder'", []).map_err(sql_err)?;
+        let conn = self.conn();
+        if Self::read_kv::<Lease>(&conn, "lease_holder")?.is_some_and(|c| c.epoch == lease.epoch) {
+            conn.execute("DELETE FROM kv WHERE key = 'lease_holder'", []).map_err(sql_err)?;
         }
         Ok(())
     }
@@ -498,11 +504,12 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn save_pacer(&self, lease: &Lease, snapshot: &PacerSnapshot) -> PortResult<()> {
-        let current: Option<Lease> = self.get_kv("lease_holder")?;
-        if current.is_none_or(|c| c.epoch != lease.epoch) {
+        let conn = self.conn();
+        let current: Option<Lease> = Self::read_kv(&conn, "lease_holder")?;
+        if current.is_none_or(|c| c.epoch != lease.epoch || c.holder != lease.holder) {
             return Err(PortError::Conflict(format!("lease epoch {} was lost", lease.epoch)));
         }
-        Self::put_kv(&self.conn(), "pacer", snapshot)
+        Self::put_kv(&conn, "pacer", snapshot)
     }
 
     async fn circuit(&self) -> PortResult<Circuit> {
@@ -711,5 +718,50 @@ mod tests {
         // restart finds one copy of the job, not two.
         assert_eq!(store.recover_after_crash().unwrap(), (0, 1));
         assert_eq!(store.receive(10, Duration::ZERO, Duration::from_secs(30)).await.unwrap().len(), 1);
+    }
+
+    mod contract {
+        use super::*;
+        use crate::adapters::memory::RecordingWorker;
+        use crate::testing::contract;
+        use crate::time::TokioClock;
+
+        fn paused_store() -> (Arc<TokioClock>, Arc<EmbeddedStore>) {
+            let clock = Arc::new(TokioClock::anchored_at(UnixMillis(1_795_824_000_000)));
+            (clock.clone(), Arc::new(EmbeddedStore::in_memory(clock).unwrap()))
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn the_embedded_queue_keeps_the_job_queue_contract() {
+            let (clock, store) = paused_store();
+            contract::job_queue(store.as_ref(), clock.as_ref()).await;
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn the_embedded_queue_keeps_the_dead_letter_contract() {
+            let (_, store) = paused_store();
+            contract::dead_letter_queues(store.as_ref()).await;
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn the_embedded_store_keeps_the_state_store_contract() {
+            let (_, store) = paused_store();
+            let quota = crate::quota::Quota::new(vec!["5/s".parse().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
+            contract::state_store(store, &quota).await;
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn the_embedded_invoker_keeps_the_invoker_contract() {
+            let (clock, store) = paused_store();
+            let worker = Arc::new(RecordingWorker::default());
+            let invoker = EmbeddedInvoker::new(store, worker.clone());
+            contract::invoker(&invoker, || async {
+                while invoker.in_flight() > 0 {
+                    clock.sleep_until(clock.now().plus(Duration::from_millis(10))).await;
+                }
+                worker.ran()
+            })
+            .await;
+        }
     }
 }

@@ -69,3 +69,25 @@ impl Invoker for RecordingInvoker {
         Ok(())
     }
 }
+
+/// A worker that records each payload it runs and does nothing else.
+#[derive(Default)]
+pub struct RecordingWorker {
+    ran: Mutex<Vec<WorkerPayload>>,
+}
+
+impl RecordingWorker {
+    /// Every payload run so far, in order.
+    #[must_use]
+    pub fn ran(&self) -> Vec<WorkerPayload> {
+        self.ran.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+}
+
+#[async_trait]
+impl WorkerHandler for RecordingWorker {
+    async fn handle(&self, payload: WorkerPayload) -> PortResult<()> {
+        self.ran.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(payload);
+        Ok(())
+    }
+}

@@ -4,4 +4,5 @@
 #[cfg(feature = "aws")]
 pub mod aws;
 pub mod embedded;
+#[cfg(any(test, feature = "test-util"))]
 pub mod memory;

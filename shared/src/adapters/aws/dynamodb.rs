@@ -123,7 +123,8 @@ impl StateStore for DynamoStateStore {
             .update_item()
             .table_name(&self.table)
             .key("pk", s(LEASE))
-            .update_expression("SET expires_at = :zero")
+            // No holder: the old holder can neither renew it nor save under it.
+            .update_expression("SET expires_at = :zero REMOVE holder")
             .condition_expression("epoch = :epoch")
             .expression_attribute_values(":zero", n(0))
             .expression_attribute_values(":epoch", n(lease.epoch))
@@ -136,7 +137,7 @@ impl StateStore for DynamoStateStore {
     }
 
     async fn lease(&self) -> PortResult<Option<Lease>> {
-        Ok(self.get(LEASE).await?.map(|i| lease_of(&i)).filter(|l| l.expires_at.0 > 0))
+        Ok(self.get(LEASE).await?.map(|i| lease_of(&i)).filter(|l| !l.holder.is_empty()))
     }
 
     async fn load_usage(&self, keys: &[String]) -> PortResult<Vec<u64>> {
@@ -172,8 +173,9 @@ impl StateStore for DynamoStateStore {
         let check = ConditionCheck::builder()
             .table_name(&self.table)
             .key("pk", s(LEASE))
-            .condition_expression("epoch = :epoch")
+            .condition_expression("epoch = :epoch AND holder = :h")
             .expression_attribute_values(":epoch", n(lease.epoch))
+            .expression_attribute_values(":h", s(&lease.holder))
             .build()
             .map_err(build_error)?;
         let put = Put::builder().table_name(&self.table).item("pk", s(PACER)).item("snapshot", s(json)).build().map_err(build_error)?;

@@ -1,0 +1,227 @@
+//! The rules every adapter of a port must keep, written once as test suites and run
+//! against each adapter: the embedded store, the simulator's and SQS/DynamoDB on the
+//! moto server. The rules themselves are documented on the traits in `ports.rs`.
+//!
+//! Each suite takes an adapter that starts empty and a [`Clock`] that lets time pass
+//! for it (paused tokio time, or the wall clock against a server).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::breaker::Circuit;
+use crate::dlq::DlqSource;
+use crate::job::{DeadLetterCause, DeadLetterReason, WorkerPayload};
+use crate::pacer::PacerState;
+use crate::ports::{DeadLetterQueues, Invoker, JobQueue, OutgoingMessage, PacerSnapshot, PortError, StateStore};
+use crate::quota::Quota;
+use crate::time::{Clock, UnixMillis};
+
+/// A job message for the suites.
+#[must_use]
+pub fn message(id: &str, attempt: u32) -> OutgoingMessage {
+    OutgoingMessage { body: format!(r#"{{"id":"{id}","request":{{"method":"GET","path":"/items/{id}"}}}}"#), attempt, delay: Duration::ZERO }
+}
+
+async fn pass(clock: &dyn Clock, d: Duration) {
+    clock.sleep_until(clock.now().plus(d)).await;
+}
+
+fn ids(messages: &[crate::ports::QueuedMessage]) -> Vec<String> {
+    let mut ids: Vec<String> =
+        messages.iter().map(|m| serde_json::from_str::<serde_json::Value>(&m.body).unwrap()["id"].as_str().unwrap().to_owned()).collect();
+    ids.sort();
+    ids
+}
+
+/// The [`JobQueue`] rules: attempts carried, received messages hidden until deleted,
+/// released or their visibility timeout passes, unknown receipts ignored, `max` kept,
+/// dead letters counted with their reason.
+///
+/// # Panics
+/// On the first rule the adapter breaks, naming it.
+pub async fn job_queue(queue: &dyn JobQueue, clock: &dyn Clock) {
+    let visibility = Duration::from_secs(2);
+    queue.send(&[message("a", 0), message("b", 3), message("c", 0)]).await.unwrap();
+    let mut got = queue.receive(2, Duration::ZERO, visibility).await.unwrap();
+    assert!(!got.is_empty() && got.len() <= 2, "receive returns at most `max`: {} messages for max 2", got.len());
+    while got.len() < 3 {
+        let more = queue.receive(10, Duration::from_secs(1), visibility).await.unwrap();
+        assert!(!more.is_empty(), "the rest comes on the next receive");
+        got.extend(more);
+    }
+    assert_eq!(ids(&got), ["a", "b", "c"]);
+    let b = got.iter().find(|m| m.body.contains(r#""b""#)).unwrap();
+    assert_eq!(b.attempt, 3, "a message's attempt count is carried");
+    let depth = queue.depth().await.unwrap();
+    assert_eq!((depth.visible, depth.not_visible), (0, 3), "received messages are hidden");
+    assert!(queue.receive(10, Duration::ZERO, visibility).await.unwrap().is_empty(), "a hidden message is not received again");
+
+    let receipts = |id: &str| vec![got.iter().find(|m| m.body.contains(&format!(r#""{id}""#))).unwrap().receipt.clone()];
+    queue.delete(&receipts("a")).await.unwrap();
+    queue.release(&receipts("b")).await.unwrap();
+    queue.delete(&["not-a-receipt".to_owned()]).await.expect("an unknown receipt is ignored");
+    let again = queue.receive(10, Duration::from_secs(1), visibility).await.unwrap();
+    assert_eq!(ids(&again), ["b"], "a released message is visible at once; a deleted one is gone");
+
+    pass(clock, visibility + Duration::from_millis(1_500)).await;
+    let back = queue.receive(10, Duration::from_secs(1), visibility).await.unwrap();
+    assert_eq!(ids(&back), ["b", "c"], "a message neither deleted nor released comes back after its visibility timeout");
+    let receipts: Vec<String> = back.iter().map(|m| m.receipt.clone()).collect();
+
+    let reason = DeadLetterReason { cause: DeadLetterCause::Rejected { status: 404 }, detail: "HTTP 404 from /items/c".into() };
+    let c = back.iter().find(|m| m.body.contains(r#""c""#)).unwrap();
+    queue.dead_letter(&c.message_id, &c.body, 2, &reason).await.unwrap();
+    queue.delete(&receipts).await.unwrap();
+    let depth = queue.depth().await.unwrap();
+    assert_eq!((depth.visible, depth.not_visible, depth.dead), (0, 0, 1), "a dead letter is counted in the DLQ and nowhere else");
+}
+
+/// The [`DeadLetterQueues`] rules: a dead letter is read with its job, attempt and
+/// reason; removed for good; redriven onto the jobs queue (attempts reset) and then gone
+/// from the DLQ.
+///
+/// # Panics
+/// On the first rule the adapter breaks, naming it.
+pub async fn dead_letter_queues(dlq: &dyn DeadLetterQueues) {
+    let reason = |status| DeadLetterReason { cause: DeadLetterCause::Rejected { status }, detail: format!("HTTP {status}") };
+    for (id, status) in [("a", 404), ("b", 410), ("c", 422)] {
+        let body = message(id, 0).body;
+        dlq.dead_letter(&format!("m-{id}"), &body, 4, &reason(status)).await.unwrap();
+    }
+    assert_eq!(dlq.count(DlqSource::Jobs).await.unwrap(), 3);
+    let mut page = dlq.page(DlqSource::Jobs, None, 10, Duration::from_secs(30)).await.unwrap();
+    while page.len() < 3 {
+        let after = page.last().map(|r| r.handle.clone());
+        let more = dlq.page(DlqSource::Jobs, after.as_deref(), 10, Duration::from_secs(30)).await.unwrap();
+        assert!(!more.is_empty(), "every dead letter is read");
+        page.extend(more);
+    }
+    page.sort_by(|x, y| x.job_id.cmp(&y.job_id));
+    let first = &page[0];
+    assert_eq!((first.job_id.as_deref(), first.attempt, first.cause.as_str()), (Some("a"), 4, "http_404"), "a dead letter keeps its job, attempt and reason");
+    assert!(first.job_body.as_deref().is_some_and(|body| body.contains(r#""a""#)));
+
+    dlq.remove(DlqSource::Jobs, std::slice::from_ref(&page[0].handle)).await.unwrap();
+    dlq.redrive(&page[1..], false).await.unwrap();
+    assert_eq!(dlq.count(DlqSource::Jobs).await.unwrap(), 0, "removed and redriven records leave the DLQ");
+    let requeued = dlq.receive(10, Duration::from_secs(1), Duration::from_secs(30)).await.unwrap();
+    assert_eq!(ids(&requeued), ["b", "c"], "a redrive puts the jobs back on the jobs queue");
+    assert!(requeued.iter().all(|m| m.attempt == 0), "a redrive resets attempts unless asked to keep them");
+}
+
+/// The [`StateStore`] rules:
+/// - the lease: an unexpired lease is never re-taken, by its own holder neither; an
+///   expired or released one is, with an epoch higher than any before; its holder may
+///   renew it after it expired as long as no one took it; a lost or released lease is
+///   neither renewed nor given up by its old holder;
+/// - the pacer snapshot is saved only under the current lease;
+/// - usage adds are atomic, negative deltas included;
+/// - the circuit is swapped only from the epoch the writer saw;
+/// - a cool-down is only ever extended, until cleared.
+///
+/// # Panics
+/// On the first rule the adapter breaks, naming it.
+pub async fn state_store(store: Arc<dyn StateStore>, quota: &Quota) {
+    let ttl = Duration::from_secs(30);
+    let t0 = UnixMillis(1_795_824_000_000);
+    let at = |s: u64| t0.plus(Duration::from_secs(s));
+
+    // Lease.
+    assert_eq!(store.lease().await.unwrap(), None, "no lease at first");
+    let a = store.acquire_lease("a", ttl, at(0)).await.unwrap();
+    match store.acquire_lease("b", ttl, at(10)).await {
+        Err(PortError::Conflict(why)) => assert!(why.contains('a'), "the conflict names the holder: {why}"),
+        other => panic!("an unexpired lease is not taken by another: {other:?}"),
+    }
+    assert!(matches!(store.acquire_lease("a", ttl, at(10)).await, Err(PortError::Conflict(_))), "an unexpired lease is not re-taken by its own holder");
+    let a = store.renew_lease(&a, ttl, at(20)).await.expect("the holder renews its lease");
+    assert_eq!(a.expires_at, at(50));
+    let a = store.renew_lease(&a, ttl, at(55)).await.expect("an expired lease no one took is renewed by its holder");
+    let b = store.acquire_lease("b", ttl, at(90)).await.expect("an expired lease is taken");
+    assert!(b.epoch > a.epoch, "every acquire raises the fencing epoch: {} after {}", b.epoch, a.epoch);
+    assert!(matches!(store.renew_lease(&a, ttl, at(91)).await, Err(PortError::Conflict(_))), "a lost lease is not renewed");
+    let snapshot = PacerSnapshot { state: PacerState::new(quota), at_exit: false };
+    assert!(matches!(store.save_pacer(&a, &snapshot).await, Err(PortError::Conflict(_))), "a stale holder's snapshot is refused");
+    store.release_lease(&a).await.expect("giving up a lost lease is a no-op");
+    assert_eq!(store.lease().await.unwrap().map(|l| l.holder), Some("b".into()), "a stale holder cannot give up the current lease");
+    store.save_pacer(&b, &snapshot).await.expect("the holder saves its snapshot");
+    assert_eq!(store.load_pacer().await.unwrap(), Some(snapshot));
+    store.release_lease(&b).await.unwrap();
+    assert_eq!(store.lease().await.unwrap(), None, "a released lease is no one's");
+    assert!(matches!(store.renew_lease(&b, ttl, at(92)).await, Err(PortError::Conflict(_))), "a released lease is not renewed");
+    let c = store.acquire_lease("c", ttl, at(93)).await.expect("a released lease is taken at once");
+    assert!(c.epoch > b.epoch, "the epoch never repeats, releases included");
+
+    // Usage.
+    let keys = ["day:2026-11-28".to_owned(), "month:2026-11".to_owned()];
+    assert_eq!(store.load_usage(&keys).await.unwrap(), [0, 0], "unknown keys count 0");
+    let adds = (0..8).map(|_| {
+        let store = store.clone();
+        let keys = keys.clone();
+        async move { store.add_usage(&[(keys[0].clone(), 2), (keys[1].clone(), 1)]).await }
+    });
+    for result in join_all(adds.collect()).await {
+        result.unwrap();
+    }
+    store.add_usage(&[(keys[0].clone(), -5)]).await.unwrap();
+    assert_eq!(store.load_usage(&keys).await.unwrap(), [11, 8], "concurrent adds all count; a negative delta gives units back");
+
+    // Circuit.
+    let closed = store.circuit().await.unwrap();
+    assert_eq!((closed.is_closed(), closed.epoch), (true, 0), "the circuit starts closed at epoch 0");
+    let open = closed.open(0, "HTTP 503", at(100)).unwrap();
+    store.swap_circuit(0, &open).await.unwrap();
+    let stale = Circuit::default().open(0, "HTTP 500", at(101)).unwrap();
+    assert!(matches!(store.swap_circuit(0, &stale).await, Err(PortError::Conflict(_))), "a swap from a stale epoch is refused");
+    assert_eq!(store.circuit().await.unwrap(), open);
+
+    // Cool-down.
+    assert_eq!(store.cool_down().await.unwrap(), UnixMillis(0));
+    store.extend_cool_down(at(200)).await.unwrap();
+    store.extend_cool_down(at(150)).await.unwrap();
+    assert_eq!(store.cool_down().await.unwrap(), at(200), "a cool-down is never shortened");
+    store.clear_cool_down().await.unwrap();
+    assert_eq!(store.cool_down().await.unwrap(), UnixMillis(0), "a cleared cool-down is over");
+}
+
+/// Polls borrowing futures together on this task (they cannot be spawned) and
+/// collects their outputs in order.
+async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut futures: Vec<std::pin::Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
+    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
+            if output.is_none() {
+                match future.as_mut().poll(cx) {
+                    std::task::Poll::Ready(value) => *output = Some(value),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    outputs.into_iter().map(|o| o.expect("every future finished")).collect()
+}
+
+/// The [`Invoker`] rules: an accepted payload is handed off as sent, once; `settle`
+/// waits until the adapter's worker has run what was handed off and returns what it
+/// ran.
+///
+/// # Panics
+/// On the first rule the adapter breaks, naming it.
+pub async fn invoker<S, Fut>(invoker: &dyn Invoker, settle: S)
+where
+    S: Fn() -> Fut,
+    Fut: std::future::Future<Output = Vec<WorkerPayload>>,
+{
+    let health = WorkerPayload::HealthCheck { circuit_epoch: 7, sent_at: UnixMillis(1_795_824_000_000), slot: None };
+    invoker.invoke(&health, None).await.expect("a health check is handed off");
+    let ran = settle().await;
+    assert_eq!(ran, vec![health], "an accepted payload reaches the worker once, as sent");
+}
