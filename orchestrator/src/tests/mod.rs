@@ -9,11 +9,14 @@ use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::adapters::memory::RecordingInvoker;
 use paceline_shared::config::{CircuitConfig, OrchestratorConfig};
 use paceline_shared::job::{DeadLetterCause, WorkerPayload};
-use paceline_shared::ports::{JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, StateStore, WorkerHandler};
+use paceline_shared::ports::{JobQueue, OutgoingMessage, PortError, StateStore, WorkerHandler};
 use paceline_shared::quota::{chrono_tz, Quota};
+use paceline_shared::testing::faults::{Faulty, Method};
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 
 use super::*;
+
+mod faults;
 
 const T0: UnixMillis = UnixMillis(1_795_824_000_000); // 2026-11-28T00:00:00Z
 
@@ -344,56 +347,12 @@ async fn a_clean_stop_gives_back_the_day_units_it_reserved_and_did_not_spend() {
     assert_eq!(day_usage(&lane, "1000/day").await, 3);
 }
 
-/// The embedded store, with lease renewals failing as an unreachable store's would.
-struct RenewalsFail(Arc<EmbeddedStore>);
-
-#[async_trait]
-impl StateStore for RenewalsFail {
-    async fn acquire_lease(&self, holder: &str, ttl: Duration, now: UnixMillis) -> PortResult<Lease> {
-        self.0.acquire_lease(holder, ttl, now).await
-    }
-    async fn renew_lease(&self, _lease: &Lease, _ttl: Duration, _now: UnixMillis) -> PortResult<Lease> {
-        Err(PortError::Transient("dynamodb: timed out".into()))
-    }
-    async fn release_lease(&self, lease: &Lease) -> PortResult<()> {
-        self.0.release_lease(lease).await
-    }
-    async fn lease(&self) -> PortResult<Option<Lease>> {
-        self.0.lease().await
-    }
-    async fn load_usage(&self, keys: &[String]) -> PortResult<Vec<u64>> {
-        self.0.load_usage(keys).await
-    }
-    async fn add_usage(&self, deltas: &[(String, i64)]) -> PortResult<()> {
-        self.0.add_usage(deltas).await
-    }
-    async fn load_pacer(&self) -> PortResult<Option<PacerSnapshot>> {
-        self.0.load_pacer().await
-    }
-    async fn save_pacer(&self, lease: &Lease, snapshot: &PacerSnapshot) -> PortResult<()> {
-        self.0.save_pacer(lease, snapshot).await
-    }
-    async fn circuit(&self) -> PortResult<paceline_shared::breaker::Circuit> {
-        self.0.circuit().await
-    }
-    async fn swap_circuit(&self, expected_epoch: u64, next: &paceline_shared::breaker::Circuit) -> PortResult<()> {
-        self.0.swap_circuit(expected_epoch, next).await
-    }
-    async fn cool_down(&self) -> PortResult<UnixMillis> {
-        self.0.cool_down().await
-    }
-    async fn extend_cool_down(&self, until: UnixMillis) -> PortResult<()> {
-        self.0.extend_cool_down(until).await
-    }
-    async fn clear_cool_down(&self) -> PortResult<()> {
-        self.0.clear_cool_down().await
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn while_renewals_fail_dispatch_stops_when_the_lease_runs_out_locally() {
     let mut lane = lane(&["1/s"], 0);
-    lane.orchestrator = lane.orchestrator.with_store(Arc::new(RenewalsFail(lane.store.clone())));
+    let store = Arc::new(Faulty::new(lane.store.clone()));
+    store.fail_next(Method::RenewLease, 100, &PortError::Transient("dynamodb: timed out".into()));
+    lane.orchestrator = lane.orchestrator.with_store(store);
     enqueue(&lane, (0..60).map(|i| job(&format!("j{i}")))).await;
     let report = lane.orchestrator.run(&opts(true, Duration::from_secs(120))).await.unwrap();
     // lease_ttl 30 s, of which this process counts on 24 s: the last slot before that.
