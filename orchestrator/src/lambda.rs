@@ -19,40 +19,73 @@ use crate::{handover_deadline, Orchestrator, RunError, RunOptions, RunReport, Se
 /// `infra/template.yaml`).
 const SCHEDULE_EVERY: Duration = Duration::from_secs(60);
 
-/// Builds the orchestrator from the environment and an SDK configuration.
+/// The function as built at cold start: the orchestrator and the lane's name (the
+/// metrics' dimension). Nothing is read from the environment after this.
+pub struct OrchestratorFunction {
+    orchestrator: Orchestrator,
+    lane: String,
+}
+
+impl OrchestratorFunction {
+    #[must_use]
+    pub fn new(orchestrator: Orchestrator, lane: impl Into<String>) -> Self {
+        Self { orchestrator, lane: lane.into() }
+    }
+
+    /// The drain loop the function runs on each kick.
+    #[must_use]
+    pub fn orchestrator(&self) -> &Orchestrator {
+        &self.orchestrator
+    }
+
+    #[must_use]
+    pub fn into_orchestrator(self) -> Orchestrator {
+        self.orchestrator
+    }
+}
+
+/// Builds the function from the environment and an SDK configuration.
 ///
 /// # Errors
 /// The first missing or invalid variable, named.
-pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Option<&str>) -> Result<Orchestrator, String> {
+pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Option<&str>) -> Result<OrchestratorFunction, String> {
     let names = AwsNames::from_env(env, true)?;
     let settings = Settings { quota: env.quota()?, orchestrator: env.orchestrator()?, circuit: env.circuit()? };
     let aws = AwsAdapters::new(sdk, &names, lambda_endpoint);
-    Ok(Orchestrator::new(Arc::new(aws.queue), Arc::new(aws.store), Arc::new(aws.invoker), Arc::new(SystemClock), settings))
+    let orchestrator = Orchestrator::new(Arc::new(aws.queue), Arc::new(aws.store), Arc::new(aws.invoker), Arc::new(SystemClock), settings);
+    Ok(OrchestratorFunction::new(orchestrator, env.optional("PACELINE_LANE").unwrap_or_else(|| "paceline".into())))
 }
 
-/// Handles one kick. A kick while another run holds the lease is not an error: it
-/// returns at once, saying so.
+/// Handles one kick. Not an error (the invocation succeeds, saying why it did nothing
+/// or stopped): a kick while another run holds the lease, and a run ended by a passing
+/// fault (throttling, a network blip; the next kick, a minute later, runs again). An
+/// error, for the function's Errors alarm: a fault retrying will not mend (a missing
+/// resource, a permission), after the run released what it held.
 ///
 /// # Errors
-/// A fatal adapter error (the run released what it held first).
-pub async fn handle(event: LambdaEvent<Value>, orchestrator: &Orchestrator) -> Result<Value, lambda_runtime::Error> {
+/// A run error that is not retryable.
+pub async fn handle(event: LambdaEvent<Value>, function: &OrchestratorFunction) -> Result<Value, lambda_runtime::Error> {
+    let orchestrator = &function.orchestrator;
     let deadline = UnixMillis(event.context.deadline);
     let deadline = match scheduled_for(&event.payload) {
-        Some(tick) => handover_deadline(deadline, tick, SCHEDULE_EVERY, orchestrator.settings.orchestrator.deadline_margin),
+        Some(tick) => handover_deadline(deadline, tick, SCHEDULE_EVERY, orchestrator.settings().orchestrator.deadline_margin),
         None => deadline,
     };
     let opts = RunOptions { holder: format!("lambda:{}", event.context.request_id), deadline, drain: false, stop: None };
     match orchestrator.run(&opts).await {
         Ok(report) => {
-            let circuit_open = orchestrator.progress.circuit_open.load(std::sync::atomic::Ordering::Relaxed);
-            let lane = std::env::var("PACELINE_LANE").unwrap_or_else(|_| "paceline".into());
+            let circuit_open = orchestrator.progress().circuit_open.load(std::sync::atomic::Ordering::Relaxed);
             // Lambda sends standard output to CloudWatch Logs, which turns this into metrics.
-            println!("{}", metrics_record(&report, circuit_open, &lane));
+            println!("{}", metrics_record(&report, circuit_open, &function.lane));
             Ok(serde_json::to_value(report)?)
         }
         Err(RunError::LeaseHeld(why)) => {
             tracing::info!(%why, "another run holds the lease; nothing to do");
             Ok(json!({ "skipped": why }))
+        }
+        Err(e) if e.is_retryable() => {
+            tracing::warn!(error = %e, "the run ended on a passing fault; the next kick runs again");
+            Ok(json!({ "failed": e.to_string(), "retryable": true }))
         }
         Err(e) => Err(e.into()),
     }
@@ -104,6 +137,33 @@ pub fn metrics_record(report: &RunReport, circuit_open: bool, lane: &str) -> Val
 mod tests {
     use super::*;
     use crate::{StopReason, TierReport};
+    use paceline_shared::adapters::embedded::EmbeddedStore;
+    use paceline_shared::adapters::memory::RecordingInvoker;
+    use paceline_shared::ports::PortError;
+    use paceline_shared::testing::faults::{Faulty, Method};
+
+    /// A function over the embedded store whose lease acquire fails with `error`.
+    fn function_failing_with(error: &PortError) -> OrchestratorFunction {
+        let clock: Arc<SystemClock> = Arc::new(SystemClock);
+        let store = Arc::new(Faulty::new(Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap())));
+        store.fail_next(Method::AcquireLease, 1, error);
+        let quota = paceline_shared::quota::Quota::new(vec!["5/s".parse().unwrap()], paceline_shared::quota::chrono_tz::UTC, Duration::ZERO).unwrap();
+        let settings = Settings { quota, orchestrator: Default::default(), circuit: Default::default() };
+        let orchestrator = Orchestrator::new(store.clone(), store, Arc::new(RecordingInvoker::new(clock.clone())), clock, settings);
+        OrchestratorFunction::new(orchestrator, "sms")
+    }
+
+    #[tokio::test]
+    async fn a_passing_fault_ends_the_invocation_without_error_and_a_fatal_one_with_an_error() {
+        let kick = || LambdaEvent::new(json!({}), lambda_runtime::Context::default());
+        let throttled = function_failing_with(&PortError::Throttled("ProvisionedThroughputExceededException".into()));
+        let out = handle(kick(), &throttled).await.expect("a throttled store is not the invocation's error");
+        assert_eq!(out["retryable"], true, "{out}");
+        assert!(out["failed"].as_str().unwrap().contains("ProvisionedThroughput"), "{out}");
+        let fatal = function_failing_with(&PortError::Fatal("ResourceNotFoundException: table paceline".into()));
+        let err = handle(kick(), &fatal).await.expect_err("a missing table is");
+        assert!(err.to_string().contains("ResourceNotFound"), "{err}");
+    }
 
     #[test]
     fn metrics_record_flags_an_open_circuit_and_an_exhausted_calendar_tier() {

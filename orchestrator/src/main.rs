@@ -12,6 +12,6 @@ async fn main() -> Result<(), lambda_runtime::Error> {
     tracing_subscriber::fmt().json().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_current_span(false).init();
     let sdk = paceline_shared::adapters::aws::load_sdk_config().await;
     let get = |name: &str| std::env::var(name).ok();
-    let orchestrator = lambda::from_env(&Env::new(&get), &sdk, None).map_err(|e| format!("cold start: {e}"))?;
-    lambda_runtime::run(service_fn(|event: LambdaEvent<serde_json::Value>| lambda::handle(event, &orchestrator))).await
+    let function = lambda::from_env(&Env::new(&get), &sdk, None).map_err(|e| format!("cold start: {e}"))?;
+    lambda_runtime::run(service_fn(|event: LambdaEvent<serde_json::Value>| lambda::handle(event, &function))).await
 }

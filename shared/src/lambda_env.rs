@@ -31,6 +31,12 @@ impl<'a> Env<'a> {
         (self.get)(name).filter(|v| !v.trim().is_empty()).ok_or_else(|| format!("{name} is not set"))
     }
 
+    /// An optional variable, `None` when unset or empty.
+    #[must_use]
+    pub fn optional(&self, name: &str) -> Option<String> {
+        (self.get)(name).filter(|v| !v.trim().is_empty())
+    }
+
     fn parsed<T>(&self, name: &str, default: T, parse: impl Fn(&str) -> Result<T, String>) -> Result<T, String> {
         match (self.get)(name).filter(|v| !v.trim().is_empty()) {
             None => Ok(default),

@@ -47,6 +47,10 @@ async fn lane(tiers: &str) -> Lane {
 
 impl Lane {
     fn orchestrator(&self) -> Orchestrator {
+        self.function().into_orchestrator()
+    }
+
+    fn function(&self) -> orchestrator_lambda::OrchestratorFunction {
         let get = |k: &str| self.env.get(k).cloned();
         orchestrator_lambda::from_env(&Env::new(&get), &self.sdk, Some(&self.lambda.url)).unwrap()
     }
@@ -242,7 +246,7 @@ async fn the_orchestrator_lambda_runs_a_scheduled_kick_until_its_deadline() {
     context.deadline = system_now().plus(Duration::from_secs(4)).0;
     let scheduled = serde_json::json!({"version": "0", "detail-type": "Scheduled Event", "source": "aws.events", "detail": {}});
     let started = system_now();
-    let out = orchestrator_lambda::handle(LambdaEvent::new(scheduled, context), &lane.orchestrator()).await.unwrap();
+    let out = orchestrator_lambda::handle(LambdaEvent::new(scheduled, context), &lane.function()).await.unwrap();
     assert_eq!(out["dispatched"], 3, "{out}");
     assert_eq!(out["stop"], "deadline");
     let took = system_now().since(started);
@@ -252,7 +256,7 @@ async fn the_orchestrator_lambda_runs_a_scheduled_kick_until_its_deadline() {
     let held = lane.store().acquire_lease("other", Duration::from_secs(30), system_now()).await.unwrap();
     let mut context = Context::default();
     context.deadline = system_now().plus(Duration::from_secs(10)).0;
-    let out = orchestrator_lambda::handle(LambdaEvent::new(serde_json::json!({}), context), &lane.orchestrator()).await.unwrap();
+    let out = orchestrator_lambda::handle(LambdaEvent::new(serde_json::json!({}), context), &lane.function()).await.unwrap();
     assert!(out["skipped"].as_str().unwrap().contains("other"), "{out}");
     lane.store().release_lease(&held).await.unwrap();
 }

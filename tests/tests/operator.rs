@@ -251,7 +251,7 @@ async fn after_an_outage_dlq_summary_groups_causes_and_redrive_moves_exactly_tho
     let get = |k: &str| env.get(k).cloned();
     let worker: Arc<dyn WorkerHandler> = Arc::new(paceline_worker::lambda::from_env(&Env::new(&get), &sdk).unwrap());
     lambda.run_worker(worker);
-    let orchestrator = orchestrator_lambda::from_env(&Env::new(&get), &sdk, Some(&lambda.url)).unwrap();
+    let orchestrator = orchestrator_lambda::from_env(&Env::new(&get), &sdk, Some(&lambda.url)).unwrap().into_orchestrator();
     let opts = RunOptions { holder: "test".into(), deadline: system_now().plus(Duration::from_secs(60)), drain: true, stop: None };
     let report = orchestrator.run(&opts).await.unwrap();
     lambda.settle(Duration::from_secs(10)).await;
