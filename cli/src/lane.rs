@@ -100,15 +100,10 @@ impl EmbeddedLane {
         }
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let worker_stats = Arc::new(WorkerStats::default());
-        let worker: Arc<dyn WorkerHandler> = Arc::new(Worker {
-            api: Arc::new(ApiClient::new(&config.api)?),
-            queue: store.clone(),
-            store: store.clone(),
-            clock: clock.clone(),
-            retry: config.retry,
-            health_check: config.api.health_check.clone(),
-            stats: worker_stats.clone(),
-        });
+        let api = Arc::new(ApiClient::new(&config.api)?);
+        let worker =
+            Worker::new(api, store.clone(), store.clone(), clock.clone(), config.retry, config.api.health_check.clone()).with_stats(worker_stats.clone());
+        let worker: Arc<dyn WorkerHandler> = Arc::new(worker);
         let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), worker));
         let orchestrator = Orchestrator::new(store.clone(), store.clone(), invoker, clock, Settings::from_config(config));
         let settle_for = config.api.timeout + config.orchestrator.dispatch_ahead + Duration::from_secs(1);

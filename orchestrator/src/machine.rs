@@ -254,14 +254,14 @@ impl<'a> DrainState<'a> {
             self.pacer = PacerState::restored(quota, &snapshot.state);
             // A hold left by an earlier run is at most one window of the longest tier
             // (older versions saved the provider's cool-down in it: never past that).
-            self.pacer.hold_until = self.pacer.hold_until.min(now.plus(quota.longest_window()));
+            self.pacer.set_hold_until(self.pacer.hold_until().min(now.plus(quota.longest_window())));
             if !snapshot.at_exit {
                 warn!("the last run did not stop cleanly: holding dispatch for one window of the longest tier");
                 self.pacer.hold_after_unclean_stop(quota, now);
             }
         }
-        self.own_hold = self.pacer.hold_until;
-        for (index, tier) in quota.tiers.iter().enumerate() {
+        self.own_hold = self.pacer.hold_until();
+        for (index, tier) in quota.tiers().iter().enumerate() {
             if tier.is_calendar() {
                 self.pacer.set_calendar_used(quota, index, calendar_used[index], now);
             }
@@ -271,7 +271,7 @@ impl<'a> DrainState<'a> {
     /// The pacer snapshot to save: this lane's own hold, not the provider's cool-down.
     pub fn snapshot(&self, at_exit: bool) -> PacerSnapshot {
         let mut state = self.pacer.clone();
-        state.hold_until = self.own_hold;
+        state.set_hold_until(self.own_hold);
         PacerSnapshot { state, at_exit }
     }
 
@@ -287,7 +287,7 @@ impl<'a> DrainState<'a> {
         }
         self.circuit = circuit;
         // Not `max` with the last value: an operator may have cleared the cool-down.
-        self.pacer.hold_until = self.own_hold.max(cool_down);
+        self.pacer.set_hold_until(self.own_hold.max(cool_down));
         self.timers.set(Timer::Refresh, now.plus(self.settings.orchestrator.state_refresh));
     }
 
@@ -715,12 +715,12 @@ impl<'a> DrainState<'a> {
     /// The slot as the worker gets it: none when dispatching at the slot. Half the safety
     /// margin may go to a late start, the other half to network jitter.
     fn call_slot(&self, slot: UnixMillis) -> Option<CallSlot> {
-        (!self.lead().is_zero()).then(|| CallSlot { not_before: slot, call_by: slot.plus(self.quota().safety_margin / 2) })
+        (!self.lead().is_zero()).then(|| CallSlot { not_before: slot, call_by: slot.plus(self.quota().safety_margin() / 2) })
     }
 
     fn log_exhausted(&mut self, at: UnixMillis, by: Hold) {
         if let Hold::Tier(i) = by {
-            let tier = self.quota().tiers[i];
+            let tier = self.quota().tiers()[i];
             if tier.is_calendar() && at > self.exhausted_logged_until {
                 warn!(tier = %tier, resets_at = %at, "quota exhausted: no dispatch until it resets");
                 self.exhausted_logged_until = at;
@@ -774,8 +774,8 @@ impl<'a> DrainState<'a> {
     fn reservations_needed(&self, cost: u64, slot: UnixMillis) -> Vec<(String, u64)> {
         let quota = self.quota();
         let mut needed = Vec::new();
-        for (index, tier) in quota.tiers.iter().enumerate().filter(|(_, t)| t.is_calendar()) {
-            let key = tier.usage_key(quota.zone, slot);
+        for (index, tier) in quota.tiers().iter().enumerate().filter(|(_, t)| t.is_calendar()) {
+            let key = tier.usage_key(quota.zone(), slot);
             let have = self.reserved.get(&key).copied().unwrap_or(0);
             if have >= cost {
                 continue; // the common case, on every dispatch: no work beyond the lookup
@@ -794,8 +794,8 @@ impl<'a> DrainState<'a> {
     fn commit(&mut self, cost: u64, now: UnixMillis, upload: Duration, paced: Duration) {
         let quota = self.quota();
         self.pacer.commit(quota, cost, now.plus(upload));
-        for tier in quota.tiers.iter().filter(|t| t.is_calendar()) {
-            if let Some(reserved) = self.reserved.get_mut(&tier.usage_key(quota.zone, now)) {
+        for tier in quota.tiers().iter().filter(|t| t.is_calendar()) {
+            if let Some(reserved) = self.reserved.get_mut(&tier.usage_key(quota.zone(), now)) {
                 *reserved = reserved.saturating_sub(cost);
             }
         }

@@ -99,7 +99,7 @@ impl TierMeter {
     pub(crate) fn new(quota: &Quota) -> Self {
         Self {
             peaks: quota
-                .tiers
+                .tiers()
                 .iter()
                 .map(|t| {
                     WindowPeak::new(match t.period {
@@ -108,7 +108,7 @@ impl TierMeter {
                     })
                 })
                 .collect(),
-            units: vec![0; quota.tiers.len()],
+            units: vec![0; quota.tiers().len()],
             paced_ms: 0,
             paced_units: 0,
         }
@@ -128,7 +128,7 @@ impl TierMeter {
 
     pub(crate) fn report(&self, quota: &Quota, calendar_used: &[u64]) -> Vec<TierReport> {
         quota
-            .tiers
+            .tiers()
             .iter()
             .enumerate()
             .map(|(i, tier)| {

@@ -515,8 +515,8 @@ mod tests {
     #[test]
     fn minimal_config_gets_defaults() {
         let config = parse(MINIMAL).unwrap();
-        assert_eq!(config.quota.tiers.len(), 1);
-        assert_eq!(config.quota.safety_margin, Duration::from_millis(10));
+        assert_eq!(config.quota.tiers().len(), 1);
+        assert_eq!(config.quota.safety_margin(), Duration::from_millis(10));
         assert_eq!(config.retry.max_attempts, 5);
         assert_eq!(config.backend, Backend::Embedded { path: PathBuf::from("/lanes/paceline.db") });
         assert_eq!(config.api.health_check.path, "/");
@@ -548,7 +548,7 @@ path = "data/lane.db"
         let auth = config.api.headers.iter().find(|(n, _)| n == "Authorization").unwrap();
         assert_eq!(auth.1.expose_secret(), "Bearer s3cret");
         assert!(!format!("{config:?}").contains("s3cret"), "a secret reached Debug output");
-        assert_eq!(config.quota.zone, chrono_tz::Europe::Paris);
+        assert_eq!(config.quota.zone(), chrono_tz::Europe::Paris);
         assert_eq!(config.circuit.health_check_interval, Duration::from_secs(2));
         assert_eq!(config.backend, Backend::Embedded { path: PathBuf::from("/lanes/data/lane.db") });
     }

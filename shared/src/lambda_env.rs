@@ -156,7 +156,7 @@ mod tests {
             ("PACELINE_VISIBILITY_TIMEOUT", "45s"),
         ]);
         let env = Env::new(&get);
-        assert_eq!(env.quota().unwrap().tiers.len(), 3);
+        assert_eq!(env.quota().unwrap().tiers().len(), 3);
         assert_eq!(env.orchestrator().unwrap().visibility_timeout, Duration::from_secs(45));
         assert_eq!(env.retry().unwrap().max_attempts, 5);
         let api = env.api().unwrap();

@@ -135,9 +135,9 @@ pub struct TierState {
 /// Everything the pacer remembers. Serializable, so a run can hand it to the next.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PacerState {
-    pub tiers: Vec<TierState>,
-    /// No dispatch before this instant (a provider's cool-down).
-    pub hold_until: UnixMillis,
+    tiers: Vec<TierState>,
+    /// No dispatch before this instant (a provider's cool-down, or this lane's own hold).
+    hold_until: UnixMillis,
 }
 
 fn millis(d: Duration) -> u64 {
@@ -147,7 +147,7 @@ fn millis(d: Duration) -> u64 {
 impl Quota {
     fn effective_window_ms(&self, tier: &Tier) -> u64 {
         match tier.period {
-            Period::Rolling(d) => millis(d).max(1) + millis(self.safety_margin),
+            Period::Rolling(d) => millis(d).max(1) + millis(self.safety_margin()),
             Period::Day | Period::Month => 0,
         }
     }
@@ -157,7 +157,7 @@ impl Quota {
     /// is dispatched next.
     #[must_use]
     pub fn longest_window(&self) -> Duration {
-        Duration::from_millis(self.tiers.iter().map(|t| self.effective_window_ms(t)).max().unwrap_or(0))
+        Duration::from_millis(self.tiers().iter().map(|t| self.effective_window_ms(t)).max().unwrap_or(0))
     }
 
     /// Whether a job of `cost` units may go at `now`.
@@ -169,7 +169,7 @@ impl Quota {
             ready = state.hold_until;
             by = Some(Hold::CoolDown);
         }
-        for (index, (tier, tier_state)) in self.tiers.iter().zip(&state.tiers).enumerate() {
+        for (index, (tier, tier_state)) in self.tiers().iter().zip(&state.tiers).enumerate() {
             if cost > tier.limit {
                 return Decision::Never { tier: *tier };
             }
@@ -180,7 +180,7 @@ impl Quota {
                     gcra.max(window)
                 }
                 None => {
-                    let (start, end) = tier.window_at(self.zone, now);
+                    let (start, end) = tier.window_at(self.zone(), now);
                     let used = if tier_state.calendar.window_start >= start { tier_state.calendar.used } else { 0 };
                     if used + cost <= tier.limit {
                         now
@@ -221,11 +221,22 @@ impl Quota {
 }
 
 impl PacerState {
+    /// No dispatch before this instant.
+    #[must_use]
+    pub fn hold_until(&self) -> UnixMillis {
+        self.hold_until
+    }
+
+    /// Holds dispatch until `at` (a provider's cool-down, a lane's own hold).
+    pub fn set_hold_until(&mut self, at: UnixMillis) {
+        self.hold_until = at;
+    }
+
     /// A fresh state: nothing used anywhere.
     #[must_use]
     pub fn new(quota: &Quota) -> Self {
         let tiers = quota
-            .tiers
+            .tiers()
             .iter()
             .map(|tier| TierState {
                 tier: *tier,
@@ -270,7 +281,7 @@ impl PacerState {
 
     /// Records a dispatch of `cost` units at `now`. Call only after [`Decision::Allow`].
     pub fn commit(&mut self, quota: &Quota, cost: u64, now: UnixMillis) {
-        for (tier, tier_state) in quota.tiers.iter().zip(&mut self.tiers) {
+        for (tier, tier_state) in quota.tiers().iter().zip(&mut self.tiers) {
             match &mut tier_state.rolling {
                 Some(rolling) => {
                     let limit = u128::from(tier.limit);
@@ -280,13 +291,13 @@ impl PacerState {
                     // every later slot back. "A little" is the safety margin (at least
                     // 1 ms); the window log still guarantees no window overfills.
                     let now_scaled = u128::from(now.0) * limit;
-                    let tolerance = u128::from(millis(quota.safety_margin).max(1)) * limit;
+                    let tolerance = u128::from(millis(quota.safety_margin()).max(1)) * limit;
                     let base = if now_scaled < rolling.tat_scaled + tolerance { rolling.tat_scaled } else { now_scaled };
                     rolling.tat_scaled = base + step;
                     rolling.log.record(now, cost);
                 }
                 None => {
-                    let (start, _) = tier.window_at(quota.zone, now);
+                    let (start, _) = tier.window_at(quota.zone(), now);
                     if tier_state.calendar.window_start < start {
                         tier_state.calendar = CalendarState { window_start: start, used: 0 };
                     }
@@ -299,8 +310,8 @@ impl PacerState {
     /// Sets the units already used in the calendar window of tier `index` that holds
     /// `now` (as loaded from the state store).
     pub fn set_calendar_used(&mut self, quota: &Quota, index: usize, used: u64, now: UnixMillis) {
-        if let (Some(tier), Some(tier_state)) = (quota.tiers.get(index), self.tiers.get_mut(index)) {
-            let (start, _) = tier.window_at(quota.zone, now);
+        if let (Some(tier), Some(tier_state)) = (quota.tiers().get(index), self.tiers.get_mut(index)) {
+            let (start, _) = tier.window_at(quota.zone(), now);
             tier_state.calendar = CalendarState { window_start: start, used };
         }
     }
@@ -309,13 +320,13 @@ impl PacerState {
     #[must_use]
     pub fn usage(&self, quota: &Quota, now: UnixMillis) -> Vec<u64> {
         quota
-            .tiers
+            .tiers()
             .iter()
             .zip(&self.tiers)
             .map(|(tier, s)| match &s.rolling {
                 Some(rolling) => rolling.log.in_window(now),
                 None => {
-                    let (start, _) = tier.window_at(quota.zone, now);
+                    let (start, _) = tier.window_at(quota.zone(), now);
                     if s.calendar.window_start >= start {
                         s.calendar.used
                     } else {
@@ -524,7 +535,7 @@ mod tests {
                 }
                 now = now.plus(Duration::from_millis(*gap));
             }
-            for tier in &q.tiers {
+            for tier in q.tiers() {
                 match tier.period {
                     Period::Rolling(window) => {
                         let peak = peak_in_any_window(&sent, window);
@@ -532,7 +543,7 @@ mod tests {
                     }
                     _ => {
                         let mut per_day = std::collections::BTreeMap::<UnixMillis, u64>::new();
-                        for (t, c) in &sent { *per_day.entry(tier.window_at(q.zone, *t).0).or_default() += c; }
+                        for (t, c) in &sent { *per_day.entry(tier.window_at(q.zone(), *t).0).or_default() += c; }
                         prop_assert!(per_day.values().all(|u| *u <= tier.limit), "{tier}: {per_day:?}");
                     }
                 }

@@ -328,9 +328,9 @@ pub trait StateStore: Send + Sync {
 /// # Errors
 /// The store's.
 pub async fn load_calendar_usage(store: &dyn StateStore, quota: &Quota, now: UnixMillis) -> PortResult<Vec<u64>> {
-    let calendar: Vec<usize> = (0..quota.tiers.len()).filter(|i| quota.tiers[*i].is_calendar()).collect();
-    let keys: Vec<String> = calendar.iter().map(|i| quota.tiers[*i].usage_key(quota.zone, now)).collect();
-    let mut used = vec![0; quota.tiers.len()];
+    let calendar: Vec<usize> = (0..quota.tiers().len()).filter(|i| quota.tiers()[*i].is_calendar()).collect();
+    let keys: Vec<String> = calendar.iter().map(|i| quota.tiers()[*i].usage_key(quota.zone(), now)).collect();
+    let mut used = vec![0; quota.tiers().len()];
     for (index, units) in calendar.into_iter().zip(store.load_usage(&keys).await?) {
         used[index] = units;
     }

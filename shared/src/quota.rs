@@ -169,9 +169,9 @@ fn local_midnight(zone: Tz, date: NaiveDate) -> UnixMillis {
 /// safety margin added to rolling windows to absorb network jitter.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Quota {
-    pub tiers: Vec<Tier>,
-    pub zone: Tz,
-    pub safety_margin: Duration,
+    tiers: Vec<Tier>,
+    zone: Tz,
+    safety_margin: Duration,
 }
 
 /// Why a quota is unusable.
@@ -198,6 +198,24 @@ impl Quota {
             }
         }
         Ok(Self { tiers, zone, safety_margin })
+    }
+
+    /// Every tier, in the order given.
+    #[must_use]
+    pub fn tiers(&self) -> &[Tier] {
+        &self.tiers
+    }
+
+    /// The time zone calendar tiers reset in.
+    #[must_use]
+    pub fn zone(&self) -> Tz {
+        self.zone
+    }
+
+    /// Added to each rolling window, to absorb network jitter.
+    #[must_use]
+    pub fn safety_margin(&self) -> Duration {
+        self.safety_margin
     }
 
     /// The tier whose rate is lowest: the one that binds a steady backlog.

@@ -28,7 +28,7 @@ pub trait Admission: Send {
 #[must_use]
 pub fn tightest_rolling(quota: &Quota) -> Option<(u64, u64)> {
     quota
-        .tiers
+        .tiers()
         .iter()
         .filter_map(|t| match t.period {
             Period::Rolling(d) => Some((t.limit, (d.as_millis() as u64).max(1))),

@@ -161,15 +161,8 @@ impl Lane {
         let provider = Arc::new(Provider::new(world.clone(), &plan.settings.quota, plan.failures.clone(), dispatched_at.clone(), plan.jobs));
         let stats = Arc::new(WorkerStats::default());
         let finished = Arc::new(tokio::sync::Notify::new());
-        let worker = Arc::new(Worker {
-            api: provider.clone(),
-            queue: queue.clone(),
-            store: store.clone(),
-            clock,
-            retry: plan.retry,
-            health_check: ApiRequest { method: "GET".into(), path: "/health".into(), query: Default::default(), headers: Default::default(), body: None },
-            stats: stats.clone(),
-        });
+        let health_check = ApiRequest { method: "GET".into(), path: "/health".into(), query: Default::default(), headers: Default::default(), body: None };
+        let worker = Arc::new(Worker::new(provider.clone(), queue.clone(), store.clone(), clock, plan.retry, health_check).with_stats(stats.clone()));
         let handler: Arc<dyn WorkerHandler> = Arc::new(Notifying { worker, finished: finished.clone() });
         let lambda = Arc::new(SimLambda::new(world.clone(), handler, dispatched_at, plan.jobs));
         queue.preload(job_bodies(plan.jobs));

@@ -21,7 +21,7 @@ const MAX_POINTS: usize = 600;
 #[must_use]
 pub fn sustained_rate(quota: &Quota) -> f64 {
     quota
-        .tiers
+        .tiers()
         .iter()
         .map(|t| {
             let seconds = match t.period {

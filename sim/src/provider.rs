@@ -56,7 +56,7 @@ impl TierCheck {
             }
             TierGate::Calendar { window, used, windows } => {
                 if now >= window.1 {
-                    *window = self.tier.window_at(quota.zone, now);
+                    *window = self.tier.window_at(quota.zone(), now);
                     *used = 0;
                     *windows += 1;
                 }
@@ -177,7 +177,7 @@ impl Provider {
     /// provider's); `dispatched_at` is the invoker's record of each job's hand-off.
     #[must_use]
     pub fn new(world: Arc<World>, quota: &Quota, failures: Failures, dispatched_at: Arc<Mutex<Vec<UnixMillis>>>, jobs: usize) -> Self {
-        let tiers = quota.tiers.iter().map(|t| TierCheck::new(*t)).collect();
+        let tiers = quota.tiers().iter().map(|t| TierCheck::new(*t)).collect();
         let seen = Observations { calls_per_job: vec![0; jobs], ..Observations::default() };
         Self { world, quota: quota.clone(), failures, dispatched_at, tiers: Mutex::new(tiers), seen: Mutex::new(seen) }
     }

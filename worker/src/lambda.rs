@@ -16,7 +16,7 @@ use paceline_shared::time::SystemClock;
 use secrecy::SecretString;
 use serde_json::Value;
 
-use crate::{ApiClient, Worker, WorkerStats};
+use crate::{ApiClient, Worker};
 
 /// Fetches the secrets `PACELINE_API_SECRETS` names (`{"API_TOKEN": "<secret ARN>"}`)
 /// from Secrets Manager, once at cold start. A header reads one as it would an
@@ -54,15 +54,8 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig) -> Result<Worker, St
     let names = AwsNames::from_env(env, false)?;
     let api_config = env.api()?;
     let aws = AwsAdapters::new(sdk, &names, None);
-    Ok(Worker {
-        api: Arc::new(ApiClient::new(&api_config).map_err(|e| e.to_string())?),
-        queue: Arc::new(aws.queue),
-        store: Arc::new(aws.store),
-        clock: Arc::new(SystemClock),
-        retry: env.retry()?,
-        health_check: api_config.health_check,
-        stats: Arc::new(WorkerStats::default()),
-    })
+    let api = Arc::new(ApiClient::new(&api_config).map_err(|e| e.to_string())?);
+    Ok(Worker::new(api, Arc::new(aws.queue), Arc::new(aws.store), Arc::new(SystemClock), env.retry()?, api_config.health_check))
 }
 
 /// Handles one payload.

@@ -74,16 +74,36 @@ impl Api for ApiClient {
 
 /// The worker's dependencies, built once.
 pub struct Worker {
-    pub api: Arc<dyn Api>,
-    pub queue: Arc<dyn JobQueue>,
-    pub store: Arc<dyn StateStore>,
-    pub clock: Arc<dyn Clock>,
-    pub retry: RetryConfig,
-    pub health_check: ApiRequest,
-    pub stats: Arc<WorkerStats>,
+    api: Arc<dyn Api>,
+    queue: Arc<dyn JobQueue>,
+    store: Arc<dyn StateStore>,
+    clock: Arc<dyn Clock>,
+    retry: RetryConfig,
+    health_check: ApiRequest,
+    stats: Arc<WorkerStats>,
 }
 
 impl Worker {
+    /// A worker calling `api`, re-queueing to `queue`, writing circuit and cool-down to
+    /// `store`, with `health_check` as the request a health check makes.
+    #[must_use]
+    pub fn new(
+        api: Arc<dyn Api>,
+        queue: Arc<dyn JobQueue>,
+        store: Arc<dyn StateStore>,
+        clock: Arc<dyn Clock>,
+        retry: RetryConfig,
+        health_check: ApiRequest,
+    ) -> Self {
+        Self { api, queue, store, clock, retry, health_check, stats: Arc::default() }
+    }
+
+    /// The same worker counting its outcomes into `stats` (shared with a progress view).
+    #[must_use]
+    pub fn with_stats(self, stats: Arc<WorkerStats>) -> Self {
+        Self { stats, ..self }
+    }
+
     #[tracing::instrument(skip_all, fields(job_id = %job.id, attempt))]
     async fn run_job(&self, job: &Job, attempt: u32, circuit_epoch: u64) -> PortResult<()> {
         let result = match self.api.call(&job.request).await {

@@ -57,8 +57,8 @@ impl StatusArgs {
         let mut drain_estimate_seconds = None;
         if let Some(quota) = lane.config.as_ref().map(|c| &c.quota) {
             let calendar_used = load_calendar_usage(lane.state.as_ref(), quota, now).await?;
-            for (tier, used) in quota.tiers.iter().zip(&calendar_used) {
-                let (used, resets_at) = if tier.is_calendar() { (Some(*used), Some(tier.window_at(quota.zone, now).1.to_rfc3339())) } else { (None, None) };
+            for (tier, used) in quota.tiers().iter().zip(&calendar_used) {
+                let (used, resets_at) = if tier.is_calendar() { (Some(*used), Some(tier.window_at(quota.zone(), now).1.to_rfc3339())) } else { (None, None) };
                 tiers.push(TierUsage { tier: tier.to_string(), limit: tier.limit, used, resets_at });
             }
             let waiting = queue.visible + queue.not_visible;

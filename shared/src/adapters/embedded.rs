@@ -650,7 +650,10 @@ mod tests {
         let b = s.acquire_lease("b", ttl, UnixMillis(10_000)).await.unwrap();
         assert_eq!((a.epoch, b.epoch), (1, 2));
         assert!(matches!(s.renew_lease(&a, ttl, UnixMillis(10_001)).await, Err(PortError::Conflict(_))));
-        let snapshot = PacerSnapshot { state: crate::pacer::PacerState { tiers: vec![], hold_until: UnixMillis(7) }, at_exit: true };
+        let quota = crate::quota::Quota::new(vec!["5/s".parse().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
+        let mut state = crate::pacer::PacerState::new(&quota);
+        state.set_hold_until(UnixMillis(7));
+        let snapshot = PacerSnapshot { state, at_exit: true };
         assert!(matches!(s.save_pacer(&a, &snapshot).await, Err(PortError::Conflict(_))));
         s.save_pacer(&b, &snapshot).await.unwrap();
         assert_eq!(s.load_pacer().await.unwrap(), Some(snapshot));
