@@ -20,8 +20,23 @@ pub enum ConfigError {
     /// The OS error is part of the message, not a separate cause, so it prints once.
     #[error("cannot read config {path}: {error}")]
     Read { path: PathBuf, error: std::io::Error },
-    #[error("config {path}: {message}")]
-    Invalid { path: PathBuf, message: String },
+    #[error("config {path}: {problem}")]
+    Invalid { path: PathBuf, problem: ConfigProblem },
+}
+
+/// What is wrong in a config: the key (`retry.max_attempts`, `api.headers.X-Key`), when
+/// the problem is one key's, and the message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}{message}", key.as_deref().map(|key| format!("{key}: ")).unwrap_or_default())]
+pub struct ConfigProblem {
+    pub key: Option<String>,
+    pub message: String,
+}
+
+impl ConfigProblem {
+    fn at(key: impl Into<String>, message: impl std::fmt::Display) -> Self {
+        Self { key: Some(key.into()), message: message.to_string() }
+    }
 }
 
 /// A whole lane.
@@ -430,13 +445,13 @@ pub(crate) fn resolve_headers(
     sources: BTreeMap<String, HeaderSource>,
     key: &str,
     env: &dyn Fn(&str) -> Option<String>,
-) -> Result<Vec<(String, SecretString)>, String> {
+) -> Result<Vec<(String, SecretString)>, ConfigProblem> {
     let mut headers = Vec::new();
     for (name, source) in sources {
         let value = match source {
             HeaderSource::Value { value } => value,
             HeaderSource::Env { env: var, prefix } => {
-                let value = env(&var).ok_or_else(|| format!("{key}.{name}: environment variable {var} is not set"))?;
+                let value = env(&var).ok_or_else(|| ConfigProblem::at(format!("{key}.{name}"), format!("environment variable {var} is not set")))?;
                 format!("{prefix}{value}")
             }
         };
@@ -466,22 +481,23 @@ impl Config {
     pub fn load(path: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read { path: path.to_owned(), error })?;
         let base_dir = path.parent().unwrap_or(Path::new("."));
-        Self::parse(&text, base_dir, env).map_err(|message| ConfigError::Invalid { path: path.to_owned(), message })
+        Self::parse(&text, base_dir, env).map_err(|problem| ConfigError::Invalid { path: path.to_owned(), problem })
     }
 
     /// Parses config text; relative paths are resolved against `base_dir`.
     ///
     /// # Errors
-    /// A message naming the key and the problem.
-    pub fn parse(text: &str, base_dir: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, String> {
-        let raw: RawConfig = toml::from_str(text).map_err(|e| e.to_string().trim_end().to_owned())?;
-        let quota = Quota::new(raw.quota.tiers, raw.quota.time_zone, raw.quota.safety_margin).map_err(|e| format!("quota.tiers: {e}"))?;
-        let in_section = |section: &str, e: Invalid| format!("{section}.{}: {}", e.field, e.problem);
+    /// [`ConfigProblem`]: the key (where one key is wrong) and the problem. TOML syntax and
+    /// type errors give no key; their message says the line and column.
+    pub fn parse(text: &str, base_dir: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, ConfigProblem> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigProblem { key: None, message: e.to_string().trim_end().to_owned() })?;
+        let quota = Quota::new(raw.quota.tiers, raw.quota.time_zone, raw.quota.safety_margin).map_err(|e| ConfigProblem::at("quota.tiers", e))?;
+        let in_section = |section: &str, e: Invalid| ConfigProblem::at(format!("{section}.{}", e.field), e.problem);
         raw.retry.check().map_err(|e| in_section("retry", e))?;
         raw.orchestrator.check().map_err(|e| in_section("orchestrator", e))?;
         check_timeout(raw.api.timeout).map_err(|e| in_section("api", e))?;
         let headers = resolve_headers(raw.api.headers, "api.headers", env)?;
-        let health_check = check_health_request(raw.api.health_check).map_err(|e| format!("api.health_check: {e}"))?;
+        let health_check = check_health_request(raw.api.health_check).map_err(|e| ConfigProblem::at("api.health_check", e))?;
         let backend = match raw.backend {
             RawBackend::Embedded { path } => Backend::Embedded { path: base_dir.join(path) },
             RawBackend::Aws(aws) => Backend::Aws(aws),
@@ -507,6 +523,10 @@ mod tests {
     }
 
     fn parse(text: &str) -> Result<Config, String> {
+        parse_typed(text).map_err(|problem| problem.to_string())
+    }
+
+    fn parse_typed(text: &str) -> Result<Config, ConfigProblem> {
         Config::parse(text, Path::new("/lanes"), &env)
     }
 
@@ -569,6 +589,17 @@ path = "data/lane.db"
             let err = parse(&text).unwrap_err();
             assert!(err.contains(expected), "error for {expected:?} was: {err}");
         }
+    }
+
+    #[test]
+    fn a_config_problem_carries_its_key_apart_from_its_message() {
+        let problem = parse_typed(&format!("{MINIMAL}[retry]\nmax_attempts = 0\n")).unwrap_err();
+        assert_eq!(problem.key.as_deref(), Some("retry.max_attempts"));
+        assert!(!problem.message.contains("max_attempts"), "the message is the problem alone: {}", problem.message);
+        let missing = parse_typed(&MINIMAL.replace("[quota]", "[api.headers]\nX-Key = { env = \"MISSING\" }\n[quota]")).unwrap_err();
+        assert_eq!(missing, ConfigProblem::at("api.headers.X-Key", "environment variable MISSING is not set"));
+        let syntax = parse_typed("[api\n").unwrap_err();
+        assert!(syntax.key.is_none() && syntax.message.contains("line 1"), "{syntax:?}");
     }
 
     #[test]

@@ -131,7 +131,7 @@ impl<'a> Env<'a> {
             base_url,
             timeout,
             max_body: self.parsed("PACELINE_API_MAX_BODY", defaults::max_body(), parse_size)?,
-            headers: resolve_headers(sources, "PACELINE_API_HEADERS", self.get)?,
+            headers: resolve_headers(sources, "PACELINE_API_HEADERS", self.get).map_err(|problem| problem.to_string())?,
             health_check: check_health_request(health).map_err(|e| format!("PACELINE_HEALTH_CHECK: {e}"))?,
         })
     }
