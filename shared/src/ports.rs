@@ -139,7 +139,10 @@ pub trait JobQueue: Send + Sync {
 }
 
 /// The dead-letter queues as an operator sees them (`paceline dlq`): read page by page,
-/// remove, and redrive onto the jobs queue.
+/// remove, and redrive onto the jobs queue. Every adapter keeps, with each dead letter,
+/// the job's body, its attempt count, the reason (cause label and detail) and when it
+/// died (SQS: the message attributes `cause`, `detail`, `reason`, `attempt`,
+/// `original_message_id`, `dead_at`); a redrive resets attempts unless asked not to.
 #[async_trait]
 pub trait DeadLetterQueues: JobQueue {
     /// The DLQs this backend has: always `Jobs`; `Worker` where the worker has its own.
