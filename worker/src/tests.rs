@@ -195,3 +195,43 @@ async fn a_request_that_cannot_be_built_is_dead_lettered_as_malformed_and_leaves
     assert_eq!(dead[0].reason.cause, DeadLetterCause::Malformed);
     assert!(requeued(&store).await.is_empty());
 }
+
+/// Every follow-up write the worker makes, failing in turn: the payload's handling fails
+/// with the store's error, so Lambda retries the event (and at last sends it to the
+/// on-failure destination) instead of the job being dropped.
+#[tokio::test]
+async fn a_failed_follow_up_write_fails_the_payload_so_it_is_retried() {
+    use paceline_shared::testing::faults::{Faulty, Method};
+    let (base, _) = scripted_api().await;
+    let conflict = PortError::Conflict("circuit epoch moved".into());
+    let cases = [
+        (job_to(429), Method::ExtendCoolDown, PortError::Throttled("ThrottlingException".into()), 1),
+        (job_to(429), Method::Send, PortError::Transient("connection reset".into()), 1),
+        (job_to(503), Method::Circuit, PortError::Transient("timed out".into()), 1),
+        (job_to(503), Method::SwapCircuit, PortError::Throttled("ThrottlingException".into()), 1),
+        (job_to(503), Method::SwapCircuit, conflict, 3),
+        (job_to(503), Method::Send, PortError::Transient("connection reset".into()), 1),
+        (job_to(404), Method::DeadLetter, PortError::Transient("connection reset".into()), 1),
+        (WorkerPayload::HealthCheck { circuit_epoch: 0, sent_at: UnixMillis(0), slot: None }, Method::SwapCircuit, PortError::Transient("timed out".into()), 1),
+    ];
+    for (payload, method, error, times) in cases {
+        let (mut worker, store) = new_worker(&base);
+        if matches!(payload, WorkerPayload::HealthCheck { .. }) {
+            let open = store.circuit().await.unwrap().open(0, "HTTP 503", UnixMillis(0)).unwrap();
+            store.swap_circuit(0, &open).await.unwrap();
+        }
+        let faulty = Arc::new(Faulty::new(store.clone()));
+        faulty.fail_next(method, times, &error);
+        worker.queue = faulty.clone();
+        worker.store = faulty.clone();
+        let payload = match payload {
+            WorkerPayload::HealthCheck { sent_at, slot, .. } => {
+                WorkerPayload::HealthCheck { circuit_epoch: store.circuit().await.unwrap().epoch, sent_at, slot }
+            }
+            job => job,
+        };
+        let result = worker.handle(payload).await;
+        assert!(result.as_ref().is_err_and(PortError::is_retryable), "{method:?} failing ({error}) gave {result:?}");
+        assert_eq!(faulty.calls(method), times as u64, "{method:?}");
+    }
+}

@@ -268,3 +268,20 @@ async fn a_throttled_lease_acquire_is_a_retryable_error_and_nothing_is_received(
     assert!(err.is_retryable());
     assert_eq!(f.store.calls(Method::Receive), 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_lease_that_could_not_be_given_up_is_the_run_s_error_and_runs_out_on_its_own() {
+    let f = faulty_lane(&["1/s"]);
+    enqueue(&f.lane, jobs(2)).await;
+    f.store.fail_next(Method::ReleaseLease, 1, &transient());
+    let err = f.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap_err();
+    assert!(err.is_retryable(), "{err}");
+    assert_eq!(offsets(&f.lane), seconds(2));
+    let held = f.lane.store.lease().await.unwrap().expect("the lease is still held");
+    let kept_out = f.orchestrator.run(&opts(true, Duration::from_secs(60))).await;
+    assert!(matches!(kept_out, Err(RunError::LeaseHeld(_))), "not even its own holder re-takes an unexpired lease: {kept_out:?}");
+    f.lane.clock.sleep_until(held.expires_at).await;
+    enqueue(&f.lane, jobs(1)).await;
+    let next = f.orchestrator.run(&RunOptions { deadline: f.lane.clock.now().plus(Duration::from_secs(60)), ..opts(true, Duration::ZERO) }).await.unwrap();
+    assert_eq!((next.stop, next.dispatched), (StopReason::Drained, 1), "once it ran out, the next run takes it");
+}
