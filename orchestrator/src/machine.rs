@@ -827,3 +827,58 @@ impl<'a> DrainState<'a> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use paceline_shared::config::{CircuitConfig, OrchestratorConfig};
+    use paceline_shared::quota::chrono_tz;
+
+    const T0: UnixMillis = UnixMillis(1_795_824_000_000);
+
+    fn settings() -> Settings {
+        let quota = Quota::new(vec!["5/s".parse().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
+        Settings { quota, orchestrator: OrchestratorConfig::default(), circuit: CircuitConfig { health_check_interval: Duration::from_secs(2) } }
+    }
+
+    /// Asks for the next action at `now` and checks that a sleep lets time pass: a sleep
+    /// that ends at or before `now` would spin the loop without ever yielding to the
+    /// work it waits for (under paused time, forever).
+    fn next(state: &mut DrainState<'_>, now: UnixMillis) -> Action {
+        let action = state.next_action(now);
+        if let Action::Sleep { until, .. } = action {
+            assert!(until > now, "a sleep until {until} at {now} does not let time pass");
+        }
+        action
+    }
+
+    /// The next action at `now` past housekeeping (a flush or refresh due), each answered
+    /// at once as done.
+    fn next_past_housekeeping(state: &mut DrainState<'_>, now: UnixMillis) -> Action {
+        loop {
+            match next(state, now) {
+                Action::Flush(..) => state.on_event(Event::Flushed(Ok(())), now).unwrap(),
+                Action::Refresh => state.on_event(Event::Refreshed(Ok((state.circuit.clone(), UnixMillis(0)))), now).unwrap(),
+                action => return action,
+            }
+        }
+    }
+
+    #[test]
+    fn an_open_circuit_sends_one_health_check_at_a_time_and_every_sleep_lets_time_pass() {
+        let (settings, progress) = (settings(), Progress::default());
+        let lease = Lease { holder: "test".into(), epoch: 1, expires_at: T0.plus(Duration::from_secs(30)) };
+        let mut state = DrainState::new(&settings, &progress, lease, T0, T0.plus(Duration::from_secs(60)), false);
+        state.apply_shared_state(Circuit::default().open(0, "HTTP 503", T0).unwrap(), UnixMillis(0), T0);
+        assert!(matches!(next(&mut state, T0), Action::Sleep { until, .. } if until == T0.plus(Duration::from_secs(1))), "the refresh comes first");
+        let due = T0.plus(Duration::from_secs(2));
+        assert!(matches!(next_past_housekeeping(&mut state, due), Action::HealthCheck(_)));
+        assert!(matches!(next_past_housekeeping(&mut state, due), Action::Sleep { .. }), "one check at a time");
+        let answered = due.plus(Duration::from_millis(20));
+        state.on_event(Event::HealthChecked(Ok(())), answered).unwrap();
+        assert!(
+            matches!(next_past_housekeeping(&mut state, answered), Action::Sleep { until, .. } if until == T0.plus(Duration::from_secs(3))),
+            "the next check is an interval later; the next refresh comes first"
+        );
+    }
+}
