@@ -3,7 +3,14 @@
 
 use clap::{Parser, Subcommand};
 use paceline_cli::commands::{
-    circuit::CircuitArgs, demo::DemoArgs, dlq::DlqArgs, enqueue::EnqueueArgs, kick::KickArgs, run::RunArgs, simulate::SimulateArgs, status::StatusArgs,
+    circuit::CircuitArgs,
+    demo::DemoArgs,
+    dlq::DlqArgs,
+    enqueue::EnqueueArgs,
+    kick::KickArgs,
+    run::RunArgs,
+    simulate::{OverQuota, SimulateArgs, EXIT_OVER_QUOTA},
+    status::StatusArgs,
 };
 
 /// Call rate-limited APIs as fast as their quotas allow, and never faster.
@@ -48,6 +55,10 @@ async fn main() -> std::process::ExitCode {
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) if e.is::<OverQuota>() => {
+            eprintln!("{e}");
+            std::process::ExitCode::from(EXIT_OVER_QUOTA)
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             std::process::ExitCode::FAILURE

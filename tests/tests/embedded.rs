@@ -215,3 +215,25 @@ async fn repeated_kill_9_and_sigterm_never_overrun_a_tier_or_lose_a_job() {
     assert_eq!((status["queue"]["visible"].as_u64(), status["queue"]["not_visible"].as_u64()), (Some(0), Some(0)));
     assert!(most <= 1 + kills, "a job was called {most} times over {kills} crashes");
 }
+
+#[tokio::test]
+async fn simulate_exits_non_zero_with_a_hint_when_the_provider_refused_calls_over_quota() {
+    let dir = lane_dir("simulate-exit");
+    let config = write_config(&dir, "http://127.0.0.1:1", &["1/s"], "");
+    let config = config.to_str().unwrap();
+    let simulate = |ahead: &'static str| {
+        let args = vec!["simulate", "--config", config, "--jobs", "200", "--json", "--dispatch-ahead", ahead];
+        async move { paceline(&args, "").await }
+    };
+    // At the slot, Lambda's start spread bunches calls: the strict provider refuses some.
+    let at_slot = simulate("0s").await;
+    let report: serde_json::Value = serde_json::from_slice(&at_slot.stdout).expect("the report is printed all the same");
+    assert!(report["violations"].as_u64().unwrap() > 0, "{report}");
+    assert_eq!(at_slot.status.code(), Some(3));
+    let stderr = String::from_utf8_lossy(&at_slot.stderr);
+    assert!(stderr.contains("over quota") && stderr.contains("dispatch_ahead"), "{stderr}");
+    // Ahead of the slot: none refused, exit 0.
+    let ahead = simulate("400ms").await;
+    let report: serde_json::Value = serde_json::from_slice(&ahead.stdout).unwrap();
+    assert_eq!((report["violations"].as_u64(), ahead.status.code()), (Some(0), Some(0)), "{report}");
+}

@@ -14,6 +14,21 @@ use paceline_sim::{little_law_concurrency, plot, simulate, Dispatcher, Plan, Sim
 use crate::commands::ConfigArg;
 use crate::lane::load_config_for_operations;
 
+/// The exit code of a simulation in which the provider refused calls over quota.
+pub const EXIT_OVER_QUOTA: u8 = 3;
+
+/// The configured lane's calls were refused as over quota: the run failed its one
+/// promise. Its report is printed all the same.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{violations} calls were refused as over quota (exit code {EXIT_OVER_QUOTA}). hint: hand jobs off ahead of their slot \
+     (`orchestrator.dispatch_ahead`, 400ms where workers are Lambda functions) and keep `quota.safety_margin` above the \
+     network's jitter; `--baselines` shows the difference"
+)]
+pub struct OverQuota {
+    pub violations: u64,
+}
+
 /// Simulate draining a backlog through the lane (no AWS, no API calls, virtual time).
 #[derive(Debug, clap::Args)]
 pub struct SimulateArgs {
@@ -80,7 +95,8 @@ impl SimulateArgs {
     }
 
     /// # Errors
-    /// Bad config or flags, or an unwritable plot file.
+    /// Bad config or flags, or an unwritable plot file; [`OverQuota`] (after the report)
+    /// when the provider refused any of the lane's calls as over quota.
     pub async fn run(self) -> anyhow::Result<()> {
         let plan = self.plan()?;
         let baselines = self.baselines;
@@ -92,7 +108,8 @@ impl SimulateArgs {
             std::fs::write(path, plot::svg(main, &plan.settings.quota)).with_context(|| format!("cannot write {}", path.display()))?;
         }
         if self.json {
-            let value = if reports.len() == 1 { serde_json::to_value(main)? } else { serde_json::to_value(&reports)? };
+            let mut values = reports.iter().map(json_with_violations).collect::<anyhow::Result<Vec<_>>>()?;
+            let value = if values.len() == 1 { values.remove(0) } else { serde_json::Value::Array(values) };
             println!("{}", serde_json::to_string_pretty(&value)?);
         } else {
             print!("{}", render(main));
@@ -104,8 +121,18 @@ impl SimulateArgs {
                 println!("\nPlot written to {}", path.display());
             }
         }
-        Ok(())
+        match main.violations() {
+            0 => Ok(()),
+            violations => Err(OverQuota { violations }.into()),
+        }
     }
+}
+
+/// A report as JSON, with its violations summed at the top level.
+fn json_with_violations(report: &SimReport) -> anyhow::Result<serde_json::Value> {
+    let mut value = serde_json::to_value(report)?;
+    value["violations"] = report.violations().into();
+    Ok(value)
 }
 
 /// The lane as configured, then (with `baselines`) the others on the same workload.
