@@ -288,11 +288,11 @@ impl Executor<'_> {
                 });
                 return Ok(());
             }
-            Action::Dispatch(in_hand, payload) => {
+            Action::Dispatch(hand_off, payload) => {
                 let invoker = o.invoker.clone();
                 self.background.spawn(async move {
-                    let result = invoker.invoke(&payload, Some(&in_hand.message.receipt)).await;
-                    Event::HandedOff(in_hand, payload, result)
+                    let result = invoker.invoke(&payload, Some(&hand_off.message.receipt)).await;
+                    Event::HandedOff(hand_off, payload, result)
                 });
                 return Ok(());
             }

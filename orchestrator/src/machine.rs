@@ -67,9 +67,16 @@ pub(crate) fn lease_valid_for(ttl: Duration) -> Duration {
 }
 
 /// A message taken off the queue, parsed once, with when it came into hand.
-pub(crate) struct InHand {
-    pub message: QueuedMessage,
+struct InHand {
+    message: QueuedMessage,
     job: Result<Job, String>,
+    since: UnixMillis,
+}
+
+/// A message being handed off (its job travels in the payload), with when it came into
+/// hand: what goes back in hand if the hand-off is refused.
+pub(crate) struct HandOff {
+    pub message: QueuedMessage,
     since: UnixMillis,
 }
 
@@ -95,7 +102,7 @@ pub(crate) enum Action {
     /// Delete these handed-off or dead-lettered messages (background).
     Delete(Vec<String>),
     /// Hand a job to a worker (background).
-    Dispatch(InHand, WorkerPayload),
+    Dispatch(HandOff, WorkerPayload),
     /// Hand a health check to a worker (background).
     HealthCheck(WorkerPayload),
     /// Nothing left here: ask whether anything is left anywhere (drain mode; await it).
@@ -123,7 +130,7 @@ pub(crate) enum Event {
         long_poll: bool,
     },
     Deleted(Vec<String>, PortResult<()>),
-    HandedOff(InHand, WorkerPayload, PortResult<()>),
+    HandedOff(HandOff, WorkerPayload, PortResult<()>),
     HealthChecked(PortResult<()>),
     /// `true` when nothing is left on the queue or in flight anywhere.
     DrainChecked(PortResult<bool>),
@@ -344,6 +351,12 @@ impl<'a> DrainState<'a> {
         Action::Delete(self.pending_deletes.drain(..self.pending_deletes.len().min(DELETE_BATCH)).collect())
     }
 
+    /// Until when no hand-off may go (after a refused hand-off or a failed reservation),
+    /// if such a hold is in force at `now`.
+    fn dispatch_held_until(&self, now: UnixMillis) -> Option<UnixMillis> {
+        [Timer::InvokeHold, Timer::Reserve].into_iter().filter_map(|t| self.timers.get(t)).filter(|at| *at > now).max()
+    }
+
     /// Sleeps until `t`, or sooner if a timer fires first.
     fn sleep_until(&self, t: UnixMillis) -> Action {
         let until = self.timers.next_timeout().map_or(t, |timeout| timeout.min(t));
@@ -357,10 +370,9 @@ impl<'a> DrainState<'a> {
 
     /// Jobs flow: prefetch, dead-letter what cannot go, wait for the slot, dispatch.
     fn while_closed(&mut self, now: UnixMillis) -> Action {
-        let Some(front) = self.buffer.front() else {
+        if self.buffer.is_empty() {
             return self.when_nothing_in_hand(now);
-        };
-        let since = front.since;
+        }
         if let Some(prefetch) = self.prefetch(now) {
             return prefetch;
         }
@@ -373,8 +385,8 @@ impl<'a> DrainState<'a> {
                 return Action::DeadLetter(in_hand.message, DeadLetterReason { cause: DeadLetterCause::Malformed, detail: why });
             }
         };
-        if let Some(hold) = [Timer::InvokeHold, Timer::Reserve].into_iter().find(|t| self.timers.is_pending(*t, now)) {
-            return self.sleep_until(self.timers.get(hold).expect("a pending timer"));
+        if let Some(until) = self.dispatch_held_until(now) {
+            return self.sleep_until(until);
         }
         if self.in_flight.hand_offs >= MAX_INVOKES_IN_FLIGHT {
             return self.await_event();
@@ -396,20 +408,15 @@ impl<'a> DrainState<'a> {
                 if !needed.is_empty() {
                     return Action::Reserve(needed);
                 }
-                let mut in_hand = self.buffer.pop_front().expect("the message in hand");
-                let job = std::mem::replace(&mut in_hand.job, Err(String::new())).expect("a parsed job");
+                let InHand { message, job, since } = self.buffer.pop_front().expect("the message in hand");
+                let job = job.expect("parsed: checked above");
                 let paced = slot.since(self.last_dispatch.unwrap_or(since).max(since));
                 self.commit(cost, slot, upload_allowance(&job), paced);
-                debug!(job_id = %job.id, attempt = in_hand.message.attempt, cost, "dispatching");
-                let payload = WorkerPayload::Job {
-                    job,
-                    attempt: in_hand.message.attempt,
-                    circuit_epoch: self.circuit.epoch,
-                    dispatched_at: now,
-                    slot: self.call_slot(slot),
-                };
+                debug!(job_id = %job.id, attempt = message.attempt, cost, "dispatching");
+                let payload =
+                    WorkerPayload::Job { job, attempt: message.attempt, circuit_epoch: self.circuit.epoch, dispatched_at: now, slot: self.call_slot(slot) };
                 self.in_flight.hand_offs += 1;
-                Action::Dispatch(in_hand, payload)
+                Action::Dispatch(HandOff { message, since }, payload)
             }
         }
     }
@@ -459,8 +466,8 @@ impl<'a> DrainState<'a> {
         if self.in_flight.health_check {
             return self.await_event();
         }
-        if let Some(hold) = [Timer::InvokeHold, Timer::Reserve].into_iter().find(|t| self.timers.is_pending(*t, now)) {
-            return self.sleep_until(self.timers.get(hold).expect("a pending timer"));
+        if let Some(until) = self.dispatch_held_until(now) {
+            return self.sleep_until(until);
         }
         if let Some(due) = self.timers.get(Timer::HealthCheck) {
             if now < due {
@@ -637,25 +644,25 @@ impl<'a> DrainState<'a> {
     /// Acts on a hand-off's answer: delete the message, dead-letter it (over the
     /// invoker's size limit), or put it back in hand and hold dispatch for a back-off.
     /// A refused hand-off's slot stays spent: it may still have run.
-    fn on_handed_off(&mut self, in_hand: InHand, payload: WorkerPayload, result: PortResult<()>, now: UnixMillis) -> Result<(), RunError> {
+    fn on_handed_off(&mut self, hand_off: HandOff, payload: WorkerPayload, result: PortResult<()>, now: UnixMillis) -> Result<(), RunError> {
         self.in_flight.hand_offs -= 1;
         match result {
             Ok(()) => {
                 self.backoffs.invoke.succeeded();
-                self.pending_deletes.push(in_hand.message.receipt);
+                self.pending_deletes.push(hand_off.message.receipt);
                 self.report.dispatched += 1;
                 Progress::bump(&self.progress.dispatched);
                 Ok(())
             }
             Err(PortError::TooLarge(why)) => {
                 let detail = format!("the worker payload is over the invoker's limit: {why}");
-                self.to_dead_letter.push_back((in_hand.message, DeadLetterReason { cause: DeadLetterCause::Malformed, detail }));
+                self.to_dead_letter.push_back((hand_off.message, DeadLetterReason { cause: DeadLetterCause::Malformed, detail }));
                 Ok(())
             }
             Err(e) => {
                 let WorkerPayload::Job { job, .. } = payload else { unreachable!("a hand-off carries a job") };
-                warn!(error = %e, message_id = %in_hand.message.message_id, "hand-off refused; the job goes again after a back-off");
-                self.buffer.push_front(InHand { job: Ok(job), ..in_hand });
+                warn!(error = %e, message_id = %hand_off.message.message_id, "hand-off refused; the job goes again after a back-off");
+                self.buffer.push_front(InHand { message: hand_off.message, job: Ok(job), since: hand_off.since });
                 self.retry_later(e, Timer::InvokeHold, now, "hand-off refused")
             }
         }
@@ -671,7 +678,8 @@ impl<'a> DrainState<'a> {
             Timer::Flush => &mut self.backoffs.flush,
             Timer::Receive => &mut self.backoffs.receive,
             Timer::Reserve => &mut self.backoffs.reserve,
-            _ => &mut self.backoffs.invoke,
+            Timer::InvokeHold => &mut self.backoffs.invoke,
+            Timer::LeaseExpiry | Timer::Prefetch | Timer::HealthCheck | Timer::Stop => unreachable!("{timer:?} is not a retry"),
         };
         self.timers.set(timer, now.plus(backoff.failed()));
         Ok(())
