@@ -9,7 +9,7 @@ use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 use paceline_orchestrator::{Orchestrator, RunOptions, RunReport, Settings};
 use paceline_shared::adapters::embedded::{canonical_db_path, lock_exclusive, EmbeddedInvoker, EmbeddedStore};
-use paceline_shared::config::{Backend, Config};
+use paceline_shared::config::{Backend, Config, WorkerHost};
 use paceline_shared::ports::{JobQueue, WorkerHandler};
 use paceline_shared::time::{Clock, SystemClock, UnixMillis};
 use paceline_worker::{ApiClient, Worker, WorkerStats};
@@ -105,8 +105,8 @@ impl EmbeddedLane {
             Worker::new(api, store.clone(), store.clone(), clock.clone(), config.retry, config.api.health_check.clone()).with_stats(worker_stats.clone());
         let worker: Arc<dyn WorkerHandler> = Arc::new(worker);
         let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), worker));
-        let orchestrator = Orchestrator::new(store.clone(), store.clone(), invoker, clock, Settings::from_config(config));
-        let settle_for = config.api.timeout + config.orchestrator.dispatch_ahead + Duration::from_secs(1);
+        let orchestrator = Orchestrator::new(store.clone(), store.clone(), invoker, clock, Settings::from_config(config, WorkerHost::InProcess));
+        let settle_for = config.api.timeout + orchestrator.settings().dispatch_ahead() + Duration::from_secs(1);
         Ok(Self { store, orchestrator, worker_stats, settle_for, _lock: lock })
     }
 

@@ -2,6 +2,7 @@
 //! quota tier was used, as a table or as JSON.
 
 use paceline_orchestrator::StopReason;
+use paceline_shared::quota::describe_use;
 use paceline_worker::WorkerStats;
 use serde::Serialize;
 
@@ -11,11 +12,15 @@ use crate::lane::LaneOutcome;
 pub struct TierLine {
     pub tier: String,
     pub units: u64,
+    /// The busiest window held `peak_window` of `limit` units.
     pub peak_window: u64,
     pub limit: u64,
-    /// Fraction of the tier's rate achieved while jobs waited for the pacer (rolling
-    /// tiers), or of the current window used (calendar tiers).
+    /// Rolling tiers: the achieved rate's share of the tier's while jobs waited for the
+    /// pacer (over at least one window). Calendar tiers: the share of the current day or
+    /// month used.
     pub utilization: f64,
+    /// A day or month tier.
+    pub calendar: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -37,6 +42,8 @@ pub struct Summary {
     /// Calls still running when the run stopped and had waited as long as a call may
     /// take: their jobs go back on the queue at the next start.
     pub interrupted: usize,
+    /// The tier that held jobs back longest (none when nothing waited for a tier).
+    pub paced_by: Option<String>,
     pub tiers: Vec<TierLine>,
 }
 
@@ -58,10 +65,18 @@ impl Summary {
             circuit_opened: WorkerStats::get(&w.circuit_opened),
             circuit_closed: WorkerStats::get(&w.circuit_closed),
             interrupted: outcome.interrupted,
+            paced_by: r.paced_by.map(|t| t.to_string()),
             tiers: r
                 .tiers
                 .iter()
-                .map(|t| TierLine { tier: t.tier.to_string(), units: t.units, peak_window: t.peak_window, limit: t.tier.limit, utilization: t.utilization })
+                .map(|t| TierLine {
+                    tier: t.tier.to_string(),
+                    units: t.units,
+                    peak_window: t.peak_window,
+                    limit: t.tier.max_in_one_window(),
+                    utilization: t.utilization,
+                    calendar: t.tier.is_calendar(),
+                })
                 .collect(),
         }
     }
@@ -80,9 +95,12 @@ impl Summary {
             out +=
                 &format!("  interrupted    {:>7}   (calls still running at the stop; their jobs go back on the queue at the next start)\n", self.interrupted);
         }
-        out += "  tier           units   peak window   limit   utilization\n";
+        out += &format!("  {:<18} {:>7}   {:>14}   use\n", "tier", "units", "busiest window");
         for t in &self.tiers {
-            out += &format!("  {:<12} {:>7}   {:>11}   {:>5}   {:>10.1}%\n", t.tier, t.units, t.peak_window, t.limit, t.utilization * 100.0);
+            let busiest = format!("{}/{}", t.peak_window, t.limit);
+            let used = describe_use(&t.tier, t.calendar, t.utilization);
+            let pace = if self.paced_by.as_deref() == Some(t.tier.as_str()) { "  <- set the pace" } else { "" };
+            out += &format!("  {:<18} {:>7}   {busiest:>14}   {used}{pace}\n", t.tier, t.units);
         }
         out
     }

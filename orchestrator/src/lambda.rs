@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use lambda_runtime::LambdaEvent;
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames};
+use paceline_shared::config::WorkerHost;
 use paceline_shared::lambda_env::Env;
 use paceline_shared::time::{SystemClock, UnixMillis};
 use serde_json::{json, Value};
@@ -50,7 +51,7 @@ impl OrchestratorFunction {
 /// The first missing or invalid variable, named.
 pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Option<&str>) -> Result<OrchestratorFunction, String> {
     let names = AwsNames::from_env(env, true)?;
-    let settings = Settings { quota: env.quota()?, orchestrator: env.orchestrator()?, circuit: env.circuit()? };
+    let settings = Settings { quota: env.quota()?, orchestrator: env.orchestrator()?, circuit: env.circuit()?, workers: WorkerHost::Lambda };
     let aws = AwsAdapters::new(sdk, &names, lambda_endpoint);
     let orchestrator = Orchestrator::new(Arc::new(aws.queue), Arc::new(aws.store), Arc::new(aws.invoker), Arc::new(SystemClock), settings);
     Ok(OrchestratorFunction::new(orchestrator, env.optional("PACELINE_LANE").unwrap_or_else(|| "paceline".into())))
@@ -148,7 +149,7 @@ mod tests {
         let store = Arc::new(Faulty::new(Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap())));
         store.fail_next(Method::AcquireLease, 1, error);
         let quota = paceline_shared::quota::Quota::new(vec!["5/s".parse().unwrap()], paceline_shared::quota::chrono_tz::UTC, Duration::ZERO).unwrap();
-        let settings = Settings { quota, orchestrator: Default::default(), circuit: Default::default() };
+        let settings = Settings { quota, orchestrator: Default::default(), circuit: Default::default(), workers: WorkerHost::Lambda };
         let orchestrator = Orchestrator::new(store.clone(), store, Arc::new(RecordingInvoker::new(clock.clone())), clock, settings);
         OrchestratorFunction::new(orchestrator, "sms")
     }
@@ -177,6 +178,7 @@ mod tests {
             dead_lettered: 2,
             released: 0,
             paced_ms: 60_000,
+            paced_by: Some("10/s".parse().unwrap()),
             tiers: vec![tier("10/s", 1.0), tier("1000/day", 0.5)],
         };
         let record = metrics_record(&report, true, "sms");

@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use paceline_shared::breaker::Circuit;
-use paceline_shared::config::{CircuitConfig, Config, OrchestratorConfig};
+use paceline_shared::config::{CircuitConfig, Config, OrchestratorConfig, WorkerHost};
 use paceline_shared::ports::{load_calendar_usage, Invoker, JobQueue, PortError, PortResult, StateStore};
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, UnixMillis};
@@ -74,13 +74,21 @@ pub struct Settings {
     pub quota: Quota,
     pub orchestrator: OrchestratorConfig,
     pub circuit: CircuitConfig,
+    /// Where the workers run (it sets the default `dispatch_ahead`).
+    pub workers: WorkerHost,
 }
 
 impl Settings {
-    /// The loop's settings from a lane's configuration file.
+    /// The loop's settings from a lane's configuration file, for workers in `workers`.
     #[must_use]
-    pub fn from_config(config: &Config) -> Self {
-        Self { quota: config.quota.clone(), orchestrator: config.orchestrator, circuit: config.circuit }
+    pub fn from_config(config: &Config, workers: WorkerHost) -> Self {
+        Self { quota: config.quota.clone(), orchestrator: config.orchestrator, circuit: config.circuit, workers }
+    }
+
+    /// How long before its slot each job is handed off.
+    #[must_use]
+    pub fn dispatch_ahead(&self) -> Duration {
+        self.orchestrator.dispatch_ahead(self.workers)
     }
 }
 

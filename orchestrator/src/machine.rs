@@ -191,6 +191,8 @@ pub(crate) struct DrainState<'a> {
     queue_seen_empty: bool,
     last_health_check: Option<UnixMillis>,
     last_dispatch: Option<UnixMillis>,
+    /// What last held the job in hand back (for the report's pace-setting tier).
+    last_hold: Option<Hold>,
     exhausted_logged_until: UnixMillis,
     meter: TierMeter,
     stop: Option<StopReason>,
@@ -234,6 +236,7 @@ impl<'a> DrainState<'a> {
             queue_seen_empty: false,
             last_health_check: None,
             last_dispatch: None,
+            last_hold: None,
             exhausted_logged_until: UnixMillis(0),
             meter: TierMeter::new(&settings.quota),
             stop: None,
@@ -247,7 +250,7 @@ impl<'a> DrainState<'a> {
 
     /// How far ahead of its slot a job is handed off.
     fn lead(&self) -> Duration {
-        self.settings.orchestrator.dispatch_ahead
+        self.settings.dispatch_ahead()
     }
 
     pub fn lease(&self) -> &Lease {
@@ -400,7 +403,7 @@ impl<'a> DrainState<'a> {
                 Action::DeadLetter(in_hand.message, DeadLetterReason { cause: DeadLetterCause::NeverFits, detail })
             }
             Decision::WaitUntil { at, by } => {
-                self.log_exhausted(at, by);
+                self.note_hold(at, by);
                 self.sleep_until(self.hand_off_time(at, now))
             }
             Decision::Allow => {
@@ -446,7 +449,7 @@ impl<'a> DrainState<'a> {
         if max == 0 {
             return match decision {
                 Decision::WaitUntil { at, by } => {
-                    self.log_exhausted(at, by);
+                    self.note_hold(at, by);
                     self.sleep_until(self.hand_off_time(at, now))
                 }
                 _ => self.await_event(),
@@ -726,7 +729,10 @@ impl<'a> DrainState<'a> {
         (!self.lead().is_zero()).then(|| CallSlot { not_before: slot, call_by: slot.plus(self.quota().safety_margin() / 2) })
     }
 
-    fn log_exhausted(&mut self, at: UnixMillis, by: Hold) {
+    /// The pacer holds the job in hand until `at` because of `by`: the report counts the
+    /// wait against `by`, and an exhausted calendar tier is logged once per reset.
+    fn note_hold(&mut self, at: UnixMillis, by: Hold) {
+        self.last_hold = Some(by);
         if let Hold::Tier(i) = by {
             let tier = self.quota().tiers()[i];
             if tier.is_calendar() && at > self.exhausted_logged_until {
@@ -759,7 +765,7 @@ impl<'a> DrainState<'a> {
     /// Jobs to have in hand or on their way: what the pace uses during two receives, and
     /// at least one batch.
     fn prefetch_target(&self) -> usize {
-        let meanwhile = self.quota().rolling_rate_per_second() * (self.receive_latency * 2).as_secs_f64();
+        let meanwhile = self.quota().pace_per_second() * (self.receive_latency * 2).as_secs_f64();
         let most = RECEIVE_BATCH * MAX_RECEIVES_IN_FLIGHT;
         if meanwhile >= most as f64 {
             most
@@ -788,7 +794,7 @@ impl<'a> DrainState<'a> {
             if have >= cost {
                 continue; // the common case, on every dispatch: no work beyond the lookup
             }
-            let rate = quota.rolling_rate_per_second();
+            let rate = quota.pace_per_second();
             let block =
                 if rate.is_finite() { (rate * self.settings.orchestrator.flush_interval.as_secs_f64()).ceil() as u64 } else { RESERVATION_WITHOUT_PACE };
             let left = tier.limit.saturating_sub(self.pacer.usage(quota, slot)[index]).saturating_sub(have);
@@ -807,7 +813,7 @@ impl<'a> DrainState<'a> {
                 *reserved = reserved.saturating_sub(cost);
             }
         }
-        self.meter.record(now, cost, paced);
+        self.meter.record(now, cost, paced, self.last_hold.take());
         self.last_dispatch = Some(now);
     }
 
@@ -829,6 +835,7 @@ impl<'a> DrainState<'a> {
         let calendar_used = self.pacer.usage(self.quota(), now);
         self.report.tiers = self.meter.report(self.quota(), &calendar_used);
         self.report.paced_ms = self.meter.paced_ms;
+        self.report.paced_by = self.meter.paced_by().map(|i| self.quota().tiers()[i]);
         self.report.ended_at = now;
         if let Some(reason) = &self.stop {
             self.report.stop = reason.clone();
@@ -839,14 +846,19 @@ impl<'a> DrainState<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use paceline_shared::config::{CircuitConfig, OrchestratorConfig};
+    use paceline_shared::config::{CircuitConfig, OrchestratorConfig, WorkerHost};
     use paceline_shared::quota::chrono_tz;
 
     const T0: UnixMillis = UnixMillis(1_795_824_000_000);
 
     fn settings() -> Settings {
         let quota = Quota::new(vec!["5/s".parse().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
-        Settings { quota, orchestrator: OrchestratorConfig::default(), circuit: CircuitConfig { health_check_interval: Duration::from_secs(2) } }
+        Settings {
+            quota,
+            orchestrator: OrchestratorConfig::default(),
+            circuit: CircuitConfig { health_check_interval: Duration::from_secs(2) },
+            workers: WorkerHost::InProcess,
+        }
     }
 
     /// Asks for the next action at `now` and checks that a sleep lets time pass: a sleep

@@ -1,10 +1,12 @@
 //! What a run did: counts, live progress for a progress bar, and per-tier figures
-//! (units, busiest window, utilization while there was work to pace).
+//! (units, busiest window, the achieved rate's share while there was work to pace, and
+//! the tier that set the pace).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use paceline_shared::check::WindowPeak;
+use paceline_shared::pacer::Hold;
 use paceline_shared::quota::{Period, Quota, Tier};
 use paceline_shared::time::UnixMillis;
 use serde::Serialize;
@@ -45,10 +47,12 @@ pub struct TierReport {
     /// Units dispatched in the run (jobs and health checks).
     pub units: u64,
     /// Most units in any single window of the tier (rolling tiers) or in the run
-    /// (calendar tiers).
+    /// (calendar tiers): the busiest window's fill is `peak_window` of the tier's limit.
     pub peak_window: u64,
-    /// Achieved rate over the time there was work waiting for this quota, as a fraction
-    /// of the tier's rate (rolling tiers); usage of the current window (calendar tiers).
+    /// Rolling tiers: the achieved rate while work waited for the pacer, as a share of
+    /// the tier's rate over at least one of its windows (a minute tier filled at the
+    /// second tier's pace for 10 s is not "600% used"). Calendar tiers: the share of the
+    /// current day or month used.
     pub utilization: f64,
 }
 
@@ -65,6 +69,9 @@ pub struct RunReport {
     pub released: u64,
     /// Time with a job in hand, circuit closed, waiting only for the pacer.
     pub paced_ms: u64,
+    /// The tier that held jobs back longest: the one that set the pace (none when
+    /// nothing waited for a tier).
+    pub paced_by: Option<Tier>,
     pub tiers: Vec<TierReport>,
 }
 
@@ -80,6 +87,7 @@ impl RunReport {
             dead_lettered: 0,
             released: 0,
             paced_ms: 0,
+            paced_by: None,
             tiers: Vec::new(),
         }
     }
@@ -93,6 +101,8 @@ pub(crate) struct TierMeter {
     /// after such a wait: their ratio is the achieved rate while the quota was the limit.
     pub(crate) paced_ms: u64,
     paced_units: u64,
+    /// Per tier, the time jobs waited because of it.
+    held_ms: Vec<u64>,
 }
 
 impl TierMeter {
@@ -111,19 +121,30 @@ impl TierMeter {
             units: vec![0; quota.tiers().len()],
             paced_ms: 0,
             paced_units: 0,
+            held_ms: vec![0; quota.tiers().len()],
         }
     }
 
-    /// Records a dispatch at `at` that waited `paced` for the pacer.
-    pub(crate) fn record(&mut self, at: UnixMillis, cost: u64, paced: Duration) {
+    /// Records a dispatch at `at` that waited `paced` for the pacer, last held by `held`.
+    pub(crate) fn record(&mut self, at: UnixMillis, cost: u64, paced: Duration, held: Option<Hold>) {
         if !paced.is_zero() {
-            self.paced_ms += u64::try_from(paced.as_millis()).unwrap_or(u64::MAX);
+            let paced_ms = u64::try_from(paced.as_millis()).unwrap_or(u64::MAX);
+            self.paced_ms += paced_ms;
             self.paced_units += cost;
+            if let Some(Hold::Tier(index)) = held {
+                self.held_ms[index] += paced_ms;
+            }
         }
         for (peak, units) in self.peaks.iter_mut().zip(&mut self.units) {
             peak.push(at, cost);
             *units += cost;
         }
+    }
+
+    /// The tier that held jobs back longest.
+    pub(crate) fn paced_by(&self) -> Option<usize> {
+        let (index, held) = self.held_ms.iter().enumerate().max_by_key(|(i, held)| (**held, std::cmp::Reverse(*i)))?;
+        (*held > 0).then_some(index)
     }
 
     pub(crate) fn report(&self, quota: &Quota, calendar_used: &[u64]) -> Vec<TierReport> {
@@ -137,7 +158,8 @@ impl TierMeter {
                 } else if self.paced_ms == 0 {
                     0.0
                 } else {
-                    self.paced_units as f64 / (tier.rate_per_second() * self.paced_ms as f64 / 1000.0)
+                    let over_ms = self.paced_ms.max(u64::try_from(tier.nominal_window().as_millis()).unwrap_or(u64::MAX));
+                    self.paced_units as f64 / (tier.rate_per_second() * over_ms as f64 / 1000.0)
                 };
                 TierReport { tier: *tier, units: self.units[i], peak_window: self.peaks[i].peak(), utilization }
             })

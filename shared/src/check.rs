@@ -74,6 +74,92 @@ impl StrictWindowLimiter {
     }
 }
 
+/// A fixed-window counter, as many providers enforce a rolling tier: windows aligned
+/// on the epoch (`[k * window, (k + 1) * window)`), each holding at most `limit` units.
+#[derive(Debug)]
+pub struct StrictFixedWindowLimiter {
+    limit: u64,
+    window_ms: u64,
+    window_index: u64,
+    units: u64,
+}
+
+impl StrictFixedWindowLimiter {
+    /// A limiter of `limit` units per aligned `window`.
+    #[must_use]
+    pub fn new(limit: u64, window: Duration) -> Self {
+        Self { limit, window_ms: u64::try_from(window.as_millis()).unwrap_or(u64::MAX).max(1), window_index: 0, units: 0 }
+    }
+
+    /// Whether `cost` more units at `now` fit in the window holding `now`.
+    pub fn fits(&mut self, now: UnixMillis, cost: u64) -> bool {
+        let index = now.0 / self.window_ms;
+        if index != self.window_index {
+            self.window_index = index;
+            self.units = 0;
+        }
+        self.units + cost <= self.limit
+    }
+
+    /// Counts `cost` units at `now`.
+    pub fn record(&mut self, now: UnixMillis, cost: u64) {
+        let _ = self.fits(now, 0);
+        self.units += cost;
+    }
+}
+
+/// A strict bucket limiter, as a provider with a token or leaky bucket enforces it: the
+/// bucket holds `capacity` units and drains `limit` units per `window`; a call is
+/// refused unless the bucket has room for at least one more unit (a heavy call then
+/// fills it past the brim, as nginx counts a request once whatever it weighs). Kept as
+/// a water level, not as GCRA's arrival times, so that it shares no arithmetic with the
+/// pacer.
+#[derive(Debug)]
+pub struct StrictBucketLimiter {
+    capacity: u64,
+    limit: u64,
+    window_ms: u64,
+    /// Water in the bucket, in units of `1 / window_ms` unit.
+    level: u128,
+    last: u64,
+}
+
+impl StrictBucketLimiter {
+    /// A bucket of `capacity` units draining `limit` units per `window`.
+    #[must_use]
+    pub fn new(capacity: u64, limit: u64, window: Duration) -> Self {
+        let window_ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX).max(1);
+        Self { capacity, limit, window_ms, level: 0, last: 0 }
+    }
+
+    fn drain(&mut self, now: UnixMillis) {
+        let drained = u128::from(now.0.saturating_sub(self.last)) * u128::from(self.limit);
+        self.level = self.level.saturating_sub(drained);
+        self.last = self.last.max(now.0);
+    }
+
+    /// Whether a call at `now` fits; calls must come in time order.
+    pub fn fits(&mut self, now: UnixMillis) -> bool {
+        self.drain(now);
+        self.level + u128::from(self.window_ms) <= u128::from(self.capacity) * u128::from(self.window_ms)
+    }
+
+    /// Pours `cost` units in at `now`.
+    pub fn record(&mut self, now: UnixMillis, cost: u64) {
+        self.drain(now);
+        self.level += u128::from(cost) * u128::from(self.window_ms);
+    }
+
+    /// Admits and records the call if it fits; refuses (and records nothing) if not.
+    pub fn try_admit(&mut self, now: UnixMillis, cost: u64) -> bool {
+        let fits = self.fits(now);
+        if fits {
+            self.record(now, cost);
+        }
+        fits
+    }
+}
+
 /// Tracks, online, the most units seen in any window of one length: bounded memory
 /// (only the arrivals of the current window), for run reports.
 #[derive(Debug)]
@@ -171,6 +257,36 @@ mod tests {
         let start = online.peak_window_start().0;
         let in_it = arrivals.iter().filter(|t| (start..start + window).contains(t)).count() as u64;
         assert_eq!(in_it, online.peak(), "the named window holds the peak");
+    }
+
+    #[test]
+    fn fixed_window_limiter_resets_on_the_aligned_boundary() {
+        let mut fixed = StrictFixedWindowLimiter::new(2, Duration::from_secs(1));
+        let mut admit = |t: u64| {
+            let fits = fixed.fits(UnixMillis(t), 1);
+            if fits {
+                fixed.record(UnixMillis(t), 1);
+            }
+            fits
+        };
+        assert!(admit(998) && admit(999));
+        assert!(!admit(999), "the window [0, 1000) is full");
+        assert!(admit(1_000) && admit(1_001), "a fixed window admits 4 within 3 ms across its boundary");
+        assert!(!admit(1_999));
+    }
+
+    #[test]
+    fn bucket_limiter_takes_its_capacity_at_once_then_its_rate() {
+        let mut bucket = StrictBucketLimiter::new(3, 2, Duration::from_secs(1));
+        assert!((0..3).all(|_| bucket.try_admit(UnixMillis(0), 1)));
+        assert!(!bucket.try_admit(UnixMillis(499), 1));
+        assert!(bucket.try_admit(UnixMillis(500), 1));
+        assert!(!bucket.try_admit(UnixMillis(999), 1));
+        assert!(bucket.try_admit(UnixMillis(1_000), 1));
+        let mut strict = StrictBucketLimiter::new(1, 10, Duration::from_secs(1));
+        assert!(strict.try_admit(UnixMillis(0), 3), "a heavy call goes into an empty bucket");
+        assert!(!strict.try_admit(UnixMillis(200), 1), "and keeps it full for its weight");
+        assert!(strict.try_admit(UnixMillis(300), 1));
     }
 
     #[test]

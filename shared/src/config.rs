@@ -102,11 +102,24 @@ pub struct OrchestratorConfig {
     #[serde(deserialize_with = "duration", default = "defaults::deadline_margin")]
     pub deadline_margin: Duration,
     /// Hand each job to its worker this long before its pacer slot, with the slot in the
-    /// payload; the worker waits for it (see `CallSlot`). Zero (the default) dispatches
-    /// at the slot. Set it above the worker's start delay (Lambda's async start: p99
-    /// about 225 ms) so that start-up jitter does not reach the provider.
-    #[serde(deserialize_with = "duration", default)]
-    pub dispatch_ahead: Duration,
+    /// payload; the worker waits for it (see `CallSlot`). Zero dispatches at the slot.
+    /// Unset, where the workers run decides ([`Self::dispatch_ahead`]).
+    #[serde(deserialize_with = "optional_duration", default)]
+    pub dispatch_ahead: Option<Duration>,
+}
+
+/// How long before its slot a job goes to a Lambda worker unless configured: above
+/// Lambda's async start delay (p99 about 225 ms), so that start-up jitter does not reach
+/// the provider. The AWS lane, the template's default and the simulator all use it.
+pub const LAMBDA_DISPATCH_AHEAD: Duration = Duration::from_millis(400);
+
+/// Where a lane's workers run, which sets the default `dispatch_ahead`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerHost {
+    /// In the orchestrator's process (`paceline run`, the demo): no start delay.
+    InProcess,
+    /// Lambda functions, invoked asynchronously.
+    Lambda,
 }
 
 impl ApiConfig {
@@ -237,7 +250,7 @@ impl Default for OrchestratorConfig {
             flush_interval: defaults::flush_interval(),
             state_refresh: defaults::state_refresh(),
             deadline_margin: defaults::deadline_margin(),
-            dispatch_ahead: Duration::ZERO,
+            dispatch_ahead: None,
         }
     }
 }
@@ -258,6 +271,16 @@ fn at_least(field: &'static str, value: Duration, least: Duration) -> Result<(),
 }
 
 impl OrchestratorConfig {
+    /// `dispatch_ahead` as configured, or else the default where the workers run:
+    /// [`LAMBDA_DISPATCH_AHEAD`] for Lambda functions, none in one process.
+    #[must_use]
+    pub fn dispatch_ahead(&self, workers: WorkerHost) -> Duration {
+        self.dispatch_ahead.unwrap_or(match workers {
+            WorkerHost::InProcess => Duration::ZERO,
+            WorkerHost::Lambda => LAMBDA_DISPATCH_AHEAD,
+        })
+    }
+
     /// Refuses values that would harm the lane (a zero refresh spins a core).
     ///
     /// # Errors
@@ -267,7 +290,7 @@ impl OrchestratorConfig {
         at_least("visibility_timeout", self.visibility_timeout, Duration::from_secs(1))?;
         at_least("flush_interval", self.flush_interval, Duration::from_millis(100))?;
         at_least("state_refresh", self.state_refresh, Duration::from_millis(100))?;
-        if self.dispatch_ahead > MAX_DISPATCH_AHEAD {
+        if self.dispatch_ahead.is_some_and(|ahead| ahead > MAX_DISPATCH_AHEAD) {
             return Err(Invalid { field: "dispatch_ahead", problem: format!("at most {}", humantime::format_duration(MAX_DISPATCH_AHEAD)) });
         }
         Ok(())
@@ -349,6 +372,10 @@ fn size<'de, D: Deserializer<'de>>(d: D) -> Result<usize, D::Error> {
 fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     let text = String::deserialize(d)?;
     humantime::parse_duration(&text).map_err(|e| serde::de::Error::custom(format!("`{text}` is not a duration ({e}); write for example 500ms, 10s, 5m")))
+}
+
+fn optional_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    duration(d).map(Some)
 }
 
 fn time_zone<'de, D: Deserializer<'de>>(d: D) -> Result<chrono_tz::Tz, D::Error> {
@@ -542,6 +569,18 @@ mod tests {
         assert_eq!(config.api.health_check.path, "/");
         assert_eq!(config.api.max_body, 256 * 1024);
         assert_eq!(config.retry.max_cool_down, Duration::from_secs(3600));
+    }
+
+    #[test]
+    fn dispatch_ahead_defaults_to_where_the_workers_run() {
+        let unset = parse(MINIMAL).unwrap().orchestrator;
+        assert_eq!(unset.dispatch_ahead(WorkerHost::InProcess), Duration::ZERO);
+        assert_eq!(unset.dispatch_ahead(WorkerHost::Lambda), LAMBDA_DISPATCH_AHEAD);
+        let at_slot = parse(&format!("{MINIMAL}[orchestrator]\ndispatch_ahead = \"0s\"\n")).unwrap().orchestrator;
+        assert_eq!(at_slot.dispatch_ahead(WorkerHost::Lambda), Duration::ZERO);
+        let template = include_str!("../../infra/template.yaml");
+        let default = template.split("DispatchAheadMilliseconds:").nth(1).and_then(|rest| rest.split("Default:").nth(1)).and_then(|rest| rest.lines().next());
+        assert_eq!(default.map(str::trim), Some(LAMBDA_DISPATCH_AHEAD.as_millis().to_string().as_str()), "the template's default is the same");
     }
 
     #[test]

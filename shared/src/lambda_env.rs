@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::config::{
     check_health_request, check_timeout, defaults, parse_base_url, parse_size, resolve_headers, ApiConfig, CircuitConfig, HeaderSource, Invalid,
-    OrchestratorConfig, RetryConfig,
+    OrchestratorConfig, RetryConfig, LAMBDA_DISPATCH_AHEAD,
 };
 use crate::quota::{Quota, Tier};
 
@@ -81,7 +81,7 @@ impl<'a> Env<'a> {
             flush_interval: self.duration("PACELINE_FLUSH_INTERVAL", defaults::flush_interval())?,
             state_refresh: self.duration("PACELINE_STATE_REFRESH", defaults::state_refresh())?,
             deadline_margin: self.duration("PACELINE_DEADLINE_MARGIN", defaults::deadline_margin())?,
-            dispatch_ahead: self.duration("PACELINE_DISPATCH_AHEAD", Duration::ZERO)?,
+            dispatch_ahead: Some(self.duration("PACELINE_DISPATCH_AHEAD", LAMBDA_DISPATCH_AHEAD)?),
         };
         config.check().map_err(|e| Self::named("", e))?;
         Ok(config)

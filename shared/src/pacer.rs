@@ -1,12 +1,18 @@
 //! The pacer: given the quota, its state and `now`, decide whether a job of some cost
 //! may be dispatched now or when it may. Pure: no clock, no I/O, no sleeping.
 //!
-//! Each rolling tier combines two rules, both exact in integer milliseconds:
-//! - GCRA with zero burst tolerance spreads calls evenly (one unit every `window / limit`),
-//!   which also satisfies strict leaky-bucket limiters such as nginx's `limit_req`;
+//! Rolling tiers use two rules, both exact in integer milliseconds:
+//! - GCRA spreads calls evenly (one unit every `window / limit`). With zero burst
+//!   tolerance it satisfies strict leaky-bucket limiters such as nginx's `limit_req`; a
+//!   tier's `burst=N` is its tolerance (a bucket of N units);
 //! - a sliding-window log guarantees that no window of the tier's length ever holds more
 //!   than its limit even when jobs weigh more than one unit (GCRA alone lets a heavy job
 //!   overshoot a window by its extra weight).
+//!
+//! Which rules a tier gets ([`Rules`]): the shortest rolling tier and `smooth` tiers
+//! both (evenly spaced); other rolling tiers the window log alone, so a backlog spends a
+//! long tier's allowance at the shortest tier's pace, as a sliding-window provider
+//! allows; a `burst` tier GCRA alone with its tolerance (the provider is a bucket).
 //!
 //! The window used by both is the tier's length plus the quota's safety margin, so that
 //! network jitter between our dispatch and the provider's clock cannot push two calls
@@ -17,7 +23,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::quota::{Period, Quota, Tier};
+use crate::quota::{Period, Quota, Spread, Tier};
 use crate::time::UnixMillis;
 
 /// What the pacer says about one job.
@@ -27,7 +33,8 @@ pub enum Decision {
     Allow,
     /// Not before `at`; `by` says what holds it back.
     WaitUntil { at: UnixMillis, by: Hold },
-    /// The job's cost exceeds this tier's whole limit: it can never be dispatched.
+    /// The job's cost exceeds what this tier ever admits at once (its limit, or its
+    /// bucket for a `burst` tier): it can never be dispatched.
     Never { tier: Tier },
 }
 
@@ -40,15 +47,46 @@ pub enum Hold {
     CoolDown,
 }
 
+/// The rules the pacer applies to one rolling tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Rules {
+    /// GCRA with this many units of burst tolerance beyond the first (0: evenly spaced).
+    gcra_tolerance: Option<u64>,
+    /// The sliding-window log.
+    window: bool,
+}
+
 /// Units admitted per time bucket, oldest first. Buckets are 1 ms (exact) while the
 /// limit is small enough that the log stays small anyway, and `window / 1024` for large
 /// limits, which bounds memory; a bucket is treated as if all of it arrived at its last
 /// millisecond, so bucketing only ever errs safe.
+///
+/// The log keeps the sum of its entries, so a decision costs the expired entries at its
+/// front (usually none) rather than a walk over the whole window.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "LogEntries")]
 pub struct SlidingWindowLog {
     window_ms: u64,
     bucket_ms: u64,
     entries: VecDeque<(u64, u64)>,
+    /// The sum of `entries`' units (not stored: rebuilt from the entries).
+    #[serde(skip)]
+    units: u64,
+}
+
+/// A log as stored: the running sum is rebuilt from the entries when read back.
+#[derive(Deserialize)]
+struct LogEntries {
+    window_ms: u64,
+    bucket_ms: u64,
+    entries: VecDeque<(u64, u64)>,
+}
+
+impl From<LogEntries> for SlidingWindowLog {
+    fn from(stored: LogEntries) -> Self {
+        let units = stored.entries.iter().map(|(_, u)| u).sum();
+        Self { window_ms: stored.window_ms, bucket_ms: stored.bucket_ms, entries: stored.entries, units }
+    }
 }
 
 impl SlidingWindowLog {
@@ -60,17 +98,29 @@ impl SlidingWindowLog {
     pub fn new(window: Duration, limit: u64) -> Self {
         let window_ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX).max(1);
         let bucket_ms = if limit <= Self::EXACT_UP_TO { 1 } else { (window_ms / 1024).max(1) };
-        Self { window_ms, bucket_ms, entries: VecDeque::new() }
+        Self { window_ms, bucket_ms, entries: VecDeque::new(), units: 0 }
     }
 
     fn expiry(&self, bucket_start: u64) -> u64 {
         bucket_start + self.bucket_ms - 1 + self.window_ms
     }
 
+    /// The entries still inside the window ending at `now`, oldest first.
+    fn live(&self, now: UnixMillis) -> impl Iterator<Item = &(u64, u64)> + Clone {
+        self.entries.iter().skip_while(move |(b, _)| self.expiry(*b) <= now.0)
+    }
+
     /// Units inside the window ending at `now`.
     #[must_use]
     pub fn in_window(&self, now: UnixMillis) -> u64 {
-        self.entries.iter().filter(|(b, _)| self.expiry(*b) > now.0).map(|(_, u)| u).sum()
+        let expired: u64 = self.entries.iter().take_while(|(b, _)| self.expiry(*b) <= now.0).map(|(_, u)| u).sum();
+        self.units - expired
+    }
+
+    /// When the oldest unit in the window ending at `now` leaves it (`None`: empty).
+    #[must_use]
+    pub fn next_free_at(&self, now: UnixMillis) -> Option<UnixMillis> {
+        self.live(now).next().map(|(bucket, _)| UnixMillis(self.expiry(*bucket)))
     }
 
     /// The earliest instant at or after `now` when `cost` more units fit under `limit`;
@@ -80,12 +130,11 @@ impl SlidingWindowLog {
         if cost > limit {
             return None;
         }
-        let live = self.entries.iter().filter(|(b, _)| self.expiry(*b) > now.0);
-        let mut excess = (live.clone().map(|(_, u)| u).sum::<u64>() + cost).saturating_sub(limit);
+        let mut excess = (self.in_window(now) + cost).saturating_sub(limit);
         if excess == 0 {
             return Some(now);
         }
-        for (bucket, units) in live {
+        for (bucket, units) in self.live(now) {
             excess = excess.saturating_sub(*units);
             if excess == 0 {
                 return Some(UnixMillis(self.expiry(*bucket)));
@@ -96,9 +145,11 @@ impl SlidingWindowLog {
 
     /// Records `cost` units at `now` and forgets what has left the window.
     pub fn record(&mut self, now: UnixMillis, cost: u64) {
-        while self.entries.front().is_some_and(|(b, _)| self.expiry(*b) <= now.0) {
+        while let Some((_, units)) = self.entries.front().filter(|(b, _)| self.expiry(*b) <= now.0) {
+            self.units -= units;
             self.entries.pop_front();
         }
+        self.units += cost;
         let bucket = now.0 - now.0 % self.bucket_ms;
         match self.entries.back_mut() {
             Some((last, units)) if *last == bucket => *units += cost,
@@ -113,6 +164,12 @@ pub struct RollingState {
     /// GCRA theoretical arrival time, scaled by the tier's limit to stay exact:
     /// the next unit may go at `ceil(tat_scaled / limit)` ms.
     tat_scaled: u128,
+    /// For an evenly spaced tier, scaled like `tat_scaled`: the last call's instant plus
+    /// its nominal interval (the tier's own window, no margin). A call that went late
+    /// keeps the schedule (`tat_scaled`) but the next one still leaves this gap after
+    /// it, so a strict leaky bucket at the provider's rate never sees two calls too close.
+    #[serde(default)]
+    spaced_until_scaled: u128,
     log: SlidingWindowLog,
 }
 
@@ -152,6 +209,16 @@ impl Quota {
         }
     }
 
+    /// The rules of tier `index` (a rolling tier).
+    fn rules(&self, index: usize, tier: &Tier) -> Rules {
+        match tier.spread {
+            Spread::Burst(units) => Rules { gcra_tolerance: Some(units - 1), window: false },
+            Spread::Smooth => Rules { gcra_tolerance: Some(0), window: true },
+            Spread::Window if self.spacing_tier() == Some(index) => Rules { gcra_tolerance: Some(0), window: true },
+            Spread::Window => Rules { gcra_tolerance: None, window: true },
+        }
+    }
+
     /// One window of the longest rolling tier, safety margin included (zero without
     /// rolling tiers): after it, nothing dispatched before can share a window with what
     /// is dispatched next.
@@ -170,13 +237,22 @@ impl Quota {
             by = Some(Hold::CoolDown);
         }
         for (index, (tier, tier_state)) in self.tiers().iter().zip(&state.tiers).enumerate() {
-            if cost > tier.limit {
+            if cost > tier.max_cost() {
                 return Decision::Never { tier: *tier };
             }
             let tier_ready = match &tier_state.rolling {
                 Some(rolling) => {
-                    let gcra = UnixMillis(u64::try_from(rolling.tat_scaled.div_ceil(u128::from(tier.limit))).unwrap_or(u64::MAX));
-                    let window = rolling.log.ready_at(now, cost, tier.limit).unwrap_or(UnixMillis(u64::MAX));
+                    let rules = self.rules(index, tier);
+                    let gcra = rules.gcra_tolerance.map_or(now, |tolerance| {
+                        // A bucket of `tolerance + 1` units: a job may start while the
+                        // bucket has room for it (for a heavy job, room for all of it
+                        // up to the bucket's size).
+                        let room = u128::from(tolerance + 1 - cost.min(tolerance + 1));
+                        let ready_scaled = rolling.tat_scaled.saturating_sub(room * u128::from(self.effective_window_ms(tier)));
+                        let ready_scaled = if tolerance == 0 { ready_scaled.max(rolling.spaced_until_scaled) } else { ready_scaled };
+                        UnixMillis(u64::try_from(ready_scaled.div_ceil(u128::from(tier.limit))).unwrap_or(u64::MAX))
+                    });
+                    let window = if rules.window { rolling.log.ready_at(now, cost, tier.limit).unwrap_or(UnixMillis(u64::MAX)) } else { now };
                     gcra.max(window)
                 }
                 None => {
@@ -241,9 +317,11 @@ impl PacerState {
             .map(|tier| TierState {
                 tier: *tier,
                 rolling: match tier.period {
-                    Period::Rolling(_) => {
-                        Some(RollingState { tat_scaled: 0, log: SlidingWindowLog::new(Duration::from_millis(quota.effective_window_ms(tier)), tier.limit) })
-                    }
+                    Period::Rolling(_) => Some(RollingState {
+                        tat_scaled: 0,
+                        spaced_until_scaled: 0,
+                        log: SlidingWindowLog::new(Duration::from_millis(quota.effective_window_ms(tier)), tier.limit),
+                    }),
                     Period::Day | Period::Month => None,
                 },
                 calendar: CalendarState::default(),
@@ -253,12 +331,15 @@ impl PacerState {
     }
 
     /// Takes the rolling-tier state and cool-down from a snapshot of an earlier run,
-    /// for the tiers that are still configured the same way (margin included).
+    /// for the tiers that still have the same limit and window (margin included).
     #[must_use]
     pub fn restored(quota: &Quota, snapshot: &PacerState) -> Self {
         let mut state = Self::new(quota);
         for tier_state in &mut state.tiers {
-            if let Some(old) = snapshot.tiers.iter().find(|old| old.tier == tier_state.tier) {
+            // A tier whose spread changed keeps its state: the spacing and the window
+            // log mean the same whatever the rules applied to them.
+            let same_tier = |old: &TierState| old.tier.limit == tier_state.tier.limit && old.tier.period == tier_state.tier.period;
+            if let Some(old) = snapshot.tiers.iter().find(|old| same_tier(old)) {
                 let same_window = match (&old.rolling, &tier_state.rolling) {
                     (Some(a), Some(b)) => a.log.window_ms == b.log.window_ms && a.log.bucket_ms == b.log.bucket_ms,
                     _ => false,
@@ -281,18 +362,29 @@ impl PacerState {
 
     /// Records a dispatch of `cost` units at `now`. Call only after [`Decision::Allow`].
     pub fn commit(&mut self, quota: &Quota, cost: u64, now: UnixMillis) {
-        for (tier, tier_state) in quota.tiers().iter().zip(&mut self.tiers) {
+        for (index, (tier, tier_state)) in quota.tiers().iter().zip(&mut self.tiers).enumerate() {
             match &mut tier_state.rolling {
                 Some(rolling) => {
                     let limit = u128::from(tier.limit);
                     let step = u128::from(quota.effective_window_ms(tier)) * u128::from(cost);
-                    // A dispatch a little after its slot (rounding to the millisecond,
-                    // a timer waking late) keeps the schedule, so lateness does not push
-                    // every later slot back. "A little" is the safety margin (at least
-                    // 1 ms); the window log still guarantees no window overfills.
                     let now_scaled = u128::from(now.0) * limit;
-                    let tolerance = u128::from(millis(quota.safety_margin()).max(1)) * limit;
-                    let base = if now_scaled < rolling.tat_scaled + tolerance { rolling.tat_scaled } else { now_scaled };
+                    let base = if quota.rules(index, tier).gcra_tolerance == Some(0) {
+                        // A dispatch a little after its slot (rounding to the millisecond,
+                        // a timer waking late) keeps the schedule, so lateness does not
+                        // push every later slot back. "A little" is the safety margin (at
+                        // least 1 ms); the window log still guarantees no window overfills
+                        // and the nominal gap after this call keeps strict buckets happy.
+                        let nominal_ms = u128::from(millis(tier.nominal_window()).max(1));
+                        rolling.spaced_until_scaled = now_scaled + nominal_ms * u128::from(cost);
+                        let tolerance = u128::from(millis(quota.safety_margin()).max(1)) * limit;
+                        if now_scaled < rolling.tat_scaled + tolerance {
+                            rolling.tat_scaled
+                        } else {
+                            now_scaled
+                        }
+                    } else {
+                        rolling.tat_scaled.max(now_scaled)
+                    };
                     rolling.tat_scaled = base + step;
                     rolling.log.record(now, cost);
                 }
@@ -314,6 +406,13 @@ impl PacerState {
             let (start, _) = tier.window_at(quota.zone(), now);
             tier_state.calendar = CalendarState { window_start: start, used };
         }
+    }
+
+    /// When the oldest unit in rolling tier `index`'s window at `now` leaves it (safety
+    /// margin included); `None` for an empty window or a calendar tier.
+    #[must_use]
+    pub fn frees_at(&self, index: usize, now: UnixMillis) -> Option<UnixMillis> {
+        self.tiers.get(index)?.rolling.as_ref()?.log.next_free_at(now)
     }
 
     /// Units used in each tier's current window at `now`, in tier order.
@@ -341,7 +440,7 @@ impl PacerState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::check::peak_in_any_window;
+    use crate::check::{peak_in_any_window, StrictBucketLimiter};
     use proptest::prelude::*;
 
     fn quota(tiers: &[&str], margin_ms: u64) -> Quota {
@@ -388,37 +487,94 @@ mod tests {
 
     #[test]
     fn fractional_intervals_stay_exact_over_a_long_run() {
-        // 7 per second: intervals of 142.857... ms must not drift.
-        let q = quota(&["7/s"], 0);
-        let sent = saturate(&q, &[1], 0, 100_000);
+        // 7 per 1.002 s: intervals of 143.142... ms must not drift.
+        let q = quota(&["7/s"], 2);
+        let sent = saturate(&q, &[1], 0, 100_100);
         assert_eq!(sent.len(), 700);
-        assert_eq!(sent[7].0, UnixMillis(1_000));
-        assert_eq!(sent[699].0, UnixMillis(99_858)); // ceil(699 * 1000 / 7)
+        assert_eq!(sent[7].0, UnixMillis(1_002));
+        assert_eq!(sent[699].0, UnixMillis(100_057)); // ceil(699 * 1002 / 7)
     }
 
     #[test]
-    fn late_wake_ups_within_the_margin_do_not_drift_the_schedule() {
-        let q = quota(&["20/s"], 10);
-        let mut state = PacerState::new(&q);
+    fn rounding_to_the_millisecond_never_brings_two_calls_closer_than_the_tiers_interval() {
+        // Without a margin, slots at ceil(k * 142.857) would put 858 and 1000 142 ms
+        // apart: a strict bucket at 7/s (nginx's limit_req) refuses the second.
+        let q = quota(&["7/s"], 0);
+        let sent = saturate(&q, &[1], 0, 100_000);
+        for pair in sent.windows(2) {
+            assert!((pair[1].0 .0 - pair[0].0 .0) * 7 >= 1_000, "{pair:?}");
+        }
+        assert!(sent.len() >= 690, "{} calls in 100 s", sent.len());
+    }
+
+    /// Dispatches a backlog of unit jobs, each timer firing `late_ms` after the instant
+    /// the pacer asked for.
+    fn saturate_waking_late(q: &Quota, late_ms: u64, calls: usize) -> Vec<(UnixMillis, u64)> {
+        let mut state = PacerState::new(q);
         let mut sent = Vec::new();
         let mut now = UnixMillis(0);
-        while sent.len() < 200 {
+        while sent.len() < calls {
             match q.decide(&state, 1, now) {
                 Decision::Allow => {
-                    state.commit(&q, 1, now);
+                    state.commit(q, 1, now);
                     sent.push((now, 1));
                 }
-                // Every timer fires 3 ms late.
-                Decision::WaitUntil { at, .. } => now = at.plus(Duration::from_millis(3)),
+                Decision::WaitUntil { at, .. } => now = at.plus(Duration::from_millis(late_ms)),
                 Decision::Never { .. } => unreachable!(),
             }
         }
-        // Slots every 50.5 ms: the 200th is due at ceil(199 * 50.5) = 10 050 ms. Without
-        // catching up it would go at 199 * 53.5 = 10 646 ms; the window log (exact on
-        // actual times) may still add the lateness once per window: 10 windows * 3.5 ms.
+        sent
+    }
+
+    #[test]
+    fn late_wake_ups_within_the_per_call_margin_do_not_drift_the_schedule() {
+        // 5 per 1.01 s: slots 202 ms apart, 2 ms more than the provider's interval.
+        // Timers 2 ms late keep the schedule: the 200th call at ceil(199 * 202) + 2 ms,
+        // where without catching up it would be at 199 * 204 = 40 596 ms. The window log
+        // (exact on actual times) may still add the lateness once per window: 40 * 2 ms.
+        let sent = saturate_waking_late(&quota(&["5/s"], 10), 2, 200);
         let last = sent.last().unwrap().0 .0;
-        assert!((10_053..=10_100).contains(&last), "200th dispatch at {last} ms");
+        assert!((40_200..=40_300).contains(&last), "200th dispatch at {last} ms");
+        assert!(peak_in_any_window(&sent, Duration::from_secs(1)) <= 5);
+    }
+
+    #[test]
+    fn late_wake_ups_beyond_the_per_call_margin_still_leave_the_tiers_interval() {
+        // Slots every 50.5 ms, timers 3 ms late: a call that went late is followed by
+        // one at least the provider's 50 ms later, never sooner.
+        let sent = saturate_waking_late(&quota(&["20/s"], 10), 3, 200);
+        for pair in sent.windows(2) {
+            assert!(pair[1].0 .0 - pair[0].0 .0 >= 50, "{pair:?}");
+        }
         assert!(peak_in_any_window(&sent, Duration::from_secs(1)) <= 20);
+    }
+
+    #[test]
+    fn a_backlog_fills_a_long_tier_at_the_shortest_tiers_pace() {
+        // The hour tier is a sliding window: its 1,000 calls go at 10/s (101 ms apart
+        // with the margin), then nothing until the first of them leaves the hour.
+        let q = quota(&["10/s", "1000/h"], 10);
+        let sent = saturate(&q, &[1], 0, 2 * 3_600_000);
+        assert_eq!(sent[499].0, UnixMillis(50_399)); // ceil(499 * 101)
+        assert_eq!(sent[999].0, UnixMillis(100_899));
+        assert_eq!(sent[1_000].0, UnixMillis(3_600_010)); // the first call leaves the hour (and margin)
+        assert!(peak_in_any_window(&sent, Duration::from_secs(3_600)) <= 1_000);
+    }
+
+    #[test]
+    fn a_smooth_long_tier_spreads_its_allowance_evenly() {
+        let q = quota(&["10/s", "1000/h smooth"], 10);
+        let times: Vec<u64> = saturate(&q, &[1], 0, 10_000).iter().map(|(t, _)| t.0).collect();
+        assert_eq!(times, vec![0, 3_601, 7_201]); // (3 600 000 + 10) / 1000 ms apart
+    }
+
+    #[test]
+    fn a_burst_tier_lets_its_bucket_go_at_once_then_refills_at_its_rate() {
+        // A bucket of 40 leaking 2/s (505 ms a unit with the margin).
+        let q = quota(&["2/s burst=40"], 10);
+        let times: Vec<u64> = saturate(&q, &[1], 0, 2_000).iter().map(|(t, _)| t.0).collect();
+        assert_eq!(times[..40], [0; 40]);
+        assert_eq!(times[40..], [505, 1_010, 1_515]);
     }
 
     #[test]
@@ -442,6 +598,20 @@ mod tests {
         assert_eq!(q.decide(&state, 1, UnixMillis(day_start + 6_000)), Decision::WaitUntil { at: UnixMillis(day_start + 86_400_000), by: Hold::Tier(1) });
         assert_eq!(q.decide(&state, 1, UnixMillis(day_start + 86_400_000)), Decision::Allow);
         assert_eq!(state.usage(&q, UnixMillis(day_start + 5_500)), vec![1, 3]);
+    }
+
+    #[test]
+    fn a_rolling_tier_tells_when_its_oldest_unit_frees_up() {
+        let q = quota(&["3/min", "10/day"], 10);
+        let mut state = PacerState::new(&q);
+        assert_eq!(state.frees_at(0, UnixMillis(0)), None);
+        state.commit(&q, 1, UnixMillis(1_000));
+        state.commit(&q, 1, UnixMillis(21_000));
+        assert_eq!(state.usage(&q, UnixMillis(30_000)), vec![2, 2]);
+        assert_eq!(state.frees_at(0, UnixMillis(30_000)), Some(UnixMillis(61_010)));
+        assert_eq!(state.frees_at(0, UnixMillis(61_010)), Some(UnixMillis(81_010)));
+        assert_eq!(state.usage(&q, UnixMillis(61_010))[0], 1);
+        assert_eq!(state.frees_at(1, UnixMillis(30_000)), None, "a calendar tier resets instead");
     }
 
     #[test]
@@ -496,19 +666,88 @@ mod tests {
     }
 
     fn tier_strategy() -> impl Strategy<Value = String> {
-        prop_oneof![
+        let rolling = prop_oneof![
             (1u64..20, 1u64..3).prop_map(|(l, s)| format!("{l}/{s}s")),
             (1u64..40, 100u64..900).prop_map(|(l, ms)| format!("{l}/{ms}ms")),
             (20u64..200).prop_map(|l| format!("{l}/min")),
-            (50u64..400).prop_map(|l| format!("{l}/day")),
-        ]
+        ];
+        let spread = prop_oneof![4 => Just(String::new()), 1 => Just(" smooth".to_owned()), 2 => (1u64..30).prop_map(|b| format!(" burst={b}"))];
+        prop_oneof![3 => (rolling, spread).prop_map(|(rate, spread)| rate + &spread), 1 => (50u64..400).prop_map(|l| format!("{l}/day"))]
+    }
+
+    /// A quota of the given tiers, one per period (later duplicates dropped).
+    fn quota_of(tiers: &[String], margin: u64) -> Option<Quota> {
+        let mut tiers: Vec<Tier> = tiers.iter().map(|t| t.parse().unwrap()).collect();
+        let mut periods = Vec::new();
+        tiers.retain(|t| {
+            if periods.contains(&t.period) {
+                false
+            } else {
+                periods.push(t.period);
+                true
+            }
+        });
+        Quota::new(tiers, chrono_tz::UTC, Duration::from_millis(margin)).ok()
+    }
+
+    /// Jobs of `costs` (in turn) offered at `start` and every `gap` after (in turn); a job
+    /// told to wait is offered again at the next moment, or, with `backlog`, at the
+    /// instant the pacer named plus `late_ms`. Returns what was dispatched.
+    fn drive(q: &Quota, costs: &[u64], gaps: &[u64], start: u64, backlog: bool, late_ms: u64) -> Result<Vec<(UnixMillis, u64)>, TestCaseError> {
+        let mut state = PacerState::new(q);
+        let mut now = UnixMillis(start);
+        let mut sent = Vec::new();
+        for (i, gap) in gaps.iter().cycle().take(600).enumerate() {
+            let cost = costs[i % costs.len()];
+            match q.decide(&state, cost, now) {
+                Decision::Allow => {
+                    state.commit(q, cost, now);
+                    sent.push((now, cost));
+                    now = now.plus(Duration::from_millis(*gap));
+                }
+                Decision::WaitUntil { at, .. } => {
+                    prop_assert!(at > now);
+                    now = if backlog { at.plus(Duration::from_millis(late_ms)) } else { now.plus(Duration::from_millis(*gap)) };
+                }
+                Decision::Never { tier } => prop_assert!(cost > tier.max_cost()),
+            }
+        }
+        Ok(sent)
+    }
+
+    /// Checks every tier as its provider would count it: a `burst` tier as a bucket, any
+    /// other rolling tier as a sliding window, a calendar tier per day.
+    fn check_every_tier(q: &Quota, sent: &[(UnixMillis, u64)]) -> Result<(), TestCaseError> {
+        for tier in q.tiers() {
+            match (tier.period, tier.spread) {
+                (Period::Rolling(window), Spread::Burst(units)) => {
+                    let mut bucket = StrictBucketLimiter::new(units, tier.limit, window);
+                    let refused = sent.iter().find(|(t, c)| !bucket.try_admit(*t, *c));
+                    prop_assert!(refused.is_none(), "{tier}: bucket refused {refused:?}");
+                }
+                (Period::Rolling(window), _) => {
+                    let peak = peak_in_any_window(sent, window);
+                    prop_assert!(peak <= tier.limit, "{tier}: {peak} in one window");
+                }
+                _ => {
+                    let mut per_day = std::collections::BTreeMap::<UnixMillis, u64>::new();
+                    for (t, c) in sent {
+                        *per_day.entry(tier.window_at(q.zone(), *t).0).or_default() += c;
+                    }
+                    prop_assert!(per_day.values().all(|u| *u <= tier.limit), "{tier}: {per_day:?}");
+                }
+            }
+        }
+        Ok(())
     }
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(200))]
 
-        /// No window of any tier, wherever it starts, ever holds more than the limit,
-        /// whatever the costs, margin and the (irregular) moments jobs show up.
+        /// No window of any tier, wherever it starts, ever holds more than the limit (no
+        /// `burst` tier's bucket ever overflows), whatever the mix of tiers, costs,
+        /// margin and the moments jobs show up: irregularly, or as a backlog whose
+        /// timers fire late.
         #[test]
         fn no_window_of_any_tier_ever_admits_more_than_its_limit(
             tiers in proptest::collection::vec(tier_strategy(), 1..4),
@@ -516,38 +755,32 @@ mod tests {
             gaps in proptest::collection::vec(0u64..700, 1..50),
             margin in 0u64..20,
             start in 1_795_800_000_000u64..1_795_900_000_000,
+            backlog in any::<bool>(),
+            late_ms in 0u64..4,
         ) {
-            let mut unique = tiers.clone();
-            unique.sort();
-            unique.dedup_by_key(|t| t.split('/').nth(1).map(str::to_owned));
-            let Ok(q) = Quota::new(unique.iter().map(|t| t.parse().unwrap()).collect(), chrono_tz::UTC, Duration::from_millis(margin)) else {
-                return Ok(());
-            };
-            let mut state = PacerState::new(&q);
-            let mut now = UnixMillis(start);
-            let mut sent = Vec::new();
-            for (i, gap) in gaps.iter().cycle().take(600).enumerate() {
-                let cost = costs[i % costs.len()];
-                match q.decide(&state, cost, now) {
-                    Decision::Allow => { state.commit(&q, cost, now); sent.push((now, cost)); }
-                    Decision::WaitUntil { at, .. } => prop_assert!(at > now),
-                    Decision::Never { tier } => prop_assert!(cost > tier.limit),
-                }
-                now = now.plus(Duration::from_millis(*gap));
-            }
-            for tier in q.tiers() {
-                match tier.period {
-                    Period::Rolling(window) => {
-                        let peak = peak_in_any_window(&sent, window);
-                        prop_assert!(peak <= tier.limit, "{tier}: {peak} in one window");
-                    }
-                    _ => {
-                        let mut per_day = std::collections::BTreeMap::<UnixMillis, u64>::new();
-                        for (t, c) in &sent { *per_day.entry(tier.window_at(q.zone(), *t).0).or_default() += c; }
-                        prop_assert!(per_day.values().all(|u| *u <= tier.limit), "{tier}: {per_day:?}");
-                    }
-                }
-            }
+            let Some(q) = quota_of(&tiers, margin) else { return Ok(()) };
+            let sent = drive(&q, &costs, &gaps, start, backlog, late_ms)?;
+            check_every_tier(&q, &sent)?;
+        }
+
+        /// Unless it has a `burst`, the shortest rolling tier spaces calls so that a
+        /// strict leaky bucket at its rate (room for one call) never refuses one.
+        #[test]
+        fn a_strict_leaky_bucket_at_the_shortest_tiers_rate_never_refuses(
+            tiers in proptest::collection::vec(tier_strategy(), 1..4),
+            costs in proptest::collection::vec(1u64..4, 1..20),
+            gaps in proptest::collection::vec(0u64..700, 1..50),
+            margin in 0u64..20,
+            backlog in any::<bool>(),
+            late_ms in 0u64..4,
+        ) {
+            let Some(q) = quota_of(&tiers, margin) else { return Ok(()) };
+            let Some(spacing) = q.spacing_tier().map(|i| q.tiers()[i]) else { return Ok(()) };
+            let (Period::Rolling(window), Spread::Window | Spread::Smooth) = (spacing.period, spacing.spread) else { return Ok(()) };
+            let sent = drive(&q, &costs, &gaps, 1_795_800_000_000, backlog, late_ms)?;
+            let mut bucket = StrictBucketLimiter::new(1, spacing.limit, window);
+            let refused = sent.iter().find(|(t, c)| !bucket.try_admit(*t, *c));
+            prop_assert!(refused.is_none(), "{spacing}: refused {refused:?}");
         }
     }
 }

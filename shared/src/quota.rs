@@ -5,6 +5,15 @@
 //! than the limit. Day and month tiers are *calendar* tiers: the provider resets them at
 //! midnight / the first of the month in a time zone (UTC unless configured), so they are
 //! counters per calendar window.
+//!
+//! A rolling tier may say how the provider counts it, after the rate:
+//! - `2/s burst=40`: a bucket that holds 40 units and refills at 2 per second (token or
+//!   leaky bucket): up to 40 calls at once, then 2 per second;
+//! - `1000/h smooth`: spread evenly (one call every 3.6 s) even though a shorter tier
+//!   would allow faster, for providers that want a steady pace.
+//!
+//! Without either, the shortest rolling tier spaces calls evenly and longer ones are
+//! sliding windows that a backlog may fill at the shortest tier's pace (see the pacer).
 
 use std::fmt;
 use std::str::FromStr;
@@ -27,11 +36,25 @@ pub enum Period {
     Month,
 }
 
-/// One quota tier: at most `limit` units per `period`.
+/// How calls may be spread within a rolling tier (calendar tiers are always `Window`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Spread {
+    /// A sliding window: any window of the tier's length holds at most the limit. The
+    /// shortest rolling tier is spaced evenly besides (see the pacer).
+    #[default]
+    Window,
+    /// Evenly spaced, one unit every `period / limit` (`smooth`).
+    Smooth,
+    /// A bucket that holds this many units and refills at the tier's rate (`burst=N`).
+    Burst(u64),
+}
+
+/// One quota tier: at most `limit` units per `period`, spread as `spread` says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Tier {
     pub limit: u64,
     pub period: Period,
+    pub spread: Spread,
 }
 
 /// Why a tier did not parse.
@@ -43,17 +66,41 @@ pub enum TierParseError {
     Limit(String),
     #[error("unknown period `{0}` (use s, min, h, day, month or a duration such as 250ms, 5s, 2h)")]
     Period(String),
+    #[error("unknown option `{0}` (a rolling tier takes `burst=N` or `smooth`, for example \"2/s burst=40\")")]
+    Option(String),
+    #[error("`{0}` applies to rolling tiers only (day and month tiers are counters per calendar window)")]
+    CalendarOption(String),
+    #[error("a tier is either `smooth` or has a `burst`, not both")]
+    SmoothAndBurst,
 }
 
 impl FromStr for Tier {
     type Err = TierParseError;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        let (limit, period) = text.split_once('/').ok_or_else(|| TierParseError::Shape(text.to_owned()))?;
+        let (limit, rest) = text.split_once('/').ok_or_else(|| TierParseError::Shape(text.to_owned()))?;
         let limit = limit.trim();
         let limit: u64 = limit.parse().ok().filter(|l| *l > 0).ok_or_else(|| TierParseError::Limit(limit.to_owned()))?;
-        let period = parse_period(period.trim())?;
-        Ok(Self { limit, period })
+        let mut words = rest.split_whitespace();
+        let period = parse_period(words.next().unwrap_or(""))?;
+        let mut spread = Spread::Window;
+        for option in words {
+            let next = match option.split_once('=') {
+                None if option == "smooth" => Spread::Smooth,
+                Some(("burst", units)) => Spread::Burst(units.parse().ok().filter(|b| *b > 0).ok_or_else(|| TierParseError::Option(option.to_owned()))?),
+                _ => return Err(TierParseError::Option(option.to_owned())),
+            };
+            if matches!(period, Period::Day | Period::Month) {
+                return Err(TierParseError::CalendarOption(option.to_owned()));
+            }
+            spread = match (spread, next) {
+                (Spread::Window, next) => next,
+                (Spread::Smooth, Spread::Smooth) => Spread::Smooth,
+                (Spread::Burst(_), Spread::Burst(units)) => Spread::Burst(units),
+                _ => return Err(TierParseError::SmoothAndBurst),
+            };
+        }
+        Ok(Self { limit, period, spread })
     }
 }
 
@@ -74,6 +121,18 @@ fn parse_period(text: &str) -> Result<Period, TierParseError> {
 
 impl fmt::Display for Tier {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.fmt_rate(f)?;
+        match self.spread {
+            Spread::Window => Ok(()),
+            Spread::Smooth => write!(f, " smooth"),
+            Spread::Burst(units) => write!(f, " burst={units}"),
+        }
+    }
+}
+
+impl Tier {
+    /// The rate alone (`10/s`), without the spread options.
+    fn fmt_rate(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.period {
             Period::Rolling(d) if d == Duration::from_secs(1) => write!(f, "{}/s", self.limit),
             Period::Rolling(d) if d == Duration::from_secs(60) => write!(f, "{}/min", self.limit),
@@ -115,6 +174,25 @@ impl Tier {
         self.limit as f64 / self.nominal_window().as_secs_f64()
     }
 
+    /// The most units one job may weigh: the limit, or the bucket of a `burst` tier.
+    #[must_use]
+    pub fn max_cost(&self) -> u64 {
+        match self.spread {
+            Spread::Burst(units) => units,
+            Spread::Window | Spread::Smooth => self.limit,
+        }
+    }
+
+    /// The most units one window of the tier's length may hold: its limit, or for a
+    /// bucket its burst plus one window's refill.
+    #[must_use]
+    pub fn max_in_one_window(&self) -> u64 {
+        match self.spread {
+            Spread::Burst(units) => units + self.limit,
+            Spread::Window | Spread::Smooth => self.limit,
+        }
+    }
+
     /// True for day and month tiers.
     #[must_use]
     pub fn is_calendar(&self) -> bool {
@@ -135,6 +213,19 @@ impl Tier {
             Period::Rolling(d) => (now.minus(d).plus(Duration::from_millis(1)), now.plus(Duration::from_millis(1))),
             Period::Day | Period::Month => calendar_window(self.period, zone, now),
         }
+    }
+}
+
+/// How reports word a tier's use, given its share: "2.5% of the day used" for a day or
+/// month tier, "achieved rate 99.0% of the tier's" for a rolling one (whose busiest
+/// window is reported apart, as a count of its limit).
+#[must_use]
+pub fn describe_use(tier: &str, calendar: bool, share: f64) -> String {
+    let percent = share * 100.0;
+    match (calendar, tier.ends_with("/month")) {
+        (true, true) => format!("{percent:.1}% of the month used"),
+        (true, false) => format!("{percent:.1}% of the day used"),
+        (false, _) => format!("achieved rate {percent:.1}% of the tier's"),
     }
 }
 
@@ -172,6 +263,8 @@ pub struct Quota {
     tiers: Vec<Tier>,
     zone: Tz,
     safety_margin: Duration,
+    /// Index of the shortest rolling tier, which spaces calls evenly.
+    spacing: Option<usize>,
 }
 
 /// Why a quota is unusable.
@@ -197,7 +290,19 @@ impl Quota {
                 return Err(QuotaError::Duplicate(*t));
             }
         }
-        Ok(Self { tiers, zone, safety_margin })
+        let spacing = tiers.iter().enumerate().filter_map(|(i, t)| match t.period {
+            Period::Rolling(d) => Some((d, i)),
+            Period::Day | Period::Month => None,
+        });
+        let spacing = spacing.min().map(|(_, i)| i);
+        Ok(Self { tiers, zone, safety_margin, spacing })
+    }
+
+    /// The shortest rolling tier: it spaces calls evenly (unless it has a `burst`), and
+    /// longer tiers without options are sliding windows filled at its pace.
+    #[must_use]
+    pub fn spacing_tier(&self) -> Option<usize> {
+        self.spacing
     }
 
     /// Every tier, in the order given.
@@ -224,21 +329,27 @@ impl Quota {
         self.tiers.iter().min_by(|a, b| a.rate_per_second().total_cmp(&b.rate_per_second())).unwrap_or(&self.tiers[0])
     }
 
-    /// The steady rate the rolling tiers allow, in units per second: the pace of a backlog
-    /// while the calendar tiers have room. Infinite when every tier is a calendar one.
+    /// The pace of a backlog while every window has room, in units per second: the
+    /// slowest evenly spaced tier (the shortest rolling tier, `smooth` and `burst` tiers
+    /// at their rate). Infinite when every tier is a calendar one.
     #[must_use]
-    pub fn rolling_rate_per_second(&self) -> f64 {
-        self.tiers.iter().filter(|t| !t.is_calendar()).map(Tier::rate_per_second).fold(f64::INFINITY, f64::min)
+    pub fn pace_per_second(&self) -> f64 {
+        let spaced = |(i, t): &(usize, &Tier)| !t.is_calendar() && (self.spacing == Some(*i) || t.spread != Spread::Window);
+        self.tiers.iter().enumerate().filter(spaced).map(|(_, t)| t.rate_per_second()).fold(f64::INFINITY, f64::min)
     }
 
-    /// About how long `units` take from `now`: the rolling tiers' steady rate, and the
-    /// resets each calendar tier must wait for given what it used in its current window
-    /// (`calendar_used`, by tier index; rolling tiers' entries are ignored). An estimate
-    /// for `paceline status`, not a promise.
+    /// About how long `units` take from `now`: the pace, the windows a longer rolling
+    /// tier fills and must wait out, and the resets each calendar tier must wait for
+    /// given what it used in its current window (`calendar_used`, by tier index; rolling
+    /// tiers' entries are ignored). An estimate for `paceline status`, not a promise.
     #[must_use]
     pub fn drain_estimate(&self, units: u64, calendar_used: &[u64], now: UnixMillis) -> Duration {
-        let rolling_rate = self.rolling_rate_per_second();
-        let mut seconds = if rolling_rate.is_finite() { units as f64 / rolling_rate } else { 0.0 };
+        let pace = self.pace_per_second();
+        let mut seconds = if pace.is_finite() { units as f64 / pace } else { 0.0 };
+        for tier in self.tiers.iter().filter(|t| !t.is_calendar()) {
+            let windows_waited = units.saturating_sub(1) / tier.limit;
+            seconds = seconds.max(windows_waited as f64 * tier.nominal_window().as_secs_f64());
+        }
         for (tier, used) in self.tiers.iter().zip(calendar_used).filter(|(t, _)| t.is_calendar()) {
             let left = tier.limit.saturating_sub(*used);
             if units > left {
@@ -261,11 +372,15 @@ mod tests {
     }
 
     #[test]
-    fn drain_estimate_takes_the_slowest_rate_and_waits_for_calendar_resets() {
+    fn drain_estimate_takes_the_pace_the_windows_and_the_calendar_resets() {
         let quota = Quota::new(vec![tier("10/s"), tier("500/min"), tier("1000/day")], chrono_tz::UTC, Duration::ZERO).unwrap();
         let noon = UnixMillis(1_795_348_800_000); // 2026-11-22T12:00:00Z
-                                                  // 500/min binds: 300 units take 36 s; the day tier has room.
-        assert_eq!(quota.drain_estimate(300, &[0, 0, 0], noon), Duration::from_secs(36));
+                                                  // 300 units go at 10/s within one minute's 500: 30 s; the day tier has room.
+        assert_eq!(quota.drain_estimate(300, &[0, 0, 0], noon), Duration::from_secs(30));
+        // 2,100 units fill four minutes' windows (210 s at 10/s would be too fast) and
+        // go on in the fifth.
+        let no_day = Quota::new(vec![tier("10/s"), tier("500/min")], chrono_tz::UTC, Duration::ZERO).unwrap();
+        assert_eq!(no_day.drain_estimate(2_100, &[0, 0], noon), Duration::from_secs(240));
         // The day tier has 100 left: the rest waits for midnight (12 h), then one day is enough.
         assert_eq!(quota.drain_estimate(300, &[0, 0, 900], noon), Duration::from_secs(12 * 3600));
         // 2100 more than is left needs midnight plus two more days.
@@ -274,13 +389,34 @@ mod tests {
 
     #[test]
     fn parses_units_and_durations() {
-        assert_eq!(tier("10/s"), Tier { limit: 10, period: Period::Rolling(Duration::from_secs(1)) });
+        assert_eq!(tier("10/s"), Tier { limit: 10, period: Period::Rolling(Duration::from_secs(1)), spread: Spread::Window });
         assert_eq!(tier("500 / min").period, Period::Rolling(Duration::from_secs(60)));
         assert_eq!(tier("3/250ms").period, Period::Rolling(Duration::from_millis(250)));
         assert_eq!(tier("100000/day").period, Period::Day);
         assert_eq!(tier("2000000/month").period, Period::Month);
         assert_eq!(tier("7/5s").to_string(), "7/5s");
         assert_eq!(tier("500/minute").to_string(), "500/min");
+    }
+
+    #[test]
+    fn parses_spread_options_and_prints_them_back() {
+        assert_eq!(tier("2/s burst=40").spread, Spread::Burst(40));
+        assert_eq!(tier("1000 / h  smooth").spread, Spread::Smooth);
+        for text in ["2/s burst=40", "1000/h smooth", "7/5s burst=3", "10/s"] {
+            assert_eq!(tier(text).to_string(), text);
+        }
+        assert_eq!("2/s burst=0".parse::<Tier>(), Err(TierParseError::Option("burst=0".into())));
+        assert_eq!("2/s bursty".parse::<Tier>(), Err(TierParseError::Option("bursty".into())));
+        assert_eq!("2/s smooth burst=4".parse::<Tier>(), Err(TierParseError::SmoothAndBurst));
+        assert_eq!("20/day smooth".parse::<Tier>(), Err(TierParseError::CalendarOption("smooth".into())));
+    }
+
+    #[test]
+    fn the_shortest_rolling_tier_spaces_calls() {
+        let q = Quota::new(vec![tier("1000/h"), tier("100/day"), tier("10/s"), tier("200/min")], chrono_tz::UTC, Duration::ZERO).unwrap();
+        assert_eq!(q.spacing_tier(), Some(2));
+        let calendar_only = Quota::new(vec![tier("100/day")], chrono_tz::UTC, Duration::ZERO).unwrap();
+        assert_eq!(calendar_only.spacing_tier(), None);
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use paceline_orchestrator::{Orchestrator, RunOptions, Settings};
-use paceline_shared::config::{CircuitConfig, OrchestratorConfig, RetryConfig};
+use paceline_shared::config::{CircuitConfig, OrchestratorConfig, RetryConfig, WorkerHost};
 use paceline_shared::job::WorkerPayload;
 use paceline_shared::ports::{Invoker, PortResult};
 use paceline_shared::quota::{chrono_tz, Quota};
@@ -48,8 +48,8 @@ fn quota(tiers: &[&str], margin_ms: u64) -> Quota {
 }
 
 fn settings(tiers: &[&str], margin_ms: u64, ahead_ms: u64) -> Settings {
-    let orchestrator = OrchestratorConfig { dispatch_ahead: Duration::from_millis(ahead_ms), ..OrchestratorConfig::default() };
-    Settings { quota: quota(tiers, margin_ms), orchestrator, circuit: CircuitConfig::default() }
+    let orchestrator = OrchestratorConfig { dispatch_ahead: Some(Duration::from_millis(ahead_ms)), ..OrchestratorConfig::default() };
+    Settings { quota: quota(tiers, margin_ms), orchestrator, circuit: CircuitConfig::default(), workers: WorkerHost::Lambda }
 }
 
 /// CPU time (user + system) of this process so far.

@@ -28,7 +28,7 @@ use crate::aws::{SimLambda, SimQueue, SimStore, World};
 use crate::baselines::{dispatch_loop, tightest_rolling, Admission, ConcurrencyCap, FixedWindow, TokenBucket};
 use crate::pricing::FunctionMemory;
 use crate::profile::{Failures, LatencyProfile, Sampler, Stream};
-use crate::provider::{job_path, Provider};
+use crate::provider::{job_path, Provider, ProviderModel};
 pub use crate::report::SimReport;
 
 /// Where simulated time starts: a Monday at midnight UTC, so calendar tiers start fresh.
@@ -58,7 +58,7 @@ impl Dispatcher {
     /// The name reports use.
     #[must_use]
     pub fn name(&self, plan: &Plan) -> String {
-        let ahead = plan.settings.orchestrator.dispatch_ahead;
+        let ahead = plan.settings.dispatch_ahead();
         match self {
             Self::Paceline if ahead.is_zero() => "paceline".into(),
             Self::Paceline => format!("paceline (dispatch ahead {})", humantime::format_duration(ahead)),
@@ -103,6 +103,8 @@ pub struct Plan {
     pub retry: RetryConfig,
     pub profile: LatencyProfile,
     pub failures: Failures,
+    /// How the simulated provider counts rolling tiers.
+    pub provider: ProviderModel,
     /// Each orchestrator run's Lambda timeout (the template's default, 70 s).
     pub orchestrator_timeout: Duration,
     /// How often EventBridge kicks the orchestrator.
@@ -123,6 +125,7 @@ impl Plan {
             retry,
             profile: LatencyProfile::default(),
             failures: Failures::default(),
+            provider: ProviderModel::default(),
             orchestrator_timeout: Duration::from_secs(70),
             schedule: Duration::from_secs(60),
             memory: FunctionMemory::default(),
@@ -158,7 +161,7 @@ impl Lane {
         let queue = Arc::new(SimQueue::new(world.clone()));
         let store = Arc::new(SimStore::new(world.clone()));
         let dispatched_at = Arc::new(Mutex::new(vec![UnixMillis(0); plan.jobs]));
-        let provider = Arc::new(Provider::new(world.clone(), &plan.settings.quota, plan.failures.clone(), dispatched_at.clone(), plan.jobs));
+        let provider = Arc::new(Provider::new(world.clone(), &plan.settings.quota, plan.provider, plan.failures.clone(), dispatched_at.clone(), plan.jobs));
         let stats = Arc::new(WorkerStats::default());
         let finished = Arc::new(tokio::sync::Notify::new());
         let health_check = ApiRequest { method: "GET".into(), path: "/health".into(), query: Default::default(), headers: Default::default(), body: None };
@@ -219,7 +222,7 @@ impl WorkerHandler for Notifying {
 /// while a run is going is throttled (reserved concurrency 1) and retried after 1 s,
 /// 2 s, 4 s... until it is a minute old. Returns when every job settled or time is up.
 async fn run_paceline(plan: &Plan, lane: &Lane) -> (bool, u64) {
-    let settings = Settings { quota: plan.settings.quota.clone(), orchestrator: plan.settings.orchestrator, circuit: plan.settings.circuit };
+    let settings = plan.settings.clone();
     let orchestrator = Arc::new(Orchestrator::new(lane.queue.clone(), lane.store.clone(), lane.lambda.clone(), lane.world.clock.clone(), settings));
     let clock = lane.world.clock.clone();
     let give_up = lane.world.start.plus(plan.time_limit);

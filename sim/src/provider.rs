@@ -1,15 +1,16 @@
 //! The simulated third-party API: a strict rate limiter at every tier of the quota (it
 //! refuses with 429 any call that would overfill a window, as a real provider does),
-//! injected outages and error rates, and the independent checker whose figures the
-//! report gives: arrivals, violations, the busiest window (hence the worst fixed-window
-//! alignment), utilization, and each job's dispatch-to-call delay.
+//! counting rolling tiers as the chosen [`ProviderModel`] does; injected outages and
+//! error rates; and the independent checker whose figures the report gives: arrivals,
+//! violations, the busiest window (hence the worst fixed-window alignment), utilization,
+//! and each job's dispatch-to-call delay.
 
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use paceline_shared::check::{StrictWindowLimiter, WindowPeak};
+use paceline_shared::check::{StrictBucketLimiter, StrictFixedWindowLimiter, StrictWindowLimiter, WindowPeak};
 use paceline_shared::job::ApiRequest;
-use paceline_shared::quota::{Period, Quota, Tier};
+use paceline_shared::quota::{Period, Quota, Spread, Tier};
 use paceline_shared::time::{Clock, UnixMillis};
 use paceline_worker::{Api, ApiError, CallResult};
 use serde::Serialize;
@@ -23,9 +24,71 @@ pub fn job_path(n: u64) -> String {
     format!("/jobs/{n}")
 }
 
+/// How the provider counts a rolling tier. A tier configured with `burst=N` is a
+/// bucket of N in every model: that option says what the provider is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ProviderModel {
+    /// No window of the tier's length, wherever it starts, holds more than the limit.
+    #[default]
+    SlidingWindow,
+    /// Windows aligned on the epoch, each holding at most the limit.
+    FixedWindow,
+    /// A strict leaky bucket at the tier's rate with room for one call (nginx's
+    /// `limit_req` without `burst`).
+    LeakyBucket,
+}
+
+impl std::str::FromStr for ProviderModel {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text {
+            "sliding-window" => Ok(Self::SlidingWindow),
+            "fixed-window" => Ok(Self::FixedWindow),
+            "leaky-bucket" => Ok(Self::LeakyBucket),
+            other => Err(format!("unknown provider model `{other}` (sliding-window, fixed-window or leaky-bucket)")),
+        }
+    }
+}
+
+/// A rolling tier's limiter, as the provider model has it.
+enum RollingLimiter {
+    Sliding(StrictWindowLimiter),
+    Fixed(StrictFixedWindowLimiter),
+    Bucket(StrictBucketLimiter),
+}
+
+impl RollingLimiter {
+    fn new(model: ProviderModel, tier: &Tier, window: std::time::Duration) -> Self {
+        match (tier.spread, model) {
+            (Spread::Burst(units), _) => Self::Bucket(StrictBucketLimiter::new(units, tier.limit, window)),
+            (_, ProviderModel::SlidingWindow) => Self::Sliding(StrictWindowLimiter::new(tier.limit, window)),
+            (_, ProviderModel::FixedWindow) => Self::Fixed(StrictFixedWindowLimiter::new(tier.limit, window)),
+            (_, ProviderModel::LeakyBucket) => Self::Bucket(StrictBucketLimiter::new(1, tier.limit, window)),
+        }
+    }
+
+    fn fits(&mut self, now: UnixMillis) -> bool {
+        match self {
+            Self::Sliding(limiter) => limiter.fits(now, 1),
+            Self::Fixed(limiter) => limiter.fits(now, 1),
+            Self::Bucket(limiter) => limiter.fits(now),
+        }
+    }
+
+    fn record(&mut self, now: UnixMillis) {
+        match self {
+            Self::Sliding(limiter) => limiter.record(now, 1),
+            Self::Fixed(limiter) => limiter.record(now, 1),
+            Self::Bucket(limiter) => limiter.record(now, 1),
+        }
+    }
+}
+
 /// One tier as the provider enforces and the checker measures it.
 enum TierGate {
-    Rolling { limiter: StrictWindowLimiter, offered: WindowPeak },
+    Rolling { limiter: RollingLimiter, offered: WindowPeak },
     Calendar { window: (UnixMillis, UnixMillis), used: u64, windows: u64 },
 }
 
@@ -39,9 +102,9 @@ struct TierCheck {
 }
 
 impl TierCheck {
-    fn new(tier: Tier) -> Self {
+    fn new(tier: Tier, model: ProviderModel) -> Self {
         let gate = match tier.period {
-            Period::Rolling(window) => TierGate::Rolling { limiter: StrictWindowLimiter::new(tier.limit, window), offered: WindowPeak::new(window) },
+            Period::Rolling(window) => TierGate::Rolling { limiter: RollingLimiter::new(model, &tier, window), offered: WindowPeak::new(window) },
             Period::Day | Period::Month => TierGate::Calendar { window: (UnixMillis(0), UnixMillis(0)), used: 0, windows: 0 },
         };
         Self { tier, gate, admitted: 0, violations: 0, first: None, last: UnixMillis(0) }
@@ -52,7 +115,7 @@ impl TierCheck {
         match &mut self.gate {
             TierGate::Rolling { limiter, offered } => {
                 offered.push(now, 1);
-                limiter.fits(now, 1)
+                limiter.fits(now)
             }
             TierGate::Calendar { window, used, windows } => {
                 if now >= window.1 {
@@ -67,7 +130,7 @@ impl TierCheck {
 
     fn admit(&mut self, now: UnixMillis) {
         match &mut self.gate {
-            TierGate::Rolling { limiter, .. } => limiter.record(now, 1),
+            TierGate::Rolling { limiter, .. } => limiter.record(now),
             TierGate::Calendar { used, .. } => *used += 1,
         }
         self.admitted += 1;
@@ -81,13 +144,22 @@ impl TierCheck {
                 let Period::Rolling(window) = self.tier.period else { unreachable!("a rolling gate has a rolling tier") };
                 let window_ms = (window.as_millis() as u64).max(1);
                 let span = self.first.map_or(0, |first| self.last.0 - first.0);
-                let capacity = self.tier.limit as f64 * span as f64 / window_ms as f64 + 1.0;
+                // Calls within one window can at most fill it; over longer, the rate counts.
+                // A bucket also holds its burst at the start.
+                let burst = match self.tier.spread {
+                    Spread::Burst(units) => units as f64,
+                    Spread::Window | Spread::Smooth => 1.0,
+                };
+                let capacity =
+                    if span < window_ms && burst <= 1.0 { self.tier.limit as f64 } else { self.tier.limit as f64 * span as f64 / window_ms as f64 + burst };
                 (Some(offered.peak()), Some(offered.peak_window_start().0 % window_ms), capacity)
             }
             TierGate::Calendar { windows, .. } => (None, None, (self.tier.limit * windows) as f64),
         };
         TierFigures {
             tier: self.tier.to_string(),
+            limit: self.tier.max_in_one_window(),
+            calendar: self.tier.is_calendar(),
             admitted: self.admitted,
             violations: self.violations,
             peak_offered_in_any_window: peak,
@@ -101,6 +173,11 @@ impl TierCheck {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct TierFigures {
     pub tier: String,
+    /// The most calls one window of the tier may hold (a bucket's: its burst plus a
+    /// window's refill).
+    pub limit: u64,
+    /// A day or month tier (its `utilization` is the share of its windows used).
+    pub calendar: bool,
     /// Calls the provider admitted under this tier.
     pub admitted: u64,
     /// Calls that arrived when this tier's window was already full (refused with 429).
@@ -112,9 +189,11 @@ pub struct TierFigures {
     /// boundary of the epoch) sees the busiest window. Every alignment is covered: each
     /// sliding window is one alignment's fixed window.
     pub worst_alignment_offset_ms: Option<u64>,
-    /// Rolling tiers: admitted calls over the most the tier allows evenly spaced from
-    /// the first admitted call to the last (`limit * span / window + 1`). Calendar tiers: over the limits of the windows
-    /// calls arrived in.
+    /// Rolling tiers: the achieved rate's share of the tier's, i.e. admitted calls over
+    /// the most the tier allows from the first admitted call to the last
+    /// (`limit * span / window + 1`), or over `limit` when they span less than a window
+    /// (the busiest window's fill is `peak_offered_in_any_window` of `limit`). Calendar
+    /// tiers: admitted over the limits of the days or months calls arrived in.
     pub utilization: f64,
 }
 
@@ -173,11 +252,12 @@ fn bump_second(series: &mut Vec<u32>, second: usize) {
 }
 
 impl Provider {
-    /// A provider enforcing `quota`'s tiers (its safety margin is ours, not the
-    /// provider's); `dispatched_at` is the invoker's record of each job's hand-off.
+    /// A provider enforcing `quota`'s tiers as `model` counts them (its safety margin is
+    /// ours, not the provider's); `dispatched_at` is the invoker's record of each job's
+    /// hand-off.
     #[must_use]
-    pub fn new(world: Arc<World>, quota: &Quota, failures: Failures, dispatched_at: Arc<Mutex<Vec<UnixMillis>>>, jobs: usize) -> Self {
-        let tiers = quota.tiers().iter().map(|t| TierCheck::new(*t)).collect();
+    pub fn new(world: Arc<World>, quota: &Quota, model: ProviderModel, failures: Failures, dispatched_at: Arc<Mutex<Vec<UnixMillis>>>, jobs: usize) -> Self {
+        let tiers = quota.tiers().iter().map(|t| TierCheck::new(*t, model)).collect();
         let seen = Observations { calls_per_job: vec![0; jobs], ..Observations::default() };
         Self { world, quota: quota.clone(), failures, dispatched_at, tiers: Mutex::new(tiers), seen: Mutex::new(seen) }
     }

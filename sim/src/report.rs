@@ -7,6 +7,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use paceline_shared::quota::describe_use;
 use paceline_worker::WorkerStats;
 use serde::Serialize;
 
@@ -60,6 +61,10 @@ pub struct SimReport {
     pub quota: Vec<String>,
     pub safety_margin_ms: u64,
     pub dispatch_ahead_ms: u64,
+    /// How the simulated provider counted rolling tiers.
+    pub provider: crate::provider::ProviderModel,
+    /// The tier whose share was highest: the one that set the pace.
+    pub paced_by: Option<String>,
     pub profile: crate::profile::LatencyProfile,
     pub failures: crate::profile::Failures,
     pub drained: bool,
@@ -115,13 +120,16 @@ pub(crate) fn build(plan: &Plan, dispatcher: String, lane: &Lane, drained: bool,
         orchestrator_runs: runs,
     };
     let quota = &plan.settings.quota;
+    let paced_by = seen.tiers.iter().rev().max_by(|a, b| a.utilization.total_cmp(&b.utilization)).filter(|t| t.admitted > 0).map(|t| t.tier.clone());
     SimReport {
         dispatcher,
         jobs: plan.jobs as u64,
         seed: plan.seed,
         quota: quota.tiers().iter().map(ToString::to_string).collect(),
         safety_margin_ms: quota.safety_margin().as_millis() as u64,
-        dispatch_ahead_ms: plan.settings.orchestrator.dispatch_ahead.as_millis() as u64,
+        dispatch_ahead_ms: plan.settings.dispatch_ahead().as_millis() as u64,
+        provider: plan.provider,
+        paced_by,
         profile: plan.profile.clone(),
         failures: plan.failures.clone(),
         drained,
@@ -168,12 +176,15 @@ pub fn render(r: &SimReport) -> String {
     for (cause, n) in &o.dead_lettered {
         let _ = writeln!(out, "    DLQ {cause}: {n}");
     }
-    let _ = writeln!(out, "\nAt the provider (strict limiter per tier; a violation is a call refused with 429):");
-    let _ = writeln!(out, "  {:<10} {:>10} {:>10} {:>12} {:>16} {:>11}", "tier", "admitted", "violations", "busiest win.", "worst alignment", "utilization");
+    let model = serde_json::to_value(r.provider).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+    let _ = writeln!(out, "\nAt the provider ({model}, strict per tier; a violation is a call refused with 429):");
+    let _ = writeln!(out, "  {:<18} {:>10} {:>10} {:>14} {:>16}   use", "tier", "admitted", "violations", "busiest window", "worst alignment");
     for t in &r.tiers {
-        let peak = t.peak_offered_in_any_window.map_or_else(|| "-".into(), |p| p.to_string());
+        let busiest = t.peak_offered_in_any_window.map_or_else(|| "-".into(), |p| format!("{p}/{}", t.limit));
         let offset = t.worst_alignment_offset_ms.map_or_else(|| "calendar".into(), |o| format!("+{o} ms"));
-        let _ = writeln!(out, "  {:<10} {:>10} {:>10} {:>12} {:>16} {:>10.1}%", t.tier, t.admitted, t.violations, peak, offset, t.utilization * 100.0);
+        let used = describe_use(&t.tier, t.calendar, t.utilization);
+        let pace = if r.paced_by.as_deref() == Some(t.tier.as_str()) { "  <- set the pace" } else { "" };
+        let _ = writeln!(out, "  {:<18} {:>10} {:>10} {busiest:>14} {offset:>16}   {used}{pace}", t.tier, t.admitted, t.violations);
     }
     let a = &r.answers;
     let _ = writeln!(

@@ -4,17 +4,18 @@
 use std::time::Duration;
 
 use paceline_orchestrator::Settings;
-use paceline_shared::config::{CircuitConfig, OrchestratorConfig, RetryConfig};
+use paceline_shared::config::{CircuitConfig, OrchestratorConfig, RetryConfig, WorkerHost};
 use paceline_shared::quota::{chrono_tz, Quota};
 use paceline_shared::time::UnixMillis;
 use paceline_sim::baselines::Admission;
 use paceline_sim::profile::Outage;
+use paceline_sim::provider::ProviderModel;
 use paceline_sim::{simulate, Dispatcher, Plan};
 
 fn plan(tiers: &[&str], margin_ms: u64, dispatch_ahead_ms: u64, jobs: usize, seed: u64) -> Plan {
     let quota = Quota::new(tiers.iter().map(|t| t.parse().unwrap()).collect(), chrono_tz::UTC, Duration::from_millis(margin_ms)).unwrap();
-    let orchestrator = OrchestratorConfig { dispatch_ahead: Duration::from_millis(dispatch_ahead_ms), ..OrchestratorConfig::default() };
-    Plan::new(jobs, seed, Settings { quota, orchestrator, circuit: CircuitConfig::default() }, RetryConfig::default())
+    let orchestrator = OrchestratorConfig { dispatch_ahead: Some(Duration::from_millis(dispatch_ahead_ms)), ..OrchestratorConfig::default() };
+    Plan::new(jobs, seed, Settings { quota, orchestrator, circuit: CircuitConfig::default(), workers: WorkerHost::Lambda }, RetryConfig::default())
 }
 
 #[test]
@@ -145,4 +146,47 @@ fn receives_overlap_so_queue_latency_does_not_cap_a_fast_quota() {
     assert!(report.drained);
     assert_eq!(report.violations(), 0, "{:?}", report.tiers);
     assert!(report.tiers[0].utilization >= 0.95, "utilization {:.4}", report.tiers[0].utilization);
+}
+
+#[test]
+fn a_backlog_under_a_long_rolling_tier_drains_at_the_shortest_tiers_pace() {
+    // The hour tier is a sliding window at the provider: 500 of its 1,000 may go at
+    // 10/s, about 50 s, not one every 3.6 s (30 minutes).
+    let report = simulate(&plan(&["10/s", "1000/h"], 10, 400, 500, 1), &Dispatcher::Paceline);
+    assert!(report.drained && report.time_to_drain_s <= 70.0, "{} s", report.time_to_drain_s);
+    assert_eq!(report.violations(), 0, "{:?}", report.tiers);
+    assert_eq!(report.paced_by.as_deref(), Some("10/s"));
+    assert_eq!((report.tiers[1].peak_offered_in_any_window, report.tiers[1].limit), (Some(500), 1_000));
+}
+
+#[test]
+fn a_bucket_provider_takes_its_burst_at_once_then_its_rate() {
+    let mut bucket = plan(&["2/s burst=40"], 10, 400, 100, 1);
+    bucket.provider = ProviderModel::LeakyBucket;
+    let report = simulate(&bucket, &Dispatcher::Paceline);
+    assert_eq!(report.violations(), 0, "{:?}", report.tiers);
+    let first = report.admitted_per_second.iter().position(|n| *n > 0).unwrap();
+    let per_second = &report.admitted_per_second[first..];
+    assert!(per_second[0] + per_second[1] >= 40, "the burst goes at once: {per_second:?}");
+    assert!(per_second[2..].iter().all(|n| *n <= 3), "then 2 per second: {per_second:?}");
+}
+
+#[test]
+fn the_checker_counts_as_the_provider_model_does() {
+    // A leaky-bucket provider counts the hour tier as a bucket too: filling it at the
+    // second tier's pace is refused there, spreading it evenly (`smooth`) is not. (The
+    // network's jitter is left out: a strict bucket at exactly 1000/h would refuse a
+    // call arriving a millisecond early, whatever the pacer does.)
+    let bucket_provider = |tiers: &[&str]| {
+        let mut plan = plan(tiers, 10, 400, 30, 1);
+        plan.provider = ProviderModel::LeakyBucket;
+        plan.profile.set("api_arrival=20ms").unwrap();
+        plan
+    };
+    let refused = simulate(&bucket_provider(&["10/s", "1000/h"]), &Dispatcher::Paceline);
+    assert!(refused.tiers[1].violations > 0 && refused.tiers[0].violations == 0, "{:?}", refused.tiers);
+    let smooth = bucket_provider(&["10/s", "1000/h smooth"]);
+    let report = simulate(&smooth, &Dispatcher::Paceline);
+    assert_eq!(report.violations(), 0, "{:?}", report.tiers);
+    assert_eq!(report.paced_by.as_deref(), Some("1000/h smooth"));
 }

@@ -208,6 +208,7 @@ async fn repeated_kill_9_and_sigterm_never_overrun_a_tier_or_lose_a_job() {
         status["tiers"][1]["used"]
     );
     assert_eq!(log.quota_rejections, 0, "a window of a tier (the day tier included) went over its limit");
+    assert!(status["tiers"][0]["used"].is_u64(), "a rolling tier's use, from the pacer's snapshot: {status}");
     assert!(log.arrivals.len() <= 100, "{} calls in a 100/day tier", log.arrivals.len());
     let expected: BTreeSet<String> = jobs.iter().filter(|id| id.starts_with("fault")).cloned().collect();
     assert_eq!(succeeded_ids(&log), expected, "every job succeeded");
@@ -217,23 +218,25 @@ async fn repeated_kill_9_and_sigterm_never_overrun_a_tier_or_lose_a_job() {
 }
 
 #[tokio::test]
-async fn simulate_exits_non_zero_with_a_hint_when_the_provider_refused_calls_over_quota() {
+async fn simulate_of_a_minimal_config_stays_in_quota_and_exits_non_zero_with_a_hint_when_it_does_not() {
     let dir = lane_dir("simulate-exit");
     let config = write_config(&dir, "http://127.0.0.1:1", &["1/s"], "");
     let config = config.to_str().unwrap();
-    let simulate = |ahead: &'static str| {
-        let args = vec!["simulate", "--config", config, "--jobs", "200", "--json", "--dispatch-ahead", ahead];
+    let simulate = |ahead: Option<&'static str>| {
+        let mut args = vec!["simulate", "--config", config, "--jobs", "200", "--json"];
+        args.extend(ahead.map(|ahead| ["--dispatch-ahead", ahead]).into_iter().flatten());
         async move { paceline(&args, "").await }
     };
     // At the slot, Lambda's start spread bunches calls: the strict provider refuses some.
-    let at_slot = simulate("0s").await;
+    let at_slot = simulate(Some("0s")).await;
     let report: serde_json::Value = serde_json::from_slice(&at_slot.stdout).expect("the report is printed all the same");
     assert!(report["violations"].as_u64().unwrap() > 0, "{report}");
     assert_eq!(at_slot.status.code(), Some(3));
     let stderr = String::from_utf8_lossy(&at_slot.stderr);
     assert!(stderr.contains("over quota") && stderr.contains("dispatch_ahead"), "{stderr}");
-    // Ahead of the slot: none refused, exit 0.
-    let ahead = simulate("400ms").await;
-    let report: serde_json::Value = serde_json::from_slice(&ahead.stdout).unwrap();
-    assert_eq!((report["violations"].as_u64(), ahead.status.code()), (Some(0), Some(0)), "{report}");
+    // The config says nothing of dispatch_ahead: the simulated Lambda workers get the
+    // safe default, none is refused, exit 0.
+    let minimal = simulate(None).await;
+    let report: serde_json::Value = serde_json::from_slice(&minimal.stdout).unwrap();
+    assert_eq!((report["violations"].as_u64(), report["dispatch_ahead_ms"].as_u64(), minimal.status.code()), (Some(0), Some(400), Some(0)), "{report}");
 }

@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use paceline_orchestrator::Settings;
-use paceline_shared::config::MAX_DISPATCH_AHEAD;
+use paceline_shared::config::{WorkerHost, MAX_DISPATCH_AHEAD};
 use paceline_sim::profile::{Failures, LatencyProfile, Outage};
+use paceline_sim::provider::ProviderModel;
 use paceline_sim::report::{render, render_comparison};
 use paceline_sim::{little_law_concurrency, plot, simulate, Dispatcher, Plan, SimReport};
 
@@ -53,7 +54,14 @@ pub struct SimulateArgs {
     /// Share of calls the API answers 500 (0 to 1).
     #[arg(long, default_value_t = 0.0)]
     pub rate_5xx: f64,
-    /// Override the config's `orchestrator.dispatch_ahead` (0s for none).
+    /// How the simulated provider counts each rolling tier: sliding-window (no window of
+    /// the tier's length holds more than its limit), fixed-window (windows aligned on
+    /// the clock) or leaky-bucket (strict, room for one call). A tier with `burst=N` is
+    /// a bucket of N in every model.
+    #[arg(long, default_value = "sliding-window", value_name = "MODEL")]
+    pub provider: ProviderModel,
+    /// Override the config's `orchestrator.dispatch_ahead` (0s for none; unset, 400ms as
+    /// for Lambda workers).
     #[arg(long, value_parser = humantime::parse_duration)]
     pub dispatch_ahead: Option<Duration>,
     /// Also run the baselines on the same workload: Paceline without dispatch-ahead, a
@@ -78,7 +86,7 @@ impl SimulateArgs {
         let mut orchestrator = config.orchestrator;
         if let Some(ahead) = self.dispatch_ahead {
             anyhow::ensure!(ahead <= MAX_DISPATCH_AHEAD, "--dispatch-ahead: at most {}", humantime::format_duration(MAX_DISPATCH_AHEAD));
-            orchestrator.dispatch_ahead = ahead;
+            orchestrator.dispatch_ahead = Some(ahead);
         }
         let mut profile = LatencyProfile::default();
         for assignment in &self.latencies {
@@ -86,10 +94,11 @@ impl SimulateArgs {
         }
         let failures = Failures { outages: self.outages.clone(), rate_429: self.rate_429, rate_5xx: self.rate_5xx };
         failures.check().map_err(|e| anyhow::anyhow!("--rate-429/--rate-5xx: {e}"))?;
-        let settings = Settings { quota: config.quota, orchestrator, circuit: config.circuit };
+        let settings = Settings { quota: config.quota, orchestrator, circuit: config.circuit, workers: WorkerHost::Lambda };
         let mut plan = Plan::new(self.jobs, self.seed, settings, config.retry);
         plan.profile = profile;
         plan.failures = failures;
+        plan.provider = self.provider;
         plan.time_limit = self.time_limit;
         Ok(plan)
     }
@@ -139,9 +148,9 @@ fn json_with_violations(report: &SimReport) -> anyhow::Result<serde_json::Value>
 fn run_all(plan: &Plan, baselines: bool) -> anyhow::Result<Vec<SimReport>> {
     let mut reports = vec![simulate(plan, &Dispatcher::Paceline)];
     if baselines {
-        if !plan.settings.orchestrator.dispatch_ahead.is_zero() {
+        if !plan.settings.dispatch_ahead().is_zero() {
             let mut at_slot = plan.clone();
-            at_slot.settings.orchestrator.dispatch_ahead = Duration::ZERO;
+            at_slot.settings.orchestrator.dispatch_ahead = Some(Duration::ZERO);
             reports.push(simulate(&at_slot, &Dispatcher::Paceline));
         }
         let concurrency = little_law_concurrency(plan);

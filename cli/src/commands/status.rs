@@ -1,4 +1,4 @@
-//! `paceline status`: per tier used / limit / resets at; the circuit (state, since when,
+//! `paceline status`: per tier used / limit / when it frees up or resets; the circuit (state, since when,
 //! why, epoch); the lease holder; queue and DLQ depths; and about how long the backlog
 //! takes at the quota. On the embedded store or AWS alike.
 
@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use paceline_shared::breaker::Circuit;
 use paceline_shared::dlq::DlqSource;
+use paceline_shared::pacer::PacerState;
 use paceline_shared::ports::{load_calendar_usage, Lease, QueueDepth};
 use paceline_shared::time::{system_now, UnixMillis};
 use serde::Serialize;
@@ -26,10 +27,14 @@ pub struct StatusArgs {
 struct TierUsage {
     tier: String,
     limit: u64,
-    /// Used in the current calendar window (day and month tiers; rolling tiers are paced
-    /// in memory by the running orchestrator).
+    /// Used in the current window: a calendar tier's count, or a rolling tier's from
+    /// the pacer's last snapshot (written every flush and at the end of a run); `None`
+    /// for a rolling tier no run has paced yet.
     used: Option<u64>,
+    /// Calendar tiers: when the window resets.
     resets_at: Option<String>,
+    /// Rolling tiers: when the oldest unit in the window leaves it (none while empty).
+    next_unit_frees_at: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -57,9 +62,27 @@ impl StatusArgs {
         let mut drain_estimate_seconds = None;
         if let Some(quota) = lane.config.as_ref().map(|c| &c.quota) {
             let calendar_used = load_calendar_usage(lane.state.as_ref(), quota, now).await?;
-            for (tier, used) in quota.tiers().iter().zip(&calendar_used) {
-                let (used, resets_at) = if tier.is_calendar() { (Some(*used), Some(tier.window_at(quota.zone(), now).1.to_rfc3339())) } else { (None, None) };
-                tiers.push(TierUsage { tier: tier.to_string(), limit: tier.limit, used, resets_at });
+            let pacer = lane.state.load_pacer().await?.map(|snapshot| PacerState::restored(quota, &snapshot.state));
+            let rolling_used = pacer.as_ref().map(|pacer| pacer.usage(quota, now));
+            for (index, (tier, used)) in quota.tiers().iter().zip(&calendar_used).enumerate() {
+                let usage = if tier.is_calendar() {
+                    TierUsage {
+                        tier: tier.to_string(),
+                        limit: tier.limit,
+                        used: Some(*used),
+                        resets_at: Some(tier.window_at(quota.zone(), now).1.to_rfc3339()),
+                        next_unit_frees_at: None,
+                    }
+                } else {
+                    TierUsage {
+                        tier: tier.to_string(),
+                        limit: tier.limit,
+                        used: rolling_used.as_ref().map(|used| used[index]),
+                        resets_at: None,
+                        next_unit_frees_at: pacer.as_ref().and_then(|pacer| pacer.frees_at(index, now)).map(|at| at.to_rfc3339()),
+                    }
+                };
+                tiers.push(usage);
             }
             let waiting = queue.visible + queue.not_visible;
             drain_estimate_seconds = Some(quota.drain_estimate(waiting, &calendar_used, now).as_secs());
@@ -107,9 +130,11 @@ fn print_status(status: &Status, now: UnixMillis) {
         println!("cool-down until {until} (the API asked us to wait; `paceline circuit close` ends it)");
     }
     for t in &status.tiers {
-        match (t.used, &t.resets_at) {
-            (Some(used), Some(reset)) => println!("tier {}: {used}/{} used, resets at {reset}", t.tier, t.limit),
-            _ => println!("tier {}: rolling window, paced in memory by the running orchestrator", t.tier),
+        match (t.used, &t.resets_at, &t.next_unit_frees_at) {
+            (Some(used), Some(reset), _) => println!("tier {}: {used}/{} used, resets at {reset}", t.tier, t.limit),
+            (Some(used), None, Some(frees)) => println!("tier {}: {used}/{} used in the last window, the oldest frees up at {frees}", t.tier, t.limit),
+            (Some(used), None, None) => println!("tier {}: {used}/{} used in the last window", t.tier, t.limit),
+            (None, ..) => println!("tier {}: rolling window, not used yet", t.tier),
         }
     }
     match status.drain_estimate_seconds {

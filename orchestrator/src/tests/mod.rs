@@ -7,7 +7,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::adapters::memory::RecordingInvoker;
-use paceline_shared::config::{CircuitConfig, OrchestratorConfig};
+use paceline_shared::config::{CircuitConfig, OrchestratorConfig, WorkerHost};
 use paceline_shared::job::{DeadLetterCause, WorkerPayload};
 use paceline_shared::ports::{JobQueue, OutgoingMessage, PortError, StateStore, WorkerHandler};
 use paceline_shared::quota::{chrono_tz, Quota};
@@ -36,6 +36,7 @@ fn lane_built(tiers: &[&str], margin_ms: u64, invoker: impl FnOnce(Arc<TokioCloc
         quota,
         orchestrator: OrchestratorConfig { deadline_margin: Duration::from_secs(1), ..OrchestratorConfig::default() },
         circuit: CircuitConfig { health_check_interval: Duration::from_secs(2) },
+        workers: WorkerHost::InProcess,
     };
     adjust(&mut settings);
     let orchestrator = Orchestrator::new(store.clone(), store.clone(), invoker.clone(), clock.clone(), settings);
@@ -86,8 +87,30 @@ async fn one_per_second_dispatches_exactly_on_the_second() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn multi_tier_quota_paces_at_the_binding_tier_with_the_margin() {
+async fn a_backlog_goes_at_the_shortest_tiers_pace_while_the_minute_has_room() {
     let lane = lane(&["10/s", "300/min"], 10);
+    enqueue(&lane, (0..12).map(|i| job(&format!("j{i}")))).await;
+    lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    // One every (1 s + 10 ms) / 10 = 101 ms: 12 calls are far from the minute's 300.
+    assert_eq!(offsets(&lane), vec![0, 101, 202, 303, 404, 505, 606, 707, 808, 909, 1_010, 1_111]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_report_names_the_tier_that_set_the_pace_and_a_long_tiers_share_over_its_window() {
+    let lane = lane(&["10/s", "20/min"], 0);
+    enqueue(&lane, (0..21).map(|i| job(&format!("j{i}")))).await;
+    let report = lane.orchestrator.run(&opts(true, Duration::from_secs(120))).await.unwrap();
+    // 20 go at 10/s, the 21st waits for the first to leave the minute.
+    assert_eq!(offsets(&lane)[19..], [1_900, 60_000]);
+    assert_eq!(report.paced_by.map(|t| t.to_string()).as_deref(), Some("20/min"));
+    let minute = &report.tiers[1];
+    assert_eq!((minute.units, minute.peak_window), (21, 20));
+    assert!((minute.utilization - 20.0 / 20.0).abs() < 0.01, "20 paced units in one minute: {}", minute.utilization);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_smooth_tier_paces_at_its_own_rate_with_the_margin() {
+    let lane = lane(&["10/s", "300/min smooth"], 10);
     enqueue(&lane, (0..12).map(|i| job(&format!("j{i}")))).await;
     lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
     // 300/min binds: one every (60 s + 10 ms) / 300 = 200.0333 ms, rounded up to the ms.
@@ -252,11 +275,13 @@ async fn after_a_crashed_run_dispatch_waits_one_window_of_the_longest_tier() {
     lane.store.clear_lease().unwrap();
     enqueue(&lane, vec![job("a"), job("b")]).await;
     lane.orchestrator.run(&opts(true, Duration::from_secs(300))).await.unwrap();
-    assert_eq!(offsets(&lane), vec![60_000, 61_000]);
+    assert_eq!(offsets(&lane), vec![60_000, 60_200]);
     // That run ended cleanly: the next one trusts its snapshot and waits no extra window.
     enqueue(&lane, vec![job("c")]).await;
-    lane.orchestrator.run(&RunOptions { deadline: lane.clock.now().plus(Duration::from_secs(60)), ..opts(true, Duration::ZERO) }).await.unwrap();
-    assert_eq!(offsets(&lane)[2], 62_000);
+    let second_run = lane.clock.now();
+    assert!(second_run.since(T0) > Duration::from_millis(60_400), "c's slot has passed");
+    lane.orchestrator.run(&RunOptions { deadline: second_run.plus(Duration::from_secs(60)), ..opts(true, Duration::ZERO) }).await.unwrap();
+    assert_eq!(offsets(&lane)[2], second_run.since(T0).as_millis() as u64, "c goes as the run starts");
 }
 
 #[tokio::test(start_paused = true)]
@@ -272,7 +297,7 @@ async fn slow_invokes_do_not_delay_the_next_slot() {
 
 #[tokio::test(start_paused = true)]
 async fn dispatch_ahead_hands_jobs_off_early_with_their_slot() {
-    let lane = lane_with_settings(&["1/s"], 20, |settings| settings.orchestrator.dispatch_ahead = Duration::from_millis(300));
+    let lane = lane_with_settings(&["1/s"], 20, |settings| settings.orchestrator.dispatch_ahead = Some(Duration::from_millis(300)));
     enqueue(&lane, (0..4).map(|i| job(&format!("j{i}")))).await;
     lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
     let slots: Vec<(u64, u64, u64)> = lane
