@@ -224,7 +224,7 @@ impl Executor<'_> {
     }
 
     async fn read_shared_state(&self) -> PortResult<(Circuit, UnixMillis)> {
-        Ok((self.o.store.circuit().await?, self.o.store.cool_down().await?))
+        self.o.store.shared_state().await
     }
 
     /// Asks the decision step what to do, does it, and feeds back what came of it,
@@ -266,6 +266,10 @@ impl Executor<'_> {
         let event = match action {
             Action::Renew(lease) => Event::Renewed(o.store.renew_lease(&lease, cfg.lease_ttl, o.clock.now()).await),
             Action::Refresh => Event::Refreshed(self.read_shared_state().await),
+            Action::SwapCircuit { expected_epoch, next } => {
+                let result = o.store.swap_circuit(expected_epoch, &next).await;
+                Event::CircuitSwapped(next, result)
+            }
             Action::Flush(lease, snapshot) => Event::Flushed(o.store.save_pacer(&lease, &snapshot).await),
             Action::Reserve(needed) => {
                 let deltas: Vec<(String, i64)> = needed.iter().map(|(key, units)| (key.clone(), i64::try_from(*units).unwrap_or(i64::MAX))).collect();

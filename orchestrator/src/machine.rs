@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use paceline_shared::breaker::{Circuit, CircuitStatus};
+use paceline_shared::breaker::{self, Circuit, CircuitStatus, TripRule};
 use paceline_shared::job::{CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
 use paceline_shared::pacer::{Decision, Hold, PacerState};
 use paceline_shared::ports::{Lease, PacerSnapshot, PortError, PortResult, QueuedMessage};
@@ -62,6 +62,9 @@ fn upload_allowance(job: &Job) -> Duration {
 
 /// The part of the lease's time-to-live this process does not count on (clock drift,
 /// a renewal that lands late): the lease is taken as lost a fifth of the TTL early.
+/// The circuit is re-read at most this often (see `DrainState::refresh_interval`).
+const FASTEST_REFRESH: Duration = Duration::from_millis(200);
+
 pub(crate) fn lease_valid_for(ttl: Duration) -> Duration {
     ttl - ttl / 5
 }
@@ -88,6 +91,9 @@ pub(crate) enum Action {
     Renew(Lease),
     /// Re-read the circuit and the provider's cool-down (await it).
     Refresh,
+    /// Write this circuit if the stored one is still at `expected_epoch` (await it): the
+    /// ramp after a half-open reached the full pace and closes it.
+    SwapCircuit { expected_epoch: u64, next: Circuit },
     /// Save the pacer snapshot while the lease is ours (await it).
     Flush(Lease, PacerSnapshot),
     /// Add these calendar units to the store before they are spent (await it).
@@ -119,6 +125,7 @@ pub(crate) enum Action {
 pub(crate) enum Event {
     Renewed(PortResult<Lease>),
     Refreshed(PortResult<(Circuit, UnixMillis)>),
+    CircuitSwapped(Circuit, PortResult<()>),
     Flushed(PortResult<()>),
     Reserved(Vec<(String, u64)>, PortResult<()>),
     DeadLettered(QueuedMessage, PortResult<()>),
@@ -136,6 +143,14 @@ pub(crate) enum Event {
     DrainChecked(PortResult<bool>),
     /// The operator asked the run to stop.
     StopRequested,
+}
+
+/// A ramp from a share of the pace up to all of it (see `breaker::ramp_fraction`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Ramp {
+    started: UnixMillis,
+    /// No job is handed off for a slot before this (the ramp's spacing).
+    next_slot: UnixMillis,
 }
 
 /// What is under way in the background.
@@ -190,9 +205,15 @@ pub(crate) struct DrainState<'a> {
     /// Draining: the last long poll found the queue empty.
     queue_seen_empty: bool,
     last_health_check: Option<UnixMillis>,
+    /// Health checks sent since the circuit last changed.
+    health_checks_this_epoch: u32,
     last_dispatch: Option<UnixMillis>,
     /// What last held the job in hand back (for the report's pace-setting tier).
     last_hold: Option<Hold>,
+    /// Jobs flow at a ramping share of the pace (half-open, or a first run's warm-up).
+    ramp: Option<Ramp>,
+    /// A swap of the circuit is under way.
+    swapping_circuit: bool,
     exhausted_logged_until: UnixMillis,
     meter: TierMeter,
     stop: Option<StopReason>,
@@ -235,8 +256,11 @@ impl<'a> DrainState<'a> {
             receive_latency: Duration::ZERO,
             queue_seen_empty: false,
             last_health_check: None,
+            health_checks_this_epoch: 0,
             last_dispatch: None,
             last_hold: None,
+            ramp: None,
+            swapping_circuit: false,
             exhausted_logged_until: UnixMillis(0),
             meter: TierMeter::new(&settings.quota),
             stop: None,
@@ -260,6 +284,10 @@ impl<'a> DrainState<'a> {
     /// Starts from the last run's snapshot (if any) and the calendar usage in the store.
     pub fn hydrate(&mut self, snapshot: Option<PacerSnapshot>, calendar_used: &[u64], now: UnixMillis) {
         let quota = self.quota();
+        if snapshot.is_none() && self.settings.circuit.warm_up {
+            info!("the lane's first run: warming up from a share of the pace");
+            self.ramp = Some(Ramp { started: now, next_slot: now });
+        }
         if let Some(snapshot) = snapshot {
             self.pacer = PacerState::restored(quota, &snapshot.state);
             // A hold left by an earlier run is at most one window of the longest tier
@@ -291,14 +319,67 @@ impl<'a> DrainState<'a> {
             info!(status = %circuit.status, epoch = circuit.epoch, reason = %circuit.reason, "circuit");
             self.progress.circuit_open.store(!circuit.is_closed(), Ordering::Relaxed);
         }
-        match circuit.next_health_check(self.last_health_check, self.settings.circuit.health_check_interval) {
+        self.set_circuit(circuit);
+        // Not `max` with the last value: an operator may have cleared the cool-down.
+        self.pacer.set_hold_until(self.own_hold.max(cool_down));
+        self.timers.set(Timer::Refresh, now.plus(self.refresh_interval()));
+    }
+
+    /// How long until the circuit is re-read: `state_refresh`, or, while jobs are in
+    /// hand at a pace that would send more than the breaker's `minimum_calls` in that
+    /// time, the time those calls take (at least [`FASTEST_REFRESH`]): a circuit a worker
+    /// opened stops dispatch before many more calls go.
+    fn refresh_interval(&self) -> Duration {
+        let base = self.settings.orchestrator.state_refresh;
+        let pace = self.quota().pace_per_second() * self.ramp_share(self.last_dispatch.unwrap_or_default());
+        if self.buffer.is_empty() || self.circuit.status == CircuitStatus::Open || !pace.is_finite() || pace <= 0.0 {
+            return base;
+        }
+        Duration::from_secs_f64(self.settings.circuit.minimum_calls as f64 / pace).clamp(FASTEST_REFRESH.min(base), base)
+    }
+
+    /// Takes `circuit` as the current state: health checks while open, a ramp while
+    /// half-open.
+    fn set_circuit(&mut self, circuit: Circuit) {
+        let cfg = &self.settings.circuit;
+        if circuit.epoch != self.circuit.epoch {
+            self.health_checks_this_epoch = 0;
+        }
+        match circuit.next_health_check(self.last_health_check, self.health_checks_this_epoch, cfg.health_check_interval, cfg.max_break) {
             Some(due) => self.timers.set(Timer::HealthCheck, due),
             None => self.timers.stop(Timer::HealthCheck),
         }
+        match circuit.status {
+            CircuitStatus::HalfOpen if self.ramp.is_none_or(|ramp| ramp.started < circuit.since) => {
+                self.ramp = Some(Ramp { started: circuit.since, next_slot: circuit.since });
+            }
+            CircuitStatus::Open => self.ramp = None,
+            _ => {}
+        }
         self.circuit = circuit;
-        // Not `max` with the last value: an operator may have cleared the cool-down.
-        self.pacer.set_hold_until(self.own_hold.max(cool_down));
-        self.timers.set(Timer::Refresh, now.plus(self.settings.orchestrator.state_refresh));
+    }
+
+    /// The share of the pace jobs may use at `now`: below 1 while a ramp is under way.
+    fn ramp_share(&self, now: UnixMillis) -> f64 {
+        let cfg = &self.settings.circuit;
+        self.ramp.map_or(1.0, |ramp| breaker::ramp_fraction(now.since(ramp.started), cfg.ramp_start, cfg.ramp_step))
+    }
+
+    /// A ramp that reached the full pace ends; a half-open circuit then closes.
+    fn end_finished_ramp(&mut self, now: UnixMillis) -> Option<Action> {
+        if self.ramp.is_none() || self.ramp_share(now) < 1.0 {
+            return None;
+        }
+        if self.circuit.status != CircuitStatus::HalfOpen {
+            self.ramp = None;
+            return None;
+        }
+        if self.swapping_circuit {
+            return None;
+        }
+        let next = self.circuit.close(self.circuit.epoch, "the ramp reached the full pace", now).ok()?;
+        self.swapping_circuit = true;
+        Some(Action::SwapCircuit { expected_epoch: self.circuit.epoch, next })
     }
 
     /// What to do at `now`.
@@ -338,8 +419,11 @@ impl<'a> DrainState<'a> {
             warn!(valid_until = ?self.timers.get(Timer::LeaseExpiry), "the lease ran out before a renewal came through: dispatching stops now");
             return self.stop_with(StopReason::LeaseLost);
         }
+        if let Some(close) = self.end_finished_ramp(now) {
+            return close;
+        }
         match self.circuit.status {
-            CircuitStatus::Closed => self.while_closed(now),
+            CircuitStatus::Closed | CircuitStatus::HalfOpen => self.while_closed(now),
             CircuitStatus::Open => self.while_open(now),
         }
     }
@@ -394,6 +478,9 @@ impl<'a> DrainState<'a> {
         if self.in_flight.hand_offs >= MAX_INVOKES_IN_FLIGHT {
             return self.await_event();
         }
+        if let Some(ramp) = self.ramp.filter(|ramp| ramp.next_slot > self.slot_at(now).plus(COARSE_WAKE_SLACK)) {
+            return self.sleep_until(self.hand_off_time(ramp.next_slot, now));
+        }
         let cost = job.cost;
         let (slot, decision) = self.decide(cost, now);
         match decision {
@@ -416,11 +503,33 @@ impl<'a> DrainState<'a> {
                 let paced = slot.since(self.last_dispatch.unwrap_or(since).max(since));
                 self.commit(cost, slot, upload_allowance(&job), paced);
                 debug!(job_id = %job.id, attempt = message.attempt, cost, "dispatching");
-                let payload =
-                    WorkerPayload::Job { job, attempt: message.attempt, circuit_epoch: self.circuit.epoch, dispatched_at: now, slot: self.call_slot(slot) };
+                let trip = Some(self.trip_rule(slot));
+                self.space_ramp(cost, slot);
+                let payload = WorkerPayload::Job {
+                    job,
+                    attempt: message.attempt,
+                    circuit_epoch: self.circuit.epoch,
+                    dispatched_at: now,
+                    slot: self.call_slot(slot),
+                    trip,
+                };
                 self.in_flight.hand_offs += 1;
                 Action::Dispatch(HandOff { message, since }, payload)
             }
+        }
+    }
+
+    /// When failures open the circuit, at the pace jobs go at `slot`.
+    fn trip_rule(&self, slot: UnixMillis) -> TripRule {
+        TripRule::at_pace(&self.settings.circuit.trip_settings(), self.quota().pace_per_second() * self.ramp_share(slot))
+    }
+
+    /// While ramping, the next job waits the pace's interval divided by the ramp's share.
+    fn space_ramp(&mut self, cost: u64, slot: UnixMillis) {
+        let share = self.ramp_share(slot);
+        let pace = self.quota().pace_per_second();
+        if let Some(ramp) = self.ramp.as_mut().filter(|_| pace.is_finite() && share < 1.0) {
+            ramp.next_slot = slot.plus(Duration::from_secs_f64(cost as f64 / (pace * share)));
         }
     }
 
@@ -488,6 +597,7 @@ impl<'a> DrainState<'a> {
                 // The slot is spent whatever the answer: a refused invoke may still have run.
                 self.commit(1, slot, Duration::ZERO, Duration::ZERO);
                 self.last_health_check = Some(now);
+                self.health_checks_this_epoch += 1;
                 self.in_flight.health_check = true;
                 Action::HealthCheck(WorkerPayload::HealthCheck { circuit_epoch: self.circuit.epoch, sent_at: now, slot: self.call_slot(slot) })
             }
@@ -509,6 +619,23 @@ impl<'a> DrainState<'a> {
                 Ok(())
             }
             Event::Refreshed(Err(e)) => self.retry_later(e, Timer::Refresh, now, "could not re-read the circuit"),
+            Event::CircuitSwapped(next, result) => {
+                self.swapping_circuit = false;
+                match result {
+                    Ok(()) => {
+                        info!(status = %next.status, epoch = next.epoch, reason = %next.reason, "circuit");
+                        self.ramp = None;
+                        self.set_circuit(next);
+                        Ok(())
+                    }
+                    // Someone else moved it (a worker tripped it again): read it anew.
+                    Err(PortError::Conflict(_)) => {
+                        self.timers.set(Timer::Refresh, now);
+                        Ok(())
+                    }
+                    Err(e) => self.retry_later(e, Timer::Refresh, now, "could not close the circuit"),
+                }
+            }
             Event::Flushed(Ok(()) | Err(PortError::Conflict(_))) => {
                 // A lost lease: the next renewal says so; the new holder's snapshot wins.
                 self.backoffs.flush.succeeded();
@@ -551,7 +678,9 @@ impl<'a> DrainState<'a> {
                         self.report.health_checks += 1;
                         Progress::bump(&self.progress.health_checks);
                         info!(epoch = self.circuit.epoch, "health check sent");
-                        if let Some(due) = self.circuit.next_health_check(self.last_health_check, self.settings.circuit.health_check_interval) {
+                        let cfg = &self.settings.circuit;
+                        let sent = self.health_checks_this_epoch;
+                        if let Some(due) = self.circuit.next_health_check(self.last_health_check, sent, cfg.health_check_interval, cfg.max_break) {
                             self.timers.set(Timer::HealthCheck, due);
                         }
                         Ok(())
@@ -638,6 +767,11 @@ impl<'a> DrainState<'a> {
                     message,
                     since: now,
                 }));
+                // Jobs in hand: the circuit is re-read as often as their pace needs.
+                let sooner = now.plus(self.refresh_interval());
+                if self.timers.get(Timer::Refresh).is_some_and(|due| due > sooner) {
+                    self.timers.set(Timer::Refresh, sooner);
+                }
             }
             Err(e) => self.retry_later(e, Timer::Receive, now, "receive failed")?,
         }
@@ -856,7 +990,7 @@ mod tests {
         Settings {
             quota,
             orchestrator: OrchestratorConfig::default(),
-            circuit: CircuitConfig { health_check_interval: Duration::from_secs(2) },
+            circuit: CircuitConfig { health_check_interval: Duration::from_secs(2), ..CircuitConfig::default() },
             workers: WorkerHost::InProcess,
         }
     }

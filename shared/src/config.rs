@@ -11,6 +11,7 @@ use std::time::Duration;
 use secrecy::SecretString;
 use serde::{Deserialize, Deserializer};
 
+use crate::breaker::TripSettings;
 use crate::job::ApiRequest;
 use crate::quota::{Quota, Tier};
 
@@ -63,11 +64,34 @@ pub struct ApiConfig {
     pub max_body: usize,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+/// The circuit breaker (see `breaker`).
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CircuitConfig {
+    /// The first break after the circuit opens, before a health check.
     #[serde(deserialize_with = "duration", default = "defaults::health_check_interval")]
     pub health_check_interval: Duration,
+    /// The longest break: each re-opening from half-open doubles it up to this.
+    #[serde(deserialize_with = "duration", default = "defaults::max_break")]
+    pub max_break: Duration,
+    /// The share of failed calls (0 to 1) among the recent ones that opens the circuit.
+    #[serde(default = "defaults::failure_rate_threshold")]
+    pub failure_rate_threshold: f64,
+    /// How many recent calls the failure rate looks at (at the current pace).
+    #[serde(default = "defaults::minimum_calls")]
+    pub minimum_calls: u64,
+    /// The fewest failures that open the circuit.
+    #[serde(default = "defaults::minimum_failures")]
+    pub minimum_failures: u64,
+    /// After a healthy check, jobs flow at this share of the pace (0 to 1)...
+    #[serde(default = "defaults::ramp_start")]
+    pub ramp_start: f64,
+    /// ...doubling every `ramp_step` until the full pace closes the circuit.
+    #[serde(deserialize_with = "duration", default = "defaults::ramp_step")]
+    pub ramp_step: Duration,
+    /// Ramp up the same way at a lane's first run (providers that want new clients to).
+    #[serde(default)]
+    pub warm_up: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -83,6 +107,13 @@ pub struct RetryConfig {
     /// and the like are capped to it), so a far-future date cannot halt the lane.
     #[serde(deserialize_with = "duration", default = "defaults::max_cool_down")]
     pub max_cool_down: Duration,
+    /// A failed call's job is retried after a random delay of up to `backoff_base *
+    /// 2^attempt` ("full jitter")...
+    #[serde(deserialize_with = "duration", default = "defaults::backoff_base")]
+    pub backoff_base: Duration,
+    /// ...and never more than this (SQS delays a message at most 15 minutes).
+    #[serde(deserialize_with = "duration", default = "defaults::backoff_max")]
+    pub backoff_max: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -204,6 +235,30 @@ pub(crate) mod defaults {
     pub fn max_cool_down() -> Duration {
         Duration::from_secs(3600)
     }
+    pub fn backoff_base() -> Duration {
+        Duration::from_secs(1)
+    }
+    pub fn backoff_max() -> Duration {
+        Duration::from_secs(300)
+    }
+    pub fn max_break() -> Duration {
+        Duration::from_secs(30)
+    }
+    pub fn failure_rate_threshold() -> f64 {
+        0.5
+    }
+    pub fn minimum_calls() -> u64 {
+        20
+    }
+    pub fn minimum_failures() -> u64 {
+        5
+    }
+    pub fn ramp_start() -> f64 {
+        0.1
+    }
+    pub fn ramp_step() -> Duration {
+        Duration::from_secs(2)
+    }
     pub fn max_body() -> usize {
         256 * 1024
     }
@@ -232,13 +287,55 @@ pub(crate) mod defaults {
 
 impl Default for CircuitConfig {
     fn default() -> Self {
-        Self { health_check_interval: defaults::health_check_interval() }
+        Self {
+            health_check_interval: defaults::health_check_interval(),
+            max_break: defaults::max_break(),
+            failure_rate_threshold: defaults::failure_rate_threshold(),
+            minimum_calls: defaults::minimum_calls(),
+            minimum_failures: defaults::minimum_failures(),
+            ramp_start: defaults::ramp_start(),
+            ramp_step: defaults::ramp_step(),
+            warm_up: false,
+        }
+    }
+}
+
+impl CircuitConfig {
+    /// What opens the circuit, as the trip rule needs it.
+    #[must_use]
+    pub fn trip_settings(&self) -> TripSettings {
+        TripSettings { failure_rate_threshold: self.failure_rate_threshold, minimum_calls: self.minimum_calls, minimum_failures: self.minimum_failures }
+    }
+
+    /// # Errors
+    /// The first field out of range.
+    pub fn check(&self) -> Result<(), Invalid> {
+        at_least("health_check_interval", self.health_check_interval, Duration::from_millis(100))?;
+        let share = |field: &'static str, value: f64| {
+            if value > 0.0 && value <= 1.0 {
+                Ok(())
+            } else {
+                Err(Invalid { field, problem: format!("{value} is not a share above 0 and at most 1") })
+            }
+        };
+        share("failure_rate_threshold", self.failure_rate_threshold)?;
+        share("ramp_start", self.ramp_start)?;
+        if self.minimum_calls == 0 || self.minimum_failures == 0 {
+            return Err(Invalid { field: if self.minimum_calls == 0 { "minimum_calls" } else { "minimum_failures" }, problem: "must be at least 1".into() });
+        }
+        Ok(())
     }
 }
 
 impl Default for RetryConfig {
     fn default() -> Self {
-        Self { max_attempts: defaults::max_attempts(), default_cool_down: defaults::default_cool_down(), max_cool_down: defaults::max_cool_down() }
+        Self {
+            max_attempts: defaults::max_attempts(),
+            default_cool_down: defaults::default_cool_down(),
+            max_cool_down: defaults::max_cool_down(),
+            backoff_base: defaults::backoff_base(),
+            backoff_max: defaults::backoff_max(),
+        }
     }
 }
 
@@ -520,6 +617,7 @@ impl Config {
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigProblem { key: None, message: e.to_string().trim_end().to_owned() })?;
         let quota = Quota::new(raw.quota.tiers, raw.quota.time_zone, raw.quota.safety_margin).map_err(|e| ConfigProblem::at("quota.tiers", e))?;
         let in_section = |section: &str, e: Invalid| ConfigProblem::at(format!("{section}.{}", e.field), e.problem);
+        raw.circuit.check().map_err(|e| in_section("circuit", e))?;
         raw.retry.check().map_err(|e| in_section("retry", e))?;
         raw.orchestrator.check().map_err(|e| in_section("orchestrator", e))?;
         check_timeout(raw.api.timeout).map_err(|e| in_section("api", e))?;

@@ -87,15 +87,32 @@ impl<'a> Env<'a> {
         Ok(config)
     }
 
-    /// `PACELINE_HEALTH_CHECK_INTERVAL`.
+    /// `PACELINE_HEALTH_CHECK_INTERVAL`, `PACELINE_MAX_BREAK`,
+    /// `PACELINE_FAILURE_RATE_THRESHOLD`, `PACELINE_MINIMUM_CALLS`,
+    /// `PACELINE_MINIMUM_FAILURES`, `PACELINE_RAMP_START`, `PACELINE_RAMP_STEP`,
+    /// `PACELINE_WARM_UP` (`true` or `false`).
     ///
     /// # Errors
     /// Names the variable and the problem.
     pub fn circuit(&self) -> Result<CircuitConfig, String> {
-        Ok(CircuitConfig { health_check_interval: self.duration("PACELINE_HEALTH_CHECK_INTERVAL", defaults::health_check_interval())? })
+        let number = |name: &str, default: f64| self.parsed(name, default, |t| t.parse::<f64>().map_err(|_| format!("`{t}` is not a number")));
+        let count = |name: &str, default: u64| self.parsed(name, default, |t| t.parse::<u64>().map_err(|_| format!("`{t}` is not a whole number")));
+        let config = CircuitConfig {
+            health_check_interval: self.duration("PACELINE_HEALTH_CHECK_INTERVAL", defaults::health_check_interval())?,
+            max_break: self.duration("PACELINE_MAX_BREAK", defaults::max_break())?,
+            failure_rate_threshold: number("PACELINE_FAILURE_RATE_THRESHOLD", defaults::failure_rate_threshold())?,
+            minimum_calls: count("PACELINE_MINIMUM_CALLS", defaults::minimum_calls())?,
+            minimum_failures: count("PACELINE_MINIMUM_FAILURES", defaults::minimum_failures())?,
+            ramp_start: number("PACELINE_RAMP_START", defaults::ramp_start())?,
+            ramp_step: self.duration("PACELINE_RAMP_STEP", defaults::ramp_step())?,
+            warm_up: self.parsed("PACELINE_WARM_UP", false, |t| t.parse::<bool>().map_err(|_| format!("`{t}` is not true or false")))?,
+        };
+        config.check().map_err(|e| Self::named("", e))?;
+        Ok(config)
     }
 
-    /// `PACELINE_MAX_ATTEMPTS`, `PACELINE_DEFAULT_COOL_DOWN`, `PACELINE_MAX_COOL_DOWN`.
+    /// `PACELINE_MAX_ATTEMPTS`, `PACELINE_DEFAULT_COOL_DOWN`, `PACELINE_MAX_COOL_DOWN`,
+    /// `PACELINE_BACKOFF_BASE`, `PACELINE_BACKOFF_MAX`.
     ///
     /// # Errors
     /// Names the variable and the problem.
@@ -107,6 +124,8 @@ impl<'a> Env<'a> {
             max_attempts,
             default_cool_down: self.duration("PACELINE_DEFAULT_COOL_DOWN", defaults::default_cool_down())?,
             max_cool_down: self.duration("PACELINE_MAX_COOL_DOWN", defaults::max_cool_down())?,
+            backoff_base: self.duration("PACELINE_BACKOFF_BASE", defaults::backoff_base())?,
+            backoff_max: self.duration("PACELINE_BACKOFF_MAX", defaults::backoff_max())?,
         };
         config.check().map_err(|e| Self::named("", e))?;
         Ok(config)

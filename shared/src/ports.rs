@@ -306,6 +306,15 @@ pub trait StateStore: Send + Sync {
     /// `Conflict` when it is not.
     async fn swap_circuit(&self, expected_epoch: u64, next: &Circuit) -> PortResult<()>;
 
+    /// The circuit and the cool-down together, as the orchestrator re-reads them while
+    /// jobs flow: one request where the store can batch them.
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn shared_state(&self) -> PortResult<(Circuit, UnixMillis)> {
+        Ok((self.circuit().await?, self.cool_down().await?))
+    }
+
     /// Until when the provider asked us to hold off (0 if never).
     ///
     /// # Errors

@@ -206,10 +206,14 @@ pub struct Answers {
     pub injected_429: u64,
     pub injected_5xx: u64,
     pub outage_503: u64,
+    /// The most calls in flight at the provider at once (from arrival to answer).
+    pub peak_in_flight: u64,
 }
 
 #[derive(Default)]
 struct Observations {
+    /// Calls arrived and not yet answered.
+    in_flight: u64,
     calls_per_job: Vec<u32>,
     health_checks: u64,
     answers: Answers,
@@ -322,6 +326,13 @@ impl Provider {
         }
     }
 
+    /// A call arrived (+1) or was answered (-1): keeps the peak of calls in flight.
+    fn count_in_flight(&self, change: i64) {
+        let mut seen = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        seen.in_flight = seen.in_flight.saturating_add_signed(change);
+        seen.answers.peak_in_flight = seen.answers.peak_in_flight.max(seen.in_flight);
+    }
+
     /// What the provider saw so far.
     #[must_use]
     pub fn figures(&self) -> ProviderFigures {
@@ -347,7 +358,9 @@ impl Api for Provider {
         let clock = &self.world.clock;
         clock.sleep_until(clock.now().plus(arrival)).await;
         let result = self.arrive(clock.now(), key, job);
+        self.count_in_flight(1);
         clock.sleep_until(clock.now().plus(total.saturating_sub(arrival))).await;
+        self.count_in_flight(-1);
         Ok(result)
     }
 }

@@ -40,8 +40,10 @@ impl Percentiles {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Outcomes {
     pub succeeded: u64,
+    /// Jobs dead-lettered, all causes.
+    pub dead_lettered: u64,
     /// Dead letters by cause.
-    pub dead_lettered: BTreeMap<String, u64>,
+    pub dead_letter_causes: BTreeMap<String, u64>,
     /// Jobs put back on the queue by a worker (after a failure or a missed slot).
     pub requeued: u64,
     /// Dispatch-ahead slots a worker started too late for (no call made).
@@ -112,7 +114,8 @@ pub(crate) fn build(plan: &Plan, dispatcher: String, lane: &Lane, drained: bool,
     let stats = &lane.stats;
     let outcomes = Outcomes {
         succeeded: WorkerStats::get(&stats.succeeded),
-        dead_lettered: lane.queue.dead_letter_causes(),
+        dead_lettered: lane.queue.dead_letter_causes().values().sum(),
+        dead_letter_causes: lane.queue.dead_letter_causes(),
         requeued: WorkerStats::get(&stats.requeued),
         missed_slots: WorkerStats::get(&stats.missed_slots),
         circuit_opened: WorkerStats::get(&stats.circuit_opened),
@@ -167,13 +170,13 @@ pub fn render(r: &SimReport) -> String {
     let drained = if r.drained { "drained in" } else { "NOT drained after" };
     let _ = writeln!(out, "  {drained} {} of simulated time ({:.1} s of wall time)", human(r.time_to_drain_s), r.wall_seconds);
     let o = &r.outcomes;
-    let dead: u64 = o.dead_lettered.values().sum();
+    let dead = o.dead_lettered;
     let _ = writeln!(
         out,
         "  succeeded {}, dead-lettered {dead}, re-queued {}, missed slots {}, circuit opened {}x",
         o.succeeded, o.requeued, o.missed_slots, o.circuit_opened
     );
-    for (cause, n) in &o.dead_lettered {
+    for (cause, n) in &o.dead_letter_causes {
         let _ = writeln!(out, "    DLQ {cause}: {n}");
     }
     let model = serde_json::to_value(r.provider).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
@@ -189,8 +192,8 @@ pub fn render(r: &SimReport) -> String {
     let a = &r.answers;
     let _ = writeln!(
         out,
-        "  answers: {} ok, {} over quota (429), {} injected 429, {} injected 5xx, {} outage 503; {} health checks",
-        a.ok, a.over_quota_429, a.injected_429, a.injected_5xx, a.outage_503, r.health_checks
+        "  answers: {} ok, {} over quota (429), {} injected 429, {} injected 5xx, {} outage 503; {} health checks; at most {} calls in flight",
+        a.ok, a.over_quota_429, a.injected_429, a.injected_5xx, a.outage_503, r.health_checks, a.peak_in_flight
     );
     let d = &r.dispatch_to_call_ms;
     let _ = writeln!(out, "\nDispatch to call (ms): p50 {} p90 {} p99 {} p99.9 {} max {} ({} calls)", d.p50, d.p90, d.p99, d.p999, d.max, d.count);
@@ -215,7 +218,7 @@ pub fn render_comparison(reports: &[SimReport]) -> String {
     let _ = writeln!(out, "| --- | ---: | --- | ---: | ---: | ---: |");
     for r in reports {
         let utilization: Vec<String> = r.tiers.iter().map(|t| format!("{} {:.1}%", t.tier, t.utilization * 100.0)).collect();
-        let dead: u64 = r.outcomes.dead_lettered.values().sum();
+        let dead = r.outcomes.dead_lettered;
         let drain = if r.drained { human(r.time_to_drain_s) } else { format!("not drained in {}", human(r.time_to_drain_s)) };
         let _ = writeln!(out, "| {} | {} | {} | {drain} | {dead} | {} ms |", r.dispatcher, r.violations(), utilization.join(", "), r.dispatch_to_call_ms.p99);
     }

@@ -304,6 +304,12 @@ async fn an_orchestrator_killed_mid_run_never_lets_the_day_counter_fall_under_th
     tokio::time::sleep(Duration::from_secs(2)).await;
     let report = lane.orchestrator().run(&drain_opts("second", Duration::from_secs(60))).await.unwrap();
     assert_eq!(report.stop, StopReason::Drained);
+    // Lambda workers get their job ahead of its slot (PACELINE_DISPATCH_AHEAD defaults
+    // to 400 ms): the last ones call a moment after the run is drained.
+    let settled_by = system_now().plus(Duration::from_secs(5));
+    while api.log().ok_by_path.len() < 30 && system_now() < settled_by {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let log = api.log();
     let counted = lane.store().load_usage(&[key]).await.unwrap()[0];
     println!("killed after {handed_off} hand-offs; the API saw {} calls; day counter {counted}", log.arrivals.len());

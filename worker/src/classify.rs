@@ -118,7 +118,13 @@ mod tests {
     use super::*;
 
     const NOW: UnixMillis = UnixMillis(1_795_824_000_000); // Sat, 28 Nov 2026 00:00:00 GMT
-    const DEFAULT: &RetryConfig = &RetryConfig { max_attempts: 5, default_cool_down: Duration::from_secs(1), max_cool_down: Duration::from_secs(3600) };
+    const DEFAULT: &RetryConfig = &RetryConfig {
+        max_attempts: 5,
+        default_cool_down: Duration::from_secs(1),
+        max_cool_down: Duration::from_secs(3600),
+        backoff_base: Duration::from_secs(1),
+        backoff_max: Duration::from_secs(300),
+    };
 
     fn response(status: u16, headers: &[(&str, &str)]) -> CallResult {
         CallResult::Response { status, headers: headers.iter().map(|(n, v)| ((*n).to_owned(), (*v).to_owned())).collect() }

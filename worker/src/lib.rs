@@ -1,6 +1,7 @@
 //! The worker: calls the configured API for a job (or a health check), classifies the
-//! outcome, and does what it calls for: done, cool down and re-queue, open the circuit
-//! and re-queue, or dead-letter. The same code runs in Lambda, in `paceline run` and in
+//! outcome, and does what it calls for: done; cool down and re-queue; count a failure,
+//! open the circuit if failures passed the payload's [`TripRule`], and re-queue the job
+//! after a jittered back-off; or dead-letter. The same code runs in Lambda, in `paceline run` and in
 //! `paceline simulate` (there against a simulated API).
 //!
 //! A payload dispatched ahead of its slot ([`CallSlot`]) waits for the slot, and skips
@@ -15,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use paceline_shared::breaker::{Circuit, Refusal};
+use paceline_shared::breaker::{retry_delay, Circuit, Refusal, TripRule};
 use paceline_shared::config::RetryConfig;
 use paceline_shared::job::{ApiRequest, CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
 use paceline_shared::ports::{JobQueue, OutgoingMessage, PortError, PortResult, StateStore, WorkerHandler};
@@ -105,7 +106,8 @@ impl Worker {
     }
 
     #[tracing::instrument(skip_all, fields(job_id = %job.id, attempt))]
-    async fn run_job(&self, job: &Job, attempt: u32, circuit_epoch: u64) -> PortResult<()> {
+    async fn run_job(&self, job: &Job, attempt: u32, circuit_epoch: u64, trip: Option<TripRule>) -> PortResult<()> {
+        let called_at = self.clock.now();
         let result = match self.api.call(&job.request).await {
             Ok(result) => result,
             Err(e) => {
@@ -126,13 +128,19 @@ impl Worker {
                 WorkerStats::bump(&self.stats.rate_limited);
                 warn!(cool_down_until = %until, "rate limited by the API; cooling down");
                 self.store.extend_cool_down(until).await?;
-                self.retry_later(job, attempt, "HTTP 429", failure).await
+                // The cool-down holds the whole lane: the job may go as soon as it ends.
+                self.retry_later(job, attempt, "HTTP 429", failure, std::time::Duration::ZERO).await
             }
             Outcome::Outage { reason } => {
                 WorkerStats::bump(&self.stats.outages_seen);
-                warn!(%reason, "API failure; opening the circuit");
-                self.transition_circuit(|c, now| c.open(circuit_epoch, &reason, now)).await?;
-                self.retry_later(job, attempt, &reason, failure).await
+                if self.failure_trips(trip, called_at).await? {
+                    warn!(%reason, "failures passed the threshold; opening the circuit");
+                    self.transition_circuit(|c, now| c.open(circuit_epoch, &reason, now)).await?;
+                } else {
+                    info!(%reason, "API failure under the threshold; this job alone is retried");
+                }
+                let delay = retry_delay(job.id.as_str(), attempt + 1, self.retry.backoff_base, self.retry.backoff_max);
+                self.retry_later(job, attempt, &reason, failure, delay).await
             }
             Outcome::Rejected { status } => {
                 self.dead_letter(job, attempt, DeadLetterCause::Rejected { status }, format!("the API answered HTTP {status}")).await
@@ -145,8 +153,8 @@ impl Worker {
         match classify(&result, self.clock.now(), &self.retry) {
             Outcome::Success { status } => {
                 WorkerStats::bump(&self.stats.health_checks_ok);
-                info!(status, circuit_epoch, "health check ok; closing the circuit");
-                self.transition_circuit(|c, now| c.close(circuit_epoch, "health check ok", now)).await
+                info!(status, circuit_epoch, "health check ok; half-opening the circuit");
+                self.transition_circuit(|c, now| c.half_open(circuit_epoch, "health check ok", now)).await
             }
             other => {
                 WorkerStats::bump(&self.stats.health_checks_failed);
@@ -182,15 +190,27 @@ impl Worker {
         Err(PortError::Transient("circuit kept changing under us".into()))
     }
 
-    /// Re-queues the job with one more attempt, or dead-letters it if that was the last.
-    async fn retry_later(&self, job: &Job, attempt: u32, reason: &str, failure: String) -> PortResult<()> {
+    /// Counts a failed call made at `called_at` in its bucket and says whether the
+    /// failures of that bucket and the one before reach the rule's threshold. A payload
+    /// without a rule (written before rules existed) trips at once.
+    async fn failure_trips(&self, trip: Option<TripRule>, called_at: UnixMillis) -> PortResult<bool> {
+        let Some(rule) = trip else { return Ok(true) };
+        let keys = rule.bucket_keys(called_at);
+        self.store.add_usage(&[(keys[0].clone(), 1)]).await?;
+        let failed: u64 = self.store.load_usage(&keys).await?.iter().sum();
+        Ok(rule.trips(failed))
+    }
+
+    /// Re-queues the job with one more attempt after `delay`, or dead-letters it if that
+    /// was the last.
+    async fn retry_later(&self, job: &Job, attempt: u32, reason: &str, failure: String, delay: std::time::Duration) -> PortResult<()> {
         let tries = attempt + 1;
         if tries >= self.retry.max_attempts {
             let detail = format!("gave up after {tries} attempts; last: {reason}");
             let cause = DeadLetterCause::AttemptsExhausted { last_failure: Some(failure) };
             return self.dead_letter(job, attempt, cause, detail).await;
         }
-        self.queue.send(&[OutgoingMessage { body: job.to_json(), attempt: tries, delay: std::time::Duration::ZERO }]).await?;
+        self.queue.send(&[OutgoingMessage { body: job.to_json(), attempt: tries, delay }]).await?;
         WorkerStats::bump(&self.stats.requeued);
         Ok(())
     }
@@ -227,9 +247,9 @@ impl Worker {
 impl WorkerHandler for Worker {
     async fn handle(&self, payload: WorkerPayload) -> PortResult<()> {
         match payload {
-            WorkerPayload::Job { job, attempt, circuit_epoch, slot, .. } => {
+            WorkerPayload::Job { job, attempt, circuit_epoch, slot, trip, .. } => {
                 if self.wait_for_slot(slot).await {
-                    self.run_job(&job, attempt, circuit_epoch).await
+                    self.run_job(&job, attempt, circuit_epoch, trip).await
                 } else {
                     self.requeue_unattempted(&job, attempt).await
                 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use axum::extract::Request;
 use axum::http::{HeaderMap, StatusCode};
 use paceline_shared::adapters::embedded::EmbeddedStore;
-use paceline_shared::breaker::CircuitStatus;
+use paceline_shared::breaker::{CircuitStatus, TripRule};
 use paceline_shared::config::ApiConfig;
 use paceline_shared::time::TokioClock;
 
@@ -53,7 +53,8 @@ fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
         queue: store.clone(),
         store: store.clone(),
         clock,
-        retry: RetryConfig { max_attempts: 3, ..RetryConfig::default() },
+        // Back-offs of at most 20 ms for the first retry, so tests see re-queued jobs soon.
+        retry: RetryConfig { max_attempts: 3, backoff_base: Duration::from_millis(10), ..RetryConfig::default() },
         health_check,
         stats: Arc::default(),
     };
@@ -62,10 +63,12 @@ fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
 
 fn job_to(status: u16) -> WorkerPayload {
     let job = Job::parse(&format!(r#"{{"id":"job-{status}","request":{{"method":"POST","path":"/status/{status}","body":{{"a":1}}}}}}"#)).unwrap();
-    WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None }
+    WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None }
 }
 
+/// The jobs re-queued, once their back-off (at most 40 ms here) is over.
 async fn requeued(store: &EmbeddedStore) -> Vec<(String, u32)> {
+    tokio::time::sleep(Duration::from_millis(50)).await;
     store
         .receive(10, Duration::ZERO, Duration::from_secs(30))
         .await
@@ -98,7 +101,29 @@ async fn rate_limit_sets_the_cool_down_and_requeues_without_opening_the_circuit(
 }
 
 #[tokio::test]
-async fn server_errors_and_dead_connections_open_the_circuit_and_requeue() {
+async fn failures_under_the_threshold_retry_their_job_alone_after_a_back_off_and_the_threshold_opens_the_circuit() {
+    let (base, _) = scripted_api().await;
+    let (worker, store) = new_worker(&base);
+    let failing = |n: u32| {
+        let job = Job::parse(&format!(r#"{{"id":"f{n}","request":{{"method":"GET","path":"/status/500"}}}}"#)).unwrap();
+        let trip = Some(TripRule { bucket_ms: 60_000, failures: 3 });
+        WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip }
+    };
+    worker.handle(failing(1)).await.unwrap();
+    worker.handle(failing(2)).await.unwrap();
+    assert!(store.circuit().await.unwrap().is_closed(), "two failures are under the threshold of three");
+    let depth = store.depth().await.unwrap();
+    assert_eq!((depth.visible, depth.not_visible), (0, 2), "both jobs wait out their back-off");
+    let mut again = requeued(&store).await;
+    again.sort();
+    assert_eq!(again, vec![("f1".to_string(), 1), ("f2".to_string(), 1)]);
+    worker.handle(failing(3)).await.unwrap();
+    let circuit = store.circuit().await.unwrap();
+    assert_eq!((circuit.status, circuit.reason.as_str()), (CircuitStatus::Open, "HTTP 500"));
+}
+
+#[tokio::test]
+async fn server_errors_and_dead_connections_open_the_circuit_at_once_for_a_payload_without_a_rule() {
     let (base, _) = scripted_api().await;
     let (worker, store) = new_worker(&base);
     worker.handle(job_to(503)).await.unwrap();
@@ -119,7 +144,7 @@ async fn other_client_errors_and_exhausted_attempts_are_dead_lettered() {
     let (worker, store) = new_worker(&base);
     worker.handle(job_to(404)).await.unwrap();
     let WorkerPayload::Job { job, .. } = job_to(500) else { unreachable!() };
-    worker.handle(WorkerPayload::Job { job, attempt: 2, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None }).await.unwrap();
+    worker.handle(WorkerPayload::Job { job, attempt: 2, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None }).await.unwrap();
     let dead = store.dead_letters().unwrap();
     let causes: Vec<String> = dead.iter().map(|d| d.reason.cause.label()).collect();
     assert_eq!(causes, vec!["http_404", "attempts_exhausted:http_500"]);
@@ -128,7 +153,7 @@ async fn other_client_errors_and_exhausted_attempts_are_dead_lettered() {
 }
 
 #[tokio::test]
-async fn healthy_check_closes_the_circuit_but_a_stale_one_cannot() {
+async fn a_healthy_check_half_opens_the_circuit_but_a_stale_one_cannot() {
     let (base, _) = scripted_api().await;
     let (worker, store) = new_worker(&base);
     worker.handle(job_to(502)).await.unwrap();
@@ -136,7 +161,7 @@ async fn healthy_check_closes_the_circuit_but_a_stale_one_cannot() {
     assert!(!store.circuit().await.unwrap().is_closed(), "a check from epoch 0 must not close epoch 1");
     worker.handle(WorkerPayload::HealthCheck { circuit_epoch: 1, sent_at: UnixMillis(0), slot: None }).await.unwrap();
     let circuit = store.circuit().await.unwrap();
-    assert_eq!((circuit.status, circuit.epoch), (CircuitStatus::Closed, 2));
+    assert_eq!((circuit.status, circuit.epoch), (CircuitStatus::HalfOpen, 2));
     assert_eq!(WorkerStats::get(&worker.stats.circuit_closed), 1);
 }
 
@@ -168,6 +193,7 @@ async fn a_slotted_job_calls_at_its_slot_and_a_late_one_is_requeued_without_call
             circuit_epoch: 0,
             dispatched_at: t0,
             slot: Some(CallSlot { not_before, call_by: not_before.plus(Duration::from_millis(5)) }),
+            trip: None,
         }
     };
     worker.handle(slotted(t0.plus(Duration::from_millis(250)))).await.unwrap();
@@ -187,7 +213,7 @@ async fn a_request_that_cannot_be_built_is_dead_lettered_as_malformed_and_leaves
     // As an older producer or a hand-edited message might carry it, past `Job::parse`.
     let WorkerPayload::Job { mut job, .. } = job_to(200) else { unreachable!() };
     job.request.headers.insert("X-Bad".into(), "a\r\nX-Injected: 1".into());
-    worker.handle(WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None }).await.unwrap();
+    worker.handle(WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None }).await.unwrap();
     assert!(store.circuit().await.unwrap().is_closed());
     assert!(seen.lock().unwrap().is_empty(), "the API was called");
     let dead = store.dead_letters().unwrap();

@@ -1,6 +1,7 @@
-//! `paceline circuit open|close`: an operator's hand on the circuit breaker. Like a
-//! worker's or a health check's, the change is conditioned on the epoch it was decided
-//! from, so it never undoes a newer change it did not see.
+//! `paceline circuit open [--hold]|close`: an operator's hand on the circuit breaker.
+//! Like a worker's or a health check's, the change is conditioned on the epoch it was
+//! decided from, so it never undoes a newer change it did not see. A hold keeps the
+//! circuit open until an operator closes it: no health check is sent meanwhile.
 
 use anyhow::bail;
 use clap::Subcommand;
@@ -10,7 +11,7 @@ use paceline_shared::time::{system_now, UnixMillis};
 
 use crate::access::LaneArgs;
 
-/// `Circuit::open` or `Circuit::close`.
+/// `Circuit::open`, `Circuit::hold` or `Circuit::close`.
 type Transition = fn(&Circuit, u64, &str, UnixMillis) -> Result<Circuit, Refusal>;
 
 /// Open or close the circuit.
@@ -25,11 +26,21 @@ pub struct CircuitArgs {
 #[derive(Debug, Subcommand)]
 pub enum CircuitAction {
     /// Stop dispatching jobs. The orchestrator then sends health checks; a healthy one
-    /// closes the circuit again.
-    Open(Change),
-    /// Let jobs flow again now, without waiting for a health check; also ends a
-    /// cool-down the API asked for.
+    /// half-opens the circuit and jobs ramp back up. With `--hold`, it stays open (no
+    /// health checks) until `paceline circuit close`.
+    Open(OpenChange),
+    /// Let jobs flow again now at the full pace, without waiting for a health check;
+    /// lifts a hold and ends a cool-down the API asked for.
     Close(Change),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct OpenChange {
+    #[command(flatten)]
+    pub change: Change,
+    /// Keep it open until an operator closes it: health checks do not undo it.
+    #[arg(long)]
+    pub hold: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -56,7 +67,8 @@ impl CircuitArgs {
         }
         let current = lane.state.circuit().await?;
         let (change, transition): (&Change, Transition) = match &self.action {
-            CircuitAction::Open(change) => (change, Circuit::open),
+            CircuitAction::Open(OpenChange { change, hold: true }) => (change, Circuit::hold),
+            CircuitAction::Open(OpenChange { change, hold: false }) => (change, Circuit::open),
             CircuitAction::Close(change) => (change, Circuit::close),
         };
         let seen = change.epoch.unwrap_or(current.epoch);
@@ -67,13 +79,18 @@ impl CircuitArgs {
                 println!("the circuit is already {status} (epoch {}): nothing to do", current.epoch);
                 return Ok(());
             }
+            Err(Refusal::Held) => {
+                println!("the circuit is already held open (epoch {}): `paceline circuit close` lifts the hold", current.epoch);
+                return Ok(());
+            }
             Err(Refusal::Stale { seen, current }) => {
                 bail!("the circuit is at epoch {current}, not {seen}: it changed since; check `paceline status` and decide again")
             }
         };
         match lane.state.swap_circuit(seen, &next).await {
             Ok(()) => {
-                println!("circuit {} at epoch {} ({})", next.status, next.epoch, next.reason);
+                let held = if next.held { ", held until `paceline circuit close`" } else { "" };
+                println!("circuit {} at epoch {} ({}){held}", next.status, next.epoch, next.reason);
                 Ok(())
             }
             Err(PortError::Conflict(_)) => bail!("the circuit changed while we wrote (epoch {seen} is gone); check `paceline status` and decide again"),

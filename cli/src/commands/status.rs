@@ -121,7 +121,8 @@ fn print_status(status: &Status, now: UnixMillis) {
     } else {
         format!("{} ({} ago)", c.since.to_rfc3339(), humantime::format_duration(Duration::from_secs(now.since(c.since).as_secs())))
     };
-    println!("circuit: {} since {since}, epoch {}{}", c.status, c.epoch, if c.reason.is_empty() { String::new() } else { format!(": {}", c.reason) });
+    let held = if c.held { ", held by an operator until `paceline circuit close`" } else { "" };
+    println!("circuit: {} since {since}, epoch {}{}{held}", c.status, c.epoch, if c.reason.is_empty() { String::new() } else { format!(": {}", c.reason) });
     match &status.lease {
         Some(l) => println!("lease: held by {} (epoch {}) until {}", l.holder, l.epoch, l.expires_at.to_rfc3339()),
         None => println!("lease: free (no run in progress)"),

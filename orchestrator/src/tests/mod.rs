@@ -7,6 +7,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::adapters::memory::RecordingInvoker;
+use paceline_shared::breaker::{CircuitStatus, TripRule};
 use paceline_shared::config::{CircuitConfig, OrchestratorConfig, WorkerHost};
 use paceline_shared::job::{DeadLetterCause, WorkerPayload};
 use paceline_shared::ports::{JobQueue, OutgoingMessage, PortError, StateStore, WorkerHandler};
@@ -35,7 +36,7 @@ fn lane_built(tiers: &[&str], margin_ms: u64, invoker: impl FnOnce(Arc<TokioCloc
     let mut settings = Settings {
         quota,
         orchestrator: OrchestratorConfig { deadline_margin: Duration::from_secs(1), ..OrchestratorConfig::default() },
-        circuit: CircuitConfig { health_check_interval: Duration::from_secs(2) },
+        circuit: CircuitConfig { health_check_interval: Duration::from_secs(2), ..CircuitConfig::default() },
         workers: WorkerHost::InProcess,
     };
     adjust(&mut settings);
@@ -133,7 +134,7 @@ async fn malformed_and_oversized_jobs_go_to_the_dlq_with_a_reason_and_the_rest_f
     assert!(dead[2].reason.detail.contains("request.path"), "{}", dead[2].reason.detail);
 }
 
-/// Closes the circuit on the first health check it sees, the way a worker whose API
+/// Half-opens the circuit on the first health check it sees, the way a worker whose API
 /// answered would.
 struct HealthyApi(Arc<EmbeddedStore>, Arc<TokioClock>);
 
@@ -142,7 +143,7 @@ impl WorkerHandler for HealthyApi {
     async fn handle(&self, payload: WorkerPayload) -> Result<(), PortError> {
         if let WorkerPayload::HealthCheck { circuit_epoch, .. } = payload {
             let current = self.0.circuit().await.unwrap();
-            if let Ok(next) = current.close(circuit_epoch, "health check ok", self.1.now()) {
+            if let Ok(next) = current.half_open(circuit_epoch, "health check ok", self.1.now()) {
                 self.0.swap_circuit(current.epoch, &next).await?;
             }
         }
@@ -171,6 +172,56 @@ async fn open_circuit_holds_jobs_sends_health_checks_and_resumes_when_closed() {
     assert_eq!(report.health_checks, 1);
     match &invoker.accepted()[1].1 {
         WorkerPayload::Job { circuit_epoch, .. } => assert_eq!(*circuit_epoch, 2),
+        other => panic!("expected a job, got {other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_half_open_circuit_ramps_jobs_back_to_the_full_pace_then_closes() {
+    let lane = lane_with_settings(&["10/s"], 0, |settings| {
+        settings.circuit =
+            CircuitConfig { health_check_interval: Duration::from_secs(2), ramp_start: 0.25, ramp_step: Duration::from_secs(1), ..CircuitConfig::default() };
+    });
+    let healthy: Arc<dyn WorkerHandler> = Arc::new(HealthyApi(lane.store.clone(), lane.clock.clone()));
+    let invoker = Arc::new(RecordingInvoker::new(lane.clock.clone()).forwarding_to(healthy));
+    let open = lane.store.circuit().await.unwrap().open(0, "HTTP 503", T0).unwrap();
+    lane.store.swap_circuit(0, &open).await.unwrap();
+    enqueue(&lane, (0..10).map(|i| job(&format!("j{i}")))).await;
+    let orchestrator = lane.orchestrator.with_invoker(invoker.clone());
+    orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    let jobs: Vec<u64> = invoker.accepted().iter().filter(|(_, p)| matches!(p, WorkerPayload::Job { .. })).map(|(t, _)| t.0 - T0.0).collect();
+    // Half-open at 2 s (the check); seen at the 3 s refresh, when the ramp is one step
+    // in: half the pace, one job every 200 ms; the full pace (100 ms) 2 s after the check.
+    assert_eq!(jobs, vec![3_000, 3_200, 3_400, 3_600, 3_800, 4_000, 4_100, 4_200, 4_300, 4_400]);
+    let circuit = lane.store.circuit().await.unwrap();
+    assert_eq!((circuit.status, circuit.epoch, circuit.reason.as_str()), (CircuitStatus::Closed, 3, "the ramp reached the full pace"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_first_run_with_warm_up_ramps_from_a_share_of_the_pace() {
+    let lane = lane_with_settings(&["10/s"], 0, |settings| {
+        settings.circuit = CircuitConfig { warm_up: true, ramp_start: 0.25, ramp_step: Duration::from_secs(1), ..CircuitConfig::default() };
+    });
+    enqueue(&lane, (0..8).map(|i| job(&format!("j{i}")))).await;
+    lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    // A quarter of the pace for a second (400 ms apart), half for the next (200 ms).
+    assert_eq!(offsets(&lane), vec![0, 400, 800, 1_200, 1_400, 1_600, 1_800, 2_000]);
+    // The next run has the pacer's snapshot: no warm-up.
+    enqueue(&lane, (0..3).map(|i| job(&format!("k{i}")))).await;
+    let start = lane.clock.now();
+    lane.orchestrator.run(&RunOptions { deadline: start.plus(Duration::from_secs(60)), ..opts(true, Duration::ZERO) }).await.unwrap();
+    let later: Vec<u64> = offsets(&lane)[8..].iter().map(|t| t - (start.0 - T0.0)).collect();
+    assert_eq!(later, vec![0, 100, 200]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_job_carries_the_trip_rule_of_the_pace() {
+    let lane = lane(&["100/s"], 0);
+    enqueue(&lane, vec![job("a")]).await;
+    lane.orchestrator.run(&opts(true, Duration::from_secs(10))).await.unwrap();
+    match &lane.invoker.accepted()[0].1 {
+        // 20 calls looked at, half of them failed: buckets of 10 calls (100 ms at 100/s).
+        WorkerPayload::Job { trip, .. } => assert_eq!(*trip, Some(TripRule { bucket_ms: 100, failures: 10 })),
         other => panic!("expected a job, got {other:?}"),
     }
 }

@@ -715,7 +715,7 @@ mod tests {
         let got = store.receive(1, Duration::ZERO, Duration::from_secs(30)).await.unwrap();
         let job = crate::job::Job::parse(&got[0].body).unwrap();
         let invoker = EmbeddedInvoker::new(store.clone(), Arc::new(Idle));
-        let payload = WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None };
+        let payload = WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None };
         invoker.invoke(&payload, Some(&got[0].receipt)).await.unwrap();
         // As after a kill -9 here, before the orchestrator deleted the message: the
         // restart finds one copy of the job, not two.

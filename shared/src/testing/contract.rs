@@ -174,12 +174,21 @@ pub async fn state_store(store: Arc<dyn StateStore>, quota: &Quota) {
     let stale = Circuit::default().open(0, "HTTP 500", at(101)).unwrap();
     assert!(matches!(store.swap_circuit(0, &stale).await, Err(PortError::Conflict(_))), "a swap from a stale epoch is refused");
     assert_eq!(store.circuit().await.unwrap(), open);
+    let half_open = open.half_open(open.epoch, "health check ok", at(102)).unwrap();
+    store.swap_circuit(open.epoch, &half_open).await.unwrap();
+    let reopened = half_open.open(half_open.epoch, "HTTP 503", at(103)).unwrap();
+    store.swap_circuit(half_open.epoch, &reopened).await.unwrap();
+    assert_eq!(store.circuit().await.unwrap(), reopened, "half-open, re-openings and reasons are kept");
+    let held = reopened.hold(reopened.epoch, "operator: maintenance", at(104)).unwrap();
+    store.swap_circuit(reopened.epoch, &held).await.unwrap();
+    assert!(store.circuit().await.unwrap().held, "an operator's hold is kept");
 
     // Cool-down.
     assert_eq!(store.cool_down().await.unwrap(), UnixMillis(0));
     store.extend_cool_down(at(200)).await.unwrap();
     store.extend_cool_down(at(150)).await.unwrap();
     assert_eq!(store.cool_down().await.unwrap(), at(200), "a cool-down is never shortened");
+    assert_eq!(store.shared_state().await.unwrap(), (held, at(200)), "circuit and cool-down read together");
     store.clear_cool_down().await.unwrap();
     assert_eq!(store.cool_down().await.unwrap(), UnixMillis(0), "a cleared cool-down is over");
 }

@@ -7,11 +7,11 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use aws_sdk_dynamodb::types::{AttributeValue, ConditionCheck, Put, ReturnValue, TransactWriteItem};
+use aws_sdk_dynamodb::types::{AttributeValue, ConditionCheck, KeysAndAttributes, Put, ReturnValue, TransactWriteItem};
 use aws_sdk_dynamodb::Client;
 
 use super::{build_error, map_sdk_error};
-use crate::breaker::{Circuit, CircuitStatus};
+use crate::breaker::{Circuit, FAILURE_BUCKET_PREFIX};
 use crate::ports::{Lease, PacerSnapshot, PortError, PortResult, StateStore};
 use crate::time::UnixMillis;
 
@@ -35,6 +35,21 @@ fn s(v: impl Into<String>) -> AttributeValue {
 
 fn n(v: impl ToString) -> AttributeValue {
     AttributeValue::N(v.to_string())
+}
+
+/// How long a failure bucket is kept (the table's TTL attribute `expires_at_seconds`).
+const FAILURE_BUCKET_TTL: Duration = Duration::from_secs(86_400);
+
+/// The circuit as stored in its item.
+fn circuit_of(item: &Item) -> PortResult<Circuit> {
+    Ok(Circuit {
+        status: get_s(item, "status").parse().map_err(PortError::Fatal)?,
+        epoch: get_n(item, "epoch"),
+        since: UnixMillis(get_n(item, "since")),
+        reason: get_s(item, "reason").to_owned(),
+        reopened: u32::try_from(get_n(item, "reopened")).unwrap_or(u32::MAX),
+        held: item.get("held").and_then(|v| v.as_bool().ok()).copied().unwrap_or(false),
+    })
 }
 
 fn get_n(item: &Item, key: &str) -> u64 {
@@ -150,15 +165,16 @@ impl StateStore for DynamoStateStore {
 
     async fn add_usage(&self, deltas: &[(String, i64)]) -> PortResult<()> {
         for (key, delta) in deltas {
-            self.client
-                .update_item()
-                .table_name(&self.table)
-                .key("pk", s(key))
-                .update_expression("ADD used :d")
-                .expression_attribute_values(":d", n(delta))
-                .send()
-                .await
-                .map_err(|e| map_sdk_error("dynamodb UpdateItem (usage)", &e))?;
+            let update = self.client.update_item().table_name(&self.table).key("pk", s(key)).expression_attribute_values(":d", n(delta));
+            // The breaker's failure buckets matter for seconds: the table's TTL removes
+            // them a day later. Calendar counters stay.
+            let update = if key.starts_with(FAILURE_BUCKET_PREFIX) {
+                let expires = crate::time::system_now().plus(FAILURE_BUCKET_TTL);
+                update.update_expression("ADD used :d SET expires_at_seconds = :x").expression_attribute_values(":x", n(expires.0 / 1_000))
+            } else {
+                update.update_expression("ADD used :d")
+            };
+            update.send().await.map_err(|e| map_sdk_error("dynamodb UpdateItem (usage)", &e))?;
         }
         Ok(())
     }
@@ -190,13 +206,26 @@ impl StateStore for DynamoStateStore {
     }
 
     async fn circuit(&self) -> PortResult<Circuit> {
-        let Some(item) = self.get(CIRCUIT).await? else { return Ok(Circuit::default()) };
-        Ok(Circuit {
-            status: if get_s(&item, "status") == "open" { CircuitStatus::Open } else { CircuitStatus::Closed },
-            epoch: get_n(&item, "epoch"),
-            since: UnixMillis(get_n(&item, "since")),
-            reason: get_s(&item, "reason").to_owned(),
-        })
+        self.get(CIRCUIT).await?.map_or_else(|| Ok(Circuit::default()), |item| circuit_of(&item))
+    }
+
+    async fn shared_state(&self) -> PortResult<(Circuit, UnixMillis)> {
+        let keys = [CIRCUIT, COOL_DOWN].map(|pk| HashMap::from([("pk".to_owned(), s(pk))]));
+        let wanted = KeysAndAttributes::builder().set_keys(Some(keys.to_vec())).consistent_read(true).build().map_err(build_error)?;
+        let out = self
+            .client
+            .batch_get_item()
+            .request_items(&self.table, wanted)
+            .send()
+            .await
+            .map_err(|e| map_sdk_error("dynamodb BatchGetItem (circuit, cool-down)", &e))?;
+        if out.unprocessed_keys().is_some_and(|left| !left.is_empty()) {
+            return Err(PortError::Throttled("dynamodb BatchGetItem left keys unread".into()));
+        }
+        let items = out.responses().and_then(|by_table| by_table.get(&self.table)).map_or(&[][..], Vec::as_slice);
+        let item = |pk: &str| items.iter().find(|item| item.get("pk").and_then(|v| v.as_s().ok()).is_some_and(|v| v == pk));
+        let circuit = item(CIRCUIT).map_or_else(|| Ok(Circuit::default()), circuit_of)?;
+        Ok((circuit, UnixMillis(item(COOL_DOWN).map_or(0, |i| get_n(i, "until")))))
     }
 
     async fn swap_circuit(&self, expected_epoch: u64, next: &Circuit) -> PortResult<()> {
@@ -209,6 +238,8 @@ impl StateStore for DynamoStateStore {
             .item("epoch", n(next.epoch))
             .item("since", n(next.since.0))
             .item("reason", s(if next.reason.is_empty() { "-" } else { next.reason.as_str() }))
+            .item("reopened", n(next.reopened))
+            .item("held", AttributeValue::Bool(next.held))
             .condition_expression(condition)
             .expression_attribute_values(":expected", n(expected_epoch))
             .send()
