@@ -1,7 +1,8 @@
 //! A third-party API stand-in on loopback that enforces its quota strictly: a call that
 //! would put more than a tier's limit into any window of that tier (wherever the window
 //! starts) is refused with 429. It can fail for a stretch (an outage: 503 for every
-//! call), answers `/missing/...` with 404, and takes a while to answer, like a real API.
+//! call), answer a share of calls with 500 all along (the background errors real APIs
+//! have), answers `/missing/...` with 404, and takes a while to answer, like a real API.
 //! It records every call, so `paceline demo` and the end-to-end tests can check
 //! compliance and count each job's calls.
 
@@ -26,6 +27,8 @@ pub struct FakeApiSpec {
     /// `Some((after, length))`: every call fails with 503 from `after` the first call
     /// on, for `length`.
     pub outage: Option<(Duration, Duration)>,
+    /// `Some(n)`: every n-th call (within quota) fails with 500.
+    pub server_error_every: Option<u32>,
 }
 
 /// What the fake API saw.
@@ -36,6 +39,8 @@ pub struct FakeApiLog {
     pub ok: u64,
     pub quota_rejections: u64,
     pub outage_failures: u64,
+    /// Calls answered 500 by `server_error_every`.
+    pub server_errors: u64,
     pub not_found: u64,
     /// Successful calls per path (job paths carry the job id).
     pub ok_by_path: BTreeMap<String, u32>,
@@ -60,6 +65,7 @@ enum Verdict {
     Ok,
     OverQuota,
     Outage,
+    ServerError,
     NotFound,
 }
 
@@ -124,6 +130,9 @@ async fn answer(state: &Mutex<State>, request: Request) -> (StatusCode, HeaderMa
         } else if in_outage {
             s.log.outage_failures += 1;
             Verdict::Outage
+        } else if s.spec.server_error_every.is_some_and(|every| n % every.max(1) == 0) {
+            s.log.server_errors += 1;
+            Verdict::ServerError
         } else if path.starts_with("/missing") {
             s.log.not_found += 1;
             Verdict::NotFound
@@ -140,6 +149,7 @@ async fn answer(state: &Mutex<State>, request: Request) -> (StatusCode, HeaderMa
         Verdict::Ok => (StatusCode::OK, headers, "{\"ok\":true}"),
         Verdict::NotFound => (StatusCode::NOT_FOUND, headers, "{\"error\":\"not found\"}"),
         Verdict::Outage => (StatusCode::SERVICE_UNAVAILABLE, headers, "{\"error\":\"down\"}"),
+        Verdict::ServerError => (StatusCode::INTERNAL_SERVER_ERROR, headers, "{\"error\":\"oops\"}"),
         Verdict::OverQuota => {
             headers.insert("retry-after", axum::http::HeaderValue::from_static("1"));
             (StatusCode::TOO_MANY_REQUESTS, headers, "{\"error\":\"quota exceeded\"}")

@@ -107,6 +107,7 @@ async fn api(tiers: &[&str], outage: Option<(Duration, Duration)>) -> FakeApi {
         tiers: tiers.iter().map(|t| t.parse().unwrap()).collect(),
         latency: (Duration::from_millis(20), Duration::from_millis(80)),
         outage,
+        server_error_every: None,
     })
     .await
     .unwrap()
@@ -235,6 +236,37 @@ async fn a_worker_failure_opens_the_circuit_and_a_health_check_closes_it() {
     assert_eq!(succeeded.len(), 25, "every job succeeded after the outage");
     assert_eq!(log.quota_rejections, 0);
     assert_eq!(lane.queue().depth().await.unwrap().dead, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_server_errors_retry_their_own_job_through_sqs_delays_and_never_open_the_circuit() {
+    let mut lane = lane("10/s").await;
+    lane.env.insert("PACELINE_BACKOFF_BASE".into(), "200ms".into());
+    let spec = FakeApiSpec {
+        tiers: vec!["10/s".parse().unwrap()],
+        latency: (Duration::from_millis(20), Duration::from_millis(80)),
+        outage: None,
+        server_error_every: Some(8),
+    };
+    let api = FakeApi::start(spec).await.unwrap();
+    lane.with_worker_calling(&api);
+    lane.enqueue(jobs("noise", 30)).await;
+    let report = lane.orchestrator().run(&drain_opts("test", Duration::from_secs(60))).await.unwrap();
+    lane.lambda.settle(Duration::from_secs(10)).await;
+    assert_eq!(report.stop, StopReason::Drained);
+    // A worker answered after the drain may have re-queued its job with a delay: the
+    // next scheduled run takes it, as this one does.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    lane.orchestrator().run(&drain_opts("next", Duration::from_secs(30))).await.unwrap();
+    lane.lambda.settle(Duration::from_secs(10)).await;
+
+    let log = api.log();
+    assert!(log.server_errors >= 3, "{log:?}");
+    let succeeded: BTreeSet<&str> = log.ok_by_path.keys().filter_map(|p| p.strip_prefix("/items/")).collect();
+    assert_eq!(succeeded.len(), 30, "every job succeeded on a retry of its own");
+    let circuit = lane.store().circuit().await.unwrap();
+    assert_eq!((circuit.status, circuit.epoch), (paceline_shared::breaker::CircuitStatus::Closed, 0), "never opened");
+    assert_eq!((log.quota_rejections, lane.queue().depth().await.unwrap().dead), (0, 0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

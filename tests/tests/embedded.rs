@@ -13,8 +13,12 @@ fn ids(prefix: &str, n: usize) -> Vec<String> {
 }
 
 async fn api(tiers: &[&str], outage: Option<(Duration, Duration)>) -> FakeApi {
-    let spec =
-        FakeApiSpec { tiers: tiers.iter().map(|t| t.parse().unwrap()).collect(), latency: (Duration::from_millis(50), Duration::from_millis(600)), outage };
+    let spec = FakeApiSpec {
+        tiers: tiers.iter().map(|t| t.parse().unwrap()).collect(),
+        latency: (Duration::from_millis(50), Duration::from_millis(600)),
+        outage,
+        server_error_every: None,
+    };
     FakeApi::start(spec).await.unwrap()
 }
 
@@ -59,6 +63,32 @@ async fn run_drain_uses_the_quota_fully_and_never_exceeds_it() {
     assert!(achieved >= 0.95 * 20.0, "achieved {achieved:.2}/s of 20/s");
     let utilization = summary["tiers"][0]["utilization"].as_f64().unwrap();
     assert!((0.95..=1.0).contains(&utilization), "reported utilization {utilization}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_server_errors_retry_their_own_job_and_never_open_the_circuit() {
+    let _alone = one_lane_at_a_time().await;
+    let spec = FakeApiSpec {
+        tiers: vec!["10/s".parse().unwrap()],
+        latency: (Duration::from_millis(50), Duration::from_millis(300)),
+        outage: None,
+        server_error_every: Some(12),
+    };
+    let api = FakeApi::start(spec).await.unwrap();
+    let dir = lane_dir("noise");
+    let config = write_config(&dir, &api.base_url, &["10/s"], "[retry]\nbackoff_base = \"200ms\"\n");
+    let config = config.to_str().unwrap();
+    let jobs = ids("noise", 60);
+    assert!(paceline(&["enqueue", "--config", config], &job_lines(&jobs)).await.status.success());
+
+    let summary = json_of(&paceline(&["run", "--config", config, "--drain", "--json"], "").await);
+    let log = api.log();
+    assert!(log.server_errors >= 4, "{log:?}");
+    assert_eq!(summary["succeeded"], 60, "{summary}");
+    assert_eq!((summary["circuit_opened"].as_u64(), summary["dead_lettered"].as_u64()), (Some(0), Some(0)), "{summary}");
+    assert_eq!(summary["requeued"].as_u64(), Some(log.server_errors), "each failure retried its own job");
+    assert_eq!(log.quota_rejections, 0, "retries are paced like any call");
+    assert_eq!(succeeded_ids(&log), jobs.iter().cloned().collect::<BTreeSet<_>>());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

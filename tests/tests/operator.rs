@@ -31,8 +31,12 @@ fn job_payload(id: &str) -> WorkerPayload {
 }
 
 async fn api(tiers: &[&str], outage: Option<(Duration, Duration)>) -> FakeApi {
-    let spec =
-        FakeApiSpec { tiers: tiers.iter().map(|t| t.parse().unwrap()).collect(), latency: (Duration::from_millis(5), Duration::from_millis(20)), outage };
+    let spec = FakeApiSpec {
+        tiers: tiers.iter().map(|t| t.parse().unwrap()).collect(),
+        latency: (Duration::from_millis(5), Duration::from_millis(20)),
+        outage,
+        server_error_every: None,
+    };
     FakeApi::start(spec).await.unwrap()
 }
 
