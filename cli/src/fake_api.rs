@@ -130,7 +130,7 @@ async fn answer(state: &Mutex<State>, request: Request) -> (StatusCode, HeaderMa
         } else if in_outage {
             s.log.outage_failures += 1;
             Verdict::Outage
-        } else if s.spec.server_error_every.is_some_and(|every| n % every.max(1) == 0) {
+        } else if s.spec.server_error_every.is_some_and(|every| n.is_multiple_of(every.max(1))) {
             s.log.server_errors += 1;
             Verdict::ServerError
         } else if path.starts_with("/missing") {

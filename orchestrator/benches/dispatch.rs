@@ -122,6 +122,22 @@ impl StateStore for Counting<EmbeddedStore> {
         self.count("dynamodb:GetItem", 1);
         self.inner.cool_down().await
     }
+    async fn shared_state(&self) -> PortResult<(Circuit, UnixMillis)> {
+        self.count("dynamodb:BatchGetItem", 1);
+        Ok((self.inner.circuit().await?, self.inner.cool_down().await?))
+    }
+    async fn take_call_slot(&self, capacity: u32, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<Option<u32>> {
+        self.count("dynamodb:UpdateItem", 1);
+        self.inner.take_call_slot(capacity, holder, now, expires_at).await
+    }
+    async fn release_call_slot(&self, index: u32, holder: &str) -> PortResult<()> {
+        self.count("dynamodb:UpdateItem", 1);
+        self.inner.release_call_slot(index, holder).await
+    }
+    async fn call_slots_in_use(&self, capacity: u32, now: UnixMillis) -> PortResult<u32> {
+        self.count("dynamodb:BatchGetItem", 1);
+        self.inner.call_slots_in_use(capacity, now).await
+    }
     async fn extend_cool_down(&self, until: UnixMillis) -> PortResult<()> {
         self.count("dynamodb:UpdateItem", 1);
         self.inner.extend_cool_down(until).await

@@ -28,15 +28,14 @@ mod timers;
 use std::sync::Arc;
 use std::time::Duration;
 
-use paceline_shared::breaker::Circuit;
 use paceline_shared::config::{CircuitConfig, Config, OrchestratorConfig, WorkerHost};
-use paceline_shared::ports::{load_calendar_usage, Invoker, JobQueue, PortError, PortResult, StateStore};
+use paceline_shared::ports::{load_calendar_usage, Invoker, JobQueue, PortError, PortResult, StateStore, CALL_SLOTS_FULL_KEY};
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, UnixMillis};
 use tokio::task::{JoinError, JoinSet};
 use tracing::{info, warn};
 
-use machine::{Action, DrainState, Event, DELETE_BATCH};
+use machine::{Action, CallSlotsRead, DrainState, Event, SharedState, DELETE_BATCH};
 pub use report::{Progress, RunReport, StopReason, TierReport};
 
 /// How long before the next scheduled kick a run stops dispatching (time to settle its
@@ -218,13 +217,23 @@ impl Executor<'_> {
             Ok(()) | Err(PortError::Conflict(_)) => {}
             Err(e) => return Err(e.into()),
         }
-        let (circuit, cool_down) = self.read_shared_state().await?;
-        self.state.apply_shared_state(circuit, cool_down, self.o.clock.now());
+        let shared = self.read_shared_state().await?;
+        self.state.apply_shared_state(shared, self.o.clock.now());
         Ok(())
     }
 
-    async fn read_shared_state(&self) -> PortResult<(Circuit, UnixMillis)> {
-        self.o.store.shared_state().await
+    /// The circuit and cool-down, and under a cap on calls in flight the call slots held.
+    async fn read_shared_state(&self) -> PortResult<SharedState> {
+        let (circuit, cool_down) = self.o.store.shared_state().await?;
+        let call_slots = match self.o.settings.quota.max_in_flight() {
+            Some(capacity) => {
+                let in_use = self.o.store.call_slots_in_use(capacity, self.o.clock.now()).await?;
+                let full = self.o.store.load_usage(&[CALL_SLOTS_FULL_KEY.to_owned()]).await?;
+                Some(CallSlotsRead { in_use, full_so_far: full.first().copied().unwrap_or(0) })
+            }
+            None => None,
+        };
+        Ok(SharedState { circuit, cool_down, call_slots })
     }
 
     /// Asks the decision step what to do, does it, and feeds back what came of it,

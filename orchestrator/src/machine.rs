@@ -124,7 +124,7 @@ pub(crate) enum Action {
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum Event {
     Renewed(PortResult<Lease>),
-    Refreshed(PortResult<(Circuit, UnixMillis)>),
+    Refreshed(PortResult<SharedState>),
     CircuitSwapped(Circuit, PortResult<()>),
     Flushed(PortResult<()>),
     Reserved(Vec<(String, u64)>, PortResult<()>),
@@ -151,6 +151,86 @@ struct Ramp {
     started: UnixMillis,
     /// No job is handed off for a slot before this (the ramp's spacing).
     next_slot: UnixMillis,
+}
+
+/// What a refresh reads: the circuit, the provider's cool-down and, under a cap on
+/// calls in flight, how many call slots are held.
+pub(crate) struct SharedState {
+    pub circuit: Circuit,
+    pub cool_down: UnixMillis,
+    pub call_slots: Option<CallSlotsRead>,
+}
+
+/// The call slots as read: how many are held, and how many calls so far were not made
+/// because none was free.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CallSlotsRead {
+    pub in_use: u32,
+    pub full_so_far: u64,
+}
+
+/// The orchestrator's model of the calls in flight under `quota.max_in_flight`: each
+/// call handed off holds a call slot from its pacer slot for about `hold` (the API's
+/// answer time). The model says when a slot frees, so the next job can be handed off
+/// ahead of it. Every re-read of the slots corrects it: the calls turned away since
+/// (workers that found every slot held re-queue their job without a call) are taken out,
+/// and `hold` is moved just enough that the calls the model has running are the ones the
+/// read saw held (the `in_use`-th latest call still running, the next one done). The
+/// workers' own slots are the guarantee: one that finds none free makes no call.
+#[derive(Debug)]
+struct CallSlotModel {
+    /// Pacer slots of the calls handed off, oldest first (the last minute's).
+    slots: VecDeque<UnixMillis>,
+    hold: Duration,
+    /// Calls not made for want of a slot, as last read (`None` before the first read).
+    full_so_far: Option<u64>,
+}
+
+impl CallSlotModel {
+    /// The answer time assumed before any re-read.
+    const FIRST_HOLD: Duration = Duration::from_secs(1);
+    /// The model forgets calls handed off longer ago than this.
+    const MEMORY: Duration = Duration::from_secs(60);
+
+    /// A re-read at `now` found `read`.
+    fn saw(&mut self, read: CallSlotsRead, now: UnixMillis) {
+        let turned_away = self.full_so_far.map_or(0, |before| read.full_so_far.saturating_sub(before));
+        self.full_so_far = Some(read.full_so_far);
+        for _ in 0..turned_away {
+            // The latest calls that started went away without a slot.
+            match self.slots.iter().rposition(|slot| *slot <= now) {
+                Some(index) => drop(self.slots.remove(index)),
+                None => break,
+            }
+        }
+        while self.slots.front().is_some_and(|slot| slot.plus(Self::MEMORY) < now) {
+            self.slots.pop_front();
+        }
+        let started: Vec<Duration> = self.slots.iter().rev().filter(|slot| **slot <= now).map(|slot| now.since(*slot)).collect();
+        let held = usize::try_from(read.in_use).unwrap_or(usize::MAX);
+        // The `held`-th latest call still runs: the hold is longer than its age...
+        if let Some(running) = held.checked_sub(1).and_then(|k| started.get(k)) {
+            self.hold = self.hold.max(*running + Duration::from_millis(1));
+        }
+        // ...and the next one is done: the hold is no longer than its age.
+        if let Some(done) = started.get(held) {
+            self.hold = self.hold.min((*done).max(Duration::from_millis(1)));
+        }
+    }
+
+    /// With `capacity` slots: `None` if a call may start at `slot`, or when the model
+    /// expects one to free.
+    fn full_until(&self, capacity: u32, slot: UnixMillis) -> Option<UnixMillis> {
+        let running: Vec<UnixMillis> = self.slots.iter().filter(|s| s.plus(self.hold) > slot).copied().collect();
+        let over = running.len().checked_sub(usize::try_from(capacity).unwrap_or(usize::MAX))?;
+        running.get(over).map(|oldest| oldest.plus(self.hold))
+    }
+}
+
+impl Default for CallSlotModel {
+    fn default() -> Self {
+        Self { slots: VecDeque::new(), hold: Self::FIRST_HOLD, full_so_far: None }
+    }
 }
 
 /// What is under way in the background.
@@ -205,8 +285,6 @@ pub(crate) struct DrainState<'a> {
     /// Draining: the last long poll found the queue empty.
     queue_seen_empty: bool,
     last_health_check: Option<UnixMillis>,
-    /// Health checks sent since the circuit last changed.
-    health_checks_this_epoch: u32,
     last_dispatch: Option<UnixMillis>,
     /// What last held the job in hand back (for the report's pace-setting tier).
     last_hold: Option<Hold>,
@@ -214,6 +292,7 @@ pub(crate) struct DrainState<'a> {
     ramp: Option<Ramp>,
     /// A swap of the circuit is under way.
     swapping_circuit: bool,
+    call_slots: CallSlotModel,
     exhausted_logged_until: UnixMillis,
     meter: TierMeter,
     stop: Option<StopReason>,
@@ -256,11 +335,11 @@ impl<'a> DrainState<'a> {
             receive_latency: Duration::ZERO,
             queue_seen_empty: false,
             last_health_check: None,
-            health_checks_this_epoch: 0,
             last_dispatch: None,
             last_hold: None,
             ramp: None,
             swapping_circuit: false,
+            call_slots: CallSlotModel::default(),
             exhausted_logged_until: UnixMillis(0),
             meter: TierMeter::new(&settings.quota),
             stop: None,
@@ -313,13 +392,17 @@ impl<'a> DrainState<'a> {
         PacerSnapshot { state, at_exit }
     }
 
-    /// Applies a fresh read of the circuit and the provider's cool-down.
-    pub fn apply_shared_state(&mut self, circuit: Circuit, cool_down: UnixMillis, now: UnixMillis) {
+    /// Applies a fresh read of the circuit, the provider's cool-down and the call slots.
+    pub fn apply_shared_state(&mut self, shared: SharedState, now: UnixMillis) {
+        let SharedState { circuit, cool_down, call_slots } = shared;
+        if let Some(read) = call_slots {
+            self.call_slots.saw(read, now);
+        }
         if circuit.status != self.circuit.status || circuit.epoch != self.circuit.epoch {
             info!(status = %circuit.status, epoch = circuit.epoch, reason = %circuit.reason, "circuit");
             self.progress.circuit_open.store(!circuit.is_closed(), Ordering::Relaxed);
         }
-        self.set_circuit(circuit);
+        self.set_circuit(circuit, now);
         // Not `max` with the last value: an operator may have cleared the cool-down.
         self.pacer.set_hold_until(self.own_hold.max(cool_down));
         self.timers.set(Timer::Refresh, now.plus(self.refresh_interval()));
@@ -335,17 +418,18 @@ impl<'a> DrainState<'a> {
         if self.buffer.is_empty() || self.circuit.status == CircuitStatus::Open || !pace.is_finite() || pace <= 0.0 {
             return base;
         }
+        if self.quota().max_in_flight().is_some() {
+            // Freed call slots are seen as soon as a re-read allows.
+            return FASTEST_REFRESH.min(base);
+        }
         Duration::from_secs_f64(self.settings.circuit.minimum_calls as f64 / pace).clamp(FASTEST_REFRESH.min(base), base)
     }
 
     /// Takes `circuit` as the current state: health checks while open, a ramp while
     /// half-open.
-    fn set_circuit(&mut self, circuit: Circuit) {
+    fn set_circuit(&mut self, circuit: Circuit, now: UnixMillis) {
         let cfg = &self.settings.circuit;
-        if circuit.epoch != self.circuit.epoch {
-            self.health_checks_this_epoch = 0;
-        }
-        match circuit.next_health_check(self.last_health_check, self.health_checks_this_epoch, cfg.health_check_interval, cfg.max_break) {
+        match circuit.next_health_check(self.health_check_from(&circuit, now), cfg.health_check_interval, cfg.max_break) {
             Some(due) => self.timers.set(Timer::HealthCheck, due),
             None => self.timers.stop(Timer::HealthCheck),
         }
@@ -357,6 +441,12 @@ impl<'a> DrainState<'a> {
             _ => {}
         }
         self.circuit = circuit;
+    }
+
+    /// From when the next health check of `circuit`'s schedule may go: after the last one
+    /// this run sent in its open period, or (none sent yet) from `now`.
+    fn health_check_from(&self, circuit: &Circuit, now: UnixMillis) -> UnixMillis {
+        self.last_health_check.filter(|sent| *sent >= circuit.since).map_or(now, |sent| sent.plus(Duration::from_millis(1)))
     }
 
     /// The share of the pace jobs may use at `now`: below 1 while a ramp is under way.
@@ -481,6 +571,9 @@ impl<'a> DrainState<'a> {
         if let Some(ramp) = self.ramp.filter(|ramp| ramp.next_slot > self.slot_at(now).plus(COARSE_WAKE_SLACK)) {
             return self.sleep_until(self.hand_off_time(ramp.next_slot, now));
         }
+        if let Some(frees) = self.call_slots_full_until(self.slot_at(now)) {
+            return self.sleep_until(self.hand_off_time(frees, now));
+        }
         let cost = job.cost;
         let (slot, decision) = self.decide(cost, now);
         match decision {
@@ -505,6 +598,7 @@ impl<'a> DrainState<'a> {
                 debug!(job_id = %job.id, attempt = message.attempt, cost, "dispatching");
                 let trip = Some(self.trip_rule(slot));
                 self.space_ramp(cost, slot);
+                self.note_call_pending(slot);
                 let payload = WorkerPayload::Job {
                     job,
                     attempt: message.attempt,
@@ -516,6 +610,18 @@ impl<'a> DrainState<'a> {
                 self.in_flight.hand_offs += 1;
                 Action::Dispatch(HandOff { message, since }, payload)
             }
+        }
+    }
+
+    /// Under a cap on calls in flight: until when the modelled calls fill it at `slot`.
+    fn call_slots_full_until(&self, slot: UnixMillis) -> Option<UnixMillis> {
+        self.call_slots.full_until(self.quota().max_in_flight()?, slot)
+    }
+
+    /// Under a cap on calls in flight: a call handed off for `slot` will hold a call slot.
+    fn note_call_pending(&mut self, slot: UnixMillis) {
+        if self.quota().max_in_flight().is_some() {
+            self.call_slots.slots.push_back(slot);
         }
     }
 
@@ -597,7 +703,7 @@ impl<'a> DrainState<'a> {
                 // The slot is spent whatever the answer: a refused invoke may still have run.
                 self.commit(1, slot, Duration::ZERO, Duration::ZERO);
                 self.last_health_check = Some(now);
-                self.health_checks_this_epoch += 1;
+                self.note_call_pending(slot);
                 self.in_flight.health_check = true;
                 Action::HealthCheck(WorkerPayload::HealthCheck { circuit_epoch: self.circuit.epoch, sent_at: now, slot: self.call_slot(slot) })
             }
@@ -613,9 +719,9 @@ impl<'a> DrainState<'a> {
     pub fn on_event(&mut self, event: Event, now: UnixMillis) -> Result<(), RunError> {
         match event {
             Event::Renewed(result) => self.on_renewed(result, now),
-            Event::Refreshed(Ok((circuit, cool_down))) => {
+            Event::Refreshed(Ok(shared)) => {
                 self.backoffs.refresh.succeeded();
-                self.apply_shared_state(circuit, cool_down, now);
+                self.apply_shared_state(shared, now);
                 Ok(())
             }
             Event::Refreshed(Err(e)) => self.retry_later(e, Timer::Refresh, now, "could not re-read the circuit"),
@@ -625,7 +731,7 @@ impl<'a> DrainState<'a> {
                     Ok(()) => {
                         info!(status = %next.status, epoch = next.epoch, reason = %next.reason, "circuit");
                         self.ramp = None;
-                        self.set_circuit(next);
+                        self.set_circuit(next, now);
                         Ok(())
                     }
                     // Someone else moved it (a worker tripped it again): read it anew.
@@ -679,8 +785,8 @@ impl<'a> DrainState<'a> {
                         Progress::bump(&self.progress.health_checks);
                         info!(epoch = self.circuit.epoch, "health check sent");
                         let cfg = &self.settings.circuit;
-                        let sent = self.health_checks_this_epoch;
-                        if let Some(due) = self.circuit.next_health_check(self.last_health_check, sent, cfg.health_check_interval, cfg.max_break) {
+                        if let Some(due) = self.circuit.next_health_check(self.health_check_from(&self.circuit, now), cfg.health_check_interval, cfg.max_break)
+                        {
                             self.timers.set(Timer::HealthCheck, due);
                         }
                         Ok(())
@@ -1012,7 +1118,10 @@ mod tests {
         loop {
             match next(state, now) {
                 Action::Flush(..) => state.on_event(Event::Flushed(Ok(())), now).unwrap(),
-                Action::Refresh => state.on_event(Event::Refreshed(Ok((state.circuit.clone(), UnixMillis(0)))), now).unwrap(),
+                Action::Refresh => {
+                    let shared = SharedState { circuit: state.circuit.clone(), cool_down: UnixMillis(0), call_slots: None };
+                    state.on_event(Event::Refreshed(Ok(shared)), now).unwrap();
+                }
                 action => return action,
             }
         }
@@ -1023,7 +1132,8 @@ mod tests {
         let (settings, progress) = (settings(), Progress::default());
         let lease = Lease { holder: "test".into(), epoch: 1, expires_at: T0.plus(Duration::from_secs(30)) };
         let mut state = DrainState::new(&settings, &progress, lease, T0, T0.plus(Duration::from_secs(60)), false);
-        state.apply_shared_state(Circuit::default().open(0, "HTTP 503", T0).unwrap(), UnixMillis(0), T0);
+        let open = Circuit::default().open(0, "HTTP 503", T0).unwrap();
+        state.apply_shared_state(SharedState { circuit: open, cool_down: UnixMillis(0), call_slots: None }, T0);
         assert!(matches!(next(&mut state, T0), Action::Sleep { until, .. } if until == T0.plus(Duration::from_secs(1))), "the refresh comes first");
         let due = T0.plus(Duration::from_secs(2));
         assert!(matches!(next_past_housekeeping(&mut state, due), Action::HealthCheck(_)));

@@ -159,29 +159,42 @@ impl Circuit {
         Ok(Self { status: CircuitStatus::Open, epoch: self.epoch + 1, since: now, reason: reason.to_owned(), reopened: self.reopened, held: true })
     }
 
-    /// The break before a health check, after `checks_failed` checks of this open
-    /// period: `interval`, doubled for each re-opening and each failed check, at most
-    /// `max_break` (never under `interval`).
+    /// The break before the `k`-th health check of this open period (from 0):
+    /// `interval`, doubled for each re-opening and each check before it (whose answer
+    /// left it open), at most `max_break` (never under `interval`).
     #[must_use]
-    pub fn break_length(&self, checks_failed: u32, interval: Duration, max_break: Duration) -> Duration {
-        let doublings = self.reopened.saturating_add(checks_failed).min(16);
+    pub fn break_length(&self, k: u32, interval: Duration, max_break: Duration) -> Duration {
+        let doublings = self.reopened.saturating_add(k).min(16);
         interval.saturating_mul(1u32 << doublings).min(max_break.max(interval))
     }
 
-    /// While open and not held: when the next health check is due, given the last one
-    /// sent in this open period and how many were (each one's answer left it open). The
-    /// first goes one break after opening, so a provider that just fell over gets a
-    /// moment. `None` otherwise.
+    /// While open and not held: the first health check due at or after `from`. Checks
+    /// follow a schedule fixed by the opening: the first one break after it (a provider
+    /// that just fell over gets a moment), each next one a longer break later. Any run
+    /// finds the same schedule, without counting what earlier runs sent. `None`
+    /// otherwise.
     #[must_use]
-    pub fn next_health_check(&self, last_sent: Option<UnixMillis>, checks_sent: u32, interval: Duration, max_break: Duration) -> Option<UnixMillis> {
+    pub fn next_health_check(&self, from: UnixMillis, interval: Duration, max_break: Duration) -> Option<UnixMillis> {
         if self.status != CircuitStatus::Open || self.held {
             return None;
         }
-        let (after, failed) = match last_sent.filter(|t| *t >= self.since) {
-            Some(last) => (last, checks_sent),
-            None => (self.since, 0),
-        };
-        Some(after.plus(self.break_length(failed, interval, max_break)))
+        let mut due = self.since;
+        for k in 0.. {
+            let step = self.break_length(k, interval, max_break);
+            due = due.plus(step);
+            if due >= from {
+                return Some(due);
+            }
+            if step >= max_break.max(interval) {
+                // The breaks are at their cap from here on: jump over the whole ones.
+                let whole = from.since(due).as_millis() / step.as_millis().max(1);
+                due = due.plus(step * u32::try_from(whole).unwrap_or(u32::MAX));
+                if due >= from {
+                    return Some(due);
+                }
+            }
+        }
+        unreachable!("the schedule passes any instant")
     }
 }
 
@@ -304,16 +317,12 @@ mod tests {
     #[test]
     fn health_checks_follow_the_interval_from_opening() {
         let (interval, cap) = (Duration::from_secs(5), Duration::from_secs(30));
-        assert_eq!(Circuit::default().next_health_check(None, 0, interval, cap), None);
-        let open = Circuit::default().open(0, "x", UnixMillis(10_000)).unwrap();
-        assert_eq!(open.next_health_check(None, 0, interval, cap), Some(UnixMillis(15_000)));
-        // Each check that left it open doubles the next break, up to the cap.
-        assert_eq!(open.next_health_check(Some(UnixMillis(15_200)), 1, interval, cap), Some(UnixMillis(25_200)));
-        assert_eq!(open.next_health_check(Some(UnixMillis(25_200)), 2, interval, cap), Some(UnixMillis(45_200)));
-        assert_eq!(open.next_health_check(Some(UnixMillis(45_200)), 3, interval, cap), Some(UnixMillis(75_200)));
-        assert_eq!(open.next_health_check(Some(UnixMillis(75_200)), 9, interval, cap), Some(UnixMillis(105_200)));
-        // A check sent in an earlier open period does not count.
-        assert_eq!(open.next_health_check(Some(UnixMillis(9_000)), 4, interval, cap), Some(UnixMillis(15_000)));
+        let at = |s: u64| UnixMillis(s * 1_000);
+        assert_eq!(Circuit::default().next_health_check(at(0), interval, cap), None);
+        let open = Circuit::default().open(0, "x", at(10)).unwrap();
+        // Opened at 10 s: checks at 15, 25, 45, 75 s (breaks 5, 10, 20, 30), then every 30 s.
+        let due: Vec<u64> = [10, 15, 16, 25, 46, 75, 76, 105, 1_000].iter().map(|s| open.next_health_check(at(*s), interval, cap).unwrap().0 / 1_000).collect();
+        assert_eq!(due, vec![15, 15, 25, 25, 75, 75, 105, 105, 1_005]);
     }
 
     #[test]
@@ -322,7 +331,7 @@ mod tests {
         let mut circuit = Circuit::default().open(0, "HTTP 503", UnixMillis(0)).unwrap();
         let mut breaks = Vec::new();
         for round in 0..5u64 {
-            let due = circuit.next_health_check(None, 0, interval, cap).unwrap();
+            let due = circuit.next_health_check(circuit.since, interval, cap).unwrap();
             breaks.push(due.since(circuit.since).as_secs());
             let half = circuit.half_open(circuit.epoch, "health check ok", due).unwrap();
             assert_eq!((half.status, half.epoch), (CircuitStatus::HalfOpen, 2 * round + 2));
@@ -334,14 +343,14 @@ mod tests {
         let closed = half.close(half.epoch, "ramp done", UnixMillis(1_010_000)).unwrap();
         assert_eq!((closed.status, closed.reopened), (CircuitStatus::Closed, 0));
         let next = closed.open(closed.epoch, "HTTP 500", UnixMillis(2_000_000)).unwrap();
-        assert_eq!(next.next_health_check(None, 0, interval, cap), Some(UnixMillis(2_005_000)), "a full close forgets the re-openings");
+        assert_eq!(next.next_health_check(next.since, interval, cap), Some(UnixMillis(2_005_000)), "a full close forgets the re-openings");
     }
 
     #[test]
     fn an_operators_hold_sends_no_health_check_and_only_an_operator_lifts_it() {
         let held = Circuit::default().hold(0, "operator: maintenance", UnixMillis(0)).unwrap();
         assert_eq!((held.status, held.held), (CircuitStatus::Open, true));
-        assert_eq!(held.next_health_check(None, 0, Duration::from_secs(5), Duration::from_secs(30)), None);
+        assert_eq!(held.next_health_check(UnixMillis(0), Duration::from_secs(5), Duration::from_secs(30)), None);
         assert_eq!(held.half_open(held.epoch, "health check ok", UnixMillis(9)), Err(Refusal::Held));
         assert_eq!(held.hold(held.epoch, "again", UnixMillis(9)), Err(Refusal::Held));
         let lifted = held.close(held.epoch, "operator", UnixMillis(10)).unwrap();

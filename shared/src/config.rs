@@ -405,6 +405,20 @@ impl RetryConfig {
     }
 }
 
+/// The most call slots a lane may have: each is an item a worker may have to try.
+pub const MAX_CALL_SLOTS: u32 = 100;
+
+/// Checks `quota.max_in_flight`: 1 to [`MAX_CALL_SLOTS`] when given.
+///
+/// # Errors
+/// When it is out of that range.
+pub fn check_max_in_flight(max_in_flight: Option<u32>) -> Result<Option<u32>, String> {
+    match max_in_flight {
+        Some(n) if n == 0 || n > MAX_CALL_SLOTS => Err(format!("{n} is not between 1 and {MAX_CALL_SLOTS} (leave it out for no cap)")),
+        other => Ok(other),
+    }
+}
+
 /// Checks an API call timeout: a zero timeout would make every call a timeout.
 ///
 /// # Errors
@@ -538,6 +552,8 @@ struct RawQuota {
     time_zone: chrono_tz::Tz,
     #[serde(deserialize_with = "duration", default = "defaults::safety_margin")]
     safety_margin: Duration,
+    #[serde(default)]
+    max_in_flight: Option<u32>,
 }
 
 fn utc() -> chrono_tz::Tz {
@@ -616,6 +632,8 @@ impl Config {
     pub fn parse(text: &str, base_dir: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, ConfigProblem> {
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigProblem { key: None, message: e.to_string().trim_end().to_owned() })?;
         let quota = Quota::new(raw.quota.tiers, raw.quota.time_zone, raw.quota.safety_margin).map_err(|e| ConfigProblem::at("quota.tiers", e))?;
+        let max_in_flight = check_max_in_flight(raw.quota.max_in_flight).map_err(|e| ConfigProblem::at("quota.max_in_flight", e))?;
+        let quota = quota.with_max_in_flight(max_in_flight);
         let in_section = |section: &str, e: Invalid| ConfigProblem::at(format!("{section}.{}", e.field), e.problem);
         raw.circuit.check().map_err(|e| in_section("circuit", e))?;
         raw.retry.check().map_err(|e| in_section("retry", e))?;

@@ -7,8 +7,8 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use crate::config::{
-    check_health_request, check_timeout, defaults, parse_base_url, parse_size, resolve_headers, ApiConfig, CircuitConfig, HeaderSource, Invalid,
-    OrchestratorConfig, RetryConfig, LAMBDA_DISPATCH_AHEAD,
+    check_health_request, check_max_in_flight, check_timeout, defaults, parse_base_url, parse_size, resolve_headers, ApiConfig, CircuitConfig, HeaderSource,
+    Invalid, OrchestratorConfig, RetryConfig, LAMBDA_DISPATCH_AHEAD,
 };
 use crate::quota::{Quota, Tier};
 
@@ -66,7 +66,17 @@ impl<'a> Env<'a> {
             .collect::<Result<Vec<_>, _>>()?;
         let zone = self.parsed("PACELINE_TIME_ZONE", chrono_tz::UTC, |t| t.parse().map_err(|_| format!("unknown time zone `{t}`")))?;
         let margin = self.duration("PACELINE_SAFETY_MARGIN", defaults::safety_margin())?;
-        Quota::new(tiers, zone, margin).map_err(|e| format!("PACELINE_TIERS: {e}"))
+        let quota = Quota::new(tiers, zone, margin).map_err(|e| format!("PACELINE_TIERS: {e}"))?;
+        Ok(quota.with_max_in_flight(self.max_in_flight()?))
+    }
+
+    /// `PACELINE_MAX_IN_FLIGHT` (unset or 0: no cap).
+    ///
+    /// # Errors
+    /// Names the variable and the problem.
+    pub fn max_in_flight(&self) -> Result<Option<u32>, String> {
+        let given = self.parsed("PACELINE_MAX_IN_FLIGHT", 0, |t| t.parse::<u32>().map_err(|_| format!("`{t}` is not a whole number")))?;
+        check_max_in_flight((given > 0).then_some(given)).map_err(|e| format!("PACELINE_MAX_IN_FLIGHT: {e}"))
     }
 
     /// `PACELINE_LEASE_TTL`, `PACELINE_VISIBILITY_TIMEOUT`, `PACELINE_FLUSH_INTERVAL`,

@@ -332,6 +332,41 @@ pub trait StateStore: Send + Sync {
     /// # Errors
     /// Transport errors only.
     async fn clear_cool_down(&self) -> PortResult<()>;
+
+    /// Takes one of `capacity` call slots (`quota.max_in_flight`) for `holder` until
+    /// `expires_at`, in one atomic step per slot. A slot is free when no one holds it
+    /// or its holder's expiry passed, so a crashed worker's slot frees itself. `None`
+    /// when every slot is taken.
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn take_call_slot(&self, capacity: u32, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<Option<u32>>;
+
+    /// Gives call slot `index` back (nothing happens unless `holder` still holds it).
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn release_call_slot(&self, index: u32, holder: &str) -> PortResult<()>;
+
+    /// How many of `capacity` call slots are held at `now`.
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn call_slots_in_use(&self, capacity: u32, now: UnixMillis) -> PortResult<u32>;
+}
+
+/// The usage counter of calls not made because every call slot was held: workers add
+/// to it, the orchestrator reads how it grew (its model of the slots was too eager).
+pub const CALL_SLOTS_FULL_KEY: &str = "call_slots#full";
+
+/// Where a store that tries call slots one at a time starts for `holder`: spread over
+/// the slots, so that concurrent workers seldom try the same one first.
+#[must_use]
+pub fn slot_probe_start(holder: &str, capacity: u32) -> u32 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    holder.hash(&mut hasher);
+    u32::try_from(hasher.finish() % u64::from(capacity.max(1))).unwrap_or(0)
 }
 
 /// What each tier of `quota` has used in its calendar window holding `now`, by tier

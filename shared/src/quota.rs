@@ -265,6 +265,8 @@ pub struct Quota {
     safety_margin: Duration,
     /// Index of the shortest rolling tier, which spaces calls evenly.
     spacing: Option<usize>,
+    /// The most calls in flight at the API at once, across all workers.
+    max_in_flight: Option<u32>,
 }
 
 /// Why a quota is unusable.
@@ -295,7 +297,20 @@ impl Quota {
             Period::Day | Period::Month => None,
         });
         let spacing = spacing.min().map(|(_, i)| i);
-        Ok(Self { tiers, zone, safety_margin, spacing })
+        Ok(Self { tiers, zone, safety_margin, spacing, max_in_flight: None })
+    }
+
+    /// The same quota with at most `max_in_flight` calls in flight at once (`None`: no
+    /// cap). Each call then holds one of that many slots in the state store.
+    #[must_use]
+    pub fn with_max_in_flight(self, max_in_flight: Option<u32>) -> Self {
+        Self { max_in_flight, ..self }
+    }
+
+    /// The most calls in flight at the API at once, if capped.
+    #[must_use]
+    pub fn max_in_flight(&self) -> Option<u32> {
+        self.max_in_flight
     }
 
     /// The shortest rolling tier: it spaces calls evenly (unless it has a `burst`), and

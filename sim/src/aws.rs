@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use paceline_shared::breaker::Circuit;
 use paceline_shared::job::{DeadLetterReason, WorkerPayload};
 use paceline_shared::ports::{
-    Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth, QueuedMessage, StateStore, WorkerHandler,
+    slot_probe_start, Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth, QueuedMessage, StateStore, WorkerHandler,
 };
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 
@@ -275,6 +275,8 @@ struct StoreState {
     pacer: Option<PacerSnapshot>,
     circuit: Circuit,
     cool_down: UnixMillis,
+    /// Call slots by index: holder and expiry.
+    call_slots: BTreeMap<u32, (String, UnixMillis)>,
 }
 
 /// The DynamoDB state table, with the calls (and capacity units) the DynamoDB adapter
@@ -399,6 +401,46 @@ impl StateStore for SimStore {
     async fn cool_down(&self) -> PortResult<UnixMillis> {
         self.read(1).await;
         Ok(self.state().cool_down)
+    }
+
+    async fn take_call_slot(&self, capacity: u32, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<Option<u32>> {
+        // The DynamoDB adapter tries the slots one conditional update at a time, from
+        // one picked by the holder; a busy slot's failed update costs a write too.
+        let start = slot_probe_start(holder, capacity);
+        let free = {
+            let state = self.state();
+            (0..capacity).map(|k| (start + k) % capacity.max(1)).position(|index| state.call_slots.get(&index).is_none_or(|(_, until)| *until <= now))
+        };
+        let probes = free.map_or(u64::from(capacity), |tried| tried as u64 + 1);
+        self.write("dynamodb:UpdateItem", probes, probes).await;
+        let Some(tried) = free else { return Ok(None) };
+        let index = (start + u32::try_from(tried).unwrap_or(0)) % capacity.max(1);
+        let mut state = self.state();
+        match state.call_slots.get(&index) {
+            // Taken meanwhile by another worker: as a failed conditional update.
+            Some((_, until)) if *until > now => Ok(None),
+            _ => {
+                state.call_slots.insert(index, (holder.to_owned(), expires_at));
+                Ok(Some(index))
+            }
+        }
+    }
+
+    async fn release_call_slot(&self, index: u32, holder: &str) -> PortResult<()> {
+        self.write("dynamodb:UpdateItem", 1, 1).await;
+        let mut state = self.state();
+        if state.call_slots.get(&index).is_some_and(|(who, _)| who == holder) {
+            state.call_slots.remove(&index);
+        }
+        Ok(())
+    }
+
+    async fn call_slots_in_use(&self, capacity: u32, now: UnixMillis) -> PortResult<u32> {
+        self.world.ledger.count("dynamodb:BatchGetItem", 1);
+        self.world.ledger.dynamodb_read_units.fetch_add(u64::from(capacity), Ordering::Relaxed);
+        self.world.call(Stream::DynamoDb).await;
+        let state = self.state();
+        Ok(u32::try_from(state.call_slots.iter().filter(|(index, (_, until))| **index < capacity && *until > now).count()).unwrap_or(u32::MAX))
     }
 
     async fn shared_state(&self) -> PortResult<(Circuit, UnixMillis)> {

@@ -22,7 +22,7 @@ use paceline_shared::config::RetryConfig;
 use paceline_shared::job::ApiRequest;
 use paceline_shared::ports::WorkerHandler;
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
-use paceline_worker::{Worker, WorkerStats};
+use paceline_worker::{CallSlots, Worker, WorkerStats};
 
 use crate::aws::{SimLambda, SimQueue, SimStore, World};
 use crate::baselines::{dispatch_loop, tightest_rolling, Admission, ConcurrencyCap, FixedWindow, TokenBucket};
@@ -33,6 +33,9 @@ pub use crate::report::SimReport;
 
 /// Where simulated time starts: a Monday at midnight UTC, so calendar tiers start fresh.
 pub const SIM_START: UnixMillis = UnixMillis(1_798_761_600_000); // 2027-01-01T00:00:00Z
+
+/// The API timeout the simulated workers assume (the config's default).
+const SIM_API_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Lambda's first retry of a throttled async event, doubled on each retry.
 const THROTTLE_RETRY: Duration = Duration::from_secs(1);
@@ -165,7 +168,10 @@ impl Lane {
         let stats = Arc::new(WorkerStats::default());
         let finished = Arc::new(tokio::sync::Notify::new());
         let health_check = ApiRequest { method: "GET".into(), path: "/health".into(), query: Default::default(), headers: Default::default(), body: None };
-        let worker = Arc::new(Worker::new(provider.clone(), queue.clone(), store.clone(), clock, plan.retry, health_check).with_stats(stats.clone()));
+        let call_slots = CallSlots::for_api(plan.settings.quota.max_in_flight(), SIM_API_TIMEOUT);
+        let worker = Arc::new(
+            Worker::new(provider.clone(), queue.clone(), store.clone(), clock, plan.retry, health_check).with_stats(stats.clone()).with_call_slots(call_slots),
+        );
         let handler: Arc<dyn WorkerHandler> = Arc::new(Notifying { worker, finished: finished.clone() });
         let lambda = Arc::new(SimLambda::new(world.clone(), handler, dispatched_at, plan.jobs));
         queue.preload(job_bodies(plan.jobs));

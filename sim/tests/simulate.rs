@@ -220,3 +220,15 @@ fn an_outage_opens_the_circuit_within_about_a_second_of_calls_and_the_lane_ramps
     let lost = report.time_to_drain_s - clean.time_to_drain_s;
     assert!(lost <= 40.0 + 30.0, "the outage cost {lost:.0} s beyond its 40 s");
 }
+
+#[test]
+fn a_cap_on_calls_in_flight_is_never_exceeded_and_kept_busy() {
+    // 5 calls at once, each taking 2 s: 2.5 calls a second at most, under a 10/s quota.
+    let mut capped = plan(&["10/s"], 10, 400, 300, 1);
+    capped.settings.quota = capped.settings.quota.clone().with_max_in_flight(Some(5));
+    capped.profile.set("api=2s").unwrap();
+    let report = simulate(&capped, &Dispatcher::Paceline);
+    assert_eq!((report.outcomes.succeeded, report.outcomes.dead_lettered, report.violations()), (300, 0, 0), "{:?}", report.outcomes);
+    assert!(report.answers.peak_in_flight <= 5, "{} calls in flight at once", report.answers.peak_in_flight);
+    assert!(report.time_to_drain_s <= 138.0, "drained in {:.0} s (120 s at 2.5 calls a second)", report.time_to_drain_s);
+}

@@ -16,7 +16,7 @@ use paceline_shared::time::SystemClock;
 use secrecy::SecretString;
 use serde_json::Value;
 
-use crate::{ApiClient, Worker};
+use crate::{ApiClient, CallSlots, Worker};
 
 /// Fetches the secrets `PACELINE_API_SECRETS` names (`{"API_TOKEN": "<secret ARN>"}`)
 /// from Secrets Manager, once at cold start. A header reads one as it would an
@@ -55,7 +55,8 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig) -> Result<Worker, St
     let api_config = env.api()?;
     let aws = AwsAdapters::new(sdk, &names, None);
     let api = Arc::new(ApiClient::new(&api_config).map_err(|e| e.to_string())?);
-    Ok(Worker::new(api, Arc::new(aws.queue), Arc::new(aws.store), Arc::new(SystemClock), env.retry()?, api_config.health_check))
+    let call_slots = CallSlots::for_api(env.max_in_flight()?, api_config.timeout);
+    Ok(Worker::new(api, Arc::new(aws.queue), Arc::new(aws.store), Arc::new(SystemClock), env.retry()?, api_config.health_check).with_call_slots(call_slots))
 }
 
 /// Handles one payload.

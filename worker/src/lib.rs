@@ -5,7 +5,9 @@
 //! `paceline simulate` (there against a simulated API).
 //!
 //! A payload dispatched ahead of its slot ([`CallSlot`]) waits for the slot, and skips
-//! the call (re-queueing the job) when it started too late to make it.
+//! the call (re-queueing the job) when it started too late to make it. Under a cap on
+//! calls in flight (`quota.max_in_flight`), each call holds one of the cap's slots in the
+//! state store; a worker that finds none free re-queues its job without calling.
 
 pub mod classify;
 pub mod http;
@@ -19,12 +21,15 @@ use async_trait::async_trait;
 use paceline_shared::breaker::{retry_delay, Circuit, Refusal, TripRule};
 use paceline_shared::config::RetryConfig;
 use paceline_shared::job::{ApiRequest, CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
-use paceline_shared::ports::{JobQueue, OutgoingMessage, PortError, PortResult, StateStore, WorkerHandler};
+use paceline_shared::ports::{JobQueue, OutgoingMessage, PortError, PortResult, StateStore, WorkerHandler, CALL_SLOTS_FULL_KEY};
 use paceline_shared::time::{Clock, UnixMillis};
 use serde::Serialize;
 use tracing::{info, warn};
 
 pub use classify::{classify, failure_label, CallResult, Outcome};
+
+/// A job that found every call slot held comes back within this long (a random share).
+const CALL_SLOT_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 pub use http::{ApiClient, ApiError};
 
 /// What the workers did, for summaries and progress bars.
@@ -41,6 +46,8 @@ pub struct WorkerStats {
     pub circuit_closed: AtomicU64,
     /// Payloads whose worker started after their slot's `call_by`: no call was made.
     pub missed_slots: AtomicU64,
+    /// Jobs re-queued without a call because every call slot (`max_in_flight`) was held.
+    pub call_slots_full: AtomicU64,
 }
 
 impl WorkerStats {
@@ -73,6 +80,29 @@ impl Api for ApiClient {
     }
 }
 
+/// A cap on calls in flight: this many slots, each held for at most `hold_for` (the
+/// API's timeout and a margin: a crashed worker's slot frees itself then).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallSlots {
+    pub capacity: u32,
+    pub hold_for: std::time::Duration,
+}
+
+impl CallSlots {
+    /// The cap of `quota.max_in_flight` (none without one), for calls timing out after
+    /// `api_timeout`.
+    #[must_use]
+    pub fn for_api(max_in_flight: Option<u32>, api_timeout: std::time::Duration) -> Option<Self> {
+        max_in_flight.map(|capacity| Self { capacity, hold_for: api_timeout + std::time::Duration::from_secs(5) })
+    }
+}
+
+/// A call slot held for one call (none without a cap), and who holds it.
+struct HeldSlot {
+    index: Option<u32>,
+    holder: String,
+}
+
 /// The worker's dependencies, built once.
 pub struct Worker {
     api: Arc<dyn Api>,
@@ -82,6 +112,7 @@ pub struct Worker {
     retry: RetryConfig,
     health_check: ApiRequest,
     stats: Arc<WorkerStats>,
+    call_slots: Option<CallSlots>,
 }
 
 impl Worker {
@@ -96,7 +127,13 @@ impl Worker {
         retry: RetryConfig,
         health_check: ApiRequest,
     ) -> Self {
-        Self { api, queue, store, clock, retry, health_check, stats: Arc::default() }
+        Self { api, queue, store, clock, retry, health_check, stats: Arc::default(), call_slots: None }
+    }
+
+    /// The same worker holding one of `call_slots` for each call.
+    #[must_use]
+    pub fn with_call_slots(self, call_slots: Option<CallSlots>) -> Self {
+        Self { call_slots, ..self }
     }
 
     /// The same worker counting its outcomes into `stats` (shared with a progress view).
@@ -106,9 +143,11 @@ impl Worker {
     }
 
     #[tracing::instrument(skip_all, fields(job_id = %job.id, attempt))]
-    async fn run_job(&self, job: &Job, attempt: u32, circuit_epoch: u64, trip: Option<TripRule>) -> PortResult<()> {
+    async fn run_job(&self, job: &Job, attempt: u32, circuit_epoch: u64, trip: Option<TripRule>, held: HeldSlot) -> PortResult<()> {
         let called_at = self.clock.now();
-        let result = match self.api.call(&job.request).await {
+        let result = self.api.call(&job.request).await;
+        self.release_call_slot(held).await;
+        let result = match result {
             Ok(result) => result,
             Err(e) => {
                 // A request that cannot be built or sent is the job's fault, never the
@@ -148,8 +187,9 @@ impl Worker {
         }
     }
 
-    async fn run_health_check(&self, circuit_epoch: u64) -> PortResult<()> {
+    async fn run_health_check(&self, circuit_epoch: u64, held: HeldSlot) -> PortResult<()> {
         let result = self.api.call(&self.health_check).await.unwrap_or(CallResult::Connect("health check is off the API".into()));
+        self.release_call_slot(held).await;
         match classify(&result, self.clock.now(), &self.retry) {
             Outcome::Success { status } => {
                 WorkerStats::bump(&self.stats.health_checks_ok);
@@ -190,6 +230,44 @@ impl Worker {
         Err(PortError::Transient("circuit kept changing under us".into()))
     }
 
+    /// Under a cap on calls in flight, a payload dispatched ahead of its pacer slot
+    /// takes its call slot this long before it, so that the store's latency never
+    /// delays the call past its pacer slot.
+    const CALL_SLOT_LEAD: std::time::Duration = std::time::Duration::from_millis(50);
+
+    /// Takes a call slot for `holder` before the call: a `HeldSlot` of none without a cap,
+    /// `None` when every slot is held (the payload's pacer slot, if any, is waited for up
+    /// to `CALL_SLOT_LEAD` first).
+    async fn take_call_slot(&self, holder: String, slot: Option<CallSlot>) -> PortResult<Option<HeldSlot>> {
+        let Some(slots) = self.call_slots else { return Ok(Some(HeldSlot { index: None, holder })) };
+        if let Some(slot) = slot {
+            self.clock.sleep_until(slot.not_before.minus(Self::CALL_SLOT_LEAD)).await;
+        }
+        let now = self.clock.now();
+        let taken = self.store.take_call_slot(slots.capacity, &holder, now, now.plus(slots.hold_for)).await?;
+        Ok(taken.map(|index| HeldSlot { index: Some(index), holder }))
+    }
+
+    /// Gives a call slot back. A failure is only logged: the slot frees itself at its
+    /// expiry, and failing the payload would make Lambda call again.
+    async fn release_call_slot(&self, held: HeldSlot) {
+        if let Some(index) = held.index {
+            if let Err(e) = self.store.release_call_slot(index, &held.holder).await {
+                warn!(error = %e, index, "could not give the call slot back; it frees itself at its expiry");
+            }
+        }
+    }
+
+    /// Every call slot was held: the job goes back on the queue without a call, and the
+    /// store counts it (the orchestrator's model of the slots learns from it).
+    async fn turned_away(&self, job: &Job, attempt: u32) -> PortResult<()> {
+        WorkerStats::bump(&self.stats.call_slots_full);
+        info!(job_id = %job.id, "every call slot is held; the job goes back on the queue without a call");
+        self.store.add_usage(&[(CALL_SLOTS_FULL_KEY.to_owned(), 1)]).await?;
+        let delay = retry_delay(job.id.as_str(), 0, CALL_SLOT_RETRY, CALL_SLOT_RETRY);
+        self.requeue_unattempted(job, attempt, delay).await
+    }
+
     /// Counts a failed call made at `called_at` in its bucket and says whether the
     /// failures of that bucket and the one before reach the rule's threshold. A payload
     /// without a rule (written before rules existed) trips at once.
@@ -228,9 +306,10 @@ impl Worker {
         true
     }
 
-    /// Puts a job whose slot was missed back on the queue; the attempt does not count.
-    async fn requeue_unattempted(&self, job: &Job, attempt: u32) -> PortResult<()> {
-        self.queue.send(&[OutgoingMessage { body: job.to_json(), attempt, delay: std::time::Duration::ZERO }]).await?;
+    /// Puts a job that made no call back on the queue after `delay`; the attempt does not
+    /// count.
+    async fn requeue_unattempted(&self, job: &Job, attempt: u32, delay: std::time::Duration) -> PortResult<()> {
+        self.queue.send(&[OutgoingMessage { body: job.to_json(), attempt, delay }]).await?;
         WorkerStats::bump(&self.stats.requeued);
         Ok(())
     }
@@ -247,18 +326,30 @@ impl Worker {
 impl WorkerHandler for Worker {
     async fn handle(&self, payload: WorkerPayload) -> PortResult<()> {
         match payload {
-            WorkerPayload::Job { job, attempt, circuit_epoch, slot, trip, .. } => {
+            WorkerPayload::Job { job, attempt, circuit_epoch, slot, trip, dispatched_at } => {
+                let holder = format!("{}#{attempt}#{}", job.id.as_str(), dispatched_at.0);
+                let Some(held) = self.take_call_slot(holder, slot).await? else {
+                    return self.turned_away(&job, attempt).await;
+                };
                 if self.wait_for_slot(slot).await {
-                    self.run_job(&job, attempt, circuit_epoch, trip).await
+                    self.run_job(&job, attempt, circuit_epoch, trip, held).await
                 } else {
-                    self.requeue_unattempted(&job, attempt).await
+                    self.release_call_slot(held).await;
+                    self.requeue_unattempted(&job, attempt, std::time::Duration::ZERO).await
                 }
             }
-            WorkerPayload::HealthCheck { circuit_epoch, slot, .. } => {
-                // A missed health check is simply not made: the orchestrator sends another.
+            WorkerPayload::HealthCheck { circuit_epoch, slot, sent_at } => {
+                // A health check that is missed or finds no call slot is simply not made:
+                // the orchestrator sends another.
+                let holder = format!("health-check#{circuit_epoch}#{}", sent_at.0);
+                let Some(held) = self.take_call_slot(holder, slot).await? else {
+                    info!("every call slot is held; no health check this time");
+                    return Ok(());
+                };
                 if self.wait_for_slot(slot).await {
-                    self.run_health_check(circuit_epoch).await
+                    self.run_health_check(circuit_epoch, held).await
                 } else {
+                    self.release_call_slot(held).await;
                     Ok(())
                 }
             }

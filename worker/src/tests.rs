@@ -57,6 +57,7 @@ fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
         retry: RetryConfig { max_attempts: 3, backoff_base: Duration::from_millis(10), ..RetryConfig::default() },
         health_check,
         stats: Arc::default(),
+        call_slots: None,
     };
     (worker, store)
 }

@@ -48,6 +48,7 @@ CREATE TABLE IF NOT EXISTS dead_letters (
 );
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS usage (key TEXT PRIMARY KEY, used INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS call_slots (idx INTEGER PRIMARY KEY, holder TEXT, expires_at INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS invocations (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     payload TEXT NOT NULL,
@@ -545,6 +546,33 @@ impl StateStore for EmbeddedStore {
         self.conn().execute("DELETE FROM kv WHERE key = 'cool_down'", []).map_err(sql_err)?;
         Ok(())
     }
+
+    async fn take_call_slot(&self, capacity: u32, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<Option<u32>> {
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(sql_err)?;
+        let taken: Vec<u32> = tx
+            .prepare("SELECT idx FROM call_slots WHERE idx < ?1 AND holder IS NOT NULL AND expires_at > ?2")
+            .and_then(|mut statement| statement.query_map(params![capacity, to_i64(now.0)], |row| row.get(0))?.collect())
+            .map_err(sql_err)?;
+        let Some(free) = (0..capacity).find(|index| !taken.contains(index)) else { return Ok(None) };
+        tx.execute("INSERT OR REPLACE INTO call_slots (idx, holder, expires_at) VALUES (?1, ?2, ?3)", params![free, holder, to_i64(expires_at.0)])
+            .map_err(sql_err)?;
+        tx.commit().map_err(sql_err)?;
+        Ok(Some(free))
+    }
+
+    async fn release_call_slot(&self, index: u32, holder: &str) -> PortResult<()> {
+        self.conn().execute("UPDATE call_slots SET holder = NULL, expires_at = 0 WHERE idx = ?1 AND holder = ?2", params![index, holder]).map_err(sql_err)?;
+        Ok(())
+    }
+
+    async fn call_slots_in_use(&self, capacity: u32, now: UnixMillis) -> PortResult<u32> {
+        self.conn()
+            .query_row("SELECT COUNT(*) FROM call_slots WHERE idx < ?1 AND holder IS NOT NULL AND expires_at > ?2", params![capacity, to_i64(now.0)], |row| {
+                row.get(0)
+            })
+            .map_err(sql_err)
+    }
 }
 
 /// Runs workers in this process. Each hand-off is first written to the database (like
@@ -765,6 +793,65 @@ mod tests {
                 worker.ran()
             })
             .await;
+        }
+    }
+
+    /// One step of a run of workers against the call slots.
+    #[derive(Clone, Debug)]
+    enum SlotStep {
+        /// A worker asks for a slot, to hold it this long (ms) at most.
+        Take(u64),
+        /// The worker that took the n-th slot (of those taken so far) gives it back.
+        Release(usize),
+        /// Time passes (ms).
+        Wait(u64),
+    }
+
+    fn slot_step() -> impl proptest::strategy::Strategy<Value = SlotStep> {
+        use proptest::prelude::*;
+        prop_oneof![(1u64..3_000).prop_map(SlotStep::Take), (0usize..40).prop_map(SlotStep::Release), (0u64..1_500).prop_map(SlotStep::Wait)]
+    }
+
+    proptest::proptest! {
+        /// Whatever workers take, give back, or leave to expire (a crash), no more than
+        /// the capacity ever holds a slot, and a slot is refused only when all are held.
+        #[test]
+        fn the_concurrency_cap_is_never_exceeded(capacity in 1u32..6, steps in proptest::collection::vec(slot_step(), 1..80)) {
+            let (clock, store) = store();
+            let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            let mut taken: Vec<(u32, String, UnixMillis)> = Vec::new();
+            for (n, step) in steps.iter().enumerate() {
+                let now = clock.now();
+                match step {
+                    SlotStep::Take(hold_ms) => {
+                        let holder = format!("w{n}");
+                        let until = now.plus(Duration::from_millis(*hold_ms));
+                        let held_before = taken.iter().filter(|(_, _, until)| *until > now).count();
+                        match runtime.block_on(store.take_call_slot(capacity, &holder, now, until)).unwrap() {
+                            Some(index) => {
+                                proptest::prop_assert!(index < capacity);
+                                proptest::prop_assert!(!taken.iter().any(|(i, _, until)| *i == index && *until > now), "slot {index} was held");
+                                taken.push((index, holder, until));
+                            }
+                            None => proptest::prop_assert_eq!(held_before, capacity as usize, "refused with a slot free"),
+                        }
+                    }
+                    SlotStep::Release(k) => {
+                        if let Some((index, holder, until)) = taken.get(*k).cloned() {
+                            runtime.block_on(store.release_call_slot(index, &holder)).unwrap();
+                            // Given back: free from now (if it had not expired and gone to another).
+                            if let Some(entry) = taken.get_mut(*k) {
+                                entry.2 = until.min(now);
+                            }
+                        }
+                    }
+                    SlotStep::Wait(ms) => clock.advance(Duration::from_millis(*ms)),
+                }
+                let now = clock.now();
+                let held = taken.iter().filter(|(_, _, until)| *until > now).count();
+                proptest::prop_assert!(held <= capacity as usize);
+                proptest::prop_assert_eq!(runtime.block_on(store.call_slots_in_use(capacity, now)).unwrap() as usize, held);
+            }
         }
     }
 }

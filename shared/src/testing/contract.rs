@@ -189,6 +189,23 @@ pub async fn state_store(store: Arc<dyn StateStore>, quota: &Quota) {
     store.extend_cool_down(at(150)).await.unwrap();
     assert_eq!(store.cool_down().await.unwrap(), at(200), "a cool-down is never shortened");
     assert_eq!(store.shared_state().await.unwrap(), (held, at(200)), "circuit and cool-down read together");
+
+    // Call slots (`quota.max_in_flight`).
+    let (now, until) = (at(300), at(310));
+    let first = store.take_call_slot(2, "a", now, until).await.unwrap().expect("a free slot");
+    let second = store.take_call_slot(2, "b", now, until).await.unwrap().expect("the other slot");
+    assert_ne!(first, second);
+    assert_eq!(store.take_call_slot(2, "c", now, until).await.unwrap(), None, "both slots are held");
+    assert_eq!(store.call_slots_in_use(2, now).await.unwrap(), 2);
+    store.release_call_slot(first, "a").await.unwrap();
+    assert_eq!(store.call_slots_in_use(2, now).await.unwrap(), 1);
+    assert_eq!(store.take_call_slot(2, "c", now, until).await.unwrap(), Some(first), "a released slot is free");
+    // At `until` the holders' slots free themselves (a crashed worker's too).
+    assert_eq!(store.call_slots_in_use(2, until).await.unwrap(), 0);
+    let late = store.take_call_slot(2, "d", until, at(400)).await.unwrap().expect("an expired slot is free");
+    let holder = if late == first { "c" } else { "b" };
+    store.release_call_slot(late, holder).await.unwrap();
+    assert_eq!(store.call_slots_in_use(2, until).await.unwrap(), 1, "a holder whose slot expired and was taken cannot give it back");
     store.clear_cool_down().await.unwrap();
     assert_eq!(store.cool_down().await.unwrap(), UnixMillis(0), "a cleared cool-down is over");
 }

@@ -34,6 +34,9 @@ pub enum Method {
     CoolDown,
     ExtendCoolDown,
     ClearCoolDown,
+    TakeCallSlot,
+    ReleaseCallSlot,
+    CallSlotsInUse,
     Invoke,
 }
 
@@ -171,6 +174,18 @@ impl<T: StateStore + ?Sized> StateStore for Faulty<T> {
     async fn clear_cool_down(&self) -> PortResult<()> {
         self.call(Method::ClearCoolDown)?;
         self.inner.clear_cool_down().await
+    }
+    async fn take_call_slot(&self, capacity: u32, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<Option<u32>> {
+        self.call(Method::TakeCallSlot)?;
+        self.inner.take_call_slot(capacity, holder, now, expires_at).await
+    }
+    async fn release_call_slot(&self, index: u32, holder: &str) -> PortResult<()> {
+        self.call(Method::ReleaseCallSlot)?;
+        self.inner.release_call_slot(index, holder).await
+    }
+    async fn call_slots_in_use(&self, capacity: u32, now: UnixMillis) -> PortResult<u32> {
+        self.call(Method::CallSlotsInUse)?;
+        self.inner.call_slots_in_use(capacity, now).await
     }
 }
 

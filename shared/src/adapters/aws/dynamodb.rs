@@ -12,13 +12,15 @@ use aws_sdk_dynamodb::Client;
 
 use super::{build_error, map_sdk_error};
 use crate::breaker::{Circuit, FAILURE_BUCKET_PREFIX};
-use crate::ports::{Lease, PacerSnapshot, PortError, PortResult, StateStore};
+use crate::ports::{slot_probe_start, Lease, PacerSnapshot, PortError, PortResult, StateStore};
 use crate::time::UnixMillis;
 
 const LEASE: &str = "lease";
 const PACER: &str = "pacer";
 const CIRCUIT: &str = "circuit";
 const COOL_DOWN: &str = "cool_down";
+/// Call slot items are this prefix and their index (see `take_call_slot`).
+const CALL_SLOT: &str = "call_slot#";
 
 /// The state store on DynamoDB.
 #[derive(Clone, Debug)]
@@ -207,6 +209,71 @@ impl StateStore for DynamoStateStore {
 
     async fn circuit(&self) -> PortResult<Circuit> {
         self.get(CIRCUIT).await?.map_or_else(|| Ok(Circuit::default()), |item| circuit_of(&item))
+    }
+
+    async fn take_call_slot(&self, capacity: u32, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<Option<u32>> {
+        let start = slot_probe_start(holder, capacity);
+        for k in 0..capacity {
+            let index = (start + k) % capacity.max(1);
+            let result = self
+                .client
+                .update_item()
+                .table_name(&self.table)
+                .key("pk", s(format!("{CALL_SLOT}{index}")))
+                .update_expression("SET holder = :h, expires_at = :e")
+                .condition_expression("attribute_not_exists(holder) OR expires_at <= :now")
+                .expression_attribute_values(":h", s(holder))
+                .expression_attribute_values(":e", n(expires_at.0))
+                .expression_attribute_values(":now", n(now.0))
+                .send()
+                .await;
+            match result.map_err(|e| map_sdk_error("dynamodb UpdateItem (call slot)", &e)) {
+                Ok(_) => return Ok(Some(index)),
+                Err(PortError::Conflict(_)) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(None)
+    }
+
+    async fn release_call_slot(&self, index: u32, holder: &str) -> PortResult<()> {
+        let result = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("pk", s(format!("{CALL_SLOT}{index}")))
+            .update_expression("REMOVE holder SET expires_at = :zero")
+            .condition_expression("holder = :h")
+            .expression_attribute_values(":h", s(holder))
+            .expression_attribute_values(":zero", n(0))
+            .send()
+            .await;
+        match result.map_err(|e| map_sdk_error("dynamodb UpdateItem (call slot)", &e)) {
+            // Not ours any more (it expired and another worker took it): nothing to give back.
+            Ok(_) | Err(PortError::Conflict(_)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn call_slots_in_use(&self, capacity: u32, now: UnixMillis) -> PortResult<u32> {
+        let mut in_use = 0;
+        let keys: Vec<Item> = (0..capacity).map(|index| HashMap::from([("pk".to_owned(), s(format!("{CALL_SLOT}{index}")))])).collect();
+        for batch in keys.chunks(100) {
+            let wanted = KeysAndAttributes::builder().set_keys(Some(batch.to_vec())).consistent_read(true).build().map_err(build_error)?;
+            let out = self
+                .client
+                .batch_get_item()
+                .request_items(&self.table, wanted)
+                .send()
+                .await
+                .map_err(|e| map_sdk_error("dynamodb BatchGetItem (call slots)", &e))?;
+            if out.unprocessed_keys().is_some_and(|left| !left.is_empty()) {
+                return Err(PortError::Throttled("dynamodb BatchGetItem left call slots unread".into()));
+            }
+            let items = out.responses().and_then(|by_table| by_table.get(&self.table)).map_or(&[][..], Vec::as_slice);
+            in_use += items.iter().filter(|item| item.contains_key("holder") && get_n(item, "expires_at") > now.0).count();
+        }
+        Ok(u32::try_from(in_use).unwrap_or(u32::MAX))
     }
 
     async fn shared_state(&self) -> PortResult<(Circuit, UnixMillis)> {
