@@ -374,8 +374,12 @@ impl PacerState {
                         // push every later slot back. "A little" is the safety margin (at
                         // least 1 ms); the window log still guarantees no window overfills
                         // and the nominal gap after this call keeps strict buckets happy.
+                        // A gap under a millisecond cannot be kept on a millisecond clock
+                        // (nor does a provider's): tiers faster than that go by the rest.
                         let nominal_ms = u128::from(millis(tier.nominal_window()).max(1));
-                        rolling.spaced_until_scaled = now_scaled + nominal_ms * u128::from(cost);
+                        if nominal_ms >= limit {
+                            rolling.spaced_until_scaled = now_scaled + nominal_ms * u128::from(cost);
+                        }
                         let tolerance = u128::from(millis(quota.safety_margin()).max(1)) * limit;
                         if now_scaled < rolling.tat_scaled + tolerance {
                             rolling.tat_scaled
@@ -505,6 +509,16 @@ mod tests {
             assert!((pair[1].0 .0 - pair[0].0 .0) * 7 >= 1_000, "{pair:?}");
         }
         assert!(sent.len() >= 690, "{} calls in 100 s", sent.len());
+    }
+
+    #[test]
+    fn a_tier_faster_than_a_call_a_millisecond_still_gets_its_rate() {
+        // 5000/s: five calls a millisecond. The gap after a late call cannot be kept at
+        // a fifth of a millisecond on a millisecond clock, so it is not kept at all.
+        let q = quota(&["5000/s"], 0);
+        let sent = saturate(&q, &[1], 0, 1_000);
+        assert!(sent.len() >= 4_990, "{} calls in a second", sent.len());
+        assert!(peak_in_any_window(&sent, Duration::from_secs(1)) <= 5_000);
     }
 
     /// Dispatches a backlog of unit jobs, each timer firing `late_ms` after the instant
