@@ -72,6 +72,27 @@ impl DynamoStateStore {
         Self { client, table: table.into() }
     }
 
+    /// The items of these keys that exist, read consistently, 100 keys a request.
+    async fn batch_get(&self, pks: &[String], what: &str) -> PortResult<Vec<Item>> {
+        let mut found = Vec::new();
+        for batch in pks.chunks(100) {
+            let keys: Vec<Item> = batch.iter().map(|pk| HashMap::from([("pk".to_owned(), s(pk))])).collect();
+            let wanted = KeysAndAttributes::builder().set_keys(Some(keys)).consistent_read(true).build().map_err(build_error)?;
+            let out = self
+                .client
+                .batch_get_item()
+                .request_items(&self.table, wanted)
+                .send()
+                .await
+                .map_err(|e| map_sdk_error(&format!("dynamodb BatchGetItem ({what})"), &e))?;
+            if out.unprocessed_keys().is_some_and(|left| !left.is_empty()) {
+                return Err(PortError::Throttled(format!("dynamodb BatchGetItem left {what} unread")));
+            }
+            found.extend(out.responses().and_then(|by_table| by_table.get(&self.table)).into_iter().flatten().cloned());
+        }
+        Ok(found)
+    }
+
     async fn get(&self, pk: &str) -> PortResult<Option<Item>> {
         let out = self
             .client
@@ -256,40 +277,14 @@ impl StateStore for DynamoStateStore {
     }
 
     async fn call_slots_in_use(&self, capacity: u32, now: UnixMillis) -> PortResult<u32> {
-        let mut in_use = 0;
-        let keys: Vec<Item> = (0..capacity).map(|index| HashMap::from([("pk".to_owned(), s(format!("{CALL_SLOT}{index}")))])).collect();
-        for batch in keys.chunks(100) {
-            let wanted = KeysAndAttributes::builder().set_keys(Some(batch.to_vec())).consistent_read(true).build().map_err(build_error)?;
-            let out = self
-                .client
-                .batch_get_item()
-                .request_items(&self.table, wanted)
-                .send()
-                .await
-                .map_err(|e| map_sdk_error("dynamodb BatchGetItem (call slots)", &e))?;
-            if out.unprocessed_keys().is_some_and(|left| !left.is_empty()) {
-                return Err(PortError::Throttled("dynamodb BatchGetItem left call slots unread".into()));
-            }
-            let items = out.responses().and_then(|by_table| by_table.get(&self.table)).map_or(&[][..], Vec::as_slice);
-            in_use += items.iter().filter(|item| item.contains_key("holder") && get_n(item, "expires_at") > now.0).count();
-        }
+        let keys: Vec<String> = (0..capacity).map(|index| format!("{CALL_SLOT}{index}")).collect();
+        let items = self.batch_get(&keys, "call slots").await?;
+        let in_use = items.iter().filter(|item| item.contains_key("holder") && get_n(item, "expires_at") > now.0).count();
         Ok(u32::try_from(in_use).unwrap_or(u32::MAX))
     }
 
     async fn shared_state(&self) -> PortResult<(Circuit, UnixMillis)> {
-        let keys = [CIRCUIT, COOL_DOWN].map(|pk| HashMap::from([("pk".to_owned(), s(pk))]));
-        let wanted = KeysAndAttributes::builder().set_keys(Some(keys.to_vec())).consistent_read(true).build().map_err(build_error)?;
-        let out = self
-            .client
-            .batch_get_item()
-            .request_items(&self.table, wanted)
-            .send()
-            .await
-            .map_err(|e| map_sdk_error("dynamodb BatchGetItem (circuit, cool-down)", &e))?;
-        if out.unprocessed_keys().is_some_and(|left| !left.is_empty()) {
-            return Err(PortError::Throttled("dynamodb BatchGetItem left keys unread".into()));
-        }
-        let items = out.responses().and_then(|by_table| by_table.get(&self.table)).map_or(&[][..], Vec::as_slice);
+        let items = self.batch_get(&[CIRCUIT.to_owned(), COOL_DOWN.to_owned()], "circuit, cool-down").await?;
         let item = |pk: &str| items.iter().find(|item| item.get("pk").and_then(|v| v.as_s().ok()).is_some_and(|v| v == pk));
         let circuit = item(CIRCUIT).map_or_else(|| Ok(Circuit::default()), circuit_of)?;
         Ok((circuit, UnixMillis(item(COOL_DOWN).map_or(0, |i| get_n(i, "until")))))
