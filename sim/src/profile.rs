@@ -170,6 +170,9 @@ pub struct Failures {
     pub rate_429: f64,
     /// Share of calls answered 500.
     pub rate_5xx: f64,
+    /// Share of the quota other clients of the same account spend at the provider: a
+    /// steady stream of their calls at that share of the binding tier's rate.
+    pub foreign_load: f64,
 }
 
 impl Failures {
@@ -178,7 +181,7 @@ impl Failures {
     /// # Errors
     /// Names the rate out of range.
     pub fn check(&self) -> Result<(), String> {
-        for (name, rate) in [("429 rate", self.rate_429), ("5xx rate", self.rate_5xx)] {
+        for (name, rate) in [("429 rate", self.rate_429), ("5xx rate", self.rate_5xx), ("foreign load", self.foreign_load)] {
             if !(0.0..=1.0).contains(&rate) {
                 return Err(format!("{name} {rate} is not between 0 and 1"));
             }

@@ -128,11 +128,24 @@ impl TierCheck {
         }
     }
 
-    fn admit(&mut self, now: UnixMillis) {
+    /// Counts a call at `now` against the tier's limit.
+    fn spend(&mut self, now: UnixMillis) {
         match &mut self.gate {
             TierGate::Rolling { limiter, .. } => limiter.record(now),
             TierGate::Calendar { used, .. } => *used += 1,
         }
+    }
+
+    /// Whether another client's call fits at `now` (not counted in our figures).
+    fn fits_foreign(&mut self, quota: &Quota, now: UnixMillis) -> bool {
+        match &mut self.gate {
+            TierGate::Rolling { limiter, .. } => limiter.fits(now),
+            TierGate::Calendar { .. } => self.fits(quota, now),
+        }
+    }
+
+    fn admit(&mut self, now: UnixMillis) {
+        self.spend(now);
         self.admitted += 1;
         self.first.get_or_insert(now);
         self.last = now;
@@ -208,6 +221,9 @@ pub struct Answers {
     pub outage_503: u64,
     /// The most calls in flight at the provider at once (from arrival to answer).
     pub peak_in_flight: u64,
+    /// Calls of other clients (`--foreign-load`) that arrived, and those admitted.
+    pub foreign_offered: u64,
+    pub foreign_admitted: u64,
 }
 
 #[derive(Default)]
@@ -232,6 +248,9 @@ pub struct Provider {
     dispatched_at: Arc<Mutex<Vec<UnixMillis>>>,
     tiers: Mutex<Vec<TierCheck>>,
     seen: Mutex<Observations>,
+    /// Other clients' calls: one every this long, the next one at `foreign_next`.
+    foreign_every: Option<std::time::Duration>,
+    foreign_next: Mutex<UnixMillis>,
 }
 
 /// Everything the provider saw.
@@ -263,7 +282,25 @@ impl Provider {
     pub fn new(world: Arc<World>, quota: &Quota, model: ProviderModel, failures: Failures, dispatched_at: Arc<Mutex<Vec<UnixMillis>>>, jobs: usize) -> Self {
         let tiers = quota.tiers().iter().map(|t| TierCheck::new(*t, model)).collect();
         let seen = Observations { calls_per_job: vec![0; jobs], ..Observations::default() };
-        Self { world, quota: quota.clone(), failures, dispatched_at, tiers: Mutex::new(tiers), seen: Mutex::new(seen) }
+        let foreign_rate = failures.foreign_load * quota.binding_tier().rate_per_second();
+        let foreign_every = (foreign_rate > 0.0).then(|| std::time::Duration::from_secs_f64(1.0 / foreign_rate));
+        let foreign_next = Mutex::new(world.start);
+        Self { world, quota: quota.clone(), failures, dispatched_at, tiers: Mutex::new(tiers), seen: Mutex::new(seen), foreign_every, foreign_next }
+    }
+
+    /// Other clients' calls up to `now`, in time order, each admitted where it fits.
+    fn serve_foreign_until(&self, now: UnixMillis, tiers: &mut [TierCheck], answers: &mut Answers) {
+        let Some(every) = self.foreign_every else { return };
+        let mut next = self.foreign_next.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        while *next <= now {
+            let at = *next;
+            answers.foreign_offered += 1;
+            if tiers.iter_mut().all(|tier| tier.fits_foreign(&self.quota, at)) {
+                tiers.iter_mut().for_each(|tier| tier.spend(at));
+                answers.foreign_admitted += 1;
+            }
+            *next = at.plus(every);
+        }
     }
 
     /// The draw key of this call, and the job it is for.
@@ -301,6 +338,7 @@ impl Provider {
             return CallResult::Response { status: 503, headers: Vec::new() };
         }
         let mut tiers = self.tiers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.serve_foreign_until(now, &mut tiers, &mut seen.answers);
         let full: Vec<bool> = tiers.iter_mut().map(|t| !t.fits(&self.quota, now)).collect();
         if full.iter().any(|f| *f) {
             for (tier, _) in tiers.iter_mut().zip(&full).filter(|(_, f)| **f) {

@@ -234,3 +234,17 @@ fn a_cap_on_calls_in_flight_is_never_exceeded_and_kept_busy() {
     assert!(report.answers.peak_in_flight <= 5, "{} calls in flight at once", report.answers.peak_in_flight);
     assert!(report.time_to_drain_s <= 138.0, "drained in {:.0} s (120 s at 2.5 calls a second)", report.time_to_drain_s);
 }
+
+#[test]
+fn other_clients_spend_their_share_of_the_quota_at_the_provider() {
+    let mut shared = plan(&["10/s"], 10, 400, 200, 1);
+    shared.failures.foreign_load = 0.3;
+    let report = simulate(&shared, &Dispatcher::Paceline);
+    // 3 calls a second of theirs, for as long as ours arrive (about the drain time); the
+    // provider admits theirs only where the window has room, as it does ours.
+    let expected = 3.0 * report.time_to_drain_s;
+    let offered = report.answers.foreign_offered as f64;
+    assert!((0.8 * expected..=1.1 * expected).contains(&offered), "{offered} foreign calls, about {expected:.0} expected");
+    assert!(report.answers.foreign_admitted > 0 && report.answers.foreign_admitted < report.answers.foreign_offered, "{:?}", report.answers);
+    assert_eq!(report.outcomes.succeeded, 200, "{:?}", report.outcomes);
+}

@@ -54,6 +54,10 @@ pub struct SimulateArgs {
     /// Share of calls the API answers 500 (0 to 1).
     #[arg(long, default_value_t = 0.0)]
     pub rate_5xx: f64,
+    /// Share of the quota other clients of the same account spend at the provider (0 to
+    /// 1): a steady stream of their calls at that share of the binding tier's rate.
+    #[arg(long, default_value_t = 0.0, value_name = "SHARE")]
+    pub foreign_load: f64,
     /// How the simulated provider counts each rolling tier: sliding-window (no window of
     /// the tier's length holds more than its limit), fixed-window (windows aligned on
     /// the clock) or leaky-bucket (strict, room for one call). A tier with `burst=N` is
@@ -92,8 +96,8 @@ impl SimulateArgs {
         for assignment in &self.latencies {
             profile.set(assignment).map_err(|e| anyhow::anyhow!("--latency {e}"))?;
         }
-        let failures = Failures { outages: self.outages.clone(), rate_429: self.rate_429, rate_5xx: self.rate_5xx };
-        failures.check().map_err(|e| anyhow::anyhow!("--rate-429/--rate-5xx: {e}"))?;
+        let failures = Failures { outages: self.outages.clone(), rate_429: self.rate_429, rate_5xx: self.rate_5xx, foreign_load: self.foreign_load };
+        failures.check().map_err(|e| anyhow::anyhow!("--rate-429/--rate-5xx/--foreign-load: {e}"))?;
         let settings = Settings { quota: config.quota, orchestrator, circuit: config.circuit, workers: WorkerHost::Lambda };
         let mut plan = Plan::new(self.jobs, self.seed, settings, config.retry);
         plan.profile = profile;
