@@ -60,11 +60,11 @@ fn upload_allowance(job: &Job) -> Duration {
     Duration::from_millis(bytes * 1_000 / UPLOAD_BYTES_PER_SECOND)
 }
 
-/// The part of the lease's time-to-live this process does not count on (clock drift,
-/// a renewal that lands late): the lease is taken as lost a fifth of the TTL early.
 /// The circuit is re-read at most this often (see `DrainState::refresh_interval`).
 const FASTEST_REFRESH: Duration = Duration::from_millis(200);
 
+/// The part of the lease's time-to-live this process does not count on (clock drift,
+/// a renewal that lands late): the lease is taken as lost a fifth of the TTL early.
 pub(crate) fn lease_valid_for(ttl: Duration) -> Duration {
     ttl - ttl / 5
 }
@@ -221,9 +221,9 @@ impl CallSlotModel {
     /// With `capacity` slots: `None` if a call may start at `slot`, or when the model
     /// expects one to free.
     fn full_until(&self, capacity: u32, slot: UnixMillis) -> Option<UnixMillis> {
-        let running: Vec<UnixMillis> = self.slots.iter().filter(|s| s.plus(self.hold) > slot).copied().collect();
-        let over = running.len().checked_sub(usize::try_from(capacity).unwrap_or(usize::MAX))?;
-        running.get(over).map(|oldest| oldest.plus(self.hold))
+        let running = || self.slots.iter().filter(|s| s.plus(self.hold) > slot);
+        let over = running().count().checked_sub(usize::try_from(capacity).unwrap_or(usize::MAX))?;
+        running().nth(over).map(|oldest| oldest.plus(self.hold))
     }
 }
 

@@ -209,16 +209,6 @@ pub fn ramp_fraction(elapsed: Duration, start: f64, step: Duration) -> f64 {
     (start.max(0.001) * 2f64.powi(i32::try_from(steps).unwrap_or(64))).min(1.0)
 }
 
-/// How long a ramp from `start` doubling every `step` takes to reach the full pace.
-#[must_use]
-pub fn ramp_length(start: f64, step: Duration) -> Duration {
-    let mut length = Duration::ZERO;
-    while ramp_fraction(length, start, step) < 1.0 {
-        length += step;
-    }
-    length
-}
-
 /// When failures open the circuit: a worker whose call failed adds it to the bucket of
 /// its slot (`bucket_ms` long) and opens the circuit when that bucket and the one
 /// before hold `failures` or more. The orchestrator sizes the buckets so that one holds
@@ -362,8 +352,7 @@ mod tests {
         let step = Duration::from_secs(2);
         let at = |ms: u64| ramp_fraction(Duration::from_millis(ms), 0.1, step);
         assert_eq!([at(0), at(1_999), at(2_000), at(4_000), at(6_000), at(8_000)], [0.1, 0.1, 0.2, 0.4, 0.8, 1.0]);
-        assert_eq!(ramp_length(0.1, step), Duration::from_secs(8));
-        assert_eq!(ramp_length(1.0, step), Duration::ZERO);
+        assert_eq!(ramp_fraction(Duration::ZERO, 1.0, step), 1.0, "a ramp from the full pace is none");
     }
 
     #[test]
