@@ -17,10 +17,11 @@ use async_trait::async_trait;
 use paceline_orchestrator::{Orchestrator, RunOptions, Settings};
 use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::adapters::memory::RecordingInvoker;
+use paceline_shared::adaptive::ProviderReading;
 use paceline_shared::breaker::Circuit;
 use paceline_shared::config::{CircuitConfig, OrchestratorConfig, WorkerHost};
 use paceline_shared::job::{DeadLetterReason, WorkerPayload};
-use paceline_shared::ports::{Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortResult, QueueDepth, QueuedMessage, StateStore};
+use paceline_shared::ports::{Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortResult, QueueDepth, QueuedMessage, StateStore};
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 
@@ -122,9 +123,17 @@ impl StateStore for Counting<EmbeddedStore> {
         self.count("dynamodb:GetItem", 1);
         self.inner.cool_down().await
     }
-    async fn shared_state(&self) -> PortResult<(Circuit, UnixMillis)> {
+    async fn shared_state(&self) -> PortResult<LaneSignals> {
         self.count("dynamodb:BatchGetItem", 1);
-        Ok((self.inner.circuit().await?, self.inner.cool_down().await?))
+        self.inner.shared_state().await
+    }
+    async fn provider_reading(&self) -> PortResult<Option<ProviderReading>> {
+        self.count("dynamodb:GetItem", 1);
+        self.inner.provider_reading().await
+    }
+    async fn record_provider_reading(&self, reading: &ProviderReading) -> PortResult<()> {
+        self.count("dynamodb:UpdateItem", 1);
+        self.inner.record_provider_reading(reading).await
     }
     async fn take_call_slot(&self, capacity: u32, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<Option<u32>> {
         self.count("dynamodb:UpdateItem", 1);

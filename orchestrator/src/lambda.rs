@@ -179,6 +179,7 @@ mod tests {
             released: 0,
             paced_ms: 60_000,
             paced_by: Some("10/s".parse().unwrap()),
+            slowest_rate: None,
             tiers: vec![tier("10/s", 1.0), tier("1000/day", 0.5)],
         };
         let record = metrics_record(&report, true, "sms");

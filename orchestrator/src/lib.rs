@@ -224,7 +224,7 @@ impl Executor<'_> {
 
     /// The circuit and cool-down, and under a cap on calls in flight the call slots held.
     async fn read_shared_state(&self) -> PortResult<SharedState> {
-        let (circuit, cool_down) = self.o.store.shared_state().await?;
+        let signals = self.o.store.shared_state().await?;
         let call_slots = match self.o.settings.quota.max_in_flight() {
             Some(capacity) => {
                 let in_use = self.o.store.call_slots_in_use(capacity, self.o.clock.now()).await?;
@@ -233,7 +233,7 @@ impl Executor<'_> {
             }
             None => None,
         };
-        Ok(SharedState { circuit, cool_down, call_slots })
+        Ok(SharedState { circuit: signals.circuit, cool_down: signals.cool_down, provider_reading: signals.provider_reading, call_slots })
     }
 
     /// Asks the decision step what to do, does it, and feeds back what came of it,

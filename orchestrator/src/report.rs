@@ -5,6 +5,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use paceline_shared::adaptive::EffectiveRate;
 use paceline_shared::check::WindowPeak;
 use paceline_shared::pacer::Hold;
 use paceline_shared::quota::{Period, Quota, Tier};
@@ -72,6 +73,9 @@ pub struct RunReport {
     /// The tier that held jobs back longest: the one that set the pace (none when
     /// nothing waited for a tier).
     pub paced_by: Option<Tier>,
+    /// The slowest the provider's answers made the lane go, and why (none: never below
+    /// the configured pace).
+    pub slowest_rate: Option<EffectiveRate>,
     pub tiers: Vec<TierReport>,
 }
 
@@ -88,6 +92,7 @@ impl RunReport {
             released: 0,
             paced_ms: 0,
             paced_by: None,
+            slowest_rate: None,
             tiers: Vec::new(),
         }
     }

@@ -64,6 +64,14 @@ impl StrictWindowLimiter {
         self.arrivals.push_back((now.0, cost));
     }
 
+    /// What a provider's headers would say at `now`: units left in the window ending
+    /// then, and when the oldest unit in it leaves (`now` when it is empty).
+    pub fn remaining(&mut self, now: UnixMillis) -> (u64, UnixMillis) {
+        let _ = self.fits(now, 0);
+        let frees = self.arrivals.front().map_or(now, |(t, _)| UnixMillis(t.saturating_add(self.window_ms)));
+        (self.limit.saturating_sub(self.units), frees)
+    }
+
     /// Admits and records the call if it fits; refuses (and records nothing) if not.
     pub fn try_admit(&mut self, now: UnixMillis, cost: u64) -> bool {
         let fits = self.fits(now, cost);
@@ -105,6 +113,12 @@ impl StrictFixedWindowLimiter {
     pub fn record(&mut self, now: UnixMillis, cost: u64) {
         let _ = self.fits(now, 0);
         self.units += cost;
+    }
+
+    /// Units left in the window holding `now`, and when it ends.
+    pub fn remaining(&mut self, now: UnixMillis) -> (u64, UnixMillis) {
+        let _ = self.fits(now, 0);
+        (self.limit.saturating_sub(self.units), UnixMillis((self.window_index + 1).saturating_mul(self.window_ms)))
     }
 }
 
@@ -148,6 +162,14 @@ impl StrictBucketLimiter {
     pub fn record(&mut self, now: UnixMillis, cost: u64) {
         self.drain(now);
         self.level += u128::from(cost) * u128::from(self.window_ms);
+    }
+
+    /// Whole units the bucket has room for at `now`, and when it is empty.
+    pub fn remaining(&mut self, now: UnixMillis) -> (u64, UnixMillis) {
+        self.drain(now);
+        let room = (u128::from(self.capacity) * u128::from(self.window_ms)).saturating_sub(self.level) / u128::from(self.window_ms);
+        let empty_in_ms = self.level.div_ceil(u128::from(self.limit.max(1)));
+        (u64::try_from(room).unwrap_or(u64::MAX), now.plus(Duration::from_millis(u64::try_from(empty_in_ms).unwrap_or(u64::MAX))))
     }
 
     /// Admits and records the call if it fits; refuses (and records nothing) if not.

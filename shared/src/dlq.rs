@@ -315,6 +315,7 @@ mod tests {
             dispatched_at: UnixMillis(0),
             slot: None,
             trip: None,
+            report_limits: false,
         };
         let body = format!(
             r#"{{"version":"1.0","timestamp":"2026-11-22T10:00:00.000Z","requestContext":{{"requestId":"r","functionArn":"arn:aws:lambda:us-east-1:1:function:w","condition":"RetriesExhausted","approximateInvokeCount":3}},"requestPayload":{},"responseContext":{{"statusCode":200,"executedVersion":"$LATEST","functionError":"Unhandled"}},"responsePayload":{{"errorType":"Transient","errorMessage":"sqs SendMessage: timed out"}}}}"#,

@@ -273,6 +273,10 @@ pub enum WorkerPayload {
         /// When failed calls open the circuit (absent in older payloads: the first does).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         trip: Option<TripRule>,
+        /// Record the provider's rate-limit headers of this call's answer (the
+        /// orchestrator asks about once a second; a 429's are recorded anyway).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        report_limits: bool,
     },
     /// Call the health-check request; close the circuit if it is healthy.
     HealthCheck {
@@ -428,7 +432,7 @@ mod tests {
     #[test]
     fn payloads_round_trip_with_their_version_and_refuse_others() {
         let job = Job::parse(r#"{"id":"j","request":{"method":"GET","path":"/"}}"#).unwrap();
-        let payload = WorkerPayload::Job { job, attempt: 2, circuit_epoch: 4, dispatched_at: UnixMillis(9), slot: None, trip: None };
+        let payload = WorkerPayload::Job { job, attempt: 2, circuit_epoch: 4, dispatched_at: UnixMillis(9), slot: None, trip: None, report_limits: false };
         let text = payload.to_json();
         assert!(text.contains(r#""v":2"#) && text.contains(r#""kind":"job""#));
         assert_eq!(WorkerPayload::from_json(&text).unwrap(), payload);
@@ -473,7 +477,7 @@ mod tests {
         // Through a re-queue and a worker payload, still the same bytes.
         let again = Job::parse(&job.to_json()).unwrap();
         assert_eq!(again.request.body.as_ref().unwrap().json(), body);
-        let payload = WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(1), slot: None, trip: None };
+        let payload = WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(1), slot: None, trip: None, report_limits: false };
         let WorkerPayload::Job { job, .. } = WorkerPayload::from_json(&payload.to_json()).unwrap() else { panic!("not a job") };
         assert_eq!(job.request.body.unwrap().json(), body);
         let text_body = Job::parse(r#"{"request":{"method":"POST","path":"/","body":"plain \"text\""}}"#).unwrap();

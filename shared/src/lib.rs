@@ -2,6 +2,7 @@
 //! configuration), with the ports the orchestrator and worker use and their adapters.
 
 pub mod adapters;
+pub mod adaptive;
 pub mod breaker;
 pub mod check;
 pub mod config;

@@ -13,6 +13,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
+use crate::adaptive::{EffectiveRate, ProviderReading};
 use crate::breaker::Circuit;
 use crate::dlq::{DeadLetterRecord, DlqSource};
 use crate::job::{DeadLetterReason, WorkerPayload};
@@ -211,12 +212,16 @@ pub fn redrive_messages(records: &[DeadLetterRecord], keep_attempts: bool) -> Po
 }
 
 /// The pacer state a run leaves for the next.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PacerSnapshot {
     pub state: PacerState,
     /// Written by a run that ended cleanly. A snapshot written mid-run (or none after
     /// one) means that run may have dispatched more than it says.
     pub at_exit: bool,
+    /// The adaptive rate when it was written: for `paceline status`, and the next run
+    /// carries on from it while it is fresh.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub effective_rate: Option<EffectiveRate>,
 }
 
 /// A held lease: one pacer per lane. The epoch grows with every new holder, so writes
@@ -228,7 +233,17 @@ pub struct Lease {
     pub expires_at: UnixMillis,
 }
 
-/// Lease, quota usage, pacer snapshot, circuit and cool-down.
+/// What the orchestrator re-reads while jobs flow: the circuit, the provider's
+/// cool-down and the latest reading of the provider's rate-limit headers.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LaneSignals {
+    pub circuit: Circuit,
+    pub cool_down: UnixMillis,
+    pub provider_reading: Option<ProviderReading>,
+}
+
+/// Lease, quota usage, pacer snapshot, circuit, cool-down and the provider's latest
+/// rate-limit reading.
 ///
 /// The lease rules every adapter keeps (each check and write is one atomic step):
 /// - an unexpired lease is never taken, by its own holder neither (a holder name is one
@@ -306,14 +321,26 @@ pub trait StateStore: Send + Sync {
     /// `Conflict` when it is not.
     async fn swap_circuit(&self, expected_epoch: u64, next: &Circuit) -> PortResult<()>;
 
-    /// The circuit and the cool-down together, as the orchestrator re-reads them while
-    /// jobs flow: one request where the store can batch them.
+    /// The circuit, the cool-down and the provider's reading together, as the
+    /// orchestrator re-reads them while jobs flow: one request where the store can batch.
     ///
     /// # Errors
     /// Transport errors only.
-    async fn shared_state(&self) -> PortResult<(Circuit, UnixMillis)> {
-        Ok((self.circuit().await?, self.cool_down().await?))
+    async fn shared_state(&self) -> PortResult<LaneSignals> {
+        Ok(LaneSignals { circuit: self.circuit().await?, cool_down: self.cool_down().await?, provider_reading: self.provider_reading().await? })
     }
+
+    /// The latest reading a worker recorded of the provider's rate-limit headers.
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn provider_reading(&self) -> PortResult<Option<ProviderReading>>;
+
+    /// Records `reading` unless one of a later call is already there.
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn record_provider_reading(&self, reading: &ProviderReading) -> PortResult<()>;
 
     /// Until when the provider asked us to hold off (0 if never).
     ///

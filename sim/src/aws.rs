@@ -8,10 +8,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use paceline_shared::adaptive::ProviderReading;
 use paceline_shared::breaker::Circuit;
 use paceline_shared::job::{DeadLetterReason, WorkerPayload};
 use paceline_shared::ports::{
-    slot_probe_start, Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth, QueuedMessage, StateStore, WorkerHandler,
+    slot_probe_start, Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth, QueuedMessage, StateStore,
+    WorkerHandler,
 };
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 
@@ -275,6 +277,7 @@ struct StoreState {
     pacer: Option<PacerSnapshot>,
     circuit: Circuit,
     cool_down: UnixMillis,
+    provider_reading: Option<ProviderReading>,
     /// Call slots by index: holder and expiry.
     call_slots: BTreeMap<u32, (String, UnixMillis)>,
 }
@@ -443,12 +446,26 @@ impl StateStore for SimStore {
         Ok(u32::try_from(state.call_slots.iter().filter(|(index, (_, until))| **index < capacity && *until > now).count()).unwrap_or(u32::MAX))
     }
 
-    async fn shared_state(&self) -> PortResult<(Circuit, UnixMillis)> {
+    async fn shared_state(&self) -> PortResult<LaneSignals> {
         self.world.ledger.count("dynamodb:BatchGetItem", 1);
-        self.world.ledger.dynamodb_read_units.fetch_add(2, Ordering::Relaxed);
+        self.world.ledger.dynamodb_read_units.fetch_add(3, Ordering::Relaxed);
         self.world.call(Stream::DynamoDb).await;
         let state = self.state();
-        Ok((state.circuit.clone(), state.cool_down))
+        Ok(LaneSignals { circuit: state.circuit.clone(), cool_down: state.cool_down, provider_reading: state.provider_reading })
+    }
+
+    async fn provider_reading(&self) -> PortResult<Option<ProviderReading>> {
+        self.read(1).await;
+        Ok(self.state().provider_reading)
+    }
+
+    async fn record_provider_reading(&self, reading: &ProviderReading) -> PortResult<()> {
+        self.write("dynamodb:UpdateItem", 1, 1).await;
+        let mut state = self.state();
+        if state.provider_reading.is_none_or(|current| current.at < reading.at) {
+            state.provider_reading = Some(*reading);
+        }
+        Ok(())
     }
 
     async fn extend_cool_down(&self, until: UnixMillis) -> PortResult<()> {

@@ -129,7 +129,8 @@ pub async fn dispatch_loop(world: Arc<World>, queue: Arc<SimQueue>, lambda: Arc<
                 }
             }
             let now = world.clock.now();
-            let payload = WorkerPayload::Job { job, attempt: message.attempt, circuit_epoch: 0, dispatched_at: now, slot: None, trip: None };
+            let payload =
+                WorkerPayload::Job { job, attempt: message.attempt, circuit_epoch: 0, dispatched_at: now, slot: None, trip: None, report_limits: false };
             let lambda = lambda.clone();
             // Hand-offs run side by side, as a poller's would; the receipt goes once answered.
             handed.push((tokio::spawn(async move { lambda.invoke(&payload, None).await }), message.receipt));

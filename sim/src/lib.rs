@@ -108,6 +108,9 @@ pub struct Plan {
     pub failures: Failures,
     /// How the simulated provider counts rolling tiers.
     pub provider: ProviderModel,
+    /// The provider sends its rate-limit headers (`RateLimit`, `RateLimit-Policy`) on
+    /// every answer.
+    pub rate_limit_headers: bool,
     /// Each orchestrator run's Lambda timeout (the template's default, 70 s).
     pub orchestrator_timeout: Duration,
     /// How often EventBridge kicks the orchestrator.
@@ -129,6 +132,7 @@ impl Plan {
             profile: LatencyProfile::default(),
             failures: Failures::default(),
             provider: ProviderModel::default(),
+            rate_limit_headers: true,
             orchestrator_timeout: Duration::from_secs(70),
             schedule: Duration::from_secs(60),
             memory: FunctionMemory::default(),
@@ -164,7 +168,10 @@ impl Lane {
         let queue = Arc::new(SimQueue::new(world.clone()));
         let store = Arc::new(SimStore::new(world.clone()));
         let dispatched_at = Arc::new(Mutex::new(vec![UnixMillis(0); plan.jobs]));
-        let provider = Arc::new(Provider::new(world.clone(), &plan.settings.quota, plan.provider, plan.failures.clone(), dispatched_at.clone(), plan.jobs));
+        let provider = Arc::new(
+            Provider::new(world.clone(), &plan.settings.quota, plan.provider, plan.failures.clone(), dispatched_at.clone(), plan.jobs)
+                .with_rate_limit_headers(plan.rate_limit_headers),
+        );
         let stats = Arc::new(WorkerStats::default());
         let finished = Arc::new(tokio::sync::Notify::new());
         let health_check = ApiRequest { method: "GET".into(), path: "/health".into(), query: Default::default(), headers: Default::default(), body: None };

@@ -84,6 +84,15 @@ impl RollingLimiter {
             Self::Bucket(limiter) => limiter.record(now, 1),
         }
     }
+
+    /// Units left at `now` and when the quota frees, as the provider's headers say.
+    fn remaining(&mut self, now: UnixMillis) -> (u64, UnixMillis) {
+        match self {
+            Self::Sliding(limiter) => limiter.remaining(now),
+            Self::Fixed(limiter) => limiter.remaining(now),
+            Self::Bucket(limiter) => limiter.remaining(now),
+        }
+    }
 }
 
 /// One tier as the provider enforces and the checker measures it.
@@ -142,6 +151,19 @@ impl TierCheck {
             TierGate::Rolling { limiter, .. } => limiter.fits(now),
             TierGate::Calendar { .. } => self.fits(quota, now),
         }
+    }
+
+    /// The `RateLimit` and `RateLimit-Policy` headers (IETF draft 8 and later) of a
+    /// rolling tier at `now`; none for a calendar tier.
+    fn rate_limit_headers(&mut self, now: UnixMillis) -> Vec<(String, String)> {
+        let TierGate::Rolling { limiter, .. } = &mut self.gate else { return Vec::new() };
+        let (remaining, frees) = limiter.remaining(now);
+        let window_seconds = self.tier.nominal_window().as_secs().max(1);
+        let reset_seconds = frees.since(now).as_millis().div_ceil(1000);
+        vec![
+            ("ratelimit-policy".into(), format!("\"sim\";q={};w={window_seconds}", self.tier.limit)),
+            ("ratelimit".into(), format!("\"sim\";r={remaining};t={reset_seconds}")),
+        ]
     }
 
     fn admit(&mut self, now: UnixMillis) {
@@ -251,6 +273,8 @@ pub struct Provider {
     /// Other clients' calls: one every this long, the next one at `foreign_next`.
     foreign_every: Option<std::time::Duration>,
     foreign_next: Mutex<UnixMillis>,
+    /// Every answer carries the shortest rolling tier's rate-limit headers.
+    rate_limit_headers: bool,
 }
 
 /// Everything the provider saw.
@@ -285,7 +309,34 @@ impl Provider {
         let foreign_rate = failures.foreign_load * quota.binding_tier().rate_per_second();
         let foreign_every = (foreign_rate > 0.0).then(|| std::time::Duration::from_secs_f64(1.0 / foreign_rate));
         let foreign_next = Mutex::new(world.start);
-        Self { world, quota: quota.clone(), failures, dispatched_at, tiers: Mutex::new(tiers), seen: Mutex::new(seen), foreign_every, foreign_next }
+        Self {
+            world,
+            quota: quota.clone(),
+            failures,
+            dispatched_at,
+            tiers: Mutex::new(tiers),
+            seen: Mutex::new(seen),
+            foreign_every,
+            foreign_next,
+            rate_limit_headers: true,
+        }
+    }
+
+    /// The same provider sending rate-limit headers on every answer, or on none.
+    #[must_use]
+    pub fn with_rate_limit_headers(self, rate_limit_headers: bool) -> Self {
+        Self { rate_limit_headers, ..self }
+    }
+
+    /// The headers of an answer at `now`: the shortest rolling tier's rate limit, and
+    /// on a 429 `Retry-After`.
+    fn answer_headers(&self, tiers: &mut [TierCheck], now: UnixMillis, refused: bool) -> Vec<(String, String)> {
+        let mut headers = if refused { vec![("retry-after".to_owned(), "1".to_owned())] } else { Vec::new() };
+        if self.rate_limit_headers {
+            let shortest = tiers.iter_mut().filter(|t| !t.tier.is_calendar()).min_by_key(|t| t.tier.nominal_window());
+            headers.extend(shortest.map(|t| t.rate_limit_headers(now)).unwrap_or_default());
+        }
+        headers
     }
 
     /// Other clients' calls up to `now`, in time order, each admitted where it fits.
@@ -345,7 +396,7 @@ impl Provider {
                 tier.violations += 1;
             }
             seen.answers.over_quota_429 += 1;
-            return CallResult::Response { status: 429, headers: vec![("retry-after".into(), "1".into())] };
+            return CallResult::Response { status: 429, headers: self.answer_headers(&mut tiers, now, true) };
         }
         for tier in tiers.iter_mut() {
             tier.admit(now);
@@ -354,13 +405,13 @@ impl Provider {
         let draw = self.world.sampler.uniform(Stream::Fault, key);
         if draw < self.failures.rate_429 {
             seen.answers.injected_429 += 1;
-            CallResult::Response { status: 429, headers: vec![("retry-after".into(), "1".into())] }
+            CallResult::Response { status: 429, headers: self.answer_headers(&mut tiers, now, true) }
         } else if draw < self.failures.rate_429 + self.failures.rate_5xx {
             seen.answers.injected_5xx += 1;
-            CallResult::Response { status: 500, headers: Vec::new() }
+            CallResult::Response { status: 500, headers: self.answer_headers(&mut tiers, now, false) }
         } else {
             seen.answers.ok += 1;
-            CallResult::Response { status: 200, headers: Vec::new() }
+            CallResult::Response { status: 200, headers: self.answer_headers(&mut tiers, now, false) }
         }
     }
 

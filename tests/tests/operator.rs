@@ -27,7 +27,7 @@ fn job(id: &str) -> Job {
 }
 
 fn job_payload(id: &str) -> WorkerPayload {
-    WorkerPayload::Job { job: job(id), attempt: 0, circuit_epoch: 0, dispatched_at: system_now(), slot: None, trip: None }
+    WorkerPayload::Job { job: job(id), attempt: 0, circuit_epoch: 0, dispatched_at: system_now(), slot: None, trip: None, report_limits: false }
 }
 
 async fn api(tiers: &[&str], outage: Option<(Duration, Duration)>) -> FakeApi {

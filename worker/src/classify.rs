@@ -12,6 +12,7 @@
 
 use std::time::Duration;
 
+use paceline_shared::adaptive::ProviderReading;
 use paceline_shared::config::RetryConfig;
 use paceline_shared::time::UnixMillis;
 
@@ -71,17 +72,24 @@ fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
 /// The instant the provider says to come back, from the first header that names one.
 #[must_use]
 pub fn cool_down_until(headers: &[(String, String)], now: UnixMillis) -> Option<UnixMillis> {
-    let after_seconds = |s: f64| (s.is_finite() && s >= 0.0).then(|| now.plus(Duration::from_secs_f64(s.min(86_400.0))));
     if let Some(value) = header(headers, "retry-after") {
         if let Ok(seconds) = value.parse::<f64>() {
-            return after_seconds(seconds);
+            return seconds_after(now, seconds);
         }
         if let Ok(date) = httpdate::parse_http_date(value) {
             let millis = date.duration_since(std::time::UNIX_EPOCH).ok()?.as_millis();
             return Some(UnixMillis(u64::try_from(millis).ok()?).max(now));
         }
     }
-    if let Some(seconds) = header(headers, "ratelimit").and_then(ratelimit_reset) {
+    quota_reset_at(headers, now)
+}
+
+/// When the quota resets, from the rate-limit headers (not `Retry-After`): `RateLimit`'s
+/// `reset`/`t`, `RateLimit-Reset`, `X-RateLimit-Reset-After` or `X-RateLimit-Reset`
+/// (epoch seconds or milliseconds, or a delta), at most a day ahead.
+fn quota_reset_at(headers: &[(String, String)], now: UnixMillis) -> Option<UnixMillis> {
+    let after_seconds = |seconds: f64| seconds_after(now, seconds);
+    if let Some(seconds) = header(headers, "ratelimit").and_then(|v| parameter(ratelimit_item(v), &["reset", "t"])) {
         return after_seconds(seconds);
     }
     if let Some(seconds) = header(headers, "ratelimit-reset").and_then(|v| v.parse::<f64>().ok()) {
@@ -103,14 +111,78 @@ pub fn cool_down_until(headers: &[(String, String)], now: UnixMillis) -> Option<
     None
 }
 
-/// `reset` (draft 7: `limit=100, remaining=0, reset=30`) or `t` (draft 8+:
-/// `"default";r=0;t=30`) from a `RateLimit` header.
-fn ratelimit_reset(value: &str) -> Option<f64> {
+/// `seconds` after `now` (at most a day), if `seconds` is a time span at all.
+fn seconds_after(now: UnixMillis, seconds: f64) -> Option<UnixMillis> {
+    (seconds.is_finite() && seconds >= 0.0).then(|| now.plus(Duration::from_secs_f64(seconds.min(86_400.0))))
+}
+
+/// The part of a `RateLimit` header about one quota: draft 7's whole dictionary
+/// (`limit=100, remaining=50, reset=30`), or draft 8's first item (`"a";r=5;t=3, ...`).
+fn ratelimit_item(value: &str) -> &str {
+    if value.starts_with('"') {
+        first_item(value)
+    } else {
+        value
+    }
+}
+
+/// The first item of a list header (`a;x=1, b;x=2` gives `a;x=1`).
+fn first_item(value: &str) -> &str {
+    value.split(',').next().unwrap_or_default().trim()
+}
+
+/// The first of `keys` in `key=value` parameters separated by `;` or `,`, as a number.
+fn parameter(value: &str, keys: &[&str]) -> Option<f64> {
     value
         .split([',', ';'])
         .filter_map(|part| part.trim().split_once('='))
-        .find(|(key, _)| matches!(key.trim(), "reset" | "t"))
-        .and_then(|(_, v)| v.trim().parse().ok())
+        .find(|(key, _)| keys.contains(&key.trim()))
+        .and_then(|(_, v)| v.trim().trim_matches('"').parse().ok())
+}
+
+/// The leading number of a header value (`100`, or `100, 100;w=60`).
+fn leading_number(value: &str) -> Option<u64> {
+    first_item(value).split(';').next()?.trim().parse().ok()
+}
+
+/// What an answer's rate-limit headers say about the quota, as of the call made at
+/// `called_at`; `None` without a limit and a remaining count. Read, in this order:
+/// - `RateLimit` and `RateLimit-Policy` (IETF draft 8 and later:
+///   `"default";r=50;t=30` with `"default";q=100;w=60`; draft 7:
+///   `limit=100, remaining=50, reset=30` with `100;w=60`);
+/// - `RateLimit-Limit`, `RateLimit-Remaining`, `RateLimit-Reset` (earlier drafts);
+/// - `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset[-After]`.
+///
+/// A window comes from the policy's `w` (or a `;w=` on the limit). Without a reset the
+/// quota is taken to reset a window (or a second) after the call.
+#[must_use]
+pub fn provider_reading(headers: &[(String, String)], called_at: UnixMillis) -> Option<ProviderReading> {
+    let ratelimit = header(headers, "ratelimit").map(ratelimit_item);
+    let policy_header = header(headers, "ratelimit-policy");
+    // Draft 8+ names the policy a `RateLimit` item is about.
+    let name = ratelimit.and_then(|v| v.strip_prefix('"')).and_then(|v| v.split('"').next());
+    let policy = policy_header.map(|p| {
+        let mut items = p.split(',').map(str::trim);
+        let named = name.and_then(|name| items.clone().find(|item| item.starts_with(&format!("\"{name}\""))));
+        named.unwrap_or_else(|| items.next().unwrap_or_default())
+    });
+    let limit_header = header(headers, "ratelimit-limit").or_else(|| header(headers, "x-ratelimit-limit"));
+    let limit = ratelimit
+        .and_then(|v| parameter(v, &["limit"]))
+        .or_else(|| policy.and_then(|p| parameter(p, &["q"]).or_else(|| leading_number(p).map(|n| n as f64))))
+        .map(|n| n as u64)
+        .or_else(|| limit_header.and_then(leading_number))?;
+    let remaining = ratelimit
+        .and_then(|v| parameter(v, &["remaining", "r"]))
+        .map(|n| n as u64)
+        .or_else(|| header(headers, "ratelimit-remaining").or_else(|| header(headers, "x-ratelimit-remaining")).and_then(leading_number))?;
+    let window_ms = policy
+        .and_then(|p| parameter(p, &["w"]))
+        .or_else(|| limit_header.and_then(|v| v.split(',').nth(1)).and_then(|item| parameter(item, &["w"])))
+        .filter(|w| w.is_finite() && *w > 0.0)
+        .map(|seconds| (seconds * 1000.0) as u64);
+    let resets_at = quota_reset_at(headers, called_at).unwrap_or_else(|| called_at.plus(Duration::from_millis(window_ms.unwrap_or(1_000))));
+    Some(ProviderReading { limit, remaining: remaining.min(limit), window_ms, resets_at, at: called_at })
 }
 
 #[cfg(test)]
@@ -178,5 +250,38 @@ mod tests {
         assert_eq!(until(&[("X-RateLimit-Reset", "9"), ("Retry-After", "2")]), at(2_000));
         assert_eq!(until(&[("Retry-After", "Fri, 27 Nov 2026 00:00:00 GMT")]), at(0));
         assert_eq!(until(&[("Retry-After", "soon")]), at(1_000));
+    }
+
+    fn reading(headers: &[(&str, &str)]) -> Option<(u64, u64, Option<u64>, u64)> {
+        let CallResult::Response { headers, .. } = response(200, headers) else { unreachable!() };
+        provider_reading(&headers, NOW).map(|r| (r.limit, r.remaining, r.window_ms, r.resets_at.0 - NOW.0))
+    }
+
+    #[test]
+    fn every_kind_of_rate_limit_header_gives_a_reading() {
+        // IETF draft 8 and later: the named policy's quota and window.
+        let named = [("RateLimit", "\"burst\";r=40;t=1"), ("RateLimit-Policy", "\"daily\";q=5000;w=86400, \"burst\";q=100;w=1")];
+        assert_eq!(reading(&named), Some((100, 40, Some(1_000), 1_000)));
+        // Draft 7: a dictionary and a policy list.
+        assert_eq!(reading(&[("RateLimit", "limit=100, remaining=50, reset=30"), ("RateLimit-Policy", "100;w=60")]), Some((100, 50, Some(60_000), 30_000)));
+        // Earlier drafts, with the window on the limit.
+        let split = [("RateLimit-Limit", "10, 10;w=1"), ("RateLimit-Remaining", "3"), ("RateLimit-Reset", "0.5")];
+        assert_eq!(reading(&split), Some((10, 3, Some(1_000), 500)));
+        // The de facto X- headers (GitHub's, with an epoch reset), no window named.
+        let github = [("X-RateLimit-Limit", "5000"), ("X-RateLimit-Remaining", "4990"), ("X-RateLimit-Reset", "1795827600")];
+        assert_eq!(reading(&github), Some((5_000, 4_990, None, 3_600_000)));
+        // No reset: a window (or a second) after the call.
+        assert_eq!(reading(&[("X-RateLimit-Limit", "60"), ("X-RateLimit-Remaining", "59")]), Some((60, 59, None, 1_000)));
+        // Remaining above the limit is the limit.
+        assert_eq!(reading(&[("X-RateLimit-Limit", "60"), ("X-RateLimit-Remaining", "99")]), Some((60, 60, None, 1_000)));
+    }
+
+    #[test]
+    fn headers_without_a_limit_and_a_remaining_count_are_no_reading() {
+        assert_eq!(reading(&[]), None);
+        assert_eq!(reading(&[("Retry-After", "3")]), None);
+        assert_eq!(reading(&[("X-RateLimit-Limit", "60")]), None);
+        assert_eq!(reading(&[("X-RateLimit-Limit", "lots"), ("X-RateLimit-Remaining", "5")]), None);
+        assert_eq!(reading(&[("RateLimit", "\"a\";r=5;t=1")]), None, "a draft 8 reading needs its policy for the limit");
     }
 }

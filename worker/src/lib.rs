@@ -26,7 +26,7 @@ use paceline_shared::time::{Clock, UnixMillis};
 use serde::Serialize;
 use tracing::{info, warn};
 
-pub use classify::{classify, failure_label, CallResult, Outcome};
+pub use classify::{classify, failure_label, provider_reading, CallResult, Outcome};
 
 /// A job that found every call slot held comes back within this long (a random share).
 const CALL_SLOT_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
@@ -97,6 +97,15 @@ impl CallSlots {
     }
 }
 
+/// What a job's payload says about its call, besides the job.
+#[derive(Clone, Copy, Debug)]
+struct JobCall {
+    attempt: u32,
+    circuit_epoch: u64,
+    trip: Option<TripRule>,
+    report_limits: bool,
+}
+
 /// A call slot held for one call (none without a cap), and who holds it.
 struct HeldSlot {
     index: Option<u32>,
@@ -142,8 +151,9 @@ impl Worker {
         Self { stats, ..self }
     }
 
-    #[tracing::instrument(skip_all, fields(job_id = %job.id, attempt))]
-    async fn run_job(&self, job: &Job, attempt: u32, circuit_epoch: u64, trip: Option<TripRule>, held: HeldSlot) -> PortResult<()> {
+    #[tracing::instrument(skip_all, fields(job_id = %job.id, attempt = call.attempt))]
+    async fn run_job(&self, job: &Job, call: JobCall, held: HeldSlot) -> PortResult<()> {
+        let JobCall { attempt, circuit_epoch, trip, report_limits } = call;
         let called_at = self.clock.now();
         let result = self.api.call(&job.request).await;
         self.release_call_slot(held).await;
@@ -155,6 +165,7 @@ impl Worker {
                 return self.dead_letter(job, attempt, DeadLetterCause::Malformed, e.to_string()).await;
             }
         };
+        self.record_provider_reading(&result, called_at, report_limits).await;
         let now = self.clock.now();
         let failure = failure_label(&result);
         match classify(&result, now, &self.retry) {
@@ -268,6 +279,20 @@ impl Worker {
         self.requeue_unattempted(job, attempt, delay).await
     }
 
+    /// Records what the answer's rate-limit headers say (if anything) when the
+    /// orchestrator asked for it, or on a 429. A failure is only logged: the reading is
+    /// advice, and the next one comes soon.
+    async fn record_provider_reading(&self, result: &CallResult, called_at: UnixMillis, asked: bool) {
+        let CallResult::Response { status, headers } = result else { return };
+        if !asked && *status != 429 {
+            return;
+        }
+        let Some(reading) = provider_reading(headers, called_at) else { return };
+        if let Err(e) = self.store.record_provider_reading(&reading).await {
+            warn!(error = %e, "could not record the provider's rate-limit reading");
+        }
+    }
+
     /// Counts a failed call made at `called_at` in its bucket and says whether the
     /// failures of that bucket and the one before reach the rule's threshold. A payload
     /// without a rule (written before rules existed) trips at once.
@@ -326,13 +351,13 @@ impl Worker {
 impl WorkerHandler for Worker {
     async fn handle(&self, payload: WorkerPayload) -> PortResult<()> {
         match payload {
-            WorkerPayload::Job { job, attempt, circuit_epoch, slot, trip, dispatched_at } => {
+            WorkerPayload::Job { job, attempt, circuit_epoch, slot, trip, dispatched_at, report_limits } => {
                 let holder = format!("{}#{attempt}#{}", job.id.as_str(), dispatched_at.0);
                 let Some(held) = self.take_call_slot(holder, slot).await? else {
                     return self.turned_away(&job, attempt).await;
                 };
                 if self.wait_for_slot(slot).await {
-                    self.run_job(&job, attempt, circuit_epoch, trip, held).await
+                    self.run_job(&job, JobCall { attempt, circuit_epoch, trip, report_limits }, held).await
                 } else {
                     self.release_call_slot(held).await;
                     self.requeue_unattempted(&job, attempt, std::time::Duration::ZERO).await

@@ -12,8 +12,9 @@ use paceline_shared::time::TokioClock;
 
 use super::*;
 
-/// Answers `/v1/status/CODE` with CODE (429s carry `Retry-After: 3`) and records the
-/// Authorization header of each call.
+/// Answers `/v1/status/CODE` with CODE (429s carry `Retry-After: 3`; every answer says
+/// `X-RateLimit-Remaining: 7` of `X-RateLimit-Limit: 10`) and records the Authorization
+/// header of each call.
 async fn scripted_api() -> (String, Arc<Mutex<Vec<String>>>) {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let record = seen.clone();
@@ -24,6 +25,8 @@ async fn scripted_api() -> (String, Arc<Mutex<Vec<String>>>) {
             record.lock().unwrap().push(format!("{} {}", request.uri().path(), auth));
             let code: u16 = request.uri().path().rsplit('/').next().and_then(|c| c.parse().ok()).unwrap_or(200);
             let mut headers = HeaderMap::new();
+            headers.insert("x-ratelimit-limit", "10".parse().unwrap());
+            headers.insert("x-ratelimit-remaining", "7".parse().unwrap());
             if code == 429 {
                 headers.insert("retry-after", "3".parse().unwrap());
             }
@@ -64,7 +67,7 @@ fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
 
 fn job_to(status: u16) -> WorkerPayload {
     let job = Job::parse(&format!(r#"{{"id":"job-{status}","request":{{"method":"POST","path":"/status/{status}","body":{{"a":1}}}}}}"#)).unwrap();
-    WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None }
+    WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None, report_limits: false }
 }
 
 /// The jobs re-queued, once their back-off (at most 40 ms here) is over.
@@ -108,7 +111,7 @@ async fn failures_under_the_threshold_retry_their_job_alone_after_a_back_off_and
     let failing = |n: u32| {
         let job = Job::parse(&format!(r#"{{"id":"f{n}","request":{{"method":"GET","path":"/status/500"}}}}"#)).unwrap();
         let trip = Some(TripRule { bucket_ms: 60_000, failures: 3 });
-        WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip }
+        WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip, report_limits: false }
     };
     worker.handle(failing(1)).await.unwrap();
     worker.handle(failing(2)).await.unwrap();
@@ -145,7 +148,10 @@ async fn other_client_errors_and_exhausted_attempts_are_dead_lettered() {
     let (worker, store) = new_worker(&base);
     worker.handle(job_to(404)).await.unwrap();
     let WorkerPayload::Job { job, .. } = job_to(500) else { unreachable!() };
-    worker.handle(WorkerPayload::Job { job, attempt: 2, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None }).await.unwrap();
+    worker
+        .handle(WorkerPayload::Job { job, attempt: 2, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None, report_limits: false })
+        .await
+        .unwrap();
     let dead = store.dead_letters().unwrap();
     let causes: Vec<String> = dead.iter().map(|d| d.reason.cause.label()).collect();
     assert_eq!(causes, vec!["http_404", "attempts_exhausted:http_500"]);
@@ -195,6 +201,7 @@ async fn a_slotted_job_calls_at_its_slot_and_a_late_one_is_requeued_without_call
             dispatched_at: t0,
             slot: Some(CallSlot { not_before, call_by: not_before.plus(Duration::from_millis(5)) }),
             trip: None,
+            report_limits: false,
         }
     };
     worker.handle(slotted(t0.plus(Duration::from_millis(250)))).await.unwrap();
@@ -214,7 +221,10 @@ async fn a_request_that_cannot_be_built_is_dead_lettered_as_malformed_and_leaves
     // As an older producer or a hand-edited message might carry it, past `Job::parse`.
     let WorkerPayload::Job { mut job, .. } = job_to(200) else { unreachable!() };
     job.request.headers.insert("X-Bad".into(), "a\r\nX-Injected: 1".into());
-    worker.handle(WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None }).await.unwrap();
+    worker
+        .handle(WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None, report_limits: false })
+        .await
+        .unwrap();
     assert!(store.circuit().await.unwrap().is_closed());
     assert!(seen.lock().unwrap().is_empty(), "the API was called");
     let dead = store.dead_letters().unwrap();
@@ -261,4 +271,23 @@ async fn a_failed_follow_up_write_fails_the_payload_so_it_is_retried() {
         assert!(result.as_ref().is_err_and(PortError::is_retryable), "{method:?} failing ({error}) gave {result:?}");
         assert_eq!(faulty.calls(method), times as u64, "{method:?}");
     }
+}
+
+#[tokio::test]
+async fn the_provider_s_rate_limit_headers_are_recorded_when_asked_and_on_a_429() {
+    let (base, _) = scripted_api().await;
+    let (worker, store) = new_worker(&base);
+    worker.handle(job_to(200)).await.unwrap();
+    assert_eq!(store.provider_reading().await.unwrap(), None, "not asked: no write");
+    let WorkerPayload::Job { job, .. } = job_to(200) else { unreachable!() };
+    let asked = WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None, report_limits: true };
+    let before = worker.clock.now();
+    worker.handle(asked).await.unwrap();
+    let reading = store.provider_reading().await.unwrap().expect("asked: recorded");
+    assert_eq!((reading.limit, reading.remaining, reading.window_ms), (10, 7, None));
+    assert!(reading.at >= before, "as of the call");
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    worker.handle(job_to(429)).await.unwrap();
+    let after_429 = store.provider_reading().await.unwrap().unwrap();
+    assert!(after_429.at > reading.at, "a 429's headers are recorded unasked");
 }

@@ -64,6 +64,11 @@ pub struct SimulateArgs {
     /// a bucket of N in every model.
     #[arg(long, default_value = "sliding-window", value_name = "MODEL")]
     pub provider: ProviderModel,
+    /// The provider sends no rate-limit headers (by default every answer carries
+    /// `RateLimit` and `RateLimit-Policy` for its shortest rolling tier): the lane then
+    /// learns of other clients only from 429s.
+    #[arg(long)]
+    pub no_rate_limit_headers: bool,
     /// Override the config's `orchestrator.dispatch_ahead` (0s for none; unset, 400ms as
     /// for Lambda workers).
     #[arg(long, value_parser = humantime::parse_duration)]
@@ -103,6 +108,7 @@ impl SimulateArgs {
         plan.profile = profile;
         plan.failures = failures;
         plan.provider = self.provider;
+        plan.rate_limit_headers = !self.no_rate_limit_headers;
         plan.time_limit = self.time_limit;
         Ok(plan)
     }

@@ -215,6 +215,29 @@ async fn a_first_run_with_warm_up_ramps_from_a_share_of_the_pace() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_ramp_s_spacing_holds_for_slots_dispatched_ahead() {
+    let lane = lane_with_settings(&["10/s"], 0, |settings| {
+        settings.circuit = CircuitConfig { warm_up: true, ramp_start: 0.25, ramp_step: Duration::from_secs(1), ..CircuitConfig::default() };
+        settings.orchestrator.dispatch_ahead = Some(Duration::from_millis(300));
+    });
+    enqueue(&lane, (0..5).map(|i| job(&format!("j{i}")))).await;
+    lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    let slots: Vec<u64> = lane
+        .invoker
+        .accepted()
+        .iter()
+        .filter_map(|(_, p)| match p {
+            WorkerPayload::Job { slot: Some(slot), .. } => Some(slot.not_before.0 - T0.0),
+            _ => None,
+        })
+        .collect();
+    // A quarter of the pace, 400 ms apart, for slots in the ramp's first second; then
+    // half. A loop that wakes within its 2 ms slack must not take the slack off the
+    // spacing (it did: 300, 698, 1096, 1294, 1492).
+    assert_eq!(slots, vec![300, 700, 1_100, 1_300, 1_500]);
+}
+
+#[tokio::test(start_paused = true)]
 async fn every_job_carries_the_trip_rule_of_the_pace() {
     let lane = lane(&["100/s"], 0);
     enqueue(&lane, vec![job("a")]).await;
@@ -320,8 +343,11 @@ async fn after_a_crashed_run_dispatch_waits_one_window_of_the_longest_tier() {
     let lane = lane(&["5/s", "60/min"], 0);
     // A run that crashed leaves a mid-run snapshot behind.
     let lease = lane.store.acquire_lease("crashed", Duration::from_secs(30), T0).await.unwrap();
-    let snapshot =
-        paceline_shared::ports::PacerSnapshot { state: paceline_shared::pacer::PacerState::new(&lane.orchestrator.settings().quota), at_exit: false };
+    let snapshot = paceline_shared::ports::PacerSnapshot {
+        state: paceline_shared::pacer::PacerState::new(&lane.orchestrator.settings().quota),
+        at_exit: false,
+        effective_rate: None,
+    };
     lane.store.save_pacer(&lease, &snapshot).await.unwrap();
     lane.store.clear_lease().unwrap();
     enqueue(&lane, vec![job("a"), job("b")]).await;

@@ -15,6 +15,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension};
 
+use crate::adaptive::ProviderReading;
 use crate::breaker::Circuit;
 use crate::dlq::{jobs_record, DeadLetterRecord, DlqSource};
 use crate::job::{DeadLetterReason, WorkerPayload};
@@ -547,6 +548,21 @@ impl StateStore for EmbeddedStore {
         Ok(())
     }
 
+    async fn provider_reading(&self) -> PortResult<Option<ProviderReading>> {
+        self.get_kv("provider_reading")
+    }
+
+    async fn record_provider_reading(&self, reading: &ProviderReading) -> PortResult<()> {
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(sql_err)?;
+        let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = 'provider_reading'", [], |r| r.get(0)).optional().map_err(sql_err)?;
+        let current: Option<ProviderReading> = stored.and_then(|t| serde_json::from_str(&t).ok());
+        if current.is_none_or(|current| current.at < reading.at) {
+            Self::put_kv(&tx, "provider_reading", reading)?;
+        }
+        tx.commit().map_err(sql_err)
+    }
+
     async fn take_call_slot(&self, capacity: u32, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<Option<u32>> {
         let mut conn = self.conn();
         let tx = conn.transaction().map_err(sql_err)?;
@@ -681,7 +697,7 @@ mod tests {
         let quota = crate::quota::Quota::new(vec!["5/s".parse().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
         let mut state = crate::pacer::PacerState::new(&quota);
         state.set_hold_until(UnixMillis(7));
-        let snapshot = PacerSnapshot { state, at_exit: true };
+        let snapshot = PacerSnapshot { state, at_exit: true, effective_rate: None };
         assert!(matches!(s.save_pacer(&a, &snapshot).await, Err(PortError::Conflict(_))));
         s.save_pacer(&b, &snapshot).await.unwrap();
         assert_eq!(s.load_pacer().await.unwrap(), Some(snapshot));
@@ -743,7 +759,7 @@ mod tests {
         let got = store.receive(1, Duration::ZERO, Duration::from_secs(30)).await.unwrap();
         let job = crate::job::Job::parse(&got[0].body).unwrap();
         let invoker = EmbeddedInvoker::new(store.clone(), Arc::new(Idle));
-        let payload = WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None };
+        let payload = WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None, report_limits: false };
         invoker.invoke(&payload, Some(&got[0].receipt)).await.unwrap();
         // As after a kill -9 here, before the orchestrator deleted the message: the
         // restart finds one copy of the job, not two.

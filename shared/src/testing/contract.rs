@@ -8,11 +8,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::adaptive::ProviderReading;
 use crate::breaker::Circuit;
 use crate::dlq::DlqSource;
 use crate::job::{DeadLetterCause, DeadLetterReason, WorkerPayload};
 use crate::pacer::PacerState;
-use crate::ports::{DeadLetterQueues, Invoker, JobQueue, OutgoingMessage, PacerSnapshot, PortError, StateStore};
+use crate::ports::{DeadLetterQueues, Invoker, JobQueue, LaneSignals, OutgoingMessage, PacerSnapshot, PortError, StateStore};
 use crate::quota::Quota;
 use crate::time::{Clock, UnixMillis};
 
@@ -140,7 +141,7 @@ pub async fn state_store(store: Arc<dyn StateStore>, quota: &Quota) {
     let b = store.acquire_lease("b", ttl, at(90)).await.expect("an expired lease is taken");
     assert!(b.epoch > a.epoch, "every acquire raises the fencing epoch: {} after {}", b.epoch, a.epoch);
     assert!(matches!(store.renew_lease(&a, ttl, at(91)).await, Err(PortError::Conflict(_))), "a lost lease is not renewed");
-    let snapshot = PacerSnapshot { state: PacerState::new(quota), at_exit: false };
+    let snapshot = PacerSnapshot { state: PacerState::new(quota), at_exit: false, effective_rate: None };
     assert!(matches!(store.save_pacer(&a, &snapshot).await, Err(PortError::Conflict(_))), "a stale holder's snapshot is refused");
     store.release_lease(&a).await.expect("giving up a lost lease is a no-op");
     assert_eq!(store.lease().await.unwrap().map(|l| l.holder), Some("b".into()), "a stale holder cannot give up the current lease");
@@ -188,7 +189,17 @@ pub async fn state_store(store: Arc<dyn StateStore>, quota: &Quota) {
     store.extend_cool_down(at(200)).await.unwrap();
     store.extend_cool_down(at(150)).await.unwrap();
     assert_eq!(store.cool_down().await.unwrap(), at(200), "a cool-down is never shortened");
-    assert_eq!(store.shared_state().await.unwrap(), (held, at(200)), "circuit and cool-down read together");
+
+    // The provider's rate-limit reading: only a later call's replaces it.
+    assert_eq!(store.provider_reading().await.unwrap(), None);
+    let reading = ProviderReading { limit: 100, remaining: 40, window_ms: Some(1_000), resets_at: at(1_200), at: at(210) };
+    store.record_provider_reading(&reading).await.unwrap();
+    store.record_provider_reading(&ProviderReading { remaining: 90, window_ms: None, at: at(205), ..reading }).await.unwrap();
+    assert_eq!(store.provider_reading().await.unwrap(), Some(reading), "an older reading does not replace a later one");
+    let later = ProviderReading { remaining: 10, window_ms: None, at: at(220), ..reading };
+    store.record_provider_reading(&later).await.unwrap();
+    let signals = LaneSignals { circuit: held, cool_down: at(200), provider_reading: Some(later) };
+    assert_eq!(store.shared_state().await.unwrap(), signals, "circuit, cool-down and reading read together");
 
     // Call slots (`quota.max_in_flight`).
     let (now, until) = (at(300), at(310));

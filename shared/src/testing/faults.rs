@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+use crate::adaptive::ProviderReading;
 use crate::breaker::Circuit;
 use crate::job::{DeadLetterReason, WorkerPayload};
 use crate::ports::{Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth, QueuedMessage, StateStore};
@@ -34,6 +35,8 @@ pub enum Method {
     CoolDown,
     ExtendCoolDown,
     ClearCoolDown,
+    ProviderReading,
+    RecordProviderReading,
     TakeCallSlot,
     ReleaseCallSlot,
     CallSlotsInUse,
@@ -174,6 +177,14 @@ impl<T: StateStore + ?Sized> StateStore for Faulty<T> {
     async fn clear_cool_down(&self) -> PortResult<()> {
         self.call(Method::ClearCoolDown)?;
         self.inner.clear_cool_down().await
+    }
+    async fn provider_reading(&self) -> PortResult<Option<ProviderReading>> {
+        self.call(Method::ProviderReading)?;
+        self.inner.provider_reading().await
+    }
+    async fn record_provider_reading(&self, reading: &ProviderReading) -> PortResult<()> {
+        self.call(Method::RecordProviderReading)?;
+        self.inner.record_provider_reading(reading).await
     }
     async fn take_call_slot(&self, capacity: u32, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<Option<u32>> {
         self.call(Method::TakeCallSlot)?;

@@ -1,7 +1,8 @@
 //! Lane state in one DynamoDB table keyed by `pk` (string): the lease with its fencing
 //! epoch, quota usage counters (atomic `ADD`), the pacer snapshot (written only while the
-//! lease's epoch is unchanged, in a transaction), the circuit (epoch-conditioned) and
-//! the cool-down (only ever extended).
+//! lease's epoch is unchanged, in a transaction), the circuit (epoch-conditioned), the
+//! cool-down (only ever extended) and the provider's latest rate-limit reading (only
+//! ever replaced by a later one).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -11,14 +12,16 @@ use aws_sdk_dynamodb::types::{AttributeValue, ConditionCheck, KeysAndAttributes,
 use aws_sdk_dynamodb::Client;
 
 use super::{build_error, map_sdk_error};
+use crate::adaptive::ProviderReading;
 use crate::breaker::{Circuit, FAILURE_BUCKET_PREFIX};
-use crate::ports::{slot_probe_start, Lease, PacerSnapshot, PortError, PortResult, StateStore};
+use crate::ports::{slot_probe_start, LaneSignals, Lease, PacerSnapshot, PortError, PortResult, StateStore};
 use crate::time::UnixMillis;
 
 const LEASE: &str = "lease";
 const PACER: &str = "pacer";
 const CIRCUIT: &str = "circuit";
 const COOL_DOWN: &str = "cool_down";
+const PROVIDER_READING: &str = "provider_reading";
 /// Call slot items are this prefix and their index (see `take_call_slot`).
 const CALL_SLOT: &str = "call_slot#";
 
@@ -51,6 +54,17 @@ fn circuit_of(item: &Item) -> PortResult<Circuit> {
         reason: get_s(item, "reason").to_owned(),
         reopened: u32::try_from(get_n(item, "reopened")).unwrap_or(u32::MAX),
         held: item.get("held").and_then(|v| v.as_bool().ok()).copied().unwrap_or(false),
+    })
+}
+
+/// The provider reading as stored in its item (`None` before the first).
+fn provider_reading_of(item: &Item) -> Option<ProviderReading> {
+    item.contains_key("at").then(|| ProviderReading {
+        limit: get_n(item, "quota_limit"),
+        remaining: get_n(item, "remaining"),
+        window_ms: item.get("window_ms").and_then(|v| v.as_n().ok()).and_then(|v| v.parse().ok()),
+        resets_at: UnixMillis(get_n(item, "resets_at")),
+        at: UnixMillis(get_n(item, "at")),
     })
 }
 
@@ -283,11 +297,45 @@ impl StateStore for DynamoStateStore {
         Ok(u32::try_from(in_use).unwrap_or(u32::MAX))
     }
 
-    async fn shared_state(&self) -> PortResult<(Circuit, UnixMillis)> {
-        let items = self.batch_get(&[CIRCUIT.to_owned(), COOL_DOWN.to_owned()], "circuit, cool-down").await?;
+    async fn shared_state(&self) -> PortResult<LaneSignals> {
+        let keys = [CIRCUIT.to_owned(), COOL_DOWN.to_owned(), PROVIDER_READING.to_owned()];
+        let items = self.batch_get(&keys, "circuit, cool-down, provider reading").await?;
         let item = |pk: &str| items.iter().find(|item| item.get("pk").and_then(|v| v.as_s().ok()).is_some_and(|v| v == pk));
         let circuit = item(CIRCUIT).map_or_else(|| Ok(Circuit::default()), circuit_of)?;
-        Ok((circuit, UnixMillis(item(COOL_DOWN).map_or(0, |i| get_n(i, "until")))))
+        Ok(LaneSignals {
+            circuit,
+            cool_down: UnixMillis(item(COOL_DOWN).map_or(0, |i| get_n(i, "until"))),
+            provider_reading: item(PROVIDER_READING).and_then(provider_reading_of),
+        })
+    }
+
+    async fn provider_reading(&self) -> PortResult<Option<ProviderReading>> {
+        Ok(self.get(PROVIDER_READING).await?.as_ref().and_then(provider_reading_of))
+    }
+
+    async fn record_provider_reading(&self, reading: &ProviderReading) -> PortResult<()> {
+        let window = reading.window_ms.map_or_else(|| "REMOVE window_ms".to_owned(), |_| String::new());
+        let set = if reading.window_ms.is_some() { ", window_ms = :w" } else { "" };
+        let mut update = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("pk", s(PROVIDER_READING))
+            .update_expression(format!("SET quota_limit = :l, remaining = :r, resets_at = :z, #at = :at{set} {window}"))
+            .condition_expression("attribute_not_exists(#at) OR #at < :at")
+            .expression_attribute_names("#at", "at")
+            .expression_attribute_values(":l", n(reading.limit))
+            .expression_attribute_values(":r", n(reading.remaining))
+            .expression_attribute_values(":z", n(reading.resets_at.0))
+            .expression_attribute_values(":at", n(reading.at.0));
+        if let Some(window_ms) = reading.window_ms {
+            update = update.expression_attribute_values(":w", n(window_ms));
+        }
+        match update.send().await.map_err(|e| map_sdk_error("dynamodb UpdateItem (provider reading)", &e)) {
+            // A later reading is already there.
+            Ok(_) | Err(PortError::Conflict(_)) => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     async fn swap_circuit(&self, expected_epoch: u64, next: &Circuit) -> PortResult<()> {

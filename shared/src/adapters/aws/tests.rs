@@ -101,7 +101,7 @@ async fn a_cool_down_that_is_already_later_is_not_an_error() {
 #[tokio::test]
 async fn invokes_are_async_events_and_throttling_is_typed() {
     let job = crate::job::Job::parse(r#"{"id":"j","request":{"method":"GET","path":"/"}}"#).unwrap();
-    let payload = WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(1), slot: None, trip: None };
+    let payload = WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(1), slot: None, trip: None, report_limits: false };
     let accepted = mock!(aws_sdk_lambda::Client::invoke)
         .match_requests(|r| {
             r.function_name() == Some("worker")
