@@ -108,6 +108,8 @@ async fn api(tiers: &[&str], outage: Option<(Duration, Duration)>) -> FakeApi {
         latency: (Duration::from_millis(20), Duration::from_millis(80)),
         outage,
         server_error_every: None,
+        max_concurrent: None,
+        others_per_second: 0.0,
     })
     .await
     .unwrap()
@@ -247,6 +249,8 @@ async fn background_server_errors_retry_their_own_job_through_sqs_delays_and_nev
         latency: (Duration::from_millis(20), Duration::from_millis(80)),
         outage: None,
         server_error_every: Some(8),
+        max_concurrent: None,
+        others_per_second: 0.0,
     };
     let api = FakeApi::start(spec).await.unwrap();
     lane.with_worker_calling(&api);
@@ -382,4 +386,37 @@ async fn lambda_invoke_keeps_the_invoker_contract() {
         worker.ran()
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cap_on_calls_in_flight_holds_across_workers_through_dynamodb() {
+    let mut lane = lane("20/s").await;
+    lane.env.insert("PACELINE_MAX_IN_FLIGHT".into(), "3".into());
+    // 20/s with answers in 300 to 600 ms would keep about 9 calls in flight; the API
+    // refuses any call past 3 at once.
+    let spec = FakeApiSpec {
+        tiers: vec!["20/s".parse().unwrap()],
+        latency: (Duration::from_millis(300), Duration::from_millis(600)),
+        outage: None,
+        server_error_every: None,
+        max_concurrent: Some(3),
+        others_per_second: 0.0,
+    };
+    let api = FakeApi::start(spec).await.unwrap();
+    lane.with_worker_calling(&api);
+    lane.enqueue(jobs("conc", 30)).await;
+    let report = lane.orchestrator().run(&drain_opts("test", Duration::from_secs(60))).await.unwrap();
+    lane.lambda.settle(Duration::from_secs(10)).await;
+    assert_eq!(report.stop, StopReason::Drained);
+    // A job turned away by a full cap is re-queued with a short delay: the next run takes it.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    lane.orchestrator().run(&drain_opts("next", Duration::from_secs(30))).await.unwrap();
+    lane.lambda.settle(Duration::from_secs(10)).await;
+
+    let log = api.log();
+    assert_eq!((log.concurrency_rejections, log.quota_rejections), (0, 0), "{log:?}");
+    assert!(log.peak_in_flight <= 3, "{} calls in flight at once", log.peak_in_flight);
+    let succeeded: BTreeSet<&str> = log.ok_by_path.keys().filter_map(|p| p.strip_prefix("/items/")).collect();
+    assert_eq!(succeeded.len(), 30, "every job succeeded");
+    assert_eq!(lane.queue().depth().await.unwrap().dead, 0);
 }

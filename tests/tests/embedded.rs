@@ -18,6 +18,8 @@ async fn api(tiers: &[&str], outage: Option<(Duration, Duration)>) -> FakeApi {
         latency: (Duration::from_millis(50), Duration::from_millis(600)),
         outage,
         server_error_every: None,
+        max_concurrent: None,
+        others_per_second: 0.0,
     };
     FakeApi::start(spec).await.unwrap()
 }
@@ -73,6 +75,8 @@ async fn background_server_errors_retry_their_own_job_and_never_open_the_circuit
         latency: (Duration::from_millis(50), Duration::from_millis(300)),
         outage: None,
         server_error_every: Some(12),
+        max_concurrent: None,
+        others_per_second: 0.0,
     };
     let api = FakeApi::start(spec).await.unwrap();
     let dir = lane_dir("noise");
@@ -89,6 +93,68 @@ async fn background_server_errors_retry_their_own_job_and_never_open_the_circuit
     assert_eq!(summary["requeued"].as_u64(), Some(log.server_errors), "each failure retried its own job");
     assert_eq!(log.quota_rejections, 0, "retries are paced like any call");
     assert_eq!(succeeded_ids(&log), jobs.iter().cloned().collect::<BTreeSet<_>>());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cap_on_calls_in_flight_keeps_a_concurrency_limited_endpoint_from_refusing() {
+    let _alone = one_lane_at_a_time().await;
+    // 20/s with answers in 300 to 600 ms would keep about 9 calls in flight; the API
+    // refuses any call past 3 at once.
+    let spec = FakeApiSpec {
+        tiers: vec!["20/s".parse().unwrap()],
+        latency: (Duration::from_millis(300), Duration::from_millis(600)),
+        outage: None,
+        server_error_every: None,
+        max_concurrent: Some(3),
+        others_per_second: 0.0,
+    };
+    let api = FakeApi::start(spec).await.unwrap();
+    let dir = lane_dir("concurrency");
+    let config = write_config(&dir, &api.base_url, &["20/s"], "");
+    let text = std::fs::read_to_string(&config).unwrap().replace("safety_margin = \"25ms\"\n", "safety_margin = \"25ms\"\nmax_in_flight = 3\n");
+    std::fs::write(&config, text).unwrap();
+    let config = config.to_str().unwrap();
+    let jobs = ids("conc", 40);
+    assert!(paceline(&["enqueue", "--config", config], &job_lines(&jobs)).await.status.success());
+
+    let summary = json_of(&paceline(&["run", "--config", config, "--drain", "--json"], "").await);
+    let log = api.log();
+    assert_eq!(summary["succeeded"], 40, "{summary}");
+    assert_eq!((log.concurrency_rejections, log.quota_rejections), (0, 0), "{log:?}");
+    assert!(log.peak_in_flight <= 3, "{} calls in flight at once", log.peak_in_flight);
+    assert_eq!(succeeded_ids(&log), jobs.iter().cloned().collect::<BTreeSet<_>>());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quota_shared_with_other_clients_slows_to_what_they_leave() {
+    let _alone = one_lane_at_a_time().await;
+    // Other clients spend 4 of the 10 calls a second; the API says so in its headers.
+    let spec = FakeApiSpec {
+        tiers: vec!["10/s".parse().unwrap()],
+        latency: (Duration::from_millis(20), Duration::from_millis(60)),
+        outage: None,
+        server_error_every: None,
+        max_concurrent: None,
+        others_per_second: 4.0,
+    };
+    let api = FakeApi::start(spec).await.unwrap();
+    let dir = lane_dir("shared");
+    let config = write_config(&dir, &api.base_url, &["10/s"], "");
+    let config = config.to_str().unwrap();
+    let jobs = ids("shared", 60);
+    assert!(paceline(&["enqueue", "--config", config], &job_lines(&jobs)).await.status.success());
+
+    let summary = json_of(&paceline(&["run", "--config", config, "--drain", "--json"], "").await);
+    let log = api.log();
+    assert_eq!(summary["succeeded"], 60, "{summary}");
+    // Until the first reading the lane goes at the full 10/s; from then on at what the
+    // others leave (10 - 4 x 1.1 = 5.6/s).
+    assert!(log.quota_rejections <= 6, "{} of our calls refused: {log:?}", log.quota_rejections);
+    let status = json_of(&paceline(&["status", "--config", config, "--json"], "").await);
+    assert_eq!(status["effective_rate"]["detail"]["kind"], "shared_quota", "{status}");
+    let per_second = status["effective_rate"]["per_second"].as_f64().unwrap();
+    assert!((4.0..=7.0).contains(&per_second), "{status}");
+    assert_eq!(status["provider_reading"]["limit"], 10, "{status}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

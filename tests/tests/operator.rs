@@ -36,6 +36,8 @@ async fn api(tiers: &[&str], outage: Option<(Duration, Duration)>) -> FakeApi {
         latency: (Duration::from_millis(5), Duration::from_millis(20)),
         outage,
         server_error_every: None,
+        max_concurrent: None,
+        others_per_second: 0.0,
     };
     FakeApi::start(spec).await.unwrap()
 }

@@ -136,8 +136,15 @@ impl DemoArgs {
     pub async fn run(self) -> anyhow::Result<()> {
         let tiers: Vec<Tier> = TIERS.iter().map(|t| t.parse()).collect::<Result<_, _>>()?;
         let outage = (!self.outage_for.is_zero()).then_some((self.outage_after, self.outage_for));
-        let api = FakeApi::start(FakeApiSpec { tiers, latency: (Duration::from_millis(200), Duration::from_millis(1_500)), outage, server_error_every: None })
-            .await?;
+        let api = FakeApi::start(FakeApiSpec {
+            tiers,
+            latency: (Duration::from_millis(200), Duration::from_millis(1_500)),
+            outage,
+            server_error_every: None,
+            max_concurrent: None,
+            others_per_second: 0.0,
+        })
+        .await?;
         let dir = self.dir.clone().unwrap_or_else(|| std::env::temp_dir().join(format!("paceline-demo-{}", std::process::id())));
         let config_path = write_config(&dir, &api.base_url)?;
         let config = load_config(&config_path)?;

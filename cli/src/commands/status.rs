@@ -1,9 +1,11 @@
 //! `paceline status`: per tier used / limit / when it frees up or resets; the circuit (state, since when,
-//! why, epoch); the lease holder; queue and DLQ depths; and about how long the backlog
-//! takes at the quota. On the embedded store or AWS alike.
+//! why, epoch); the lease holder; queue and DLQ depths; the rate the lane goes at and why
+//! (the provider's rate-limit headers may call for less than the tiers); and about how
+//! long the backlog takes at the quota. On the embedded store or AWS alike.
 
 use std::time::Duration;
 
+use paceline_shared::adaptive::{ProviderReading, RateReason};
 use paceline_shared::breaker::Circuit;
 use paceline_shared::dlq::DlqSource;
 use paceline_shared::pacer::PacerState;
@@ -37,6 +39,40 @@ struct TierUsage {
     next_unit_frees_at: Option<String>,
 }
 
+/// The rate the last run went at, as it saved it with the pacer.
+#[derive(Serialize)]
+struct RateStatus {
+    per_second: f64,
+    configured_per_second: f64,
+    /// Why, in words.
+    reason: String,
+    /// Why, as data.
+    detail: RateReason,
+    as_of: String,
+}
+
+/// What the provider's rate-limit headers last said.
+#[derive(Serialize)]
+struct ReadingStatus {
+    limit: u64,
+    remaining: u64,
+    window_seconds: Option<f64>,
+    resets_at: String,
+    read_at: String,
+}
+
+impl From<ProviderReading> for ReadingStatus {
+    fn from(r: ProviderReading) -> Self {
+        Self {
+            limit: r.limit,
+            remaining: r.remaining,
+            window_seconds: r.window_ms.map(|ms| ms as f64 / 1000.0),
+            resets_at: r.resets_at.to_rfc3339(),
+            read_at: r.at.to_rfc3339(),
+        }
+    }
+}
+
 #[derive(Serialize)]
 struct Status {
     queue: QueueDepth,
@@ -45,6 +81,9 @@ struct Status {
     circuit: Circuit,
     lease: Option<Lease>,
     cool_down_until: Option<String>,
+    /// None before a run saved one.
+    effective_rate: Option<RateStatus>,
+    provider_reading: Option<ReadingStatus>,
     tiers: Vec<TierUsage>,
     /// Seconds the waiting jobs take at the quota (one unit each), when the quota is known.
     drain_estimate_seconds: Option<u64>,
@@ -60,9 +99,17 @@ impl StatusArgs {
         let worker_dead = if lane.queues.sources().contains(&DlqSource::Worker) { Some(lane.queues.count(DlqSource::Worker).await?) } else { None };
         let mut tiers = Vec::new();
         let mut drain_estimate_seconds = None;
+        let snapshot = lane.state.load_pacer().await?;
+        let effective_rate = snapshot.as_ref().and_then(|s| s.effective_rate.clone()).map(|rate| RateStatus {
+            per_second: (rate.per_second * 100.0).round() / 100.0,
+            configured_per_second: rate.configured_per_second,
+            reason: rate.reason.to_string(),
+            detail: rate.reason,
+            as_of: rate.at.to_rfc3339(),
+        });
         if let Some(quota) = lane.config.as_ref().map(|c| &c.quota) {
             let calendar_used = load_calendar_usage(lane.state.as_ref(), quota, now).await?;
-            let pacer = lane.state.load_pacer().await?.map(|snapshot| PacerState::restored(quota, &snapshot.state));
+            let pacer = snapshot.map(|snapshot| PacerState::restored(quota, &snapshot.state));
             let rolling_used = pacer.as_ref().map(|pacer| pacer.usage(quota, now));
             for (index, (tier, used)) in quota.tiers().iter().zip(&calendar_used).enumerate() {
                 let usage = if tier.is_calendar() {
@@ -96,6 +143,8 @@ impl StatusArgs {
             circuit: lane.state.circuit().await?,
             lease: lane.state.lease().await?.filter(|l| l.expires_at > now),
             cool_down_until: (cool_down > now).then(|| cool_down.to_rfc3339()),
+            effective_rate,
+            provider_reading: lane.state.provider_reading().await?.map(ReadingStatus::from),
             tiers,
             drain_estimate_seconds,
         };
@@ -129,6 +178,14 @@ fn print_status(status: &Status, now: UnixMillis) {
     }
     if let Some(until) = &status.cool_down_until {
         println!("cool-down until {until} (the API asked us to wait; `paceline circuit close` ends it)");
+    }
+    if let Some(rate) = &status.effective_rate {
+        let of = if rate.per_second < rate.configured_per_second { format!(" of the configured {:.2}/s", rate.configured_per_second) } else { String::new() };
+        println!("rate: {:.2}/s{of}: {} (as of {})", rate.per_second, rate.reason, rate.as_of);
+    }
+    if let Some(r) = &status.provider_reading {
+        let window = r.window_seconds.map_or(String::new(), |w| format!(" per {w} s"));
+        println!("the provider said at {}: {} of {}{window} left, resets at {}", r.read_at, r.remaining, r.limit, r.resets_at);
     }
     for t in &status.tiers {
         match (t.used, &t.resets_at, &t.next_unit_frees_at) {
