@@ -235,6 +235,18 @@ pub struct TripSettings {
 /// The usage keys of failure buckets start with this.
 pub const FAILURE_BUCKET_PREFIX: &str = "failures#";
 
+/// How long a failure bucket is kept after it is written (DynamoDB: the table's TTL;
+/// the embedded store sweeps older ones when it counts a failure).
+pub const FAILURE_BUCKET_TTL: Duration = Duration::from_secs(86_400);
+
+/// When the failure bucket with usage key `key` ends (`None` for other keys).
+#[must_use]
+pub fn failure_bucket_end(key: &str) -> Option<UnixMillis> {
+    let (bucket_ms, index) = key.strip_prefix(FAILURE_BUCKET_PREFIX)?.split_once('#')?;
+    let (bucket_ms, index): (u64, u64) = (bucket_ms.parse().ok()?, index.parse().ok()?);
+    Some(UnixMillis(index.saturating_add(1).saturating_mul(bucket_ms)))
+}
+
 /// Buckets are at least this long (fewer items at a high pace) and at most a minute.
 const BUCKET_BOUNDS_MS: (u64, u64) = (50, 60_000);
 

@@ -16,7 +16,7 @@ use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::adaptive::ProviderReading;
-use crate::breaker::Circuit;
+use crate::breaker::{failure_bucket_end, Circuit, FAILURE_BUCKET_PREFIX, FAILURE_BUCKET_TTL};
 use crate::dlq::{jobs_record, DeadLetterRecord, DlqSource};
 use crate::job::{DeadLetterReason, WorkerPayload};
 use crate::ports::{
@@ -124,6 +124,20 @@ impl EmbeddedStore {
     fn read_kv<T: serde::de::DeserializeOwned>(conn: &Connection, key: &str) -> PortResult<Option<T>> {
         let text: Option<String> = conn.query_row("SELECT value FROM kv WHERE key = ?1", [key], |r| r.get(0)).optional().map_err(sql_err)?;
         text.map(|t| serde_json::from_str(&t).map_err(|e| fatal(format!("stored {key} is unreadable: {e}")))).transpose()
+    }
+
+    /// Deletes the failure buckets that ended [`FAILURE_BUCKET_TTL`] before `now` (what
+    /// DynamoDB's TTL does for the AWS store).
+    fn sweep_failure_buckets(conn: &Connection, now: UnixMillis) -> PortResult<()> {
+        let keys: Vec<String> = conn
+            .prepare("SELECT key FROM usage WHERE key LIKE 'failures#%'")
+            .and_then(|mut statement| statement.query_map([], |row| row.get(0))?.collect())
+            .map_err(sql_err)?;
+        let horizon = now.minus(FAILURE_BUCKET_TTL);
+        for key in keys.iter().filter(|key| failure_bucket_end(key).is_some_and(|end| end < horizon)) {
+            conn.execute("DELETE FROM usage WHERE key = ?1", [key]).map_err(sql_err)?;
+        }
+        Ok(())
     }
 
     fn put_kv<T: serde::Serialize>(conn: &Connection, key: &str, value: &T) -> PortResult<()> {
@@ -498,6 +512,9 @@ impl StateStore for EmbeddedStore {
             tx.execute("INSERT INTO usage (key, used) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET used = used + ?2", params![key, delta])
                 .map_err(sql_err)?;
         }
+        if deltas.iter().any(|(key, _)| key.starts_with(FAILURE_BUCKET_PREFIX)) {
+            Self::sweep_failure_buckets(&tx, self.clock.now())?;
+        }
         tx.commit().map_err(sql_err)
     }
 
@@ -703,6 +720,20 @@ mod tests {
         assert_eq!(s.load_pacer().await.unwrap(), Some(snapshot));
         s.release_lease(&b).await.unwrap();
         assert_eq!(s.acquire_lease("c", ttl, UnixMillis(10_002)).await.unwrap().epoch, 3);
+    }
+
+    #[tokio::test]
+    async fn failure_buckets_older_than_a_day_are_swept_when_a_failure_is_counted() {
+        let clock = Arc::new(crate::time::ManualClock::new(UnixMillis(10 * 86_400_000)));
+        let s = EmbeddedStore::in_memory(clock.clone()).unwrap();
+        let old = "failures#1000#100".to_owned(); // ended at 101 s
+        let recent = format!("failures#1000#{}", 9 * 86_400 + 100); // ended within the day
+        s.add_usage(&[(old.clone(), 1), (recent.clone(), 2)]).await.unwrap();
+        assert_eq!(s.load_usage(&[old.clone(), recent.clone()]).await.unwrap(), vec![0, 2], "swept with the count");
+        s.add_usage(&[("10/day@0".into(), 1)]).await.unwrap();
+        let now = format!("failures#1000#{}", 10 * 86_400);
+        s.add_usage(&[(now.clone(), 1)]).await.unwrap();
+        assert_eq!(s.load_usage(&[recent, now, "10/day@0".into()]).await.unwrap(), vec![2, 1, 1], "other keys stay");
     }
 
     #[tokio::test]

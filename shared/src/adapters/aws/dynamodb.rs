@@ -13,7 +13,7 @@ use aws_sdk_dynamodb::Client;
 
 use super::{build_error, map_sdk_error};
 use crate::adaptive::ProviderReading;
-use crate::breaker::{Circuit, FAILURE_BUCKET_PREFIX};
+use crate::breaker::{Circuit, FAILURE_BUCKET_PREFIX, FAILURE_BUCKET_TTL};
 use crate::ports::{slot_probe_start, LaneSignals, Lease, PacerSnapshot, PortError, PortResult, StateStore};
 use crate::time::UnixMillis;
 
@@ -42,8 +42,6 @@ fn n(v: impl ToString) -> AttributeValue {
     AttributeValue::N(v.to_string())
 }
 
-/// How long a failure bucket is kept (the table's TTL attribute `expires_at_seconds`).
-const FAILURE_BUCKET_TTL: Duration = Duration::from_secs(86_400);
 
 /// The circuit as stored in its item.
 fn circuit_of(item: &Item) -> PortResult<Circuit> {
