@@ -42,7 +42,6 @@ fn n(v: impl ToString) -> AttributeValue {
     AttributeValue::N(v.to_string())
 }
 
-
 /// The circuit as stored in its item.
 fn circuit_of(item: &Item) -> PortResult<Circuit> {
     Ok(Circuit {
