@@ -103,7 +103,8 @@ impl EmbeddedLane {
         let api = Arc::new(ApiClient::new(&config.api)?);
         let worker = Worker::new(api, store.clone(), store.clone(), clock.clone(), config.retry, config.api.health_check.clone())
             .with_stats(worker_stats.clone())
-            .with_call_slots(CallSlots::for_api(config.quota.max_in_flight(), config.api.timeout));
+            .with_call_slots(CallSlots::for_api(config.quota.max_in_flight(), config.api.timeout))
+            .with_api_timeout(config.api.timeout);
         let worker: Arc<dyn WorkerHandler> = Arc::new(worker);
         let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), worker));
         let orchestrator = Orchestrator::new(store.clone(), store.clone(), invoker, clock, Settings::from_config(config, WorkerHost::InProcess));

@@ -21,7 +21,9 @@ use paceline_shared::adaptive::ProviderReading;
 use paceline_shared::breaker::Circuit;
 use paceline_shared::config::{CircuitConfig, OrchestratorConfig, WorkerHost};
 use paceline_shared::job::{DeadLetterReason, WorkerPayload};
-use paceline_shared::ports::{Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortResult, QueueDepth, QueuedMessage, StateStore};
+use paceline_shared::ports::{
+    CallClaim, Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortResult, QueueDepth, QueuedMessage, StateStore,
+};
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 
@@ -134,6 +136,18 @@ impl StateStore for Counting<EmbeddedStore> {
     async fn record_provider_reading(&self, reading: &ProviderReading) -> PortResult<()> {
         self.count("dynamodb:UpdateItem", 1);
         self.inner.record_provider_reading(reading).await
+    }
+    async fn claim_call(&self, key: &str, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<CallClaim> {
+        self.count("dynamodb:UpdateItem", 1);
+        self.inner.claim_call(key, holder, now, expires_at).await
+    }
+    async fn finish_call(&self, key: &str, keep_until: UnixMillis) -> PortResult<()> {
+        self.count("dynamodb:UpdateItem", 1);
+        self.inner.finish_call(key, keep_until).await
+    }
+    async fn release_call(&self, key: &str, holder: &str) -> PortResult<()> {
+        self.count("dynamodb:DeleteItem", 1);
+        self.inner.release_call(key, holder).await
     }
     async fn take_call_slot(&self, capacity: u32, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<Option<u32>> {
         self.count("dynamodb:UpdateItem", 1);

@@ -242,8 +242,28 @@ pub struct LaneSignals {
     pub provider_reading: Option<ProviderReading>,
 }
 
-/// Lease, quota usage, pacer snapshot, circuit, cool-down and the provider's latest
-/// rate-limit reading.
+/// What a worker found when it claimed the call of one attempt of a job
+/// ([`StateStore::claim_call`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CallClaim {
+    /// No one called for this attempt yet: the claimant calls.
+    Taken,
+    /// Another delivery is calling, or was until it crashed (its claim has not expired).
+    Calling,
+    /// Another delivery called and has its answer.
+    Done,
+}
+
+/// The key of the call record of `attempt` of job `job_id`: the job id is the
+/// idempotency key.
+#[must_use]
+pub fn call_record_key(job_id: &str, attempt: u32) -> String {
+    format!("call#{job_id}#{attempt}")
+}
+
+/// Lease, quota usage, pacer snapshot, circuit, cool-down, the provider's latest
+/// rate-limit reading, and a record of each attempt's call.
 ///
 /// The lease rules every adapter keeps (each check and write is one atomic step):
 /// - an unexpired lease is never taken, by its own holder neither (a holder name is one
@@ -359,6 +379,28 @@ pub trait StateStore: Send + Sync {
     /// # Errors
     /// Transport errors only.
     async fn clear_cool_down(&self) -> PortResult<()>;
+
+    /// Claims the call of record `key` (see [`call_record_key`]) for `holder` until
+    /// `expires_at`, in one atomic step: taken when there is no record, or a claim that
+    /// expired (its claimant crashed mid-call: the call may repeat, at least once is all
+    /// that can be promised where the answer is unknown).
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn claim_call(&self, key: &str, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<CallClaim>;
+
+    /// Marks record `key` done (the call was answered), kept until `keep_until`.
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn finish_call(&self, key: &str, keep_until: UnixMillis) -> PortResult<()>;
+
+    /// Drops `holder`'s claim on record `key` when no call was made after all (a missed
+    /// slot, no free call slot): the job goes back on the queue with the same attempt.
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn release_call(&self, key: &str, holder: &str) -> PortResult<()>;
 
     /// Takes one of `capacity` call slots (`quota.max_in_flight`) for `holder` until
     /// `expires_at`, in one atomic step per slot. A slot is free when no one holds it

@@ -12,8 +12,8 @@ use paceline_shared::adaptive::ProviderReading;
 use paceline_shared::breaker::Circuit;
 use paceline_shared::job::{DeadLetterReason, WorkerPayload};
 use paceline_shared::ports::{
-    slot_probe_start, Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth, QueuedMessage, StateStore,
-    WorkerHandler,
+    slot_probe_start, CallClaim, Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth, QueuedMessage,
+    StateStore, WorkerHandler,
 };
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 
@@ -278,6 +278,8 @@ struct StoreState {
     circuit: Circuit,
     cool_down: UnixMillis,
     provider_reading: Option<ProviderReading>,
+    /// Call records by key: state, holder and expiry.
+    calls: BTreeMap<String, (CallClaim, String, UnixMillis)>,
     /// Call slots by index: holder and expiry.
     call_slots: BTreeMap<u32, (String, UnixMillis)>,
 }
@@ -438,6 +440,41 @@ impl StateStore for SimStore {
         Ok(())
     }
 
+    async fn claim_call(&self, key: &str, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<CallClaim> {
+        self.write("dynamodb:UpdateItem", 1, 1).await;
+        let found = {
+            let mut state = self.state();
+            match state.calls.get(key) {
+                Some((CallClaim::Done, ..)) => CallClaim::Done,
+                Some((_, _, until)) if *until > now => CallClaim::Calling,
+                _ => {
+                    state.calls.insert(key.to_owned(), (CallClaim::Calling, holder.to_owned(), expires_at));
+                    CallClaim::Taken
+                }
+            }
+        };
+        if found != CallClaim::Taken {
+            // The DynamoDB adapter reads the record after a failed claim.
+            self.read(1).await;
+        }
+        Ok(found)
+    }
+
+    async fn finish_call(&self, key: &str, keep_until: UnixMillis) -> PortResult<()> {
+        self.write("dynamodb:UpdateItem", 1, 1).await;
+        self.state().calls.insert(key.to_owned(), (CallClaim::Done, String::new(), keep_until));
+        Ok(())
+    }
+
+    async fn release_call(&self, key: &str, holder: &str) -> PortResult<()> {
+        self.write("dynamodb:DeleteItem", 1, 1).await;
+        let mut state = self.state();
+        if state.calls.get(key).is_some_and(|(claim, who, _)| *claim == CallClaim::Calling && who == holder) {
+            state.calls.remove(key);
+        }
+        Ok(())
+    }
+
     async fn call_slots_in_use(&self, capacity: u32, now: UnixMillis) -> PortResult<u32> {
         self.world.ledger.count("dynamodb:BatchGetItem", 1);
         self.world.ledger.dynamodb_read_units.fetch_add(u64::from(capacity), Ordering::Relaxed);
@@ -505,6 +542,8 @@ pub struct SimLambda {
     pub running: Arc<AtomicU64>,
     /// Payloads whose worker failed (Lambda would retry, then send them to the worker DLQ).
     pub worker_errors: Arc<AtomicU64>,
+    /// Share of events delivered twice, and of hand-offs whose 202 is lost.
+    duplicate_delivery: f64,
 }
 
 impl SimLambda {
@@ -518,7 +557,33 @@ impl SimLambda {
             dispatched_at,
             running: Arc::default(),
             worker_errors: Arc::default(),
+            duplicate_delivery: 0.0,
         }
+    }
+
+    /// The same Lambda delivering `share` of events twice and losing the 202 of `share`
+    /// of hand-offs (`--rate-duplicate-delivery`).
+    #[must_use]
+    pub fn with_duplicate_delivery(self, share: f64) -> Self {
+        Self { duplicate_delivery: share, ..self }
+    }
+
+    /// Runs the worker on `payload` after its async start, as one delivery of the event.
+    fn deliver(&self, payload: WorkerPayload, key: u64) {
+        let (world, worker) = (self.world.clone(), self.worker.clone());
+        let (running, errors) = (self.running.clone(), self.worker_errors.clone());
+        running.fetch_add(1, Ordering::Relaxed);
+        tokio::spawn(async move {
+            world.wait(Stream::AsyncStart, key).await;
+            let started = world.clock.now();
+            let outcome = worker.handle(payload).await;
+            world.ledger.worker_ms.fetch_add(world.clock.now().since(started).as_millis() as u64, Ordering::Relaxed);
+            if let Err(e) = outcome {
+                tracing::warn!(error = %e, "simulated worker failed");
+                errors.fetch_add(1, Ordering::Relaxed);
+            }
+            running.fetch_sub(1, Ordering::Relaxed);
+        });
     }
 
     /// The draw key of this hand-off: per job and occurrence, or per health check.
@@ -549,20 +614,15 @@ impl Invoker for SimLambda {
         }
         let key = self.key(payload);
         self.world.wait(Stream::Invoke, key).await;
-        let (world, worker, payload) = (self.world.clone(), self.worker.clone(), payload.clone());
-        let (running, errors) = (self.running.clone(), self.worker_errors.clone());
-        running.fetch_add(1, Ordering::Relaxed);
-        tokio::spawn(async move {
-            world.wait(Stream::AsyncStart, key).await;
-            let started = world.clock.now();
-            let outcome = worker.handle(payload).await;
-            world.ledger.worker_ms.fetch_add(world.clock.now().since(started).as_millis() as u64, Ordering::Relaxed);
-            if let Err(e) = outcome {
-                tracing::warn!(error = %e, "simulated worker failed");
-                errors.fetch_add(1, Ordering::Relaxed);
-            }
-            running.fetch_sub(1, Ordering::Relaxed);
-        });
+        self.deliver(payload.clone(), key);
+        let draw = |salt: u64| self.duplicate_delivery > 0.0 && self.world.sampler.uniform(Stream::Delivery, key ^ salt) < self.duplicate_delivery;
+        if draw(0) {
+            // Lambda delivers the event again (its own async start).
+            self.deliver(payload.clone(), key ^ (1 << 63));
+        }
+        if draw(1 << 62) {
+            return Err(PortError::Transient("the invoke's 202 was lost".into()));
+        }
         Ok(())
     }
 }

@@ -180,7 +180,7 @@ impl Lane {
             Worker::new(provider.clone(), queue.clone(), store.clone(), clock, plan.retry, health_check).with_stats(stats.clone()).with_call_slots(call_slots),
         );
         let handler: Arc<dyn WorkerHandler> = Arc::new(Notifying { worker, finished: finished.clone() });
-        let lambda = Arc::new(SimLambda::new(world.clone(), handler, dispatched_at, plan.jobs));
+        let lambda = Arc::new(SimLambda::new(world.clone(), handler, dispatched_at, plan.jobs).with_duplicate_delivery(plan.failures.rate_duplicate_delivery));
         queue.preload(job_bodies(plan.jobs));
         Self { world, queue, store, lambda, provider, stats, finished, jobs: plan.jobs as u64, done_at: Mutex::new(None) }
     }

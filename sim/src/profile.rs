@@ -173,6 +173,9 @@ pub struct Failures {
     /// Share of the quota other clients of the same account spend at the provider: a
     /// steady stream of their calls at that share of the binding tier's rate.
     pub foreign_load: f64,
+    /// Share of worker events Lambda delivers twice, and of hand-offs whose 202 is lost
+    /// (the orchestrator sends them again).
+    pub rate_duplicate_delivery: f64,
 }
 
 impl Failures {
@@ -181,7 +184,13 @@ impl Failures {
     /// # Errors
     /// Names the rate out of range.
     pub fn check(&self) -> Result<(), String> {
-        for (name, rate) in [("429 rate", self.rate_429), ("5xx rate", self.rate_5xx), ("foreign load", self.foreign_load)] {
+        let rates = [
+            ("429 rate", self.rate_429),
+            ("5xx rate", self.rate_5xx),
+            ("foreign load", self.foreign_load),
+            ("duplicate delivery rate", self.rate_duplicate_delivery),
+        ];
+        for (name, rate) in rates {
             if !(0.0..=1.0).contains(&rate) {
                 return Err(format!("{name} {rate} is not between 0 and 1"));
             }
@@ -208,6 +217,8 @@ pub enum Stream {
     Kick,
     /// The API's injected failures.
     Fault,
+    /// Lambda's repeated deliveries and lost 202s.
+    Delivery,
 }
 
 /// Seeded draws keyed by (stream, key): the n-th call of a job sees the same latencies
@@ -243,7 +254,7 @@ impl Sampler {
             Stream::Api => self.profile.api,
             Stream::ApiArrival => self.profile.api_arrival,
             Stream::Kick => self.profile.kick,
-            Stream::Fault => return Duration::ZERO,
+            Stream::Fault | Stream::Delivery => return Duration::ZERO,
         };
         latency.sample(&mut self.rng(stream, key))
     }

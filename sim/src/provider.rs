@@ -246,6 +246,9 @@ pub struct Answers {
     /// Calls of other clients (`--foreign-load`) that arrived, and those admitted.
     pub foreign_offered: u64,
     pub foreign_admitted: u64,
+    /// Calls for a job while another call of it was in flight or after one succeeded:
+    /// repeated calls of one attempt (`--rate-duplicate-delivery`).
+    pub duplicate_calls: u64,
 }
 
 #[derive(Default)]
@@ -253,6 +256,9 @@ struct Observations {
     /// Calls arrived and not yet answered.
     in_flight: u64,
     calls_per_job: Vec<u32>,
+    /// Per job: calls in flight, and whether one succeeded.
+    job_in_flight: Vec<u16>,
+    job_succeeded: Vec<bool>,
     health_checks: u64,
     answers: Answers,
     /// Dispatch-to-arrival of every job call, in ms.
@@ -305,7 +311,7 @@ impl Provider {
     #[must_use]
     pub fn new(world: Arc<World>, quota: &Quota, model: ProviderModel, failures: Failures, dispatched_at: Arc<Mutex<Vec<UnixMillis>>>, jobs: usize) -> Self {
         let tiers = quota.tiers().iter().map(|t| TierCheck::new(*t, model)).collect();
-        let seen = Observations { calls_per_job: vec![0; jobs], ..Observations::default() };
+        let seen = Observations { calls_per_job: vec![0; jobs], job_in_flight: vec![0; jobs], job_succeeded: vec![false; jobs], ..Observations::default() };
         let foreign_rate = failures.foreign_load * quota.binding_tier().rate_per_second();
         let foreign_every = (foreign_rate > 0.0).then(|| std::time::Duration::from_secs_f64(1.0 / foreign_rate));
         let foreign_next = Mutex::new(world.start);
@@ -422,6 +428,31 @@ impl Provider {
         seen.answers.peak_in_flight = seen.answers.peak_in_flight.max(seen.in_flight);
     }
 
+    /// A call for job `n` arrived: a repeat if another is in flight or one succeeded.
+    fn job_call_arrived(&self, n: usize) {
+        let mut seen = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let repeat = seen.job_in_flight.get(n).is_some_and(|c| *c > 0) || seen.job_succeeded.get(n).copied().unwrap_or(false);
+        if repeat {
+            seen.answers.duplicate_calls += 1;
+        }
+        if let Some(count) = seen.job_in_flight.get_mut(n) {
+            *count += 1;
+        }
+    }
+
+    /// The call for job `n` was answered with `result`.
+    fn job_call_answered(&self, n: usize, result: &CallResult) {
+        let mut seen = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(count) = seen.job_in_flight.get_mut(n) {
+            *count = count.saturating_sub(1);
+        }
+        if matches!(result, CallResult::Response { status, .. } if (200..300).contains(status)) {
+            if let Some(ok) = seen.job_succeeded.get_mut(n) {
+                *ok = true;
+            }
+        }
+    }
+
     /// What the provider saw so far.
     #[must_use]
     pub fn figures(&self) -> ProviderFigures {
@@ -446,10 +477,17 @@ impl Api for Provider {
         let arrival = self.world.sampler.latency(Stream::ApiArrival, key);
         let clock = &self.world.clock;
         clock.sleep_until(clock.now().plus(arrival)).await;
-        let result = self.arrive(clock.now(), key, job);
+        let job = job.and_then(|n| usize::try_from(n).ok());
+        if let Some(n) = job {
+            self.job_call_arrived(n);
+        }
+        let result = self.arrive(clock.now(), key, job.map(|n| n as u64));
         self.count_in_flight(1);
         clock.sleep_until(clock.now().plus(total.saturating_sub(arrival))).await;
         self.count_in_flight(-1);
+        if let Some(n) = job {
+            self.job_call_answered(n, &result);
+        }
         Ok(result)
     }
 }

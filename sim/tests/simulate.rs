@@ -63,9 +63,10 @@ impl Admission for OffByOne {
 
 #[test]
 fn a_broken_pacer_is_caught_by_the_checker_and_the_real_one_is_not() {
-    // No start spread, so any violation is the pacer's own.
+    // No start spread (nor the worker's claim on the call), so any violation is the
+    // pacer's own.
     let mut plan = plan(&["5/s"], 0, 0, 1_000, 3);
-    for latency in ["invoke=0ms", "async_start=0ms", "api_arrival=0ms"] {
+    for latency in ["invoke=0ms", "async_start=0ms", "api_arrival=0ms", "dynamodb=0ms"] {
         plan.profile.set(latency).unwrap();
     }
     let quota = plan.settings.quota.clone();
@@ -277,4 +278,16 @@ fn without_rate_limit_headers_429s_cut_the_rate_and_it_recovers() {
     // lane that only cools down, and no collapse of the rate.
     assert!(refused_share(&report) <= 0.05, "{:.2}% of our calls refused", refused_share(&report) * 100.0);
     assert!(report.tiers[0].utilization >= 0.4, "{:.1}% of the tier used", report.tiers[0].utilization * 100.0);
+}
+
+#[test]
+fn repeated_deliveries_and_lost_202s_never_call_an_attempt_twice() {
+    let mut repeated = plan(&["50/s"], 10, 400, 5_000, 1);
+    repeated.failures.rate_duplicate_delivery = 0.02;
+    let report = simulate(&repeated, &Dispatcher::Paceline);
+    assert_eq!((report.outcomes.succeeded, report.outcomes.dead_lettered), (5_000, 0), "{:?}", report.outcomes);
+    assert_eq!(report.answers.duplicate_calls, 0, "{:?}", report.answers);
+    // About 2% of events came twice and 2% of hand-offs were sent again.
+    assert!(report.aws_requests["lambda:Invoke"] > 5_050, "{:?}", report.aws_requests);
+    assert_eq!(report.violations(), 0);
 }

@@ -56,7 +56,9 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig) -> Result<Worker, St
     let aws = AwsAdapters::new(sdk, &names, None);
     let api = Arc::new(ApiClient::new(&api_config).map_err(|e| e.to_string())?);
     let call_slots = CallSlots::for_api(env.max_in_flight()?, api_config.timeout);
-    Ok(Worker::new(api, Arc::new(aws.queue), Arc::new(aws.store), Arc::new(SystemClock), env.retry()?, api_config.health_check).with_call_slots(call_slots))
+    Ok(Worker::new(api, Arc::new(aws.queue), Arc::new(aws.store), Arc::new(SystemClock), env.retry()?, api_config.health_check)
+        .with_call_slots(call_slots)
+        .with_api_timeout(api_config.timeout))
 }
 
 /// Handles one payload.

@@ -4,6 +4,11 @@
 //! after a jittered back-off; or dead-letter. The same code runs in Lambda, in `paceline run` and in
 //! `paceline simulate` (there against a simulated API).
 //!
+//! Each attempt of a job calls the API at most once however often its payload is
+//! delivered: the worker claims the attempt's call record first (the job id is the
+//! idempotency key); a repeated delivery finds it done (and does nothing) or calling (and
+//! fails, so Lambda retries it later, when the record says done or its claim expired).
+//!
 //! A payload dispatched ahead of its slot ([`CallSlot`]) waits for the slot, and skips
 //! the call (re-queueing the job) when it started too late to make it. Under a cap on
 //! calls in flight (`quota.max_in_flight`), each call holds one of the cap's slots in the
@@ -21,7 +26,7 @@ use async_trait::async_trait;
 use paceline_shared::breaker::{retry_delay, Circuit, Refusal, TripRule};
 use paceline_shared::config::RetryConfig;
 use paceline_shared::job::{ApiRequest, CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
-use paceline_shared::ports::{JobQueue, OutgoingMessage, PortError, PortResult, StateStore, WorkerHandler, CALL_SLOTS_FULL_KEY};
+use paceline_shared::ports::{call_record_key, CallClaim, JobQueue, OutgoingMessage, PortError, PortResult, StateStore, WorkerHandler, CALL_SLOTS_FULL_KEY};
 use paceline_shared::time::{Clock, UnixMillis};
 use serde::Serialize;
 use tracing::{info, warn};
@@ -48,6 +53,8 @@ pub struct WorkerStats {
     pub missed_slots: AtomicU64,
     /// Jobs re-queued without a call because every call slot (`max_in_flight`) was held.
     pub call_slots_full: AtomicU64,
+    /// Repeated deliveries of an attempt already called: no second call was made.
+    pub repeats_skipped: AtomicU64,
 }
 
 impl WorkerStats {
@@ -97,14 +104,19 @@ impl CallSlots {
     }
 }
 
-/// What a job's payload says about its call, besides the job.
-#[derive(Clone, Copy, Debug)]
+/// What a job's payload says about its call, besides the job, and its call record.
+#[derive(Clone, Debug)]
 struct JobCall {
     attempt: u32,
     circuit_epoch: u64,
     trip: Option<TripRule>,
     report_limits: bool,
+    record: String,
 }
+
+/// A call record is kept this long after its answer: a repeated delivery within it does
+/// not call again.
+const CALL_RECORD_KEEP: std::time::Duration = std::time::Duration::from_secs(86_400);
 
 /// A call slot held for one call (none without a cap), and who holds it.
 struct HeldSlot {
@@ -122,6 +134,9 @@ pub struct Worker {
     health_check: ApiRequest,
     stats: Arc<WorkerStats>,
     call_slots: Option<CallSlots>,
+    /// A claim on a call record lasts this long past the call's slot (the API's timeout
+    /// and a margin): a worker that crashed mid-call leaves a claim that expires.
+    claim_for: std::time::Duration,
 }
 
 impl Worker {
@@ -136,7 +151,14 @@ impl Worker {
         retry: RetryConfig,
         health_check: ApiRequest,
     ) -> Self {
-        Self { api, queue, store, clock, retry, health_check, stats: Arc::default(), call_slots: None }
+        Self { api, queue, store, clock, retry, health_check, stats: Arc::default(), call_slots: None, claim_for: std::time::Duration::from_secs(35) }
+    }
+
+    /// The same worker for an API whose calls time out after `timeout` (how long a claim
+    /// on a call lasts past its slot: the timeout and 5 s).
+    #[must_use]
+    pub fn with_api_timeout(self, timeout: std::time::Duration) -> Self {
+        Self { claim_for: timeout + std::time::Duration::from_secs(5), ..self }
     }
 
     /// The same worker holding one of `call_slots` for each call.
@@ -153,10 +175,14 @@ impl Worker {
 
     #[tracing::instrument(skip_all, fields(job_id = %job.id, attempt = call.attempt))]
     async fn run_job(&self, job: &Job, call: JobCall, held: HeldSlot) -> PortResult<()> {
-        let JobCall { attempt, circuit_epoch, trip, report_limits } = call;
+        let JobCall { attempt, circuit_epoch, trip, report_limits, record } = call;
         let called_at = self.clock.now();
         let result = self.api.call(&job.request).await;
         self.release_call_slot(held).await;
+        if let Err(e) = self.store.finish_call(&record, self.clock.now().plus(CALL_RECORD_KEEP)).await {
+            // The claim then expires: a repeated delivery after that may call again.
+            warn!(error = %e, "could not mark the call done");
+        }
         let result = match result {
             Ok(result) => result,
             Err(e) => {
@@ -318,6 +344,27 @@ impl Worker {
         Ok(())
     }
 
+    /// Claims the call of `attempt` of `job` (record `record`) for `holder`, until the
+    /// slot's last moment and the API's timeout. `false` when this delivery repeats one
+    /// whose call is done (nothing more to do).
+    ///
+    /// # Errors
+    /// `Transient` when another delivery is calling (or crashed while calling and its
+    /// claim has not expired): retried later, it finds the call done or the claim free.
+    async fn claim_call(&self, record: &str, holder: &str, slot: Option<CallSlot>, job: &Job, attempt: u32) -> PortResult<bool> {
+        let now = self.clock.now();
+        let until = slot.map_or(now, |slot| slot.call_by.max(now)).plus(self.claim_for);
+        match self.store.claim_call(record, holder, now, until).await? {
+            CallClaim::Taken => Ok(true),
+            CallClaim::Done => {
+                WorkerStats::bump(&self.stats.repeats_skipped);
+                info!(job_id = %job.id, attempt, "a repeated delivery of an attempt already called: not calling again");
+                Ok(false)
+            }
+            CallClaim::Calling => Err(PortError::Transient(format!("another delivery of job {} attempt {attempt} is calling the API", job.id))),
+        }
+    }
+
     /// Waits for the payload's slot, if it has one. `false` when the slot was missed.
     async fn wait_for_slot(&self, slot: Option<CallSlot>) -> bool {
         let Some(slot) = slot else { return true };
@@ -353,13 +400,19 @@ impl WorkerHandler for Worker {
         match payload {
             WorkerPayload::Job { job, attempt, circuit_epoch, slot, trip, dispatched_at, report_limits } => {
                 let holder = format!("{}#{attempt}#{}", job.id.as_str(), dispatched_at.0);
-                let Some(held) = self.take_call_slot(holder, slot).await? else {
+                let record = call_record_key(job.id.as_str(), attempt);
+                if !self.claim_call(&record, &holder, slot, &job, attempt).await? {
+                    return Ok(());
+                }
+                let Some(held) = self.take_call_slot(holder.clone(), slot).await? else {
+                    self.store.release_call(&record, &holder).await?;
                     return self.turned_away(&job, attempt).await;
                 };
                 if self.wait_for_slot(slot).await {
-                    self.run_job(&job, JobCall { attempt, circuit_epoch, trip, report_limits }, held).await
+                    self.run_job(&job, JobCall { attempt, circuit_epoch, trip, report_limits, record }, held).await
                 } else {
                     self.release_call_slot(held).await;
+                    self.store.release_call(&record, &holder).await?;
                     self.requeue_unattempted(&job, attempt, std::time::Duration::ZERO).await
                 }
             }

@@ -8,6 +8,7 @@ use axum::http::{HeaderMap, StatusCode};
 use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::breaker::{CircuitStatus, TripRule};
 use paceline_shared::config::ApiConfig;
+use paceline_shared::ports::{call_record_key, CallClaim};
 use paceline_shared::time::TokioClock;
 
 use super::*;
@@ -61,6 +62,7 @@ fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
         health_check,
         stats: Arc::default(),
         call_slots: None,
+        claim_for: Duration::from_secs(7),
     };
     (worker, store)
 }
@@ -192,11 +194,12 @@ async fn a_slotted_job_calls_at_its_slot_and_a_late_one_is_requeued_without_call
     let api = Arc::new(InstantApi { clock: worker.clock.clone(), calls: Mutex::default() });
     worker.api = api.clone();
     let t0 = worker.clock.now();
-    let slotted = |not_before: UnixMillis| {
+    // Each payload is another attempt: one attempt calls once at most.
+    let slotted = |not_before: UnixMillis, attempt: u32| {
         let WorkerPayload::Job { job, .. } = job_to(200) else { unreachable!() };
         WorkerPayload::Job {
             job,
-            attempt: 1,
+            attempt,
             circuit_epoch: 0,
             dispatched_at: t0,
             slot: Some(CallSlot { not_before, call_by: not_before.plus(Duration::from_millis(5)) }),
@@ -204,14 +207,17 @@ async fn a_slotted_job_calls_at_its_slot_and_a_late_one_is_requeued_without_call
             report_limits: false,
         }
     };
-    worker.handle(slotted(t0.plus(Duration::from_millis(250)))).await.unwrap();
+    worker.handle(slotted(t0.plus(Duration::from_millis(250)), 1)).await.unwrap();
     assert_eq!(*api.calls.lock().unwrap(), vec![t0.plus(Duration::from_millis(250))], "waits for the slot, then calls");
 
     tokio::time::advance(Duration::from_millis(100)).await;
-    worker.handle(slotted(t0.plus(Duration::from_millis(300)))).await.unwrap();
+    worker.handle(slotted(t0.plus(Duration::from_millis(300)), 2)).await.unwrap();
     assert_eq!(api.calls.lock().unwrap().len(), 1, "started 50 ms after the slot: no call");
     assert_eq!(WorkerStats::get(&worker.stats.missed_slots), 1);
-    assert_eq!(requeued(&store).await, vec![("job-200".to_string(), 1)], "re-queued; the attempt does not count");
+    assert_eq!(requeued(&store).await, vec![("job-200".to_string(), 2)], "re-queued; the attempt does not count");
+    // Its claim on the call was dropped: the re-queued attempt calls when it comes.
+    worker.handle(slotted(worker.clock.now(), 2)).await.unwrap();
+    assert_eq!(api.calls.lock().unwrap().len(), 2);
 }
 
 #[tokio::test]
@@ -280,7 +286,7 @@ async fn the_provider_s_rate_limit_headers_are_recorded_when_asked_and_on_a_429(
     worker.handle(job_to(200)).await.unwrap();
     assert_eq!(store.provider_reading().await.unwrap(), None, "not asked: no write");
     let WorkerPayload::Job { job, .. } = job_to(200) else { unreachable!() };
-    let asked = WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None, report_limits: true };
+    let asked = WorkerPayload::Job { job, attempt: 1, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None, report_limits: true };
     let before = worker.clock.now();
     worker.handle(asked).await.unwrap();
     let reading = store.provider_reading().await.unwrap().expect("asked: recorded");
@@ -290,4 +296,27 @@ async fn the_provider_s_rate_limit_headers_are_recorded_when_asked_and_on_a_429(
     worker.handle(job_to(429)).await.unwrap();
     let after_429 = store.provider_reading().await.unwrap().unwrap();
     assert!(after_429.at > reading.at, "a 429's headers are recorded unasked");
+}
+
+#[tokio::test]
+async fn a_repeated_delivery_of_an_attempt_does_not_call_the_api_again() {
+    let (base, seen) = scripted_api().await;
+    let (worker, store) = new_worker(&base);
+    worker.handle(job_to(200)).await.unwrap();
+    // Lambda delivers the same event again: the attempt's call is done.
+    worker.handle(job_to(200)).await.unwrap();
+    assert_eq!(seen.lock().unwrap().len(), 1, "one call for one attempt");
+    assert_eq!(WorkerStats::get(&worker.stats.repeats_skipped), 1);
+    // A delivery that finds the attempt's call under way fails, so Lambda retries it later.
+    let record = call_record_key("job-404", 0);
+    let now = worker.clock.now();
+    assert_eq!(store.claim_call(&record, "another delivery", now, now.plus(Duration::from_secs(30))).await.unwrap(), CallClaim::Taken);
+    let err = worker.handle(job_to(404)).await.unwrap_err();
+    assert!(matches!(&err, PortError::Transient(m) if m.contains("is calling the API")), "{err}");
+    assert_eq!(seen.lock().unwrap().len(), 1, "no call while another delivery calls");
+    // The next attempt of a job is its own call.
+    let WorkerPayload::Job { job, .. } = job_to(200) else { unreachable!() };
+    let next = WorkerPayload::Job { job, attempt: 1, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None, report_limits: false };
+    worker.handle(next).await.unwrap();
+    assert_eq!(seen.lock().unwrap().len(), 2);
 }

@@ -58,6 +58,10 @@ pub struct SimulateArgs {
     /// 1): a steady stream of their calls at that share of the binding tier's rate.
     #[arg(long, default_value_t = 0.0, value_name = "SHARE")]
     pub foreign_load: f64,
+    /// Share of worker events Lambda delivers twice, and of hand-offs whose 202 is lost
+    /// and are sent again (0 to 1): `answers.duplicate_calls` counts the calls repeated.
+    #[arg(long, default_value_t = 0.0, value_name = "SHARE")]
+    pub rate_duplicate_delivery: f64,
     /// How the simulated provider counts each rolling tier: sliding-window (no window of
     /// the tier's length holds more than its limit), fixed-window (windows aligned on
     /// the clock) or leaky-bucket (strict, room for one call). A tier with `burst=N` is
@@ -101,8 +105,14 @@ impl SimulateArgs {
         for assignment in &self.latencies {
             profile.set(assignment).map_err(|e| anyhow::anyhow!("--latency {e}"))?;
         }
-        let failures = Failures { outages: self.outages.clone(), rate_429: self.rate_429, rate_5xx: self.rate_5xx, foreign_load: self.foreign_load };
-        failures.check().map_err(|e| anyhow::anyhow!("--rate-429/--rate-5xx/--foreign-load: {e}"))?;
+        let failures = Failures {
+            outages: self.outages.clone(),
+            rate_429: self.rate_429,
+            rate_5xx: self.rate_5xx,
+            foreign_load: self.foreign_load,
+            rate_duplicate_delivery: self.rate_duplicate_delivery,
+        };
+        failures.check().map_err(|e| anyhow::anyhow!("--rate-429/--rate-5xx/--foreign-load/--rate-duplicate-delivery: {e}"))?;
         let settings = Settings { quota: config.quota, orchestrator, circuit: config.circuit, workers: WorkerHost::Lambda };
         let mut plan = Plan::new(self.jobs, self.seed, settings, config.retry);
         plan.profile = profile;

@@ -20,8 +20,8 @@ use crate::breaker::{failure_bucket_end, Circuit, FAILURE_BUCKET_PREFIX, FAILURE
 use crate::dlq::{jobs_record, DeadLetterRecord, DlqSource};
 use crate::job::{DeadLetterReason, WorkerPayload};
 use crate::ports::{
-    redrive_messages, DeadLetter, DeadLetterQueues, Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth, QueuedMessage,
-    StateStore, WorkerHandler,
+    redrive_messages, CallClaim, DeadLetter, DeadLetterQueues, Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth,
+    QueuedMessage, StateStore, WorkerHandler,
 };
 use crate::time::{Clock, UnixMillis};
 
@@ -59,6 +59,14 @@ CREATE TABLE IF NOT EXISTS invocations (
 
 /// How often `receive` looks again while long polling an empty queue.
 const POLL_STEP: Duration = Duration::from_millis(50);
+
+/// A call record as the embedded store keeps it (in `kv`, under its key).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct CallRecord {
+    state: CallClaim,
+    holder: String,
+    expires_at: UnixMillis,
+}
 
 /// The embedded store: queue, DLQ and state in one SQLite database.
 pub struct EmbeddedStore {
@@ -230,8 +238,10 @@ impl EmbeddedStore {
     }
 
     /// Makes visible again every message a killed process had received but not deleted,
-    /// and puts back the jobs of invocations it left unfinished. Only for a caller that
-    /// holds the file lock ([`lock_exclusive`]): no live process can own them.
+    /// puts back the jobs of invocations it left unfinished, and drops its claims on calls
+    /// (their calls may have gone out: the re-queued jobs call again, at least once where
+    /// the answer is unknown). Only for a caller that holds the file lock
+    /// ([`lock_exclusive`]): no live process can own them.
     /// Returns (messages released, jobs re-queued).
     ///
     /// # Errors
@@ -240,6 +250,7 @@ impl EmbeddedStore {
         let now = to_i64(self.clock.now().0);
         let released =
             self.conn().execute("UPDATE messages SET visible_at = ?1, receipt = NULL WHERE receipt IS NOT NULL AND visible_at > ?1", [now]).map_err(sql_err)?;
+        self.conn().execute("DELETE FROM kv WHERE key LIKE 'call#%' AND json_extract(value, '$.state') = 'calling'", []).map_err(sql_err)?;
         Ok((released, self.requeue_invocations(None)?))
     }
 
@@ -578,6 +589,43 @@ impl StateStore for EmbeddedStore {
             Self::put_kv(&tx, "provider_reading", reading)?;
         }
         tx.commit().map_err(sql_err)
+    }
+
+    async fn claim_call(&self, key: &str, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<CallClaim> {
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(sql_err)?;
+        let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = ?1", [key], |r| r.get(0)).optional().map_err(sql_err)?;
+        let current: Option<CallRecord> = stored.and_then(|t| serde_json::from_str(&t).ok());
+        match current {
+            Some(record) if record.state == CallClaim::Done => return Ok(CallClaim::Done),
+            Some(record) if record.expires_at > now => return Ok(CallClaim::Calling),
+            _ => {}
+        }
+        Self::put_kv(&tx, key, &CallRecord { state: CallClaim::Calling, holder: holder.to_owned(), expires_at })?;
+        tx.commit().map_err(sql_err)?;
+        Ok(CallClaim::Taken)
+    }
+
+    async fn finish_call(&self, key: &str, keep_until: UnixMillis) -> PortResult<()> {
+        let conn = self.conn();
+        let now = self.clock.now();
+        // Done records past their keep are swept as new ones come (DynamoDB's TTL on AWS).
+        conn.execute(
+            "DELETE FROM kv WHERE key LIKE 'call#%' AND json_extract(value, '$.expires_at') < ?1 AND json_extract(value, '$.state') = 'done'",
+            [to_i64(now.0)],
+        )
+        .map_err(sql_err)?;
+        Self::put_kv(&conn, key, &CallRecord { state: CallClaim::Done, holder: String::new(), expires_at: keep_until })
+    }
+
+    async fn release_call(&self, key: &str, holder: &str) -> PortResult<()> {
+        let conn = self.conn();
+        conn.execute(
+            "DELETE FROM kv WHERE key = ?1 AND json_extract(value, '$.holder') = ?2 AND json_extract(value, '$.state') = 'calling'",
+            params![key, holder],
+        )
+        .map_err(sql_err)?;
+        Ok(())
     }
 
     async fn take_call_slot(&self, capacity: u32, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<Option<u32>> {

@@ -13,7 +13,7 @@ use crate::breaker::Circuit;
 use crate::dlq::DlqSource;
 use crate::job::{DeadLetterCause, DeadLetterReason, WorkerPayload};
 use crate::pacer::PacerState;
-use crate::ports::{DeadLetterQueues, Invoker, JobQueue, LaneSignals, OutgoingMessage, PacerSnapshot, PortError, StateStore};
+use crate::ports::{CallClaim, DeadLetterQueues, Invoker, JobQueue, LaneSignals, OutgoingMessage, PacerSnapshot, PortError, StateStore};
 use crate::quota::Quota;
 use crate::time::{Clock, UnixMillis};
 
@@ -200,6 +200,21 @@ pub async fn state_store(store: Arc<dyn StateStore>, quota: &Quota) {
     store.record_provider_reading(&later).await.unwrap();
     let signals = LaneSignals { circuit: held, cool_down: at(200), provider_reading: Some(later) };
     assert_eq!(store.shared_state().await.unwrap(), signals, "circuit, cool-down and reading read together");
+
+    // Call records: one claim per attempt; a crashed claimant's claim expires.
+    let key = crate::ports::call_record_key("job-1", 0);
+    assert_eq!(store.claim_call(&key, "a", at(400), at(410)).await.unwrap(), CallClaim::Taken);
+    assert_eq!(store.claim_call(&key, "b", at(405), at(415)).await.unwrap(), CallClaim::Calling, "a repeated delivery finds it calling");
+    assert_eq!(store.claim_call(&key, "b", at(410), at(420)).await.unwrap(), CallClaim::Taken, "an expired claim is taken over");
+    store.release_call(&key, "a").await.unwrap();
+    assert_eq!(store.claim_call(&key, "c", at(411), at(421)).await.unwrap(), CallClaim::Calling, "only the holder releases");
+    store.release_call(&key, "b").await.unwrap();
+    assert_eq!(store.claim_call(&key, "c", at(412), at(422)).await.unwrap(), CallClaim::Taken, "a released claim is free");
+    store.finish_call(&key, at(100_000)).await.unwrap();
+    store.release_call(&key, "c").await.unwrap();
+    assert_eq!(store.claim_call(&key, "d", at(50_000), at(50_010)).await.unwrap(), CallClaim::Done, "a done call is never claimed again");
+    let next = crate::ports::call_record_key("job-1", 1);
+    assert_eq!(store.claim_call(&next, "d", at(50_000), at(50_010)).await.unwrap(), CallClaim::Taken, "the next attempt is its own");
 
     // Call slots (`quota.max_in_flight`).
     let (now, until) = (at(300), at(310));

@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use crate::adaptive::ProviderReading;
 use crate::breaker::Circuit;
 use crate::job::{DeadLetterReason, WorkerPayload};
-use crate::ports::{Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth, QueuedMessage, StateStore};
+use crate::ports::{CallClaim, Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth, QueuedMessage, StateStore};
 use crate::time::UnixMillis;
 
 /// A port method, by name.
@@ -37,6 +37,9 @@ pub enum Method {
     ClearCoolDown,
     ProviderReading,
     RecordProviderReading,
+    ClaimCall,
+    FinishCall,
+    ReleaseCall,
     TakeCallSlot,
     ReleaseCallSlot,
     CallSlotsInUse,
@@ -185,6 +188,18 @@ impl<T: StateStore + ?Sized> StateStore for Faulty<T> {
     async fn record_provider_reading(&self, reading: &ProviderReading) -> PortResult<()> {
         self.call(Method::RecordProviderReading)?;
         self.inner.record_provider_reading(reading).await
+    }
+    async fn claim_call(&self, key: &str, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<CallClaim> {
+        self.call(Method::ClaimCall)?;
+        self.inner.claim_call(key, holder, now, expires_at).await
+    }
+    async fn finish_call(&self, key: &str, keep_until: UnixMillis) -> PortResult<()> {
+        self.call(Method::FinishCall)?;
+        self.inner.finish_call(key, keep_until).await
+    }
+    async fn release_call(&self, key: &str, holder: &str) -> PortResult<()> {
+        self.call(Method::ReleaseCall)?;
+        self.inner.release_call(key, holder).await
     }
     async fn take_call_slot(&self, capacity: u32, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<Option<u32>> {
         self.call(Method::TakeCallSlot)?;

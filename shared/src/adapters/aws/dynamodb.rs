@@ -14,7 +14,7 @@ use aws_sdk_dynamodb::Client;
 use super::{build_error, map_sdk_error};
 use crate::adaptive::ProviderReading;
 use crate::breaker::{Circuit, FAILURE_BUCKET_PREFIX, FAILURE_BUCKET_TTL};
-use crate::ports::{slot_probe_start, LaneSignals, Lease, PacerSnapshot, PortError, PortResult, StateStore};
+use crate::ports::{slot_probe_start, CallClaim, LaneSignals, Lease, PacerSnapshot, PortError, PortResult, StateStore};
 use crate::time::UnixMillis;
 
 const LEASE: &str = "lease";
@@ -282,6 +282,68 @@ impl StateStore for DynamoStateStore {
             .await;
         match result.map_err(|e| map_sdk_error("dynamodb UpdateItem (call slot)", &e)) {
             // Not ours any more (it expired and another worker took it): nothing to give back.
+            Ok(_) | Err(PortError::Conflict(_)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn claim_call(&self, key: &str, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<CallClaim> {
+        let result = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("pk", s(key))
+            .update_expression("SET #state = :calling, holder = :h, expires_at = :x, expires_at_seconds = :xs")
+            .condition_expression("attribute_not_exists(#state) OR (#state = :calling AND expires_at <= :now)")
+            .expression_attribute_names("#state", "state")
+            .expression_attribute_values(":calling", s("calling"))
+            .expression_attribute_values(":h", s(holder))
+            .expression_attribute_values(":x", n(expires_at.0))
+            .expression_attribute_values(":xs", n(expires_at.plus(FAILURE_BUCKET_TTL).0 / 1_000))
+            .expression_attribute_values(":now", n(now.0))
+            .send()
+            .await;
+        match result.map_err(|e| map_sdk_error("dynamodb UpdateItem (call record)", &e)) {
+            Ok(_) => Ok(CallClaim::Taken),
+            // Someone has it: a read tells which (only repeated deliveries come here).
+            Err(PortError::Conflict(_)) => {
+                let done = self.get(key).await?.is_some_and(|item| get_s(&item, "state") == "done");
+                Ok(if done { CallClaim::Done } else { CallClaim::Calling })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn finish_call(&self, key: &str, keep_until: UnixMillis) -> PortResult<()> {
+        self.client
+            .update_item()
+            .table_name(&self.table)
+            .key("pk", s(key))
+            .update_expression("SET #state = :done, expires_at = :x, expires_at_seconds = :xs REMOVE holder")
+            .expression_attribute_names("#state", "state")
+            .expression_attribute_values(":done", s("done"))
+            .expression_attribute_values(":x", n(keep_until.0))
+            .expression_attribute_values(":xs", n(keep_until.0 / 1_000))
+            .send()
+            .await
+            .map_err(|e| map_sdk_error("dynamodb UpdateItem (call record)", &e))?;
+        Ok(())
+    }
+
+    async fn release_call(&self, key: &str, holder: &str) -> PortResult<()> {
+        let result = self
+            .client
+            .delete_item()
+            .table_name(&self.table)
+            .key("pk", s(key))
+            .condition_expression("#state = :calling AND holder = :h")
+            .expression_attribute_names("#state", "state")
+            .expression_attribute_values(":calling", s("calling"))
+            .expression_attribute_values(":h", s(holder))
+            .send()
+            .await;
+        match result.map_err(|e| map_sdk_error("dynamodb DeleteItem (call record)", &e)) {
+            // Not ours (done, or another delivery's claim): nothing to release.
             Ok(_) | Err(PortError::Conflict(_)) => Ok(()),
             Err(e) => Err(e),
         }
