@@ -420,3 +420,31 @@ async fn a_cap_on_calls_in_flight_holds_across_workers_through_dynamodb() {
     assert_eq!(succeeded.len(), 30, "every job succeeded");
     assert_eq!(lane.queue().depth().await.unwrap().dead, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_delivery_of_an_event_calls_the_api_once_through_dynamodb() {
+    let mut lane = lane("10/s").await;
+    let spec = FakeApiSpec {
+        tiers: vec!["10/s".parse().unwrap()],
+        latency: (Duration::from_millis(20), Duration::from_millis(40)),
+        outage: None,
+        server_error_every: None,
+        max_concurrent: None,
+        others_per_second: 0.0,
+    };
+    let api = FakeApi::start(spec).await.unwrap();
+    lane.env.insert("PACELINE_API_BASE_URL".into(), api.base_url.clone());
+    let get = |k: &str| lane.env.get(k).cloned();
+    let worker = paceline_worker::lambda::from_env(&Env::new(&get), &lane.sdk).unwrap();
+    let job = paceline_shared::job::Job::parse(&jobs("twice", 1)[0]).unwrap();
+    let event = WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: system_now(), slot: None, trip: None, report_limits: false };
+    // Lambda delivers the same event twice, one after the other and then at once.
+    worker.handle(event.clone()).await.unwrap();
+    worker.handle(event.clone()).await.unwrap();
+    assert_eq!(api.log().arrivals.len(), 1, "the second delivery found the call done");
+    let WorkerPayload::Job { job, .. } = event else { unreachable!() };
+    let next = WorkerPayload::Job { job, attempt: 1, circuit_epoch: 0, dispatched_at: system_now(), slot: None, trip: None, report_limits: false };
+    let (first, second) = tokio::join!(worker.handle(next.clone()), worker.handle(next));
+    assert_eq!(api.log().arrivals.len(), 2, "of two deliveries at once, one calls");
+    assert!(first.is_ok() != second.is_ok(), "the other fails, for Lambda to retry: {first:?} {second:?}");
+}
