@@ -12,7 +12,7 @@ use paceline_shared::adapters::embedded::{canonical_db_path, lock_exclusive, Emb
 use paceline_shared::config::{Backend, Config, WorkerHost};
 use paceline_shared::ports::{JobQueue, WorkerHandler};
 use paceline_shared::time::{Clock, SystemClock, UnixMillis};
-use paceline_worker::{ApiClient, CallSlots, Worker, WorkerStats};
+use paceline_worker::{ApiClient, CallRecords, CallSlots, Worker, WorkerStats};
 
 /// Reads the config file, with secrets from the process environment.
 ///
@@ -104,7 +104,8 @@ impl EmbeddedLane {
         let worker = Worker::new(api, store.clone(), store.clone(), clock.clone(), config.retry, config.api.health_check.clone())
             .with_stats(worker_stats.clone())
             .with_call_slots(CallSlots::for_api(config.quota.max_in_flight(), config.api.timeout))
-            .with_api_timeout(config.api.timeout);
+            .with_api_timeout(config.api.timeout)
+            .with_call_records(CallRecords::AheadOfSlot);
         let worker: Arc<dyn WorkerHandler> = Arc::new(worker);
         let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), worker));
         let orchestrator = Orchestrator::new(store.clone(), store.clone(), invoker, clock, Settings::from_config(config, WorkerHost::InProcess));

@@ -8,6 +8,9 @@
 //! delivered: the worker claims the attempt's call record first (the job id is the
 //! idempotency key); a repeated delivery finds it done (and does nothing) or calling (and
 //! fails, so Lambda retries it later, when the record says done or its claim expired).
+//! Lambda workers always claim; an in-process worker (whose invoker delivers each
+//! hand-off once) claims when its payloads come ahead of their slot, where the claim's
+//! write cannot delay the call.
 //!
 //! A payload dispatched ahead of its slot ([`CallSlot`]) waits for the slot, and skips
 //! the call (re-queueing the job) when it started too late to make it. Under a cap on
@@ -111,7 +114,8 @@ struct JobCall {
     circuit_epoch: u64,
     trip: Option<TripRule>,
     report_limits: bool,
-    record: String,
+    /// The call record claimed (none where this payload claims none).
+    record: Option<String>,
 }
 
 /// A call record is kept this long after its answer: a repeated delivery within it does
@@ -137,6 +141,18 @@ pub struct Worker {
     /// A claim on a call record lasts this long past the call's slot (the API's timeout
     /// and a margin): a worker that crashed mid-call leaves a claim that expires.
     claim_for: std::time::Duration,
+    /// Which payloads claim their call record first.
+    call_records: CallRecords,
+}
+
+/// Which payloads claim their call record before calling.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CallRecords {
+    /// Every payload: deliveries may repeat (Lambda's async events, re-sent hand-offs).
+    Always,
+    /// Payloads handed off ahead of their slot, where the claim cannot delay the call (an
+    /// in-process invoker delivers each hand-off once).
+    AheadOfSlot,
 }
 
 impl Worker {
@@ -151,7 +167,24 @@ impl Worker {
         retry: RetryConfig,
         health_check: ApiRequest,
     ) -> Self {
-        Self { api, queue, store, clock, retry, health_check, stats: Arc::default(), call_slots: None, claim_for: std::time::Duration::from_secs(35) }
+        Self {
+            api,
+            queue,
+            store,
+            clock,
+            retry,
+            health_check,
+            stats: Arc::default(),
+            call_slots: None,
+            claim_for: std::time::Duration::from_secs(35),
+            call_records: CallRecords::Always,
+        }
+    }
+
+    /// The same worker claiming call records for `which` payloads.
+    #[must_use]
+    pub fn with_call_records(self, which: CallRecords) -> Self {
+        Self { call_records: which, ..self }
     }
 
     /// The same worker for an API whose calls time out after `timeout` (how long a claim
@@ -179,9 +212,11 @@ impl Worker {
         let called_at = self.clock.now();
         let result = self.api.call(&job.request).await;
         self.release_call_slot(held).await;
-        if let Err(e) = self.store.finish_call(&record, self.clock.now().plus(CALL_RECORD_KEEP)).await {
-            // The claim then expires: a repeated delivery after that may call again.
-            warn!(error = %e, "could not mark the call done");
+        if let Some(record) = &record {
+            if let Err(e) = self.store.finish_call(record, self.clock.now().plus(CALL_RECORD_KEEP)).await {
+                // The claim then expires: a repeated delivery after that may call again.
+                warn!(error = %e, "could not mark the call done");
+            }
         }
         let result = match result {
             Ok(result) => result,
@@ -344,6 +379,15 @@ impl Worker {
         Ok(())
     }
 
+    /// The call record a payload for `attempt` of `job` with `slot` claims, if any.
+    fn call_record(&self, job: &Job, attempt: u32, slot: Option<CallSlot>) -> Option<String> {
+        let claims = match self.call_records {
+            CallRecords::Always => true,
+            CallRecords::AheadOfSlot => slot.is_some(),
+        };
+        claims.then(|| call_record_key(job.id.as_str(), attempt))
+    }
+
     /// Claims the call of `attempt` of `job` (record `record`) for `holder`, until the
     /// slot's last moment and the API's timeout. `false` when this delivery repeats one
     /// whose call is done (nothing more to do).
@@ -362,6 +406,14 @@ impl Worker {
                 Ok(false)
             }
             CallClaim::Calling => Err(PortError::Transient(format!("another delivery of job {} attempt {attempt} is calling the API", job.id))),
+        }
+    }
+
+    /// Gives up `holder`'s claim on `record` (if it took one): no call was made.
+    async fn release_call(&self, record: Option<&str>, holder: &str) -> PortResult<()> {
+        match record {
+            Some(record) => self.store.release_call(record, holder).await,
+            None => Ok(()),
         }
     }
 
@@ -400,19 +452,21 @@ impl WorkerHandler for Worker {
         match payload {
             WorkerPayload::Job { job, attempt, circuit_epoch, slot, trip, dispatched_at, report_limits } => {
                 let holder = format!("{}#{attempt}#{}", job.id.as_str(), dispatched_at.0);
-                let record = call_record_key(job.id.as_str(), attempt);
-                if !self.claim_call(&record, &holder, slot, &job, attempt).await? {
-                    return Ok(());
+                let record = self.call_record(&job, attempt, slot);
+                if let Some(record) = &record {
+                    if !self.claim_call(record, &holder, slot, &job, attempt).await? {
+                        return Ok(());
+                    }
                 }
                 let Some(held) = self.take_call_slot(holder.clone(), slot).await? else {
-                    self.store.release_call(&record, &holder).await?;
+                    self.release_call(record.as_deref(), &holder).await?;
                     return self.turned_away(&job, attempt).await;
                 };
                 if self.wait_for_slot(slot).await {
                     self.run_job(&job, JobCall { attempt, circuit_epoch, trip, report_limits, record }, held).await
                 } else {
                     self.release_call_slot(held).await;
-                    self.store.release_call(&record, &holder).await?;
+                    self.release_call(record.as_deref(), &holder).await?;
                     self.requeue_unattempted(&job, attempt, std::time::Duration::ZERO).await
                 }
             }

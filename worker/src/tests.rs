@@ -63,6 +63,7 @@ fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
         stats: Arc::default(),
         call_slots: None,
         claim_for: Duration::from_secs(7),
+        call_records: CallRecords::Always,
     };
     (worker, store)
 }
@@ -319,4 +320,22 @@ async fn a_repeated_delivery_of_an_attempt_does_not_call_the_api_again() {
     let next = WorkerPayload::Job { job, attempt: 1, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None, report_limits: false };
     worker.handle(next).await.unwrap();
     assert_eq!(seen.lock().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn an_in_process_worker_claims_calls_only_ahead_of_their_slot() {
+    let (base, seen) = scripted_api().await;
+    let (mut worker, store) = new_worker(&base);
+    worker.call_records = CallRecords::AheadOfSlot;
+    // At the slot (no slot in the payload), a claim's write would delay the call: none.
+    worker.handle(job_to(200)).await.unwrap();
+    let now = worker.clock.now();
+    assert_eq!(store.claim_call(&call_record_key("job-200", 0), "probe", now, now).await.unwrap(), CallClaim::Taken, "no record was written");
+    // Ahead of its slot, the claim is taken while the worker waits for the slot.
+    let WorkerPayload::Job { job, .. } = job_to(204) else { unreachable!() };
+    let slot = CallSlot { not_before: now.plus(Duration::from_millis(20)), call_by: now.plus(Duration::from_secs(5)) };
+    let ahead = WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: now, slot: Some(slot), trip: None, report_limits: false };
+    worker.handle(ahead.clone()).await.unwrap();
+    worker.handle(ahead).await.unwrap();
+    assert_eq!(seen.lock().unwrap().len(), 2, "the repeated delivery ahead of its slot did not call");
 }
