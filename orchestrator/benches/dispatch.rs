@@ -149,6 +149,10 @@ impl StateStore for Counting<EmbeddedStore> {
         self.count("dynamodb:DeleteItem", 1);
         self.inner.release_call(key, holder).await
     }
+    async fn forget_call(&self, key: &str) -> PortResult<()> {
+        self.count("dynamodb:DeleteItem", 1);
+        self.inner.forget_call(key).await
+    }
     async fn take_call_slot(&self, capacity: u32, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<Option<u32>> {
         self.count("dynamodb:UpdateItem", 1);
         self.inner.take_call_slot(capacity, holder, now, expires_at).await

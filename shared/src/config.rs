@@ -62,6 +62,9 @@ pub struct ApiConfig {
     /// The largest request body a job may carry, in bytes (refused at enqueue, and by the
     /// worker before any call).
     pub max_body: usize,
+    /// A header that carries the job id on every call of a job (`Idempotency-Key`), so
+    /// providers that support it deduplicate on their side too. Lower case.
+    pub idempotency_header: Option<String>,
 }
 
 /// The circuit breaker (see `breaker`).
@@ -157,8 +160,23 @@ impl ApiConfig {
     /// What this lane's configuration forbids a job's request, beyond `Job::parse`.
     #[must_use]
     pub fn request_limits(&self) -> RequestLimits {
-        RequestLimits { lane_headers: self.headers.iter().map(|(name, _)| name.to_ascii_lowercase()).collect(), max_body: self.max_body }
+        let configured = self.headers.iter().map(|(name, _)| name.to_ascii_lowercase());
+        RequestLimits { lane_headers: configured.chain(self.idempotency_header.clone()).collect(), max_body: self.max_body }
     }
+}
+
+/// Checks `api.idempotency_header`: a header name, not one the lane already sets.
+/// Returns it in lower case.
+pub(crate) fn check_idempotency_header(name: Option<String>, headers: &[(String, SecretString)]) -> Result<Option<String>, String> {
+    let Some(name) = name else { return Ok(None) };
+    if !crate::job::is_header_name(&name) {
+        return Err(format!("`{name}` is not a header name"));
+    }
+    let name = name.to_ascii_lowercase();
+    if headers.iter().any(|(configured, _)| configured.eq_ignore_ascii_case(&name)) {
+        return Err(format!("`{name}` is also in the lane's headers"));
+    }
+    Ok(Some(name))
 }
 
 /// A lane's rules for a job's request: its configured headers always win (a job may not
@@ -527,6 +545,7 @@ struct RawApi {
     health_check: Option<serde_json::Value>,
     #[serde(deserialize_with = "size", default = "defaults::max_body")]
     max_body: usize,
+    idempotency_header: Option<String>,
 }
 
 /// Where a header's value comes from: literally, or from an environment variable
@@ -641,12 +660,13 @@ impl Config {
         check_timeout(raw.api.timeout).map_err(|e| in_section("api", e))?;
         let headers = resolve_headers(raw.api.headers, "api.headers", env)?;
         let health_check = check_health_request(raw.api.health_check).map_err(|e| ConfigProblem::at("api.health_check", e))?;
+        let idempotency_header = check_idempotency_header(raw.api.idempotency_header, &headers).map_err(|e| ConfigProblem::at("api.idempotency_header", e))?;
         let backend = match raw.backend {
             RawBackend::Embedded { path } => Backend::Embedded { path: base_dir.join(path) },
             RawBackend::Aws(aws) => Backend::Aws(aws),
         };
         Ok(Self {
-            api: ApiConfig { base_url: raw.api.base_url, timeout: raw.api.timeout, headers, health_check, max_body: raw.api.max_body },
+            api: ApiConfig { base_url: raw.api.base_url, timeout: raw.api.timeout, headers, health_check, max_body: raw.api.max_body, idempotency_header },
             quota,
             circuit: raw.circuit,
             retry: raw.retry,
@@ -707,6 +727,7 @@ base_url = "https://api.example.com/v1"
 timeout = "3s"
 headers = { Authorization = { env = "API_TOKEN", prefix = "Bearer " }, "User-Agent" = { value = "paceline" } }
 health_check = { method = "GET", path = "/status" }
+idempotency_header = "Idempotency-Key"
 [quota]
 tiers = ["10/s", "500/min", "100000/day"]
 time_zone = "Europe/Paris"
@@ -726,6 +747,8 @@ path = "data/lane.db"
         assert_eq!(config.quota.zone(), chrono_tz::Europe::Paris);
         assert_eq!(config.circuit.health_check_interval, Duration::from_secs(2));
         assert_eq!(config.backend, Backend::Embedded { path: PathBuf::from("/lanes/data/lane.db") });
+        assert_eq!(config.api.idempotency_header.as_deref(), Some("idempotency-key"));
+        assert!(config.api.request_limits().lane_headers.contains(&"idempotency-key".to_owned()), "a job may not set it");
     }
 
     #[test]
@@ -739,6 +762,11 @@ path = "data/lane.db"
             (MINIMAL.replace("[quota]", "[quota]\ntime_zone = \"Mars/Olympus\""), "Mars/Olympus"),
             (MINIMAL.replace("[quota]", "[api.headers]\nX-Key = { env = \"MISSING\" }\n[quota]"), "api.headers.X-Key: environment variable MISSING"),
             (MINIMAL.replace("[quota]", "[api.health_check]\nmethod = \"GET\"\npath = \"https://evil.example/\"\n[quota]"), "api.health_check"),
+            (MINIMAL.replace("[quota]", "idempotency_header = \"Idempotency Key\"\n[quota]"), "api.idempotency_header: `Idempotency Key` is not a header name"),
+            (
+                MINIMAL.replace("[quota]", "idempotency_header = \"X-Lane\"\n[api.headers]\nx-lane = { value = \"k\" }\n[quota]"),
+                "is also in the lane's headers",
+            ),
         ];
         for (text, expected) in cases {
             let err = parse(&text).unwrap_err();

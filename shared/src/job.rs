@@ -211,7 +211,7 @@ fn check_headers(headers: &BTreeMap<String, String>) -> Result<(), JobError> {
         if RESERVED_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
             return Err(JobError::Header(shown));
         }
-        if name.is_empty() || !name.bytes().all(is_token_byte) {
+        if !is_header_name(name) {
             return Err(JobError::HeaderInvalid(format!("`{shown}` is not a valid header name")));
         }
         if !value.bytes().all(|b| b == b'\t' || (b' '..=b'~').contains(&b)) {
@@ -219,6 +219,12 @@ fn check_headers(headers: &BTreeMap<String, String>) -> Result<(), JobError> {
         }
     }
     Ok(())
+}
+
+/// Whether `name` is an RFC 9110 token, as a header name must be.
+#[must_use]
+pub fn is_header_name(name: &str) -> bool {
+    !name.is_empty() && name.bytes().all(is_token_byte)
 }
 
 fn is_token_byte(b: u8) -> bool {

@@ -7,8 +7,8 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use crate::config::{
-    check_health_request, check_max_in_flight, check_timeout, defaults, parse_base_url, parse_size, resolve_headers, ApiConfig, CircuitConfig, HeaderSource,
-    Invalid, OrchestratorConfig, RetryConfig, LAMBDA_DISPATCH_AHEAD,
+    check_health_request, check_idempotency_header, check_max_in_flight, check_timeout, defaults, parse_base_url, parse_size, resolve_headers, ApiConfig,
+    CircuitConfig, HeaderSource, Invalid, OrchestratorConfig, RetryConfig, LAMBDA_DISPATCH_AHEAD,
 };
 use crate::quota::{Quota, Tier};
 
@@ -142,8 +142,9 @@ impl<'a> Env<'a> {
     }
 
     /// `PACELINE_API_BASE_URL`, `PACELINE_API_TIMEOUT`, `PACELINE_API_MAX_BODY`, `PACELINE_API_HEADERS` (JSON:
-    /// `{"Authorization": {"env": "API_TOKEN", "prefix": "Bearer "}}`) and
-    /// `PACELINE_HEALTH_CHECK` (JSON request, default `GET /`).
+    /// `{"Authorization": {"env": "API_TOKEN", "prefix": "Bearer "}}`),
+    /// `PACELINE_HEALTH_CHECK` (JSON request, default `GET /`) and
+    /// `PACELINE_IDEMPOTENCY_HEADER` (unset or empty: none).
     ///
     /// # Errors
     /// Names the variable and the problem.
@@ -156,11 +157,14 @@ impl<'a> Env<'a> {
             self.parsed("PACELINE_HEALTH_CHECK", None, |t| serde_json::from_str(t).map(Some).map_err(|e| format!("not a JSON request: {e}")))?;
         let timeout = self.duration("PACELINE_API_TIMEOUT", defaults::timeout())?;
         check_timeout(timeout).map_err(|e| Self::named("API_", e))?;
+        let headers = resolve_headers(sources, "PACELINE_API_HEADERS", self.get).map_err(|problem| problem.to_string())?;
+        let idempotency_header = self.required("PACELINE_IDEMPOTENCY_HEADER").ok().filter(|name| !name.is_empty());
         Ok(ApiConfig {
             base_url,
             timeout,
             max_body: self.parsed("PACELINE_API_MAX_BODY", defaults::max_body(), parse_size)?,
-            headers: resolve_headers(sources, "PACELINE_API_HEADERS", self.get).map_err(|problem| problem.to_string())?,
+            idempotency_header: check_idempotency_header(idempotency_header, &headers).map_err(|e| format!("PACELINE_IDEMPOTENCY_HEADER: {e}"))?,
+            headers,
             health_check: check_health_request(health).map_err(|e| format!("PACELINE_HEALTH_CHECK: {e}"))?,
         })
     }

@@ -402,6 +402,12 @@ pub trait StateStore: Send + Sync {
     /// Transport errors only.
     async fn release_call(&self, key: &str, holder: &str) -> PortResult<()>;
 
+    /// Deletes record `key` whatever its state: a redrive gives a job its attempts again.
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn forget_call(&self, key: &str) -> PortResult<()>;
+
     /// Takes one of `capacity` call slots (`quota.max_in_flight`) for `holder` until
     /// `expires_at`, in one atomic step per slot. A slot is free when no one holds it
     /// or its holder's expiry passed, so a crashed worker's slot frees itself. `None`
@@ -422,6 +428,19 @@ pub trait StateStore: Send + Sync {
     /// # Errors
     /// Transport errors only.
     async fn call_slots_in_use(&self, capacity: u32, now: UnixMillis) -> PortResult<u32>;
+}
+
+/// Forgets the call records of attempts 0 to `up_to` of job `job_id`, before a redrive
+/// puts it back on the queue: its attempts count from 0 again (or go on from `up_to`),
+/// and their records would make the worker skip its calls.
+///
+/// # Errors
+/// The store's.
+pub async fn forget_calls(store: &dyn StateStore, job_id: &str, up_to: u32) -> PortResult<()> {
+    for attempt in 0..=up_to {
+        store.forget_call(&call_record_key(job_id, attempt)).await?;
+    }
+    Ok(())
 }
 
 /// The usage counter of calls not made because every call slot was held: workers add

@@ -475,6 +475,12 @@ impl StateStore for SimStore {
         Ok(())
     }
 
+    async fn forget_call(&self, key: &str) -> PortResult<()> {
+        self.write("dynamodb:DeleteItem", 1, 1).await;
+        self.state().calls.remove(key);
+        Ok(())
+    }
+
     async fn call_slots_in_use(&self, capacity: u32, now: UnixMillis) -> PortResult<u32> {
         self.world.ledger.count("dynamodb:BatchGetItem", 1);
         self.world.ledger.dynamodb_read_units.fetch_add(u64::from(capacity), Ordering::Relaxed);

@@ -471,7 +471,7 @@ impl Provider {
 
 #[async_trait]
 impl Api for Provider {
-    async fn call(&self, request: &ApiRequest) -> Result<CallResult, ApiError> {
+    async fn call(&self, request: &ApiRequest, _job_id: Option<&str>) -> Result<CallResult, ApiError> {
         let (key, job) = self.key(request);
         let total = self.world.sampler.latency(Stream::Api, key);
         let arrival = self.world.sampler.latency(Stream::ApiArrival, key);

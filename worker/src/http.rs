@@ -36,6 +36,8 @@ pub struct ApiClient {
     client: reqwest::Client,
     base: Url,
     limits: RequestLimits,
+    /// `api.idempotency_header`: carries the job id on a job's calls.
+    idempotency_header: Option<HeaderName>,
 }
 
 impl ApiClient {
@@ -59,7 +61,9 @@ impl ApiClient {
             .pool_idle_timeout(Duration::from_secs(30))
             .build()
             .map_err(|e| ApiError::Client(e.to_string()))?;
-        Ok(Self { client, base: config.base_url.clone(), limits: config.request_limits() })
+        let idempotency_header =
+            config.idempotency_header.as_ref().map(|name| HeaderName::from_bytes(name.as_bytes()).map_err(|_| ApiError::Header(name.clone()))).transpose()?;
+        Ok(Self { client, base: config.base_url.clone(), limits: config.request_limits(), idempotency_header })
     }
 
     /// The URL a request goes to: the base URL's path, then the request's.
@@ -109,12 +113,17 @@ impl ApiClient {
         builder.build().map_err(|e| ApiError::Malformed(format!("the request cannot be built: {}", paceline_shared::error_chain(&e))))
     }
 
-    /// Sends the request; transport failures come back as [`CallResult`] values.
+    /// Sends the request (for job `job_id`, which `api.idempotency_header` carries);
+    /// transport failures come back as [`CallResult`] values.
     ///
     /// # Errors
     /// As for [`ApiClient::build`] (nothing is sent).
-    pub async fn call(&self, request: &ApiRequest) -> Result<CallResult, ApiError> {
-        let request = self.build(request)?;
+    pub async fn call(&self, request: &ApiRequest, job_id: Option<&str>) -> Result<CallResult, ApiError> {
+        let mut request = self.build(request)?;
+        if let (Some(name), Some(id)) = (&self.idempotency_header, job_id) {
+            let value = HeaderValue::from_str(id).map_err(|_| ApiError::Malformed(format!("the job id `{id}` cannot be a header value")))?;
+            request.headers_mut().insert(name.clone(), value);
+        }
         Ok(match self.client.execute(request).await {
             Ok(response) => {
                 let status = response.status().as_u16();
@@ -141,6 +150,7 @@ mod tests {
             headers: vec![("Authorization".into(), "Bearer s3cret".to_owned().into()), ("X-Lane".into(), "lane-key".to_owned().into())],
             health_check: request("GET", "/"),
             max_body: 1024,
+            idempotency_header: None,
         };
         ApiClient::new(&config).unwrap()
     }

@@ -76,17 +76,18 @@ impl WorkerStats {
 /// provider.
 #[async_trait]
 pub trait Api: Send + Sync {
-    /// Sends one request; transport failures come back as [`CallResult`] values.
+    /// Sends one request, for job `job_id` (none for a health check); transport failures
+    /// come back as [`CallResult`] values.
     ///
     /// # Errors
     /// [`ApiError::OffApi`] when the request is not for this API (nothing is sent).
-    async fn call(&self, request: &ApiRequest) -> Result<CallResult, ApiError>;
+    async fn call(&self, request: &ApiRequest, job_id: Option<&str>) -> Result<CallResult, ApiError>;
 }
 
 #[async_trait]
 impl Api for ApiClient {
-    async fn call(&self, request: &ApiRequest) -> Result<CallResult, ApiError> {
-        ApiClient::call(self, request).await
+    async fn call(&self, request: &ApiRequest, job_id: Option<&str>) -> Result<CallResult, ApiError> {
+        ApiClient::call(self, request, job_id).await
     }
 }
 
@@ -208,16 +209,26 @@ impl Worker {
 
     #[tracing::instrument(skip_all, fields(job_id = %job.id, attempt = call.attempt))]
     async fn run_job(&self, job: &Job, call: JobCall, held: HeldSlot) -> PortResult<()> {
-        let JobCall { attempt, circuit_epoch, trip, report_limits, record } = call;
-        let called_at = self.clock.now();
-        let result = self.api.call(&job.request).await;
-        self.release_call_slot(held).await;
-        if let Some(record) = &record {
+        let record = call.record.clone();
+        let settled = self.call_and_settle(job, call, held).await;
+        // Done only once what the answer calls for is written: if that failed, Lambda
+        // retries the event and, the claim expired, the job calls again rather than
+        // being lost.
+        if let (Ok(()), Some(record)) = (&settled, &record) {
             if let Err(e) = self.store.finish_call(record, self.clock.now().plus(CALL_RECORD_KEEP)).await {
                 // The claim then expires: a repeated delivery after that may call again.
                 warn!(error = %e, "could not mark the call done");
             }
         }
+        settled
+    }
+
+    /// Calls the API for the job and does what the answer calls for.
+    async fn call_and_settle(&self, job: &Job, call: JobCall, held: HeldSlot) -> PortResult<()> {
+        let JobCall { attempt, circuit_epoch, trip, report_limits, .. } = call;
+        let called_at = self.clock.now();
+        let result = self.api.call(&job.request, Some(job.id.as_str())).await;
+        self.release_call_slot(held).await;
         let result = match result {
             Ok(result) => result,
             Err(e) => {
@@ -260,7 +271,7 @@ impl Worker {
     }
 
     async fn run_health_check(&self, circuit_epoch: u64, held: HeldSlot) -> PortResult<()> {
-        let result = self.api.call(&self.health_check).await.unwrap_or(CallResult::Connect("health check is off the API".into()));
+        let result = self.api.call(&self.health_check, None).await.unwrap_or(CallResult::Connect("health check is off the API".into()));
         self.release_call_slot(held).await;
         match classify(&result, self.clock.now(), &self.retry) {
             Outcome::Success { status } => {

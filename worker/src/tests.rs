@@ -23,7 +23,8 @@ async fn scripted_api() -> (String, Arc<Mutex<Vec<String>>>) {
         let record = record.clone();
         async move {
             let auth = request.headers().get("authorization").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
-            record.lock().unwrap().push(format!("{} {}", request.uri().path(), auth));
+            let key = request.headers().get("idempotency-key").and_then(|v| v.to_str().ok()).map_or(String::new(), |k| format!(" key={k}"));
+            record.lock().unwrap().push(format!("{} {}{key}", request.uri().path(), auth));
             let code: u16 = request.uri().path().rsplit('/').next().and_then(|c| c.parse().ok()).unwrap_or(200);
             let mut headers = HeaderMap::new();
             headers.insert("x-ratelimit-limit", "10".parse().unwrap());
@@ -50,6 +51,7 @@ fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
         headers: vec![("Authorization".into(), "Bearer s3cret".to_owned().into())],
         health_check: health_check.clone(),
         max_body: 1 << 20,
+        idempotency_header: Some("idempotency-key".into()),
     })
     .unwrap();
     let worker = Worker {
@@ -91,7 +93,8 @@ async fn success_is_counted_and_the_auth_header_reaches_only_the_api() {
     let (worker, store) = new_worker(&base);
     worker.handle(job_to(201)).await.unwrap();
     assert_eq!(WorkerStats::get(&worker.stats.succeeded), 1);
-    assert_eq!(seen.lock().unwrap().as_slice(), ["/v1/status/201 Bearer s3cret"]);
+    // The job id goes in `api.idempotency_header` (`Idempotency-Key` here).
+    assert_eq!(seen.lock().unwrap().as_slice(), ["/v1/status/201 Bearer s3cret key=job-201"]);
     assert!(requeued(&store).await.is_empty());
 }
 
@@ -183,7 +186,7 @@ struct InstantApi {
 
 #[async_trait]
 impl Api for InstantApi {
-    async fn call(&self, _request: &ApiRequest) -> Result<CallResult, ApiError> {
+    async fn call(&self, _request: &ApiRequest, _job_id: Option<&str>) -> Result<CallResult, ApiError> {
         self.calls.lock().unwrap().push(self.clock.now());
         Ok(CallResult::Response { status: 200, headers: Vec::new() })
     }
@@ -338,4 +341,21 @@ async fn an_in_process_worker_claims_calls_only_ahead_of_their_slot() {
     worker.handle(ahead.clone()).await.unwrap();
     worker.handle(ahead).await.unwrap();
     assert_eq!(seen.lock().unwrap().len(), 2, "the repeated delivery ahead of its slot did not call");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_whose_follow_up_failed_is_not_done_so_the_retried_event_calls_again() {
+    let (base, seen) = scripted_api().await;
+    let (mut worker, store) = new_worker(&base);
+    let queue = Arc::new(paceline_shared::testing::faults::Faulty::new(store.clone()));
+    worker.queue = queue.clone();
+    // The 503's job cannot be re-queued: the event fails, and Lambda retries it.
+    queue.fail_next(paceline_shared::testing::faults::Method::Send, 1, &PortError::Transient("sqs down".into()));
+    assert!(worker.handle(job_to(503)).await.is_err());
+    // Lambda's retry comes at least a minute later, after the claim expired: it calls
+    // again rather than losing the job.
+    tokio::time::advance(Duration::from_secs(60)).await;
+    worker.handle(job_to(503)).await.unwrap();
+    assert_eq!(seen.lock().unwrap().len(), 2, "called again, the job re-queued this time");
+    assert_eq!(requeued(&store).await, vec![("job-503".to_string(), 1)]);
 }

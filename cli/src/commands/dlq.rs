@@ -8,11 +8,11 @@ use anyhow::bail;
 use clap::Subcommand;
 use indicatif::{ProgressBar, ProgressStyle};
 use paceline_shared::dlq::{CauseSummary, DeadLetterFilter, DeadLetterRecord, DlqSource};
-use paceline_shared::ports::DeadLetterQueues;
+use paceline_shared::ports::{forget_calls, DeadLetterQueues};
 use paceline_shared::time::system_now;
 use serde::Serialize;
 
-use crate::access::LaneArgs;
+use crate::access::{LaneArgs, OperatorLane};
 use crate::dlq_scan::Scan;
 
 /// Inspect the dead-letter queues, and redrive or purge what is in them.
@@ -158,9 +158,9 @@ impl DlqArgs {
             DlqAction::Show { id, json } => show(queues, &id, hold, json).await,
             DlqAction::Summary { select, json } => summary(queues, &select, hold, json).await,
             DlqAction::Redrive { select, dry_run, keep_attempts, json } => {
-                remove(queues, &select, hold, RemovalKind::Redrive { keep_attempts }, dry_run, json).await
+                remove(&lane, &select, hold, RemovalKind::Redrive { keep_attempts }, dry_run, json).await
             }
-            DlqAction::Purge { select, dry_run, json } => remove(queues, &select, hold, RemovalKind::Purge, dry_run, json).await,
+            DlqAction::Purge { select, dry_run, json } => remove(&lane, &select, hold, RemovalKind::Purge, dry_run, json).await,
         }
     }
 }
@@ -278,7 +278,8 @@ fn progress_bar(len: u64, verb: &str) -> ProgressBar {
 }
 
 /// Redrives or purges the selected dead letters, a page at a time.
-async fn remove(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duration, kind: RemovalKind, dry_run: bool, json: bool) -> anyhow::Result<()> {
+async fn remove(lane: &OperatorLane, select: &Selection, hold: Duration, kind: RemovalKind, dry_run: bool, json: bool) -> anyhow::Result<()> {
+    let queues = lane.queues.as_ref();
     let (verb, done_verb) = match kind {
         RemovalKind::Redrive { .. } => ("redriving", "redrove"),
         RemovalKind::Purge => ("purging", "purged"),
@@ -316,7 +317,15 @@ async fn remove(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duratio
             }
             let handles: Vec<String> = act_on.iter().map(|r| r.handle.clone()).collect();
             match kind {
-                RemovalKind::Redrive { keep_attempts } => queues.redrive(&act_on, keep_attempts).await?,
+                RemovalKind::Redrive { keep_attempts } => {
+                    // The jobs' attempts go again: their call records must not skip them.
+                    for record in &act_on {
+                        if let Some(job_id) = &record.job_id {
+                            forget_calls(lane.state.as_ref(), job_id, record.attempt).await?;
+                        }
+                    }
+                    queues.redrive(&act_on, keep_attempts).await?;
+                }
                 RemovalKind::Purge => queues.remove(source, &handles).await?,
             }
             scan.removed(&act_on);

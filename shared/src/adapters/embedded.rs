@@ -628,6 +628,11 @@ impl StateStore for EmbeddedStore {
         Ok(())
     }
 
+    async fn forget_call(&self, key: &str) -> PortResult<()> {
+        self.conn().execute("DELETE FROM kv WHERE key = ?1 AND key LIKE 'call#%'", [key]).map_err(sql_err)?;
+        Ok(())
+    }
+
     async fn take_call_slot(&self, capacity: u32, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<Option<u32>> {
         let mut conn = self.conn();
         let tx = conn.transaction().map_err(sql_err)?;

@@ -215,6 +215,8 @@ pub async fn state_store(store: Arc<dyn StateStore>, quota: &Quota) {
     assert_eq!(store.claim_call(&key, "d", at(50_000), at(50_010)).await.unwrap(), CallClaim::Done, "a done call is never claimed again");
     let next = crate::ports::call_record_key("job-1", 1);
     assert_eq!(store.claim_call(&next, "d", at(50_000), at(50_010)).await.unwrap(), CallClaim::Taken, "the next attempt is its own");
+    crate::ports::forget_calls(store.as_ref(), "job-1", 1).await.unwrap();
+    assert_eq!(store.claim_call(&key, "e", at(50_001), at(50_011)).await.unwrap(), CallClaim::Taken, "a redriven job calls again");
 
     // Call slots (`quota.max_in_flight`).
     let (now, until) = (at(300), at(310));

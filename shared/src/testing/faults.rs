@@ -40,6 +40,7 @@ pub enum Method {
     ClaimCall,
     FinishCall,
     ReleaseCall,
+    ForgetCall,
     TakeCallSlot,
     ReleaseCallSlot,
     CallSlotsInUse,
@@ -200,6 +201,10 @@ impl<T: StateStore + ?Sized> StateStore for Faulty<T> {
     async fn release_call(&self, key: &str, holder: &str) -> PortResult<()> {
         self.call(Method::ReleaseCall)?;
         self.inner.release_call(key, holder).await
+    }
+    async fn forget_call(&self, key: &str) -> PortResult<()> {
+        self.call(Method::ForgetCall)?;
+        self.inner.forget_call(key).await
     }
     async fn take_call_slot(&self, capacity: u32, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<Option<u32>> {
         self.call(Method::TakeCallSlot)?;

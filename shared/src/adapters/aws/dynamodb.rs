@@ -349,6 +349,11 @@ impl StateStore for DynamoStateStore {
         }
     }
 
+    async fn forget_call(&self, key: &str) -> PortResult<()> {
+        self.client.delete_item().table_name(&self.table).key("pk", s(key)).send().await.map_err(|e| map_sdk_error("dynamodb DeleteItem (call record)", &e))?;
+        Ok(())
+    }
+
     async fn call_slots_in_use(&self, capacity: u32, now: UnixMillis) -> PortResult<u32> {
         let keys: Vec<String> = (0..capacity).map(|index| format!("{CALL_SLOT}{index}")).collect();
         let items = self.batch_get(&keys, "call slots").await?;
