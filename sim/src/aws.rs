@@ -58,13 +58,16 @@ pub struct World {
     pub start: UnixMillis,
     /// Keys for draws that belong to no job (infrastructure calls), in call order.
     call_seq: AtomicU64,
+    /// The same for the workers' call records, apart: the records' writes do not shift
+    /// the other calls' draws, so a simulation with them meets the same latencies.
+    record_seq: AtomicU64,
 }
 
 impl World {
     #[must_use]
     pub fn new(clock: Arc<TokioClock>, sampler: Sampler) -> Self {
         let start = clock.now();
-        Self { clock, sampler, ledger: Ledger::default(), start, call_seq: AtomicU64::new(0) }
+        Self { clock, sampler, ledger: Ledger::default(), start, call_seq: AtomicU64::new(0), record_seq: AtomicU64::new(0) }
     }
 
     /// Waits one draw of `stream`'s latency under `key`.
@@ -79,6 +82,12 @@ impl World {
     async fn call(&self, stream: Stream) {
         let key = self.call_seq.fetch_add(1, Ordering::Relaxed);
         self.wait(stream, key).await;
+    }
+
+    /// Waits one call-record write's latency (DynamoDB, keyed apart from other calls).
+    async fn record_call(&self) {
+        let key = self.record_seq.fetch_add(1, Ordering::Relaxed) | (1 << 62);
+        self.wait(Stream::DynamoDb, key).await;
     }
 }
 
@@ -309,6 +318,14 @@ impl SimStore {
         self.world.call(Stream::DynamoDb).await;
     }
 
+    /// A write (or a read) of a call record: counted as any, its latency drawn apart.
+    async fn record_write(&self, operation: &'static str) {
+        self.world.ledger.count(operation, 1);
+        let unit = if operation == "dynamodb:GetItem" { &self.world.ledger.dynamodb_read_units } else { &self.world.ledger.dynamodb_write_units };
+        unit.fetch_add(1, Ordering::Relaxed);
+        self.world.record_call().await;
+    }
+
     fn state(&self) -> MutexGuard<'_, StoreState> {
         lock(&self.state)
     }
@@ -441,7 +458,7 @@ impl StateStore for SimStore {
     }
 
     async fn claim_call(&self, key: &str, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<CallClaim> {
-        self.write("dynamodb:UpdateItem", 1, 1).await;
+        self.record_write("dynamodb:UpdateItem").await;
         let found = {
             let mut state = self.state();
             match state.calls.get(key) {
@@ -455,19 +472,19 @@ impl StateStore for SimStore {
         };
         if found != CallClaim::Taken {
             // The DynamoDB adapter reads the record after a failed claim.
-            self.read(1).await;
+            self.record_write("dynamodb:GetItem").await;
         }
         Ok(found)
     }
 
     async fn finish_call(&self, key: &str, keep_until: UnixMillis) -> PortResult<()> {
-        self.write("dynamodb:UpdateItem", 1, 1).await;
+        self.record_write("dynamodb:UpdateItem").await;
         self.state().calls.insert(key.to_owned(), (CallClaim::Done, String::new(), keep_until));
         Ok(())
     }
 
     async fn release_call(&self, key: &str, holder: &str) -> PortResult<()> {
-        self.write("dynamodb:DeleteItem", 1, 1).await;
+        self.record_write("dynamodb:DeleteItem").await;
         let mut state = self.state();
         if state.calls.get(key).is_some_and(|(claim, who, _)| *claim == CallClaim::Calling && who == holder) {
             state.calls.remove(key);
@@ -476,7 +493,7 @@ impl StateStore for SimStore {
     }
 
     async fn forget_call(&self, key: &str) -> PortResult<()> {
-        self.write("dynamodb:DeleteItem", 1, 1).await;
+        self.record_write("dynamodb:DeleteItem").await;
         self.state().calls.remove(key);
         Ok(())
     }
