@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use paceline_shared::adaptive::{AdaptiveRate, EffectiveRate, ProviderReading};
+use paceline_shared::adaptive::{AdaptiveRate, EffectiveRate, ProviderReading, RateReason};
 use paceline_shared::breaker::{self, Circuit, CircuitStatus, TripRule};
 use paceline_shared::job::{CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
 use paceline_shared::pacer::{Decision, Hold, PacerState};
@@ -447,8 +447,8 @@ impl<'a> DrainState<'a> {
         }
         self.cool_down_seen = Some(cool_down);
         let rate = self.adaptive.rate(now);
-        let before = self.effective_rate.as_ref().map_or((1.0, &paceline_shared::adaptive::RateReason::Configured), |r| (r.share(), &r.reason));
-        if std::mem::discriminant(before.1) != std::mem::discriminant(&rate.reason) || (before.0 - rate.share()).abs() > 0.1 {
+        let (share_before, reason_before) = self.effective_rate.as_ref().map_or((1.0, &RateReason::Configured), |r| (r.share(), &r.reason));
+        if std::mem::discriminant(reason_before) != std::mem::discriminant(&rate.reason) || (share_before - rate.share()).abs() > 0.1 {
             info!(per_second = rate.per_second, configured = rate.configured_per_second, reason = %rate.reason, "effective rate");
         }
         if rate.share() < 1.0 && self.report.slowest_rate.as_ref().is_none_or(|slowest| rate.per_second < slowest.per_second) {
