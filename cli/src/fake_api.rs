@@ -19,8 +19,8 @@ use paceline_shared::quota::{Period, Tier};
 use paceline_shared::time::{system_now, UnixMillis};
 use serde::Serialize;
 
-/// How the fake API behaves.
-#[derive(Clone, Debug)]
+/// How the fake API behaves (by default: no tier, instant answers, no failure).
+#[derive(Clone, Debug, Default)]
 pub struct FakeApiSpec {
     /// Rolling tiers are enforced strictly; calendar tiers count calls in the run.
     pub tiers: Vec<Tier>,

@@ -247,10 +247,8 @@ async fn background_server_errors_retry_their_own_job_through_sqs_delays_and_nev
     let spec = FakeApiSpec {
         tiers: vec!["10/s".parse().unwrap()],
         latency: (Duration::from_millis(20), Duration::from_millis(80)),
-        outage: None,
         server_error_every: Some(8),
-        max_concurrent: None,
-        others_per_second: 0.0,
+        ..FakeApiSpec::default()
     };
     let api = FakeApi::start(spec).await.unwrap();
     lane.with_worker_calling(&api);
@@ -397,10 +395,8 @@ async fn a_cap_on_calls_in_flight_holds_across_workers_through_dynamodb() {
     let spec = FakeApiSpec {
         tiers: vec!["20/s".parse().unwrap()],
         latency: (Duration::from_millis(300), Duration::from_millis(600)),
-        outage: None,
-        server_error_every: None,
         max_concurrent: Some(3),
-        others_per_second: 0.0,
+        ..FakeApiSpec::default()
     };
     let api = FakeApi::start(spec).await.unwrap();
     lane.with_worker_calling(&api);
@@ -424,14 +420,7 @@ async fn a_cap_on_calls_in_flight_holds_across_workers_through_dynamodb() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_delivery_of_an_event_calls_the_api_once_through_dynamodb() {
     let mut lane = lane("10/s").await;
-    let spec = FakeApiSpec {
-        tiers: vec!["10/s".parse().unwrap()],
-        latency: (Duration::from_millis(20), Duration::from_millis(40)),
-        outage: None,
-        server_error_every: None,
-        max_concurrent: None,
-        others_per_second: 0.0,
-    };
+    let spec = FakeApiSpec { tiers: vec!["10/s".parse().unwrap()], latency: (Duration::from_millis(20), Duration::from_millis(40)), ..FakeApiSpec::default() };
     let api = FakeApi::start(spec).await.unwrap();
     lane.env.insert("PACELINE_API_BASE_URL".into(), api.base_url.clone());
     let get = |k: &str| lane.env.get(k).cloned();

@@ -17,9 +17,7 @@ async fn api(tiers: &[&str], outage: Option<(Duration, Duration)>) -> FakeApi {
         tiers: tiers.iter().map(|t| t.parse().unwrap()).collect(),
         latency: (Duration::from_millis(50), Duration::from_millis(600)),
         outage,
-        server_error_every: None,
-        max_concurrent: None,
-        others_per_second: 0.0,
+        ..FakeApiSpec::default()
     };
     FakeApi::start(spec).await.unwrap()
 }
@@ -73,10 +71,8 @@ async fn background_server_errors_retry_their_own_job_and_never_open_the_circuit
     let spec = FakeApiSpec {
         tiers: vec!["10/s".parse().unwrap()],
         latency: (Duration::from_millis(50), Duration::from_millis(300)),
-        outage: None,
         server_error_every: Some(12),
-        max_concurrent: None,
-        others_per_second: 0.0,
+        ..FakeApiSpec::default()
     };
     let api = FakeApi::start(spec).await.unwrap();
     let dir = lane_dir("noise");
@@ -103,10 +99,8 @@ async fn a_cap_on_calls_in_flight_keeps_a_concurrency_limited_endpoint_from_refu
     let spec = FakeApiSpec {
         tiers: vec!["20/s".parse().unwrap()],
         latency: (Duration::from_millis(300), Duration::from_millis(600)),
-        outage: None,
-        server_error_every: None,
         max_concurrent: Some(3),
-        others_per_second: 0.0,
+        ..FakeApiSpec::default()
     };
     let api = FakeApi::start(spec).await.unwrap();
     let dir = lane_dir("concurrency");
@@ -132,10 +126,8 @@ async fn a_quota_shared_with_other_clients_slows_to_what_they_leave() {
     let spec = FakeApiSpec {
         tiers: vec!["10/s".parse().unwrap()],
         latency: (Duration::from_millis(20), Duration::from_millis(60)),
-        outage: None,
-        server_error_every: None,
-        max_concurrent: None,
         others_per_second: 4.0,
+        ..FakeApiSpec::default()
     };
     let api = FakeApi::start(spec).await.unwrap();
     let dir = lane_dir("shared");
