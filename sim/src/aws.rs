@@ -306,23 +306,35 @@ impl SimStore {
         Self { world, state: Mutex::default() }
     }
 
-    async fn read(&self, items: u64) {
+    fn count_read(&self, items: u64) {
         self.world.ledger.count("dynamodb:GetItem", items);
         self.world.ledger.dynamodb_read_units.fetch_add(items, Ordering::Relaxed);
+    }
+
+    fn count_write(&self, operation: &'static str, requests: u64, units: u64) {
+        self.world.ledger.count(operation, requests);
+        self.world.ledger.dynamodb_write_units.fetch_add(units, Ordering::Relaxed);
+    }
+
+    async fn read(&self, items: u64) {
+        self.count_read(items);
         self.world.call(Stream::DynamoDb).await;
     }
 
     async fn write(&self, operation: &'static str, requests: u64, units: u64) {
-        self.world.ledger.count(operation, requests);
-        self.world.ledger.dynamodb_write_units.fetch_add(units, Ordering::Relaxed);
+        self.count_write(operation, requests, units);
         self.world.call(Stream::DynamoDb).await;
     }
 
-    /// A write (or a read) of a call record: counted as any, its latency drawn apart.
+    /// A write of a call record: counted as any, its latency drawn apart.
     async fn record_write(&self, operation: &'static str) {
-        self.world.ledger.count(operation, 1);
-        let unit = if operation == "dynamodb:GetItem" { &self.world.ledger.dynamodb_read_units } else { &self.world.ledger.dynamodb_write_units };
-        unit.fetch_add(1, Ordering::Relaxed);
+        self.count_write(operation, 1, 1);
+        self.world.record_call().await;
+    }
+
+    /// A read of a call record, likewise.
+    async fn record_read(&self) {
+        self.count_read(1);
         self.world.record_call().await;
     }
 
@@ -472,7 +484,7 @@ impl StateStore for SimStore {
         };
         if found != CallClaim::Taken {
             // The DynamoDB adapter reads the record after a failed claim.
-            self.record_write("dynamodb:GetItem").await;
+            self.record_read().await;
         }
         Ok(found)
     }

@@ -91,6 +91,13 @@ impl Api for ApiClient {
     }
 }
 
+/// How long something a call holds (a call slot, a claim on its call record) lasts for a
+/// call timing out after `api_timeout`: that and a margin, so that a crashed worker's hold
+/// frees itself soon after the call could have ended.
+fn held_past(api_timeout: std::time::Duration) -> std::time::Duration {
+    api_timeout + std::time::Duration::from_secs(5)
+}
+
 /// A cap on calls in flight: this many slots, each held for at most `hold_for` (the
 /// API's timeout and a margin: a crashed worker's slot frees itself then).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,7 +111,7 @@ impl CallSlots {
     /// `api_timeout`.
     #[must_use]
     pub fn for_api(max_in_flight: Option<u32>, api_timeout: std::time::Duration) -> Option<Self> {
-        max_in_flight.map(|capacity| Self { capacity, hold_for: api_timeout + std::time::Duration::from_secs(5) })
+        max_in_flight.map(|capacity| Self { capacity, hold_for: held_past(api_timeout) })
     }
 }
 
@@ -177,7 +184,7 @@ impl Worker {
             health_check,
             stats: Arc::default(),
             call_slots: None,
-            claim_for: std::time::Duration::from_secs(35),
+            claim_for: held_past(std::time::Duration::from_secs(30)),
             call_records: CallRecords::Always,
         }
     }
@@ -192,7 +199,7 @@ impl Worker {
     /// on a call lasts past its slot: the timeout and 5 s).
     #[must_use]
     pub fn with_api_timeout(self, timeout: std::time::Duration) -> Self {
-        Self { claim_for: timeout + std::time::Duration::from_secs(5), ..self }
+        Self { claim_for: held_past(timeout), ..self }
     }
 
     /// The same worker holding one of `call_slots` for each call.
