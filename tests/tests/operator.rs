@@ -262,11 +262,21 @@ async fn after_an_outage_dlq_summary_groups_causes_and_redrive_moves_exactly_tho
     let report = orchestrator.run(&opts).await.unwrap();
     lambda.settle(Duration::from_secs(10)).await;
     assert_eq!(report.stop, StopReason::Drained);
-    let arrivals: Vec<(UnixMillis, u64)> = lambda.invocations().iter().map(|i| (i.at, 1)).collect();
-    assert_eq!(arrivals.len(), 42);
-    assert!(peak_in_any_window(&arrivals, Duration::from_secs(1)) <= 10, "redriven jobs exceeded the quota");
+    // A worker that starts after its slot re-queues the job (a loaded machine does that),
+    // so a job may be invoked twice; it reaches the API once, within the quota.
+    let invoked: BTreeSet<String> = lambda
+        .invocations()
+        .into_iter()
+        .filter_map(|i| match i.payload {
+            WorkerPayload::Job { job, .. } => Some(job.id.to_string()),
+            WorkerPayload::HealthCheck { .. } => None,
+        })
+        .collect();
+    assert_eq!(invoked.len(), 42, "{invoked:?}");
     let log = healthy.log();
-    assert_eq!((log.ok, log.quota_rejections), (42, 0));
+    assert_eq!((log.ok, log.quota_rejections, log.ok_by_path.len()), (42, 0, 42), "{:?}", log.ok_by_path);
+    let calls: Vec<(UnixMillis, u64)> = log.arrivals.iter().map(|at| (*at, 1)).collect();
+    assert!(peak_in_any_window(&calls, Duration::from_secs(1)) <= 10, "redriven jobs exceeded the quota");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
