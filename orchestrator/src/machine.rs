@@ -647,7 +647,8 @@ impl<'a> DrainState<'a> {
                     return Action::Reserve(needed);
                 }
                 let InHand { message, job, since } = self.buffer.pop_front().expect("the message in hand");
-                let job = job.expect("parsed: checked above");
+                let mut job = job.expect("parsed: checked above");
+                job.enqueued_at.get_or_insert(message.enqueued_at);
                 let paced = slot.since(self.last_dispatch.unwrap_or(since).max(since));
                 self.commit(cost, slot, upload_allowance(&job), paced);
                 debug!(job_id = %job.id, attempt = message.attempt, cost, "dispatching");

@@ -126,6 +126,13 @@ pub struct Job {
     pub cost: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metadata: Option<serde_json::Value>,
+    /// No outcome record for this job: nobody reads its answer.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fire_and_forget: bool,
+    /// When the job was first put on the queue: stamped by the orchestrator from the
+    /// queue at its first dispatch, and kept across re-queues (the outcome's `enqueued`).
+    #[serde(default, with = "crate::time::rfc3339::option", skip_serializing_if = "Option::is_none")]
+    pub enqueued_at: Option<UnixMillis>,
 }
 
 /// Why a message is not a job. The text names the field and the problem.
@@ -154,6 +161,10 @@ struct RawJob {
     request: ApiRequest,
     cost: Option<serde_json::Value>,
     metadata: Option<serde_json::Value>,
+    #[serde(default)]
+    fire_and_forget: bool,
+    #[serde(default, with = "crate::time::rfc3339::option")]
+    enqueued_at: Option<UnixMillis>,
 }
 
 /// Headers a job may not set: they belong to the connection or to the lane's auth.
@@ -178,7 +189,7 @@ impl Job {
             None => 1,
             Some(v) => v.as_u64().filter(|c| *c >= 1).ok_or_else(|| JobError::Cost(v.to_string()))?,
         };
-        Ok(Self { id, request, cost, metadata: raw.metadata })
+        Ok(Self { id, request, cost, metadata: raw.metadata, fire_and_forget: raw.fire_and_forget, enqueued_at: raw.enqueued_at })
     }
 
     /// The job as JSON, id included: what is re-queued.

@@ -62,6 +62,8 @@ pub struct QueuedMessage {
     pub body: String,
     /// How many times the job was tried before (carried across re-queues).
     pub attempt: u32,
+    /// When this message was put on the queue (a re-queue's is the re-queue's).
+    pub enqueued_at: UnixMillis,
 }
 
 /// A message to put on the queue.

@@ -55,6 +55,58 @@ impl UnixMillis {
     }
 }
 
+impl UnixMillis {
+    /// Parses an RFC 3339 time (`2026-11-23T20:30:00Z`, `2026-11-23T21:30:00.5+01:00`).
+    ///
+    /// # Errors
+    /// When the text is not one, or lies before 1970.
+    pub fn parse_rfc3339(text: &str) -> Result<Self, String> {
+        let time = chrono::DateTime::parse_from_rfc3339(text.trim()).map_err(|e| format!("`{text}` is not an RFC 3339 time ({e}); write for example 2026-11-23T20:30:00Z"))?;
+        u64::try_from(time.timestamp_millis()).map(Self).map_err(|_| format!("`{text}` is before 1970"))
+    }
+}
+
+/// Serde for a [`UnixMillis`] (or an `Option` of one, with `rfc3339::option`) written as an
+/// RFC 3339 string, the form every JSON output uses.
+pub mod rfc3339 {
+    use super::UnixMillis;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    /// # Errors
+    /// As the serializer's.
+    pub fn serialize<S: Serializer>(at: &UnixMillis, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&at.to_rfc3339())
+    }
+
+    /// # Errors
+    /// When the value is not an RFC 3339 string.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<UnixMillis, D::Error> {
+        UnixMillis::parse_rfc3339(&String::deserialize(d)?).map_err(serde::de::Error::custom)
+    }
+
+    /// The same for an optional time (`null` when absent).
+    pub mod option {
+        use super::UnixMillis;
+        use serde::{Deserialize, Deserializer, Serializer};
+
+        /// # Errors
+        /// As the serializer's.
+        #[allow(clippy::ref_option)]
+        pub fn serialize<S: Serializer>(at: &Option<UnixMillis>, s: S) -> Result<S::Ok, S::Error> {
+            match at {
+                Some(at) => s.serialize_str(&at.to_rfc3339()),
+                None => s.serialize_none(),
+            }
+        }
+
+        /// # Errors
+        /// When the value is neither null nor an RFC 3339 string.
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<UnixMillis>, D::Error> {
+            Option::<String>::deserialize(d)?.map(|text| UnixMillis::parse_rfc3339(&text).map_err(serde::de::Error::custom)).transpose()
+        }
+    }
+}
+
 impl fmt::Display for UnixMillis {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.to_rfc3339())
@@ -254,5 +306,7 @@ mod tests {
     #[test]
     fn renders_rfc3339() {
         assert_eq!(UnixMillis(1_700_000_000_123).to_rfc3339(), "2023-11-14T22:13:20.123Z");
+        assert_eq!(UnixMillis::parse_rfc3339("2023-11-14T23:13:20.123+01:00"), Ok(UnixMillis(1_700_000_000_123)));
+        assert!(UnixMillis::parse_rfc3339("yesterday").unwrap_err().contains("RFC 3339"));
     }
 }

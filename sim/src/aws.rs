@@ -97,6 +97,7 @@ struct Stored {
     id: u64,
     body: String,
     attempt: u32,
+    sent_at: UnixMillis,
 }
 
 #[derive(Default)]
@@ -140,12 +141,13 @@ impl SimQueue {
     /// Puts messages on the queue as a producer would, at no latency (the producer's
     /// `SendMessageBatch` requests are still counted).
     pub fn preload(&self, bodies: impl IntoIterator<Item = String>) {
+        let now = self.world.clock.now();
         let mut state = lock(&self.state);
         let mut sent: u64 = 0;
         for body in bodies {
             let id = state.next_id;
             state.next_id += 1;
-            state.visible.push_back(Stored { id, body, attempt: 0 });
+            state.visible.push_back(Stored { id, body, attempt: 0, sent_at: now });
             sent += 1;
         }
         self.world.ledger.count("sqs:SendMessageBatch (producer)", sent.div_ceil(10));
@@ -181,6 +183,7 @@ impl SimQueue {
                 receipt: receipt.to_string(),
                 body: message.body.clone(),
                 attempt: message.attempt,
+                enqueued_at: message.sent_at,
             });
             state.hidden.insert(receipt, (message, now.plus(visibility)));
         }
@@ -249,7 +252,7 @@ impl JobQueue for SimQueue {
         for message in messages {
             let id = state.next_id;
             state.next_id += 1;
-            let stored = Stored { id, body: message.body.clone(), attempt: message.attempt };
+            let stored = Stored { id, body: message.body.clone(), attempt: message.attempt, sent_at: now };
             if message.delay.is_zero() {
                 state.visible.push_back(stored);
             } else {

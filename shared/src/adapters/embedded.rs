@@ -161,20 +161,20 @@ impl EmbeddedStore {
         let mut received = Vec::new();
         {
             let mut select = tx
-                .prepare_cached("SELECT seq, message_id, body, attempt FROM messages WHERE visible_at <= ?1 ORDER BY visible_at, seq LIMIT ?2")
+                .prepare_cached("SELECT seq, message_id, body, attempt, enqueued_at FROM messages WHERE visible_at <= ?1 ORDER BY visible_at, seq LIMIT ?2")
                 .map_err(sql_err)?;
             let rows = select
                 .query_map(params![to_i64(now.0), i64::try_from(max.min(10)).unwrap_or(10)], |r| {
-                    Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, u32>(3)?))
+                    Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, u32>(3)?, r.get::<_, i64>(4)?))
                 })
                 .map_err(sql_err)?;
             let mut update =
                 tx.prepare_cached("UPDATE messages SET visible_at = ?1, receipt = ?2, receive_count = receive_count + 1 WHERE seq = ?3").map_err(sql_err)?;
             for row in rows {
-                let (seq, message_id, body, attempt) = row.map_err(sql_err)?;
+                let (seq, message_id, body, attempt, enqueued_at) = row.map_err(sql_err)?;
                 let receipt = uuid::Uuid::new_v4().to_string();
                 update.execute(params![to_i64(now.plus(visibility).0), receipt, seq]).map_err(sql_err)?;
-                received.push(QueuedMessage { message_id, receipt, body, attempt });
+                received.push(QueuedMessage { message_id, receipt, body, attempt, enqueued_at: UnixMillis(u64::try_from(enqueued_at).unwrap_or(0)) });
             }
         }
         tx.commit().map_err(sql_err)?;

@@ -168,6 +168,7 @@ impl JobQueue for SqsQueue {
                 receipt: m.receipt_handle().unwrap_or_default().to_owned(),
                 body: m.body().unwrap_or_default().to_owned(),
                 attempt: m.message_attributes().and_then(|a| a.get("attempt")).and_then(|v| v.string_value()).and_then(|v| v.parse().ok()).unwrap_or(0),
+                enqueued_at: sent_timestamp(m),
             })
             .collect())
     }
@@ -246,6 +247,11 @@ impl JobQueue for SqsQueue {
     }
 }
 
+/// When SQS says the message was sent (now, if it does not say).
+fn sent_timestamp(m: &Message) -> UnixMillis {
+    m.attributes().and_then(|a| a.get(&MessageSystemAttributeName::SentTimestamp)).and_then(|v| v.parse().ok()).map_or_else(system_now, UnixMillis)
+}
+
 fn attribute<'a>(m: &'a Message, name: &str) -> Option<&'a str> {
     m.message_attributes().and_then(|a| a.get(name)).and_then(|v| v.string_value())
 }
@@ -270,11 +276,7 @@ impl DeadLetterQueues for SqsQueue {
                 let handle = m.receipt_handle().unwrap_or_default().to_owned();
                 let message_id = m.message_id().unwrap_or_default().to_owned();
                 let body = m.body().unwrap_or_default().to_owned();
-                let sent_at = m
-                    .attributes()
-                    .and_then(|a| a.get(&MessageSystemAttributeName::SentTimestamp))
-                    .and_then(|v| v.parse().ok())
-                    .map_or_else(system_now, UnixMillis);
+                let sent_at = sent_timestamp(m);
                 match source {
                     DlqSource::Worker => worker_record(handle, message_id, body, sent_at),
                     DlqSource::Jobs => {
