@@ -13,6 +13,7 @@ use serde::{Deserialize, Deserializer};
 
 use crate::breaker::TripSettings;
 use crate::job::ApiRequest;
+use crate::outcome::{OutcomeSettings, RecordOutcomes};
 use crate::quota::{Quota, Tier};
 
 /// Why the configuration cannot be used.
@@ -48,6 +49,7 @@ pub struct Config {
     pub circuit: CircuitConfig,
     pub retry: RetryConfig,
     pub orchestrator: OrchestratorConfig,
+    pub outcomes: OutcomeSettings,
     pub backend: Backend,
 }
 
@@ -498,6 +500,10 @@ fn size<'de, D: Deserializer<'de>>(d: D) -> Result<usize, D::Error> {
     }
 }
 
+fn optional_size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Error> {
+    size(d).map(Some)
+}
+
 fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     let text = String::deserialize(d)?;
     humantime::parse_duration(&text).map_err(|e| serde::de::Error::custom(format!("`{text}` is not a duration ({e}); write for example 500ms, 10s, 5m")))
@@ -529,7 +535,35 @@ struct RawConfig {
     #[serde(default)]
     orchestrator: OrchestratorConfig,
     #[serde(default)]
+    outcomes: RawOutcomes,
+    #[serde(default)]
     backend: RawBackend,
+}
+
+/// `[outcomes]` as written; defaults from [`OutcomeSettings::default`].
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawOutcomes {
+    #[serde(default)]
+    record: RecordOutcomes,
+    #[serde(deserialize_with = "optional_size", default)]
+    max_body: Option<usize>,
+    headers: Option<Vec<String>>,
+    #[serde(deserialize_with = "optional_duration", default)]
+    retention: Option<Duration>,
+}
+
+impl RawOutcomes {
+    fn settings(self) -> Result<OutcomeSettings, ConfigProblem> {
+        let defaults = OutcomeSettings::default();
+        let settings = OutcomeSettings {
+            record: self.record,
+            max_body: self.max_body.unwrap_or(defaults.max_body),
+            headers: self.headers.unwrap_or(defaults.headers),
+            retention: self.retention.unwrap_or(defaults.retention),
+        };
+        settings.checked().map_err(|(field, problem)| ConfigProblem::at(format!("outcomes.{field}"), problem))
+    }
 }
 
 #[derive(Deserialize)]
@@ -661,6 +695,7 @@ impl Config {
         let headers = resolve_headers(raw.api.headers, "api.headers", env)?;
         let health_check = check_health_request(raw.api.health_check).map_err(|e| ConfigProblem::at("api.health_check", e))?;
         let idempotency_header = check_idempotency_header(raw.api.idempotency_header, &headers).map_err(|e| ConfigProblem::at("api.idempotency_header", e))?;
+        let outcomes = raw.outcomes.settings()?;
         let backend = match raw.backend {
             RawBackend::Embedded { path } => Backend::Embedded { path: base_dir.join(path) },
             RawBackend::Aws(aws) => Backend::Aws(aws),
@@ -671,6 +706,7 @@ impl Config {
             circuit: raw.circuit,
             retry: raw.retry,
             orchestrator: raw.orchestrator,
+            outcomes,
             backend,
         })
     }
@@ -705,6 +741,19 @@ mod tests {
         assert_eq!(config.api.health_check.path, "/");
         assert_eq!(config.api.max_body, 256 * 1024);
         assert_eq!(config.retry.max_cool_down, Duration::from_secs(3600));
+        assert_eq!(config.outcomes, OutcomeSettings::default());
+    }
+
+    #[test]
+    fn outcomes_are_configurable_and_checked_by_key() {
+        let text = format!("{MINIMAL}[outcomes]\nrecord = \"every_attempt\"\nmax_body = \"4KiB\"\nheaders = [\"X-Request-Id\"]\nretention = \"1d\"\n");
+        let outcomes = parse(&text).unwrap().outcomes;
+        assert_eq!(
+            (outcomes.record, outcomes.max_body, outcomes.headers, outcomes.retention),
+            (RecordOutcomes::EveryAttempt, 4096, vec!["x-request-id".to_owned()], Duration::from_secs(86_400))
+        );
+        assert_eq!(parse_typed(&format!("{MINIMAL}[outcomes]\nmax_body = \"1MiB\"\n")).unwrap_err().key.as_deref(), Some("outcomes.max_body"));
+        assert!(parse(&format!("{MINIMAL}[outcomes]\nrecord = \"sometimes\"\n")).unwrap_err().contains("record"));
     }
 
     #[test]

@@ -10,6 +10,7 @@ use crate::config::{
     check_health_request, check_idempotency_header, check_max_in_flight, check_timeout, defaults, parse_base_url, parse_size, resolve_headers, ApiConfig,
     CircuitConfig, HeaderSource, Invalid, OrchestratorConfig, RetryConfig, LAMBDA_DISPATCH_AHEAD,
 };
+use crate::outcome::{OutcomeSettings, RecordOutcomes};
 use crate::quota::{Quota, Tier};
 
 /// Reads variables from a source (the process environment, or a map in tests).
@@ -141,6 +142,25 @@ impl<'a> Env<'a> {
         Ok(config)
     }
 
+    /// `PACELINE_OUTCOMES` (`final`, `every_attempt` or `none`), `PACELINE_OUTCOME_MAX_BODY`,
+    /// `PACELINE_OUTCOME_HEADERS` (comma-separated; the record is the worker's function
+    /// result, so there is no retention here).
+    ///
+    /// # Errors
+    /// Names the variable and the problem.
+    pub fn outcomes(&self) -> Result<OutcomeSettings, String> {
+        let defaults = OutcomeSettings::default();
+        let settings = OutcomeSettings {
+            record: self.parsed("PACELINE_OUTCOMES", RecordOutcomes::Final, RecordOutcomes::from_str)?,
+            max_body: self.parsed("PACELINE_OUTCOME_MAX_BODY", defaults.max_body, parse_size)?,
+            headers: self.parsed("PACELINE_OUTCOME_HEADERS", defaults.headers.clone(), |t| {
+                Ok(t.split(',').map(str::trim).filter(|name| !name.is_empty()).map(str::to_owned).collect())
+            })?,
+            retention: defaults.retention,
+        };
+        settings.checked().map_err(|(field, problem)| format!("PACELINE_OUTCOME_{}: {problem}", field.to_ascii_uppercase()))
+    }
+
     /// `PACELINE_API_BASE_URL`, `PACELINE_API_TIMEOUT`, `PACELINE_API_MAX_BODY`, `PACELINE_API_HEADERS` (JSON:
     /// `{"Authorization": {"env": "API_TOKEN", "prefix": "Bearer "}}`),
     /// `PACELINE_HEALTH_CHECK` (JSON request, default `GET /`) and
@@ -195,6 +215,18 @@ mod tests {
         let api = env.api().unwrap();
         assert_eq!(api.headers.len(), 1);
         assert!(!format!("{api:?}").contains("t0k"));
+        assert_eq!(env.outcomes().unwrap(), OutcomeSettings::default());
+    }
+
+    #[test]
+    fn outcome_settings_come_from_their_variables() {
+        let get = env_of(&[("PACELINE_OUTCOMES", "every_attempt"), ("PACELINE_OUTCOME_MAX_BODY", "2KiB"), ("PACELINE_OUTCOME_HEADERS", "ETag, X-Request-Id")]);
+        let outcomes = Env::new(&get).outcomes().unwrap();
+        assert_eq!((outcomes.record, outcomes.max_body, outcomes.headers), (RecordOutcomes::EveryAttempt, 2048, vec!["etag".to_owned(), "x-request-id".to_owned()]));
+        let get = env_of(&[("PACELINE_OUTCOME_MAX_BODY", "10MiB")]);
+        assert!(Env::new(&get).outcomes().unwrap_err().starts_with("PACELINE_OUTCOME_MAX_BODY"));
+        let get = env_of(&[("PACELINE_OUTCOMES", "maybe")]);
+        assert!(Env::new(&get).outcomes().unwrap_err().starts_with("PACELINE_OUTCOMES"));
     }
 
     #[test]
