@@ -614,7 +614,7 @@ impl<'a> DrainState<'a> {
             Err(why) => {
                 let why = why.clone();
                 let in_hand = self.buffer.pop_front().expect("the message in hand");
-                return Action::DeadLetter(in_hand.message, DeadLetterReason { cause: DeadLetterCause::Malformed, detail: why });
+                return Action::DeadLetter(in_hand.message, DeadLetterReason { cause: DeadLetterCause::Malformed, detail: why, outcome: None });
             }
         };
         if let Some(until) = self.dispatch_held_until(now) {
@@ -635,7 +635,7 @@ impl<'a> DrainState<'a> {
             Decision::Never { tier } => {
                 let in_hand = self.buffer.pop_front().expect("the message in hand");
                 let detail = format!("cost {cost} exceeds the whole {tier} tier");
-                Action::DeadLetter(in_hand.message, DeadLetterReason { cause: DeadLetterCause::NeverFits, detail })
+                Action::DeadLetter(in_hand.message, DeadLetterReason { cause: DeadLetterCause::NeverFits, detail, outcome: None })
             }
             Decision::WaitUntil { at, by } => {
                 self.note_hold(at, by);
@@ -972,7 +972,7 @@ impl<'a> DrainState<'a> {
             }
             Err(PortError::TooLarge(why)) => {
                 let detail = format!("the worker payload is over the invoker's limit: {why}");
-                self.to_dead_letter.push_back((hand_off.message, DeadLetterReason { cause: DeadLetterCause::Malformed, detail }));
+                self.to_dead_letter.push_back((hand_off.message, DeadLetterReason { cause: DeadLetterCause::Malformed, detail, outcome: None }));
                 Ok(())
             }
             Err(e) => {

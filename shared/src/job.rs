@@ -411,6 +411,10 @@ pub struct DeadLetterReason {
     #[serde(flatten)]
     pub cause: DeadLetterCause,
     pub detail: String,
+    /// The job's outcome record, when the worker dead-lettered it after a call (or could
+    /// not make one): what the results destination also gets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<Box<crate::outcome::OutcomeRecord>>,
 }
 
 #[cfg(test)]
@@ -510,7 +514,7 @@ mod tests {
 
     #[test]
     fn dead_letter_reasons_have_labels() {
-        let reason = DeadLetterReason { cause: DeadLetterCause::Rejected { status: 404 }, detail: "not found".into() };
+        let reason = DeadLetterReason { cause: DeadLetterCause::Rejected { status: 404 }, detail: "not found".into(), outcome: None };
         assert_eq!(reason.cause.label(), "http_404");
         assert_eq!(serde_json::to_string(&reason).unwrap(), r#"{"cause":"rejected","status":404,"detail":"not found"}"#);
     }

@@ -222,7 +222,10 @@ mod tests {
     fn outcome_settings_come_from_their_variables() {
         let get = env_of(&[("PACELINE_OUTCOMES", "every_attempt"), ("PACELINE_OUTCOME_MAX_BODY", "2KiB"), ("PACELINE_OUTCOME_HEADERS", "ETag, X-Request-Id")]);
         let outcomes = Env::new(&get).outcomes().unwrap();
-        assert_eq!((outcomes.record, outcomes.max_body, outcomes.headers), (RecordOutcomes::EveryAttempt, 2048, vec!["etag".to_owned(), "x-request-id".to_owned()]));
+        assert_eq!(
+            (outcomes.record, outcomes.max_body, outcomes.headers),
+            (RecordOutcomes::EveryAttempt, 2048, vec!["etag".to_owned(), "x-request-id".to_owned()])
+        );
         let get = env_of(&[("PACELINE_OUTCOME_MAX_BODY", "10MiB")]);
         assert!(Env::new(&get).outcomes().unwrap_err().starts_with("PACELINE_OUTCOME_MAX_BODY"));
         let get = env_of(&[("PACELINE_OUTCOMES", "maybe")]);

@@ -127,9 +127,10 @@ impl OutcomeRecord {
             .filter(|(name, _)| keep_headers.iter().any(|kept| kept.eq_ignore_ascii_case(name)))
             .map(|(name, value)| (name.to_ascii_lowercase(), value.clone()))
             .collect::<BTreeMap<_, _>>();
-        let content_type = headers.get("content-type").map(String::as_str).or_else(|| {
-            answer.headers.iter().find(|(name, _)| name.eq_ignore_ascii_case("content-type")).map(|(_, value)| value.as_str())
-        });
+        let content_type = headers
+            .get("content-type")
+            .map(String::as_str)
+            .or_else(|| answer.headers.iter().find(|(name, _)| name.eq_ignore_ascii_case("content-type")).map(|(_, value)| value.as_str()));
         let (body, body_base64) = answer.body.map_or((None, false), |body| body_value(body, content_type));
         Self {
             v: OUTCOME_VERSION,
@@ -149,8 +150,14 @@ impl OutcomeRecord {
 
     /// The same record with the reason of a dead letter or a failed attempt.
     #[must_use]
-    pub fn because(self, reason: &DeadLetterReason) -> Self {
-        Self { reason: Some(format!("{}: {}", reason.cause.label(), reason.detail)), ..self }
+    pub fn because(self, reason: String) -> Self {
+        Self { reason: Some(reason), ..self }
+    }
+
+    /// A dead letter's reason as a record states it: `cause: detail`.
+    #[must_use]
+    pub fn dead_letter_reason(reason: &DeadLetterReason) -> String {
+        format!("{}: {}", reason.cause.label(), reason.detail)
     }
 
     /// The record as one line of JSON.
@@ -350,8 +357,9 @@ mod tests {
     #[test]
     fn times_are_rfc3339_and_reasons_name_the_cause() {
         let times = OutcomeTimes { enqueued: Some(UnixMillis(1_700_000_000_000)), answered: Some(UnixMillis(1_700_000_000_250)), ..OutcomeTimes::default() };
-        let reason = DeadLetterReason { cause: DeadLetterCause::Rejected { status: 404 }, detail: "the API answered HTTP 404".into() };
-        let r = OutcomeRecord::new(&job(""), Ending::DeadLettered, 1, &Answer { status: Some(404), ..Answer::default() }, &[], times).because(&reason);
+        let reason = DeadLetterReason { cause: DeadLetterCause::Rejected { status: 404 }, detail: "the API answered HTTP 404".into(), outcome: None };
+        let r = OutcomeRecord::new(&job(""), Ending::DeadLettered, 1, &Answer { status: Some(404), ..Answer::default() }, &[], times)
+            .because(OutcomeRecord::dead_letter_reason(&reason));
         let line: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
         assert_eq!(line["times"]["enqueued"], "2023-11-14T22:13:20.000Z");
         assert_eq!(line["times"]["answered"], "2023-11-14T22:13:20.250Z");

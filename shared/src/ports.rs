@@ -17,6 +17,7 @@ use crate::adaptive::{EffectiveRate, ProviderReading};
 use crate::breaker::Circuit;
 use crate::dlq::{DeadLetterRecord, DlqSource};
 use crate::job::{DeadLetterReason, WorkerPayload};
+use crate::outcome::OutcomeRecord;
 use crate::pacer::PacerState;
 use crate::quota::Quota;
 use crate::time::UnixMillis;
@@ -503,5 +504,18 @@ pub trait WorkerHandler: Send + Sync {
     /// # Errors
     /// A follow-up write (re-queue, DLQ, circuit) failed: the payload must be retried
     /// (Lambda retries the event; the embedded invoker re-queues the job).
-    async fn handle(&self, payload: WorkerPayload) -> PortResult<()>;
+    /// Returns the job's outcome record when it ended with one.
+    async fn handle(&self, payload: WorkerPayload) -> PortResult<Option<OutcomeRecord>>;
+}
+
+/// Keeps outcome records where a producer reads them (the embedded store; on AWS the
+/// record is the worker's function result instead).
+#[async_trait]
+pub trait OutcomeSink: Send + Sync {
+    /// Keeps the record, replacing one for the same job, outcome and attempts (a
+    /// repeated write is harmless).
+    ///
+    /// # Errors
+    /// When it cannot be written: the worker fails the payload, which is retried.
+    async fn record_outcome(&self, record: &OutcomeRecord) -> PortResult<()>;
 }

@@ -61,7 +61,8 @@ impl UnixMillis {
     /// # Errors
     /// When the text is not one, or lies before 1970.
     pub fn parse_rfc3339(text: &str) -> Result<Self, String> {
-        let time = chrono::DateTime::parse_from_rfc3339(text.trim()).map_err(|e| format!("`{text}` is not an RFC 3339 time ({e}); write for example 2026-11-23T20:30:00Z"))?;
+        let time = chrono::DateTime::parse_from_rfc3339(text.trim())
+            .map_err(|e| format!("`{text}` is not an RFC 3339 time ({e}); write for example 2026-11-23T20:30:00Z"))?;
         u64::try_from(time.timestamp_millis()).map(Self).map_err(|_| format!("`{text}` is before 1970"))
     }
 }

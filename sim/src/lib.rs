@@ -224,7 +224,10 @@ struct Notifying {
 
 #[async_trait::async_trait]
 impl WorkerHandler for Notifying {
-    async fn handle(&self, payload: paceline_shared::job::WorkerPayload) -> paceline_shared::ports::PortResult<()> {
+    async fn handle(
+        &self,
+        payload: paceline_shared::job::WorkerPayload,
+    ) -> paceline_shared::ports::PortResult<Option<paceline_shared::outcome::OutcomeRecord>> {
         let result = self.worker.handle(payload).await;
         self.finished.notify_waiters();
         result

@@ -12,7 +12,7 @@ use paceline_shared::check::{StrictBucketLimiter, StrictFixedWindowLimiter, Stri
 use paceline_shared::job::ApiRequest;
 use paceline_shared::quota::{Period, Quota, Spread, Tier};
 use paceline_shared::time::{Clock, UnixMillis};
-use paceline_worker::{Api, ApiError, CallResult};
+use paceline_worker::{Api, ApiError, CallResult, CappedBody};
 use serde::Serialize;
 
 use crate::aws::World;
@@ -392,7 +392,7 @@ impl Provider {
         }
         if self.failures.in_outage(since_start) {
             seen.answers.outage_503 += 1;
-            return CallResult::Response { status: 503, headers: Vec::new() };
+            return CallResult::Response { status: 503, headers: Vec::new(), body: CappedBody::default() };
         }
         let mut tiers = self.tiers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         self.serve_foreign_until(now, &mut tiers, &mut seen.answers);
@@ -402,7 +402,7 @@ impl Provider {
                 tier.violations += 1;
             }
             seen.answers.over_quota_429 += 1;
-            return CallResult::Response { status: 429, headers: self.answer_headers(&mut tiers, now, true) };
+            return CallResult::Response { status: 429, headers: self.answer_headers(&mut tiers, now, true), body: CappedBody::default() };
         }
         for tier in tiers.iter_mut() {
             tier.admit(now);
@@ -411,13 +411,13 @@ impl Provider {
         let draw = self.world.sampler.uniform(Stream::Fault, key);
         if draw < self.failures.rate_429 {
             seen.answers.injected_429 += 1;
-            CallResult::Response { status: 429, headers: self.answer_headers(&mut tiers, now, true) }
+            CallResult::Response { status: 429, headers: self.answer_headers(&mut tiers, now, true), body: CappedBody::default() }
         } else if draw < self.failures.rate_429 + self.failures.rate_5xx {
             seen.answers.injected_5xx += 1;
-            CallResult::Response { status: 500, headers: self.answer_headers(&mut tiers, now, false) }
+            CallResult::Response { status: 500, headers: self.answer_headers(&mut tiers, now, false), body: CappedBody::default() }
         } else {
             seen.answers.ok += 1;
-            CallResult::Response { status: 200, headers: self.answer_headers(&mut tiers, now, false) }
+            CallResult::Response { status: 200, headers: self.answer_headers(&mut tiers, now, false), body: CappedBody::default() }
         }
     }
 

@@ -186,7 +186,7 @@ async fn outage_fills_the_dlqs(sdk: &aws_config::SdkConfig, names: &AwsNames) {
     }
     let adapters = AwsAdapters::new(sdk, names, None);
     for (i, text) in ["not json", "{}", "{\"request\":1}"].iter().enumerate() {
-        let reason = DeadLetterReason { cause: DeadLetterCause::Malformed, detail: format!("not a job #{i}") };
+        let reason = DeadLetterReason { cause: DeadLetterCause::Malformed, detail: format!("not a job #{i}"), outcome: None };
         adapters.queue.dead_letter(&format!("m-{i}"), text, 0, &reason).await.unwrap();
     }
     let sqs = aws_sdk_sqs::Client::new(sdk);
@@ -291,7 +291,7 @@ async fn a_redrive_killed_midway_and_run_again_loses_nothing_and_duplicates_noth
         sends.spawn(async move {
             let cause =
                 if status == 503 { DeadLetterCause::AttemptsExhausted { last_failure: Some("http_503".into()) } } else { DeadLetterCause::Rejected { status } };
-            queue.dead_letter(&id, &job(&id).to_json(), 4, &DeadLetterReason { cause, detail: format!("HTTP {status}") }).await.unwrap();
+            queue.dead_letter(&id, &job(&id).to_json(), 4, &DeadLetterReason { cause, detail: format!("HTTP {status}"), outcome: None }).await.unwrap();
         });
         if sends.len() >= 16 {
             sends.join_next().await;

@@ -14,12 +14,18 @@ use std::time::Duration;
 
 use paceline_shared::adaptive::ProviderReading;
 use paceline_shared::config::RetryConfig;
+pub use paceline_shared::outcome::CappedBody;
 use paceline_shared::time::UnixMillis;
 
 /// What came back from one call.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CallResult {
-    Response { status: u16, headers: Vec<(String, String)> },
+    /// An answer: its status, its headers, and as much of its body as outcomes keep.
+    Response {
+        status: u16,
+        headers: Vec<(String, String)>,
+        body: CappedBody,
+    },
     Timeout,
     Connect(String),
 }
@@ -44,7 +50,7 @@ pub fn classify(result: &CallResult, now: UnixMillis, retry: &RetryConfig) -> Ou
         CallResult::Timeout => Outcome::Outage { reason: "timeout".into() },
         CallResult::Connect(e) => Outcome::Outage { reason: format!("connection error: {e}") },
         CallResult::Response { status, .. } if (200..300).contains(status) => Outcome::Success { status: *status },
-        CallResult::Response { status: 429, headers } => {
+        CallResult::Response { status: 429, headers, .. } => {
             let asked = cool_down_until(headers, now).unwrap_or_else(|| now.plus(retry.default_cool_down));
             Outcome::RateLimited { until: asked.min(now.plus(retry.max_cool_down)) }
         }
@@ -199,7 +205,7 @@ mod tests {
     };
 
     fn response(status: u16, headers: &[(&str, &str)]) -> CallResult {
-        CallResult::Response { status, headers: headers.iter().map(|(n, v)| ((*n).to_owned(), (*v).to_owned())).collect() }
+        CallResult::Response { status, headers: headers.iter().map(|(n, v)| ((*n).to_owned(), (*v).to_owned())).collect(), body: CappedBody::default() }
     }
 
     fn until(headers: &[(&str, &str)]) -> Outcome {

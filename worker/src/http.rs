@@ -14,7 +14,7 @@ use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use reqwest::Url;
 use secrecy::ExposeSecret;
 
-use crate::classify::CallResult;
+use crate::classify::{CallResult, CappedBody};
 
 /// Why a client or request could not be built.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -38,6 +38,8 @@ pub struct ApiClient {
     limits: RequestLimits,
     /// `api.idempotency_header`: carries the job id on a job's calls.
     idempotency_header: Option<HeaderName>,
+    /// How many bytes of an answer's body to keep (for outcome records; 0 keeps none).
+    keep_body: usize,
 }
 
 impl ApiClient {
@@ -63,7 +65,13 @@ impl ApiClient {
             .map_err(|e| ApiError::Client(e.to_string()))?;
         let idempotency_header =
             config.idempotency_header.as_ref().map(|name| HeaderName::from_bytes(name.as_bytes()).map_err(|_| ApiError::Header(name.clone()))).transpose()?;
-        Ok(Self { client, base: config.base_url.clone(), limits: config.request_limits(), idempotency_header })
+        Ok(Self { client, base: config.base_url.clone(), limits: config.request_limits(), idempotency_header, keep_body: 0 })
+    }
+
+    /// The same client keeping the first `max` bytes of each answer's body.
+    #[must_use]
+    pub fn keeping_bodies(self, max: usize) -> Self {
+        Self { keep_body: max, ..self }
     }
 
     /// The URL a request goes to: the base URL's path, then the request's.
@@ -128,13 +136,26 @@ impl ApiClient {
             Ok(response) => {
                 let status = response.status().as_u16();
                 let headers = response.headers().iter().filter_map(|(n, v)| v.to_str().ok().map(|v| (n.as_str().to_owned(), v.to_owned()))).collect();
-                // Drain the body so the connection goes back to the pool.
-                let _ = response.bytes().await;
-                CallResult::Response { status, headers }
+                let body = self.read_body(response).await;
+                CallResult::Response { status, headers, body }
             }
             Err(e) if e.is_timeout() => CallResult::Timeout,
             Err(e) => CallResult::Connect(paceline_shared::error_chain(&e)),
         })
+    }
+}
+
+impl ApiClient {
+    /// Reads the whole body (so the connection goes back to the pool) and keeps its first
+    /// `keep_body` bytes. A body that breaks off keeps what arrived.
+    async fn read_body(&self, mut response: reqwest::Response) -> CappedBody {
+        let mut body = CappedBody::default();
+        while let Ok(Some(chunk)) = response.chunk().await {
+            let room = self.keep_body - body.bytes.len();
+            body.bytes.extend_from_slice(&chunk[..chunk.len().min(room)]);
+            body.truncated |= chunk.len() > room;
+        }
+        body
     }
 }
 

@@ -12,6 +12,11 @@
 //! hand-off once) claims when its payloads come ahead of their slot, where the claim's
 //! write cannot delay the call.
 //!
+//! A job that ends (succeeded, or dead-lettered) gets an outcome record (`[outcomes]`):
+//! the worker returns it (a Lambda worker's function result, which the async `OnSuccess`
+//! destination delivers), writes it to the outcome sink where there is one (the embedded
+//! store) before marking the call done, and a dead letter carries it too.
+//!
 //! A payload dispatched ahead of its slot ([`CallSlot`]) waits for the slot, and skips
 //! the call (re-queueing the job) when it started too late to make it. Under a cap on
 //! calls in flight (`quota.max_in_flight`), each call holds one of the cap's slots in the
@@ -29,12 +34,15 @@ use async_trait::async_trait;
 use paceline_shared::breaker::{retry_delay, Circuit, Refusal, TripRule};
 use paceline_shared::config::RetryConfig;
 use paceline_shared::job::{ApiRequest, CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
-use paceline_shared::ports::{call_record_key, CallClaim, JobQueue, OutgoingMessage, PortError, PortResult, StateStore, WorkerHandler, CALL_SLOTS_FULL_KEY};
+use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, OutcomeTimes};
+use paceline_shared::ports::{
+    call_record_key, CallClaim, JobQueue, OutcomeSink, OutgoingMessage, PortError, PortResult, StateStore, WorkerHandler, CALL_SLOTS_FULL_KEY,
+};
 use paceline_shared::time::{Clock, UnixMillis};
 use serde::Serialize;
 use tracing::{info, warn};
 
-pub use classify::{classify, failure_label, provider_reading, CallResult, Outcome};
+pub use classify::{classify, failure_label, provider_reading, CallResult, CappedBody, Outcome};
 
 /// A job that found every call slot held comes back within this long (a random share).
 const CALL_SLOT_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
@@ -124,6 +132,17 @@ struct JobCall {
     report_limits: bool,
     /// The call record claimed (none where this payload claims none).
     record: Option<String>,
+    dispatched_at: UnixMillis,
+    /// The pacer slot of the call (the dispatch time, for a payload sent at its slot).
+    slotted: UnixMillis,
+}
+
+/// What a job's attempt came to, for its outcome record.
+struct Attempted<'a> {
+    /// Calls made for the job so far, this one included.
+    calls: u32,
+    answer: Answer<'a>,
+    times: OutcomeTimes,
 }
 
 /// A call record is kept this long after its answer: a repeated delivery within it does
@@ -151,6 +170,9 @@ pub struct Worker {
     claim_for: std::time::Duration,
     /// Which payloads claim their call record first.
     call_records: CallRecords,
+    outcomes: OutcomeSettings,
+    /// Where outcome records are kept besides the function result (the embedded store).
+    outcome_sink: Option<Arc<dyn OutcomeSink>>,
 }
 
 /// Which payloads claim their call record before calling.
@@ -186,7 +208,15 @@ impl Worker {
             call_slots: None,
             claim_for: held_past(std::time::Duration::from_secs(30)),
             call_records: CallRecords::Always,
+            outcomes: OutcomeSettings::default(),
+            outcome_sink: None,
         }
+    }
+
+    /// The same worker recording outcomes as `settings` say, into `sink` too if given.
+    #[must_use]
+    pub fn with_outcomes(self, settings: OutcomeSettings, sink: Option<Arc<dyn OutcomeSink>>) -> Self {
+        Self { outcomes: settings, outcome_sink: sink, ..self }
     }
 
     /// The same worker claiming call records for `which` payloads.
@@ -215,13 +245,13 @@ impl Worker {
     }
 
     #[tracing::instrument(skip_all, fields(job_id = %job.id, attempt = call.attempt))]
-    async fn run_job(&self, job: &Job, call: JobCall, held: HeldSlot) -> PortResult<()> {
+    async fn run_job(&self, job: &Job, call: JobCall, held: HeldSlot) -> PortResult<Option<OutcomeRecord>> {
         let record = call.record.clone();
         let settled = self.call_and_settle(job, call, held).await;
-        // Done only once what the answer calls for is written: if that failed, Lambda
-        // retries the event and, the claim expired, the job calls again rather than
-        // being lost.
-        if let (Ok(()), Some(record)) = (&settled, &record) {
+        // Done only once what the answer calls for is written (its outcome record too):
+        // if that failed, Lambda retries the event and, the claim expired, the job calls
+        // again rather than being lost.
+        if let (Ok(_), Some(record)) = (&settled, &record) {
             if let Err(e) = self.store.finish_call(record, self.clock.now().plus(CALL_RECORD_KEEP)).await {
                 // The claim then expires: a repeated delivery after that may call again.
                 warn!(error = %e, "could not mark the call done");
@@ -231,8 +261,9 @@ impl Worker {
     }
 
     /// Calls the API for the job and does what the answer calls for.
-    async fn call_and_settle(&self, job: &Job, call: JobCall, held: HeldSlot) -> PortResult<()> {
-        let JobCall { attempt, circuit_epoch, trip, report_limits, .. } = call;
+    async fn call_and_settle(&self, job: &Job, call: JobCall, held: HeldSlot) -> PortResult<Option<OutcomeRecord>> {
+        let JobCall { attempt, circuit_epoch, trip, report_limits, dispatched_at, slotted, .. } = call;
+        let mut times = OutcomeTimes { enqueued: job.enqueued_at, dispatched: Some(dispatched_at), slotted: Some(slotted), called: None, answered: None };
         let called_at = self.clock.now();
         let result = self.api.call(&job.request, Some(job.id.as_str())).await;
         self.release_call_slot(held).await;
@@ -241,24 +272,27 @@ impl Worker {
             Err(e) => {
                 // A request that cannot be built or sent is the job's fault, never the
                 // API's: nothing was sent, the circuit is untouched.
-                return self.dead_letter(job, attempt, DeadLetterCause::Malformed, e.to_string()).await;
+                let nothing_sent = Attempted { calls: attempt, answer: Answer::default(), times };
+                return self.dead_letter(job, attempt, DeadLetterCause::Malformed, e.to_string(), &nothing_sent).await;
             }
         };
         self.record_provider_reading(&result, called_at, report_limits).await;
         let now = self.clock.now();
+        (times.called, times.answered) = (Some(called_at), Some(now));
+        let attempted = Attempted { calls: attempt + 1, answer: answer_of(&result), times };
         let failure = failure_label(&result);
         match classify(&result, now, &self.retry) {
             Outcome::Success { status } => {
                 WorkerStats::bump(&self.stats.succeeded);
                 info!(status, "succeeded");
-                Ok(())
+                self.keep_outcome(job, Ending::Succeeded, &attempted, None).await
             }
             Outcome::RateLimited { until } => {
                 WorkerStats::bump(&self.stats.rate_limited);
                 warn!(cool_down_until = %until, "rate limited by the API; cooling down");
                 self.store.extend_cool_down(until).await?;
                 // The cool-down holds the whole lane: the job may go as soon as it ends.
-                self.retry_later(job, attempt, "HTTP 429", failure, std::time::Duration::ZERO).await
+                self.retry_later(job, attempt, "HTTP 429", failure, std::time::Duration::ZERO, &attempted).await
             }
             Outcome::Outage { reason } => {
                 WorkerStats::bump(&self.stats.outages_seen);
@@ -269,12 +303,38 @@ impl Worker {
                     info!(%reason, "API failure under the threshold; this job alone is retried");
                 }
                 let delay = retry_delay(job.id.as_str(), attempt + 1, self.retry.backoff_base, self.retry.backoff_max);
-                self.retry_later(job, attempt, &reason, failure, delay).await
+                self.retry_later(job, attempt, &reason, failure, delay, &attempted).await
             }
             Outcome::Rejected { status } => {
-                self.dead_letter(job, attempt, DeadLetterCause::Rejected { status }, format!("the API answered HTTP {status}")).await
+                self.dead_letter(job, attempt, DeadLetterCause::Rejected { status }, format!("the API answered HTTP {status}"), &attempted).await
             }
         }
+    }
+
+    /// The outcome record of `job` ending as `ending`, if the lane and the job want one
+    /// (`reason`: why it went to the DLQ or failed).
+    fn outcome(&self, job: &Job, ending: Ending, attempted: &Attempted<'_>, reason: Option<String>) -> Option<OutcomeRecord> {
+        if !self.outcomes.records(job, ending) {
+            return None;
+        }
+        let record = OutcomeRecord::new(job, ending, attempted.calls, &attempted.answer, &self.outcomes.headers, attempted.times.clone());
+        Some(match reason {
+            Some(reason) => record.because(reason),
+            None => record,
+        })
+    }
+
+    /// Writes `job`'s outcome (if it gets one) to the sink, and returns it.
+    async fn keep_outcome(&self, job: &Job, ending: Ending, attempted: &Attempted<'_>, reason: Option<String>) -> PortResult<Option<OutcomeRecord>> {
+        let record = self.outcome(job, ending, attempted, reason);
+        self.sink(record).await
+    }
+
+    async fn sink(&self, record: Option<OutcomeRecord>) -> PortResult<Option<OutcomeRecord>> {
+        if let (Some(sink), Some(record)) = (&self.outcome_sink, &record) {
+            sink.record_outcome(record).await?;
+        }
+        Ok(record)
     }
 
     async fn run_health_check(&self, circuit_epoch: u64, held: HeldSlot) -> PortResult<()> {
@@ -350,19 +410,20 @@ impl Worker {
 
     /// Every call slot was held: the job goes back on the queue without a call, and the
     /// store counts it (the orchestrator's model of the slots learns from it).
-    async fn turned_away(&self, job: &Job, attempt: u32) -> PortResult<()> {
+    async fn turned_away(&self, job: &Job, attempt: u32) -> PortResult<Option<OutcomeRecord>> {
         WorkerStats::bump(&self.stats.call_slots_full);
         info!(job_id = %job.id, "every call slot is held; the job goes back on the queue without a call");
         self.store.add_usage(&[(CALL_SLOTS_FULL_KEY.to_owned(), 1)]).await?;
         let delay = retry_delay(job.id.as_str(), 0, CALL_SLOT_RETRY, CALL_SLOT_RETRY);
-        self.requeue_unattempted(job, attempt, delay).await
+        self.requeue_unattempted(job, attempt, delay).await?;
+        Ok(None)
     }
 
     /// Records what the answer's rate-limit headers say (if anything) when the
     /// orchestrator asked for it, or on a 429. A failure is only logged: the reading is
     /// advice, and the next one comes soon.
     async fn record_provider_reading(&self, result: &CallResult, called_at: UnixMillis, asked: bool) {
-        let CallResult::Response { status, headers } = result else { return };
+        let CallResult::Response { status, headers, .. } = result else { return };
         if !asked && *status != 429 {
             return;
         }
@@ -385,16 +446,24 @@ impl Worker {
 
     /// Re-queues the job with one more attempt after `delay`, or dead-letters it if that
     /// was the last.
-    async fn retry_later(&self, job: &Job, attempt: u32, reason: &str, failure: String, delay: std::time::Duration) -> PortResult<()> {
+    async fn retry_later(
+        &self,
+        job: &Job,
+        attempt: u32,
+        reason: &str,
+        failure: String,
+        delay: std::time::Duration,
+        attempted: &Attempted<'_>,
+    ) -> PortResult<Option<OutcomeRecord>> {
         let tries = attempt + 1;
         if tries >= self.retry.max_attempts {
             let detail = format!("gave up after {tries} attempts; last: {reason}");
             let cause = DeadLetterCause::AttemptsExhausted { last_failure: Some(failure) };
-            return self.dead_letter(job, attempt, cause, detail).await;
+            return self.dead_letter(job, attempt, cause, detail, attempted).await;
         }
         self.queue.send(&[OutgoingMessage { body: job.to_json(), attempt: tries, delay }]).await?;
         WorkerStats::bump(&self.stats.requeued);
-        Ok(())
+        self.keep_outcome(job, Ending::Retrying, attempted, Some(format!("retrying after {reason}"))).await
     }
 
     /// The call record a payload for `attempt` of `job` with `slot` claims, if any.
@@ -456,24 +525,35 @@ impl Worker {
         Ok(())
     }
 
-    async fn dead_letter(&self, job: &Job, attempt: u32, cause: DeadLetterCause, detail: String) -> PortResult<()> {
+    /// Moves the job to the DLQ with its reason and its outcome record, which it returns.
+    async fn dead_letter(
+        &self,
+        job: &Job,
+        attempt: u32,
+        cause: DeadLetterCause,
+        detail: String,
+        attempted: &Attempted<'_>,
+    ) -> PortResult<Option<OutcomeRecord>> {
         warn!(cause = %cause.label(), %detail, "dead-lettered");
-        self.queue.dead_letter(job.id.as_str(), &job.to_json(), attempt, &DeadLetterReason { cause, detail }).await?;
+        let mut reason = DeadLetterReason { cause, detail, outcome: None };
+        let record = self.outcome(job, Ending::DeadLettered, attempted, Some(OutcomeRecord::dead_letter_reason(&reason)));
+        reason.outcome = record.clone().map(Box::new);
+        self.queue.dead_letter(job.id.as_str(), &job.to_json(), attempt, &reason).await?;
         WorkerStats::bump(&self.stats.dead_lettered);
-        Ok(())
+        self.sink(record).await
     }
 }
 
 #[async_trait]
 impl WorkerHandler for Worker {
-    async fn handle(&self, payload: WorkerPayload) -> PortResult<()> {
+    async fn handle(&self, payload: WorkerPayload) -> PortResult<Option<OutcomeRecord>> {
         match payload {
             WorkerPayload::Job { job, attempt, circuit_epoch, slot, trip, dispatched_at, report_limits } => {
                 let holder = format!("{}#{attempt}#{}", job.id.as_str(), dispatched_at.0);
                 let record = self.call_record(&job, attempt, slot);
                 if let Some(record) = &record {
                     if !self.claim_call(record, &holder, slot, &job, attempt).await? {
-                        return Ok(());
+                        return Ok(None);
                     }
                 }
                 let Some(held) = self.take_call_slot(holder.clone(), slot).await? else {
@@ -481,11 +561,13 @@ impl WorkerHandler for Worker {
                     return self.turned_away(&job, attempt).await;
                 };
                 if self.wait_for_slot(slot).await {
-                    self.run_job(&job, JobCall { attempt, circuit_epoch, trip, report_limits, record }, held).await
+                    let slotted = slot.map_or(dispatched_at, |slot| slot.not_before);
+                    self.run_job(&job, JobCall { attempt, circuit_epoch, trip, report_limits, record, dispatched_at, slotted }, held).await
                 } else {
                     self.release_call_slot(held).await;
                     self.release_call(record.as_deref(), &holder).await?;
-                    self.requeue_unattempted(&job, attempt, std::time::Duration::ZERO).await
+                    self.requeue_unattempted(&job, attempt, std::time::Duration::ZERO).await?;
+                    Ok(None)
                 }
             }
             WorkerPayload::HealthCheck { circuit_epoch, slot, sent_at } => {
@@ -494,16 +576,25 @@ impl WorkerHandler for Worker {
                 let holder = format!("health-check#{circuit_epoch}#{}", sent_at.0);
                 let Some(held) = self.take_call_slot(holder, slot).await? else {
                     info!("every call slot is held; no health check this time");
-                    return Ok(());
+                    return Ok(None);
                 };
                 if self.wait_for_slot(slot).await {
-                    self.run_health_check(circuit_epoch, held).await
+                    self.run_health_check(circuit_epoch, held).await?;
                 } else {
                     self.release_call_slot(held).await;
-                    Ok(())
                 }
+                Ok(None)
             }
         }
+    }
+}
+
+/// The answer as an outcome record sees it (no answer for a timeout or a dead
+/// connection).
+fn answer_of(result: &CallResult) -> Answer<'_> {
+    match result {
+        CallResult::Response { status, headers, body } => Answer { status: Some(*status), headers, body: Some(body) },
+        CallResult::Timeout | CallResult::Connect(_) => Answer::default(),
     }
 }
 

@@ -8,14 +8,15 @@ use axum::http::{HeaderMap, StatusCode};
 use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::breaker::{CircuitStatus, TripRule};
 use paceline_shared::config::ApiConfig;
+use paceline_shared::outcome::{Ending, OutcomeRecord, OutcomeSettings};
 use paceline_shared::ports::{call_record_key, CallClaim};
 use paceline_shared::time::TokioClock;
 
 use super::*;
 
-/// Answers `/v1/status/CODE` with CODE (429s carry `Retry-After: 3`; every answer says
-/// `X-RateLimit-Remaining: 7` of `X-RateLimit-Limit: 10`) and records the Authorization
-/// header of each call.
+/// Answers `/v1/status/CODE` with CODE and a JSON body naming the path (429s carry
+/// `Retry-After: 3`; every answer says `X-RateLimit-Remaining: 7` of
+/// `X-RateLimit-Limit: 10`) and records the Authorization header of each call.
 async fn scripted_api() -> (String, Arc<Mutex<Vec<String>>>) {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let record = seen.clone();
@@ -32,7 +33,9 @@ async fn scripted_api() -> (String, Arc<Mutex<Vec<String>>>) {
             if code == 429 {
                 headers.insert("retry-after", "3".parse().unwrap());
             }
-            (StatusCode::from_u16(code).unwrap(), headers, "")
+            headers.insert("content-type", "application/json".parse().unwrap());
+            headers.insert("location", "/v1/items/9".parse().unwrap());
+            (StatusCode::from_u16(code).unwrap(), headers, format!(r#"{{"path":"{}"}}"#, request.uri().path()))
         }
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -53,7 +56,8 @@ fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
         max_body: 1 << 20,
         idempotency_header: Some("idempotency-key".into()),
     })
-    .unwrap();
+    .unwrap()
+    .keeping_bodies(OutcomeSettings::default().max_body);
     let worker = Worker {
         api: Arc::new(api),
         queue: store.clone(),
@@ -66,6 +70,8 @@ fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
         call_slots: None,
         claim_for: Duration::from_secs(7),
         call_records: CallRecords::Always,
+        outcomes: OutcomeSettings::default(),
+        outcome_sink: Some(store.clone()),
     };
     (worker, store)
 }
@@ -96,6 +102,59 @@ async fn success_is_counted_and_the_auth_header_reaches_only_the_api() {
     // The job id goes in `api.idempotency_header` (`Idempotency-Key` here).
     assert_eq!(seen.lock().unwrap().as_slice(), ["/v1/status/201 Bearer s3cret key=job-201"]);
     assert!(requeued(&store).await.is_empty());
+}
+
+fn kept_outcomes(store: &EmbeddedStore) -> Vec<OutcomeRecord> {
+    let all = paceline_shared::adapters::embedded::OutcomeQuery { limit: 100, ..Default::default() };
+    store.outcomes(&all).unwrap().into_iter().map(|kept| kept.record).collect()
+}
+
+#[tokio::test]
+async fn a_success_returns_its_outcome_record_with_the_answer_and_the_store_keeps_it() {
+    let (base, _) = scripted_api().await;
+    let (worker, store) = new_worker(&base);
+    let job =
+        Job::parse(r#"{"id":"created","request":{"method":"POST","path":"/status/201"},"metadata":{"order":7},"enqueued_at":"2026-11-23T20:00:00Z"}"#).unwrap();
+    let payload = WorkerPayload::Job { job, attempt: 1, circuit_epoch: 0, dispatched_at: worker.clock.now(), slot: None, trip: None, report_limits: false };
+    let record = worker.handle(payload).await.unwrap().expect("an outcome record");
+    assert_eq!((record.job_id.as_str(), record.outcome, record.status, record.attempts), ("created", Ending::Succeeded, Some(201), 2));
+    assert_eq!(record.body, Some(serde_json::json!({"path": "/v1/status/201"})));
+    assert_eq!(record.headers.get("location").map(String::as_str), Some("/v1/items/9"));
+    assert!(!record.headers.contains_key("x-ratelimit-limit"), "only the chosen headers");
+    assert_eq!(record.metadata, Some(serde_json::json!({"order": 7})));
+    let times = &record.times;
+    assert_eq!(times.enqueued, Some(UnixMillis::parse_rfc3339("2026-11-23T20:00:00Z").unwrap()));
+    assert!(times.dispatched <= times.slotted && times.slotted <= times.called && times.called <= times.answered && times.answered.is_some(), "{times:?}");
+    assert_eq!(kept_outcomes(&store), vec![record]);
+}
+
+#[tokio::test]
+async fn a_rejected_job_s_dead_letter_carries_its_outcome_record_and_fire_and_forget_jobs_record_nothing() {
+    let (base, _) = scripted_api().await;
+    let (worker, store) = new_worker(&base);
+    let record = worker.handle(job_to(404)).await.unwrap().expect("an outcome record");
+    assert_eq!((record.outcome, record.status, record.reason.as_deref()), (Ending::DeadLettered, Some(404), Some("http_404: the API answered HTTP 404")));
+    let dead = store.dead_letters().unwrap();
+    assert_eq!(dead[0].reason.outcome.as_deref(), Some(&record));
+
+    let quiet = Job::parse(r#"{"id":"quiet","request":{"method":"GET","path":"/status/200"},"fire_and_forget":true}"#).unwrap();
+    let payload = WorkerPayload::Job { job: quiet, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None, report_limits: false };
+    assert_eq!(worker.handle(payload).await.unwrap(), None);
+    assert_eq!(kept_outcomes(&store), vec![record]);
+}
+
+#[tokio::test]
+async fn a_retried_attempt_records_nothing_unless_every_attempt_is_asked_for() {
+    let (base, _) = scripted_api().await;
+    let (worker, store) = new_worker(&base);
+    assert_eq!(worker.handle(job_to(503)).await.unwrap(), None);
+    let every = OutcomeSettings { record: paceline_shared::outcome::RecordOutcomes::EveryAttempt, ..OutcomeSettings::default() };
+    let worker = worker.with_outcomes(every, Some(store.clone()));
+    let WorkerPayload::Job { job, .. } = job_to(503) else { unreachable!() };
+    let second = WorkerPayload::Job { job, attempt: 1, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None, report_limits: false };
+    let record = worker.handle(second).await.unwrap().expect("an attempt's record");
+    assert_eq!((record.outcome, record.status, record.reason.as_deref()), (Ending::Retrying, Some(503), Some("retrying after HTTP 503")));
+    assert_eq!(kept_outcomes(&store), vec![record]);
 }
 
 #[tokio::test]
@@ -188,7 +247,7 @@ struct InstantApi {
 impl Api for InstantApi {
     async fn call(&self, _request: &ApiRequest, _job_id: Option<&str>) -> Result<CallResult, ApiError> {
         self.calls.lock().unwrap().push(self.clock.now());
-        Ok(CallResult::Response { status: 200, headers: Vec::new() })
+        Ok(CallResult::Response { status: 200, headers: Vec::new(), body: CappedBody::default() })
     }
 }
 

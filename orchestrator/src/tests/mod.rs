@@ -140,14 +140,14 @@ struct HealthyApi(Arc<EmbeddedStore>, Arc<TokioClock>);
 
 #[async_trait]
 impl WorkerHandler for HealthyApi {
-    async fn handle(&self, payload: WorkerPayload) -> Result<(), PortError> {
+    async fn handle(&self, payload: WorkerPayload) -> Result<Option<paceline_shared::outcome::OutcomeRecord>, PortError> {
         if let WorkerPayload::HealthCheck { circuit_epoch, .. } = payload {
             let current = self.0.circuit().await.unwrap();
             if let Ok(next) = current.half_open(circuit_epoch, "health check ok", self.1.now()) {
                 self.0.swap_circuit(current.epoch, &next).await?;
             }
         }
-        Ok(())
+        Ok(None)
     }
 }
 

@@ -8,7 +8,7 @@
 //! tokio time deterministic in tests.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -24,6 +24,10 @@ use crate::ports::{
     QueuedMessage, StateStore, WorkerHandler,
 };
 use crate::time::{Clock, UnixMillis};
+
+mod outcomes;
+
+pub use outcomes::{KeptOutcome, OutcomeQuery};
 
 const SCHEMA: &str = "
 PRAGMA journal_mode = WAL;
@@ -50,6 +54,17 @@ CREATE TABLE IF NOT EXISTS dead_letters (
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS usage (key TEXT PRIMARY KEY, used INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS call_slots (idx INTEGER PRIMARY KEY, holder TEXT, expires_at INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS outcomes (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    attempts INTEGER NOT NULL,
+    status INTEGER,
+    recorded_at INTEGER NOT NULL,
+    record TEXT NOT NULL,
+    UNIQUE (job_id, outcome, attempts)
+);
+CREATE INDEX IF NOT EXISTS outcomes_recorded ON outcomes (recorded_at);
 CREATE TABLE IF NOT EXISTS invocations (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     payload TEXT NOT NULL,
@@ -72,6 +87,10 @@ struct CallRecord {
 pub struct EmbeddedStore {
     conn: Mutex<Connection>,
     clock: Arc<dyn Clock>,
+    /// How long outcome records are kept (`[outcomes] retention`).
+    outcome_retention: Duration,
+    /// When outcome records were last swept.
+    last_outcome_sweep: AtomicU64,
 }
 
 fn fatal(e: impl std::fmt::Display) -> PortError {
@@ -118,7 +137,14 @@ impl EmbeddedStore {
     fn init(conn: Connection, clock: Arc<dyn Clock>) -> PortResult<Self> {
         conn.busy_timeout(Duration::from_secs(5)).map_err(fatal)?;
         conn.execute_batch(SCHEMA).map_err(fatal)?;
-        Ok(Self { conn: Mutex::new(conn), clock })
+        let retention = crate::outcome::OutcomeSettings::default().retention;
+        Ok(Self { conn: Mutex::new(conn), clock, outcome_retention: retention, last_outcome_sweep: AtomicU64::new(0) })
+    }
+
+    /// The same store keeping outcome records for `retention`.
+    #[must_use]
+    pub fn with_outcome_retention(self, retention: Duration) -> Self {
+        Self { outcome_retention: retention, ..self }
     }
 
     fn conn(&self) -> MutexGuard<'_, Connection> {
@@ -685,7 +711,7 @@ impl Invoker for EmbeddedInvoker {
         let (store, handler, in_flight, payload) = (self.store.clone(), self.handler.clone(), self.in_flight.clone(), payload.clone());
         tokio::spawn(async move {
             let finished = match handler.handle(payload).await {
-                Ok(()) => store.finish_invocation(seq),
+                Ok(_) => store.finish_invocation(seq),
                 Err(e) => {
                     tracing::warn!(error = %e, "worker could not finish; its job goes back on the queue");
                     store.requeue_invocations(Some(seq)).map(|_| ())
@@ -748,7 +774,7 @@ mod tests {
     #[tokio::test]
     async fn dead_letters_keep_body_attempt_and_reason() {
         let (_, q) = store();
-        let reason = DeadLetterReason { cause: DeadLetterCause::Malformed, detail: "not a job: EOF".into() };
+        let reason = DeadLetterReason { cause: DeadLetterCause::Malformed, detail: "not a job: EOF".into(), outcome: None };
         q.dead_letter("m1", "{", 0, &reason).await.unwrap();
         let dead = q.dead_letters().unwrap();
         assert_eq!((dead[0].message_id.as_str(), dead[0].body.as_str(), &dead[0].reason), ("m1", "{", &reason));
@@ -833,7 +859,7 @@ mod tests {
         struct Idle;
         #[async_trait]
         impl WorkerHandler for Idle {
-            async fn handle(&self, _payload: WorkerPayload) -> PortResult<()> {
+            async fn handle(&self, _payload: WorkerPayload) -> PortResult<Option<crate::outcome::OutcomeRecord>> {
                 std::future::pending().await
             }
         }

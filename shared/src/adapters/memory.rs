@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 
 use crate::job::WorkerPayload;
+use crate::outcome::OutcomeRecord;
 use crate::ports::{Invoker, PortError, PortResult, WorkerHandler};
 use crate::time::{Clock, UnixMillis};
 
@@ -86,8 +87,8 @@ impl RecordingWorker {
 
 #[async_trait]
 impl WorkerHandler for RecordingWorker {
-    async fn handle(&self, payload: WorkerPayload) -> PortResult<()> {
+    async fn handle(&self, payload: WorkerPayload) -> PortResult<Option<OutcomeRecord>> {
         self.ran.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(payload);
-        Ok(())
+        Ok(None)
     }
 }

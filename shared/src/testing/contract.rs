@@ -69,7 +69,7 @@ pub async fn job_queue(queue: &dyn JobQueue, clock: &dyn Clock) {
     assert_eq!(ids(&back), ["b", "c"], "a message neither deleted nor released comes back after its visibility timeout");
     let receipts: Vec<String> = back.iter().map(|m| m.receipt.clone()).collect();
 
-    let reason = DeadLetterReason { cause: DeadLetterCause::Rejected { status: 404 }, detail: "HTTP 404 from /items/c".into() };
+    let reason = DeadLetterReason { cause: DeadLetterCause::Rejected { status: 404 }, detail: "HTTP 404 from /items/c".into(), outcome: None };
     let c = back.iter().find(|m| m.body.contains(r#""c""#)).unwrap();
     queue.dead_letter(&c.message_id, &c.body, 2, &reason).await.unwrap();
     queue.delete(&receipts).await.unwrap();
@@ -84,7 +84,7 @@ pub async fn job_queue(queue: &dyn JobQueue, clock: &dyn Clock) {
 /// # Panics
 /// On the first rule the adapter breaks, naming it.
 pub async fn dead_letter_queues(dlq: &dyn DeadLetterQueues) {
-    let reason = |status| DeadLetterReason { cause: DeadLetterCause::Rejected { status }, detail: format!("HTTP {status}") };
+    let reason = |status| DeadLetterReason { cause: DeadLetterCause::Rejected { status }, detail: format!("HTTP {status}"), outcome: None };
     for (id, status) in [("a", 404), ("b", 410), ("c", 422)] {
         let body = message(id, 0).body;
         dlq.dead_letter(&format!("m-{id}"), &body, 4, &reason(status)).await.unwrap();
