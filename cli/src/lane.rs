@@ -89,7 +89,11 @@ impl EmbeddedLane {
         // The lock and the database follow the real file, however its path is spelled.
         let lock = lock_exclusive(&path)?;
         let path = canonical_db_path(&path)?;
-        let store = Arc::new(EmbeddedStore::open(&path, Arc::new(SystemClock)).with_context(|| format!("opening {}", path.display()))?);
+        let store = Arc::new(
+            EmbeddedStore::open(&path, Arc::new(SystemClock))
+                .with_context(|| format!("opening {}", path.display()))?
+                .with_outcome_retention(config.outcomes.retention),
+        );
         // We hold the lock: whatever lease or in-flight work is recorded belongs to a
         // process that is gone.
         store.clear_lease()?;
@@ -100,12 +104,13 @@ impl EmbeddedLane {
         }
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let worker_stats = Arc::new(WorkerStats::default());
-        let api = Arc::new(ApiClient::new(&config.api)?);
+        let api = Arc::new(ApiClient::new(&config.api)?.keeping_bodies(config.outcomes.body_cap()));
         let worker = Worker::new(api, store.clone(), store.clone(), clock.clone(), config.retry, config.api.health_check.clone())
             .with_stats(worker_stats.clone())
             .with_call_slots(CallSlots::for_api(config.quota.max_in_flight(), config.api.timeout))
             .with_api_timeout(config.api.timeout)
-            .with_call_records(CallRecords::AheadOfSlot);
+            .with_call_records(CallRecords::AheadOfSlot)
+            .with_outcomes(config.outcomes.clone(), Some(store.clone()));
         let worker: Arc<dyn WorkerHandler> = Arc::new(worker);
         let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), worker));
         let orchestrator = Orchestrator::new(store.clone(), store.clone(), invoker, clock, Settings::from_config(config, WorkerHost::InProcess));

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::job::{Job, WorkerPayload};
+use crate::outcome::OutcomeRecord;
 use crate::time::UnixMillis;
 
 /// Which dead-letter queue a record is in.
@@ -65,6 +66,17 @@ pub struct DeadLetterRecord {
     pub dead_at: UnixMillis,
     /// The stored message as it is.
     pub raw: String,
+    /// The job's outcome record, when the worker dead-lettered it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<OutcomeRecord>,
+}
+
+impl DeadLetterRecord {
+    /// The same record with the job's outcome record.
+    #[must_use]
+    pub fn with_outcome(self, outcome: Option<OutcomeRecord>) -> Self {
+        Self { outcome, ..self }
+    }
 }
 
 /// Whether a record's cause label answers to `wanted`: the whole label
@@ -234,14 +246,14 @@ pub fn worker_record(handle: String, message_id: String, body: String, received_
         Some(WorkerPayload::Job { job, attempt, .. }) => (Some(job.id.as_str().to_owned()), Some(job.to_json()), attempt),
         _ => (None, None, 0),
     };
-    DeadLetterRecord { source: DlqSource::Worker, handle, message_id, job_id, job_body, attempt, cause, detail, dead_at, raw: body }
+    DeadLetterRecord { source: DlqSource::Worker, handle, message_id, job_id, job_body, attempt, cause, detail, dead_at, raw: body, outcome: None }
 }
 
 /// A jobs-DLQ record from its stored body and reason.
 #[must_use]
 pub fn jobs_record(handle: String, message_id: String, body: String, attempt: u32, cause: String, detail: String, dead_at: UnixMillis) -> DeadLetterRecord {
     let job_id = Job::parse(&body).ok().map(|j| j.id.as_str().to_owned());
-    DeadLetterRecord { source: DlqSource::Jobs, handle, message_id, job_id, job_body: Some(body.clone()), attempt, cause, detail, dead_at, raw: body }
+    DeadLetterRecord { source: DlqSource::Jobs, handle, message_id, job_id, job_body: Some(body.clone()), attempt, cause, detail, dead_at, raw: body, outcome: None }
 }
 
 #[cfg(test)]

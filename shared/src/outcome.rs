@@ -288,6 +288,17 @@ impl OutcomeSettings {
         wanted && !job.fire_and_forget
     }
 
+    /// How many bytes of each answer's body the worker must keep: none when nothing is
+    /// recorded.
+    #[must_use]
+    pub fn body_cap(&self) -> usize {
+        if self.record == RecordOutcomes::None {
+            0
+        } else {
+            self.max_body
+        }
+    }
+
     /// Checks the body cap and the header names; lower-cases the names.
     ///
     /// # Errors

@@ -54,19 +54,23 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig) -> Result<Worker, St
     let names = AwsNames::from_env(env, false)?;
     let api_config = env.api()?;
     let aws = AwsAdapters::new(sdk, &names, None);
-    let api = Arc::new(ApiClient::new(&api_config).map_err(|e| e.to_string())?);
+    let outcomes = env.outcomes()?;
+    let api = Arc::new(ApiClient::new(&api_config).map_err(|e| e.to_string())?.keeping_bodies(outcomes.body_cap()));
     let call_slots = CallSlots::for_api(env.max_in_flight()?, api_config.timeout);
     Ok(Worker::new(api, Arc::new(aws.queue), Arc::new(aws.store), Arc::new(SystemClock), env.retry()?, api_config.health_check)
         .with_call_slots(call_slots)
-        .with_api_timeout(api_config.timeout))
+        .with_api_timeout(api_config.timeout)
+        .with_outcomes(outcomes, None))
 }
 
-/// Handles one payload.
+/// Handles one payload. The function result is the job's outcome record, which the
+/// async `OnSuccess` destination delivers to the results queue (or bus, or topic); `null`
+/// when the invocation ended no job (a re-queue, a health check, a fire-and-forget job).
 ///
 /// # Errors
 /// An unreadable payload, or a follow-up write that failed: Lambda retries.
-pub async fn handle(event: LambdaEvent<Value>, worker: &Worker) -> Result<(), lambda_runtime::Error> {
+pub async fn handle(event: LambdaEvent<Value>, worker: &Worker) -> Result<Value, lambda_runtime::Error> {
     let payload = WorkerPayload::from_json(&event.payload.to_string())?;
-    worker.handle(payload).await?;
-    Ok(())
+    let record = worker.handle(payload).await?;
+    Ok(record.map_or(Value::Null, |record| serde_json::to_value(record).unwrap_or(Value::Null)))
 }

@@ -247,6 +247,9 @@ async fn show(queues: &dyn DeadLetterQueues, id: &str, hold: Duration, json: boo
     let body =
         serde_json::from_str::<serde_json::Value>(&record.raw).map_or_else(|_| record.raw.clone(), |v| serde_json::to_string_pretty(&v).unwrap_or_default());
     println!("message:\n{body}");
+    if let Some(outcome) = &record.outcome {
+        println!("outcome (the API's answer):\n{}", serde_json::to_string_pretty(outcome)?);
+    }
     Ok(())
 }
 

@@ -445,7 +445,10 @@ impl DeadLetterQueues for EmbeddedStore {
         Ok(rows
             .into_iter()
             // The row number names a dead letter: the same job may be dead-lettered twice.
-            .map(|(seq, d)| jobs_record(seq.to_string(), format!("dead-{seq}"), d.body, d.attempt, d.reason.cause.label(), d.reason.detail, d.dead_at))
+            .map(|(seq, d)| {
+                jobs_record(seq.to_string(), format!("dead-{seq}"), d.body, d.attempt, d.reason.cause.label(), d.reason.detail, d.dead_at)
+                    .with_outcome(d.reason.outcome.map(|outcome| *outcome))
+            })
             .collect())
     }
 

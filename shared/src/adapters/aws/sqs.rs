@@ -19,11 +19,14 @@ use aws_sdk_sqs::Client;
 use super::{build_error, map_sdk_error};
 use crate::dlq::{jobs_record, worker_record, DeadLetterRecord, DlqSource};
 use crate::job::DeadLetterReason;
+use crate::outcome::OutcomeRecord;
 use crate::ports::{DeadLetterQueues, JobQueue, OutgoingMessage, PortError, PortResult, QueueDepth, QueuedMessage};
 use crate::time::{system_now, UnixMillis};
 
 /// SQS allows at most this many entries per batch call.
 const BATCH: usize = 10;
+/// The most an SQS message (body and attributes) may hold.
+const MAX_MESSAGE_BYTES: usize = 256 * 1024;
 /// SQS delays a message at most 15 minutes.
 const MAX_DELAY_SECONDS: u64 = 900;
 
@@ -222,6 +225,8 @@ impl JobQueue for SqsQueue {
 
     async fn dead_letter(&self, message_id: &str, body: &str, attempt: u32, reason: &DeadLetterReason) -> PortResult<()> {
         let detail: String = reason.detail.chars().take(1000).collect();
+        let outcome = reason.outcome.as_deref().and_then(|outcome| outcome_attribute(outcome, body.len()));
+        let reason = DeadLetterReason { outcome: None, ..reason.clone() };
         let mut request = self
             .client
             .send_message()
@@ -230,9 +235,12 @@ impl JobQueue for SqsQueue {
             .message_attributes("attempt", number(attempt)?)
             .message_attributes("cause", text(reason.cause.label())?)
             .message_attributes("detail", text(if detail.is_empty() { "-".to_owned() } else { detail })?)
-            .message_attributes("reason", text(serde_json::to_string(reason).unwrap_or_default())?)
+            .message_attributes("reason", text(serde_json::to_string(&reason).unwrap_or_default())?)
             .message_attributes("original_message_id", text(if message_id.is_empty() { "-" } else { message_id })?)
             .message_attributes("dead_at", number(system_now().0)?);
+        if let Some(outcome) = outcome {
+            request = request.message_attributes("outcome", text(outcome)?);
+        }
         if is_fifo(&self.dlq_url) {
             request = request.message_group_id("paceline-dlq").message_deduplication_id(uuid::Uuid::new_v4().to_string());
         }
@@ -245,6 +253,20 @@ impl JobQueue for SqsQueue {
         let (dead_visible, dead_hidden) = self.counts(&self.dlq_url).await?;
         Ok(QueueDepth { visible, not_visible, dead: dead_visible + dead_hidden })
     }
+}
+
+/// A dead letter's outcome record as its `outcome` attribute, when it fits beside a body
+/// of `body_len` bytes in an SQS message (without the answer's body if only that fits).
+fn outcome_attribute(outcome: &OutcomeRecord, body_len: usize) -> Option<String> {
+    // What the other attributes and their names take, with room to spare.
+    const OTHER_ATTRIBUTES: usize = 4 * 1024;
+    let fits = |text: &String| body_len + text.len() + OTHER_ATTRIBUTES <= MAX_MESSAGE_BYTES;
+    let whole = outcome.to_json();
+    if fits(&whole) {
+        return Some(whole);
+    }
+    let without_body = OutcomeRecord { body: None, body_base64: false, truncated: true, ..outcome.clone() }.to_json();
+    fits(&without_body).then_some(without_body)
 }
 
 /// When SQS says the message was sent (now, if it does not say).
@@ -286,7 +308,8 @@ impl DeadLetterQueues for SqsQueue {
                         let detail = attribute(m, "detail").filter(|d| *d != "-").unwrap_or_default().to_owned();
                         let attempt = attribute(m, "attempt").and_then(|v| v.parse().ok()).unwrap_or(0);
                         let dead_at = attribute(m, "dead_at").and_then(|v| v.parse().ok()).map_or(sent_at, UnixMillis);
-                        jobs_record(handle, message_id, body, attempt, cause, detail, dead_at)
+                        let outcome = attribute(m, "outcome").and_then(|text| serde_json::from_str(text).ok());
+                        jobs_record(handle, message_id, body, attempt, cause, detail, dead_at).with_outcome(outcome)
                     }
                 }
             })
