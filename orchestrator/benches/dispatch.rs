@@ -197,7 +197,7 @@ async fn lane(tiers: &[&str], jobs: usize, invoke_latency: Duration, receive_lat
     let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
     let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap());
     let body = r#"{"request":{"method":"POST","path":"/v1/messages","body":{"to":"+15550100"}}}"#;
-    let messages: Vec<OutgoingMessage> = (0..jobs).map(|_| OutgoingMessage { body: body.into(), attempt: 0, delay: Duration::ZERO }).collect();
+    let messages: Vec<OutgoingMessage> = (0..jobs).map(|_| OutgoingMessage { body: body.into(), attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
     for batch in messages.chunks(500) {
         store.send(batch).await.unwrap();
     }

@@ -73,6 +73,11 @@ pub struct OutgoingMessage {
     pub body: String,
     pub attempt: u32,
     pub delay: Duration,
+    /// A FIFO queue's deduplication id: the job id for a producer's send (a repeated send
+    /// within SQS's five minutes is dropped); `None` for Paceline's own re-queues and
+    /// redrives, which get a fresh one each (repeated deliveries are caught by call
+    /// records, and a re-queue must never be taken for its job's first send).
+    pub dedup_id: Option<String>,
 }
 
 /// How many messages are where.
@@ -208,7 +213,7 @@ pub fn redrive_messages(records: &[DeadLetterRecord], keep_attempts: bool) -> Po
     records
         .iter()
         .map(|r| match &r.job_body {
-            Some(body) => Ok(OutgoingMessage { body: body.clone(), attempt: if keep_attempts { r.attempt } else { 0 }, delay: Duration::ZERO }),
+            Some(body) => Ok(OutgoingMessage { body: body.clone(), attempt: if keep_attempts { r.attempt } else { 0 }, delay: Duration::ZERO, dedup_id: None }),
             None => Err(PortError::Fatal(format!("dead letter {} ({}) holds no job to redrive", r.message_id, r.cause))),
         })
         .collect()

@@ -461,7 +461,7 @@ impl Worker {
             let cause = DeadLetterCause::AttemptsExhausted { last_failure: Some(failure) };
             return self.dead_letter(job, attempt, cause, detail, attempted).await;
         }
-        self.queue.send(&[OutgoingMessage { body: job.to_json(), attempt: tries, delay }]).await?;
+        self.queue.send(&[OutgoingMessage { body: job.to_json(), attempt: tries, delay, dedup_id: None }]).await?;
         WorkerStats::bump(&self.stats.requeued);
         self.keep_outcome(job, Ending::Retrying, attempted, Some(format!("retrying after {reason}"))).await
     }
@@ -520,7 +520,7 @@ impl Worker {
     /// Puts a job that made no call back on the queue after `delay`; the attempt does not
     /// count.
     async fn requeue_unattempted(&self, job: &Job, attempt: u32, delay: std::time::Duration) -> PortResult<()> {
-        self.queue.send(&[OutgoingMessage { body: job.to_json(), attempt, delay }]).await?;
+        self.queue.send(&[OutgoingMessage { body: job.to_json(), attempt, delay, dedup_id: None }]).await?;
         WorkerStats::bump(&self.stats.requeued);
         Ok(())
     }

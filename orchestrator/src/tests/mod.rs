@@ -61,7 +61,7 @@ fn job(id: &str) -> String {
 }
 
 async fn enqueue(lane: &Lane, bodies: impl IntoIterator<Item = String>) {
-    let messages: Vec<OutgoingMessage> = bodies.into_iter().map(|body| OutgoingMessage { body, attempt: 0, delay: Duration::ZERO }).collect();
+    let messages: Vec<OutgoingMessage> = bodies.into_iter().map(|body| OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
     for batch in messages.chunks(10) {
         lane.store.send(batch).await.unwrap();
     }

@@ -746,7 +746,7 @@ mod tests {
     }
 
     fn msg(body: &str, attempt: u32) -> OutgoingMessage {
-        OutgoingMessage { body: body.into(), attempt, delay: Duration::ZERO }
+        OutgoingMessage { body: body.into(), attempt, delay: Duration::ZERO, dedup_id: None }
     }
 
     #[tokio::test]
@@ -767,7 +767,7 @@ mod tests {
     #[tokio::test]
     async fn delayed_messages_wait_and_long_polling_finds_them() {
         let (clock, q) = store();
-        q.send(&[OutgoingMessage { body: "later".into(), attempt: 1, delay: Duration::from_secs(2) }]).await.unwrap();
+        q.send(&[OutgoingMessage { body: "later".into(), attempt: 1, delay: Duration::from_secs(2), dedup_id: None }]).await.unwrap();
         assert!(q.receive(10, Duration::ZERO, Duration::from_secs(30)).await.unwrap().is_empty());
         let got = q.receive(10, Duration::from_secs(5), Duration::from_secs(30)).await.unwrap();
         assert_eq!(got[0].body, "later");

@@ -20,7 +20,7 @@ use crate::time::{Clock, UnixMillis};
 /// A job message for the suites.
 #[must_use]
 pub fn message(id: &str, attempt: u32) -> OutgoingMessage {
-    OutgoingMessage { body: format!(r#"{{"id":"{id}","request":{{"method":"GET","path":"/items/{id}"}}}}"#), attempt, delay: Duration::ZERO }
+    OutgoingMessage { body: format!(r#"{{"id":"{id}","request":{{"method":"GET","path":"/items/{id}"}}}}"#), attempt, delay: Duration::ZERO, dedup_id: None }
 }
 
 async fn pass(clock: &dyn Clock, d: Duration) {

@@ -51,6 +51,12 @@ fn is_fifo(url: &str) -> bool {
     url.ends_with(".fifo")
 }
 
+/// A deduplication id SQS accepts (at most 128 of `A-Za-z0-9` and punctuation): a job id
+/// is one (`JobId` allows 1 to 128 visible ASCII characters).
+fn fifo_dedup_id(id: &str) -> String {
+    id.chars().filter(char::is_ascii_graphic).take(128).collect()
+}
+
 impl SqsQueue {
     #[must_use]
     pub fn new(client: Client, queue_url: impl Into<String>, dlq_url: impl Into<String>) -> Self {
@@ -192,7 +198,8 @@ impl JobQueue for SqsQueue {
                 let mut entry =
                     SendMessageBatchRequestEntry::builder().id(i.to_string()).message_body(&m.body).message_attributes("attempt", number(m.attempt)?);
                 if fifo {
-                    entry = entry.message_group_id("paceline").message_deduplication_id(uuid::Uuid::new_v4().to_string());
+                    let dedup_id = m.dedup_id.as_deref().map_or_else(|| uuid::Uuid::new_v4().to_string(), fifo_dedup_id);
+                    entry = entry.message_group_id("paceline").message_deduplication_id(dedup_id);
                 } else {
                     entry = entry.delay_seconds(i32::try_from(m.delay.as_secs().min(MAX_DELAY_SECONDS)).unwrap_or(0));
                 }
