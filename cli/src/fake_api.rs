@@ -160,9 +160,15 @@ impl Drop for FakeApi {
     }
 }
 
-async fn answer(state: &Mutex<State>, request: Request) -> (StatusCode, HeaderMap, &'static str) {
+/// Answers a call: within quota, `{"ok":true,"path":...,"echo":...}` (the `echo` query
+/// parameter, if any), JSON like every answer.
+async fn answer(state: &Mutex<State>, request: Request) -> (StatusCode, HeaderMap, String) {
     let now = system_now();
     let path = request.uri().path().to_owned();
+    let echo = request
+        .uri()
+        .query()
+        .and_then(|query| url::form_urlencoded::parse(query.as_bytes()).find(|(name, _)| name == "echo").map(|(_, value)| value.into_owned()));
     let (verdict, latency, rate_limit) = {
         let mut s = state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let first = *s.log.first_call.get_or_insert(now);
@@ -195,7 +201,7 @@ async fn answer(state: &Mutex<State>, request: Request) -> (StatusCode, HeaderMa
             Verdict::NotFound
         } else {
             s.log.ok += 1;
-            *s.log.ok_by_path.entry(path).or_default() += 1;
+            *s.log.ok_by_path.entry(path.clone()).or_default() += 1;
             Verdict::Ok
         };
         (verdict, latency, s.rate_limit_headers(now))
@@ -203,23 +209,25 @@ async fn answer(state: &Mutex<State>, request: Request) -> (StatusCode, HeaderMa
     tokio::time::sleep(latency).await;
     state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).in_flight -= 1;
     let mut headers = HeaderMap::new();
+    headers.insert("content-type", axum::http::HeaderValue::from_static("application/json"));
     for (name, value) in rate_limit {
         if let Ok(value) = axum::http::HeaderValue::from_str(&value) {
             headers.insert(name, value);
         }
     }
+    let error = |text: &str| serde_json::json!({ "error": text }).to_string();
     match verdict {
-        Verdict::Ok => (StatusCode::OK, headers, "{\"ok\":true}"),
-        Verdict::NotFound => (StatusCode::NOT_FOUND, headers, "{\"error\":\"not found\"}"),
-        Verdict::Outage => (StatusCode::SERVICE_UNAVAILABLE, headers, "{\"error\":\"down\"}"),
-        Verdict::ServerError => (StatusCode::INTERNAL_SERVER_ERROR, headers, "{\"error\":\"oops\"}"),
+        Verdict::Ok => (StatusCode::OK, headers, serde_json::json!({ "ok": true, "path": path, "echo": echo }).to_string()),
+        Verdict::NotFound => (StatusCode::NOT_FOUND, headers, error("not found")),
+        Verdict::Outage => (StatusCode::SERVICE_UNAVAILABLE, headers, error("down")),
+        Verdict::ServerError => (StatusCode::INTERNAL_SERVER_ERROR, headers, error("oops")),
         Verdict::OverQuota => {
             headers.insert("retry-after", axum::http::HeaderValue::from_static("1"));
-            (StatusCode::TOO_MANY_REQUESTS, headers, "{\"error\":\"quota exceeded\"}")
+            (StatusCode::TOO_MANY_REQUESTS, headers, error("quota exceeded"))
         }
         Verdict::TooManyAtOnce => {
             headers.insert("retry-after", axum::http::HeaderValue::from_static("1"));
-            (StatusCode::TOO_MANY_REQUESTS, headers, "{\"error\":\"too many requests at once\"}")
+            (StatusCode::TOO_MANY_REQUESTS, headers, error("too many requests at once"))
         }
     }
 }

@@ -253,7 +253,19 @@ pub fn worker_record(handle: String, message_id: String, body: String, received_
 #[must_use]
 pub fn jobs_record(handle: String, message_id: String, body: String, attempt: u32, cause: String, detail: String, dead_at: UnixMillis) -> DeadLetterRecord {
     let job_id = Job::parse(&body).ok().map(|j| j.id.as_str().to_owned());
-    DeadLetterRecord { source: DlqSource::Jobs, handle, message_id, job_id, job_body: Some(body.clone()), attempt, cause, detail, dead_at, raw: body, outcome: None }
+    DeadLetterRecord {
+        source: DlqSource::Jobs,
+        handle,
+        message_id,
+        job_id,
+        job_body: Some(body.clone()),
+        attempt,
+        cause,
+        detail,
+        dead_at,
+        raw: body,
+        outcome: None,
+    }
 }
 
 #[cfg(test)]

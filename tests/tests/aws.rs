@@ -76,7 +76,8 @@ impl Lane {
     }
 
     async fn enqueue(&self, bodies: Vec<String>) {
-        let messages: Vec<OutgoingMessage> = bodies.into_iter().map(|body| OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
+        let messages: Vec<OutgoingMessage> =
+            bodies.into_iter().map(|body| OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
         for batch in messages.chunks(10) {
             self.queue().send(batch).await.unwrap();
         }

@@ -213,6 +213,69 @@ async fn kill_9_mid_run_then_restart_accounts_for_every_job_exactly_once() {
     assert_eq!(log.quota_rejections, 0);
 }
 
+/// `paceline results --json ARGS` as one JSON value per line.
+async fn results(config: &str, args: &[&str]) -> Vec<serde_json::Value> {
+    let out = paceline(&[&["results", "--config", config, "--json"], args].concat(), "").await;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).lines().map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"))).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn results_show_each_job_s_answer_and_status_across_a_kill_9_and_restart() {
+    let _alone = one_lane_at_a_time().await;
+    let api = api(&["8/s"], None).await;
+    let dir = lane_dir("results");
+    let config = write_config(&dir, &api.base_url, &["8/s"], "");
+    let config = config.to_str().unwrap();
+    let echo_jobs = ids("echo", 40);
+    let mut lines: String = echo_jobs
+        .iter()
+        .enumerate()
+        .map(|(n, id)| format!("{{\"id\":\"{id}\",\"request\":{{\"method\":\"GET\",\"path\":\"/items/{id}\",\"query\":{{\"echo\":\"value {n}\"}}}},\"metadata\":{{\"n\":{n}}}}}\n"))
+        .collect();
+    lines.push_str("{\"id\":\"gone-1\",\"request\":{\"method\":\"GET\",\"path\":\"/missing/1\"}}\n");
+    assert!(paceline(&["enqueue", "--config", config], &lines).await.status.success());
+
+    let mut child = tokio::process::Command::new(paceline_bin())
+        .args(["run", "--config", config])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    child.kill().await.unwrap(); // SIGKILL: no clean-up runs
+    let before_restart = results(config, &[]).await;
+    assert!(!before_restart.is_empty(), "records written before the kill are kept");
+
+    let run = paceline(&["run", "--config", config, "--drain", "--json"], "").await;
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let all = results(config, &[]).await;
+    for kept in &before_restart {
+        assert!(all.contains(kept), "a record from before the kill is gone: {kept}");
+    }
+    let succeeded: Vec<&serde_json::Value> = all.iter().filter(|r| r["outcome"] == "succeeded").collect();
+    let ids_succeeded: BTreeSet<&str> = succeeded.iter().map(|r| r["job_id"].as_str().unwrap()).collect();
+    assert_eq!(ids_succeeded, echo_jobs.iter().map(String::as_str).collect(), "every echo job has its record");
+    for record in &succeeded {
+        let n = record["metadata"]["n"].as_u64().unwrap();
+        assert_eq!((record["status"].as_u64(), record["body"]["echo"].as_str()), (Some(200), Some(format!("value {n}").as_str())), "{record}");
+        assert_eq!(record["headers"]["content-type"], "application/json");
+        for time in ["enqueued", "dispatched", "slotted", "called", "answered"] {
+            assert!(record["times"][time].as_str().is_some_and(|t| t.ends_with('Z')), "{time} of {record}");
+        }
+    }
+    let dead = results(config, &["--status", "dead"]).await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!((dead[0]["job_id"].as_str(), dead[0]["status"].as_u64(), dead[0]["body"]["error"].as_str()), (Some("gone-1"), Some(404), Some("not found")));
+    assert_eq!(results(config, &["--status", "4xx"]).await, dead);
+    let one = results(config, &["--job", "echo-0007"]).await;
+    assert!(one.iter().all(|r| r["job_id"] == "echo-0007") && !one.is_empty(), "{one:?}");
+    let human = paceline(&["results", "--config", config, "--status", "2xx"], "").await;
+    let table = String::from_utf8_lossy(&human.stdout);
+    assert!(table.starts_with("answered") && table.contains("echo-0007") && table.contains("value 7"), "{table}");
+    assert_eq!(api.log().quota_rejections, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_config_names_the_key_and_the_problem() {
     let dir = lane_dir("badconfig");

@@ -150,7 +150,8 @@ impl DemoArgs {
         let config = load_config(&config_path)?;
         let lane = EmbeddedLane::open(&config)?;
         let bodies = demo_jobs(self.jobs);
-        let messages: Vec<OutgoingMessage> = bodies.iter().map(|b| OutgoingMessage { body: b.clone(), attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
+        let messages: Vec<OutgoingMessage> =
+            bodies.iter().map(|b| OutgoingMessage { body: b.clone(), attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
         for batch in messages.chunks(10) {
             lane.store.send(batch).await?;
         }

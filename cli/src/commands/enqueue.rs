@@ -62,8 +62,10 @@ impl EnqueueArgs {
         for error in &errors {
             eprintln!("{error}");
         }
-        let messages: Vec<OutgoingMessage> =
-            jobs.iter().map(|job| OutgoingMessage { body: job.to_json(), attempt: 0, delay: std::time::Duration::ZERO, dedup_id: Some(job.id.to_string()) }).collect();
+        let messages: Vec<OutgoingMessage> = jobs
+            .iter()
+            .map(|job| OutgoingMessage { body: job.to_json(), attempt: 0, delay: std::time::Duration::ZERO, dedup_id: Some(job.id.to_string()) })
+            .collect();
         let bar = ProgressBar::new(messages.len() as u64);
         bar.set_style(ProgressStyle::with_template("enqueueing {wide_bar} {pos}/{len} {per_sec} ETA {eta}").unwrap_or_else(|_| ProgressStyle::default_bar()));
         for (index, batch) in messages.chunks(10).enumerate() {
