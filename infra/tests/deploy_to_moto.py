@@ -107,6 +107,9 @@ def main(template_path, url):
     dlq_arn = sqs.get_queue_attributes(QueueUrl=outputs["JobsDlqUrl"], AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
     check(redrive["deadLetterTargetArn"] == dlq_arn and int(redrive["maxReceiveCount"]) == 4, "jobs queue: redrive to the jobs DLQ after MaxReceiveCount receives")
     check(attributes.get("KmsMasterKeyId") == "alias/aws/sqs", "jobs queue: encrypted at rest")
+    results = sqs.get_queue_attributes(QueueUrl=outputs["ResultsQueueUrl"], AttributeNames=["All"])["Attributes"]
+    check(results.get("KmsMasterKeyId") == "alias/aws/sqs", "results queue: made by the stack, encrypted at rest")
+    check(worker_env["PACELINE_OUTCOMES"] == "final" and str(worker_env["PACELINE_OUTCOME_MAX_BODY"]) == "65536", "worker: records each job's outcome, body capped")
 
     table = client("dynamodb", url).describe_table(TableName=outputs["StateTableName"])["Table"]
     check(table["KeySchema"] == [{"AttributeName": "pk", "KeyType": "HASH"}], "table: string partition key pk")
@@ -134,6 +137,14 @@ def check_what_moto_cannot_create(translated):
     check(len(kicks) == 1 and kicks[0]["MaximumEventAgeInSeconds"] == 60, "orchestrator: kicks expire after 60 s, never retried")
     on_failure = [c["DestinationConfig"]["OnFailure"]["Destination"] for c in configs if "OnFailure" in c.get("DestinationConfig", {})]
     check(on_failure == [{"Fn::GetAtt": ["WorkerDlq", "Arn"]}], "worker: failed events go to the worker DLQ")
+    on_success = [c["DestinationConfig"]["OnSuccess"] for c in configs if "OnSuccess" in c.get("DestinationConfig", {})]
+    check(
+        on_success == [{"Fn::If": ["RecordsOutcomes", {"Destination": {"Fn::If": ["UsesResultsQueue", {"Fn::GetAtt": ["ResultsQueue", "Arn"]}, {"Ref": "ResultsDestinationArn"}]}}, {"Ref": "AWS::NoValue"}]}],
+        "worker: each job's outcome record (its function result) goes to the results queue, or the named destination",
+    )
+    grants = json.dumps(translated["Resources"]["WorkerFunctionRole"]["Properties"]["Policies"])
+    check('"UsesResultsQueue", {"Effect": "Allow", "Action": "sqs:SendMessage", "Resource": {"Fn::GetAtt": ["ResultsQueue", "Arn"]}}' in grants, "worker role: may send to the results queue only")
+    check('"ResultsToSns", {"Effect": "Allow", "Action": "sns:Publish", "Resource": {"Ref": "ResultsDestinationArn"}}' in grants, "worker role: may publish to a named topic only")
     alarms = {a["MetricName"] for a in declared(translated, "AWS::CloudWatch::Alarm")}
     check({"ApproximateNumberOfMessagesVisible", "CircuitOpen", "QuotaExhausted", "Errors"} <= alarms, "alarms: DLQ depth, circuit open, quota exhausted, orchestrator errors")
 
