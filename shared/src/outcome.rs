@@ -176,6 +176,29 @@ impl OutcomeRecord {
     }
 }
 
+/// Reads a job's outcome record out of what the worker's async `OnSuccess` destination
+/// delivers: Lambda's invocation record, as an SQS message's body, an SNS message (also
+/// when the topic feeds a queue) or an EventBridge event's `detail`. `None` for an
+/// invocation that ended no job (a re-queue, a health check, a fire-and-forget job: its
+/// `responsePayload` is null).
+///
+/// # Errors
+/// When the text is not such a record, or its payload is not an outcome record.
+pub fn from_destination(text: &str) -> Result<Option<OutcomeRecord>, String> {
+    let mut value: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+    if let Some(message) = value.get("Message").and_then(serde_json::Value::as_str) {
+        value = serde_json::from_str(message).map_err(|e| format!("the SNS message is not JSON: {e}"))?;
+    }
+    if let Some(detail) = value.get_mut("detail") {
+        value = detail.take();
+    }
+    let payload = value.get_mut("responsePayload").ok_or("not a Lambda invocation record (no responsePayload)")?.take();
+    if payload.is_null() {
+        return Ok(None);
+    }
+    serde_json::from_value(payload).map(Some).map_err(|e| format!("the responsePayload is not an outcome record: {e}"))
+}
+
 /// The body as JSON when it is whole JSON, else as text, else base64 (`true`).
 fn body_value(body: &CappedBody, content_type: Option<&str>) -> (Option<serde_json::Value>, bool) {
     if body.bytes.is_empty() {
@@ -376,6 +399,24 @@ mod tests {
         assert_eq!(line["times"]["answered"], "2023-11-14T22:13:20.250Z");
         assert_eq!(line["reason"], "http_404: the API answered HTTP 404");
         assert!(r.matches(StatusFilter::Dead) && r.matches("4xx".parse().unwrap()) && !r.matches("2xx".parse().unwrap()));
+    }
+
+    #[test]
+    fn records_are_read_from_sqs_sns_and_eventbridge_deliveries_and_null_payloads_are_none() {
+        let r = record("application/json", br#"{"id":9}"#, 1024);
+        let invocation = serde_json::json!({
+            "version": "1.0",
+            "requestContext": { "condition": "Success" },
+            "responseContext": { "statusCode": 200 },
+            "responsePayload": serde_json::to_value(&r).unwrap(),
+        });
+        assert_eq!(from_destination(&invocation.to_string()), Ok(Some(r.clone())));
+        let sns = serde_json::json!({ "Type": "Notification", "Message": invocation.to_string() });
+        assert_eq!(from_destination(&sns.to_string()), Ok(Some(r.clone())));
+        let event = serde_json::json!({ "detail-type": "Lambda Function Invocation Result - Success", "detail": invocation });
+        assert_eq!(from_destination(&event.to_string()), Ok(Some(r)));
+        assert_eq!(from_destination(r#"{"responsePayload":null}"#), Ok(None));
+        assert!(from_destination(r#"{"hello":1}"#).unwrap_err().contains("responsePayload"));
     }
 
     #[test]

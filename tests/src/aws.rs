@@ -66,6 +66,26 @@ pub fn lambda_failure_record(payload: &WorkerPayload, error_type: &str, message:
     .to_string()
 }
 
+/// The record Lambda sends an async on-success destination: the event and the function's
+/// result (the job's outcome record, or null).
+#[must_use]
+pub fn lambda_success_record(payload: &WorkerPayload, result: serde_json::Value) -> String {
+    serde_json::json!({
+        "version": "1.0",
+        "timestamp": system_now().to_rfc3339(),
+        "requestContext": {
+            "requestId": uuid::Uuid::new_v4().to_string(),
+            "functionArn": "arn:aws:lambda:us-east-1:123456789012:function:paceline-worker:$LATEST",
+            "condition": "Success",
+            "approximateInvokeCount": 1
+        },
+        "requestPayload": serde_json::from_str::<serde_json::Value>(&payload.to_json()).unwrap(),
+        "responseContext": { "statusCode": 200, "executedVersion": "$LATEST" },
+        "responsePayload": result
+    })
+    .to_string()
+}
+
 /// The `PACELINE_*` environment of a lane's Lambda functions: its resource names and
 /// `extra` settings.
 #[must_use]
@@ -153,6 +173,9 @@ struct FakeLambdaState {
     refuse_with: AtomicU32,
     worker: Mutex<Option<Arc<dyn WorkerHandler>>>,
     in_flight: AtomicU32,
+    /// The async `OnSuccess` destination: a queue that gets each successful
+    /// invocation's record.
+    on_success: Mutex<Option<(aws_sdk_sqs::Client, String)>>,
 }
 
 /// A fake Lambda Invoke endpoint on loopback.
@@ -193,7 +216,14 @@ async fn invoke(State(state): State<Arc<FakeLambdaState>>, Path(function): Path<
         state.in_flight.fetch_add(1, Ordering::SeqCst);
         let state = state.clone();
         tokio::spawn(async move {
-            let _ = worker.handle(payload).await;
+            if let Ok(record) = worker.handle(payload.clone()).await {
+                let destination = state.on_success.lock().unwrap().clone();
+                if let Some((sqs, queue_url)) = destination {
+                    let result = paceline_worker::lambda::function_result(record);
+                    let body = lambda_success_record(&payload, result);
+                    sqs.send_message().queue_url(queue_url).message_body(body).send().await.expect("the OnSuccess destination");
+                }
+            }
             state.in_flight.fetch_sub(1, Ordering::SeqCst);
         });
     }
@@ -219,6 +249,12 @@ impl FakeLambda {
     /// Runs every accepted payload on `worker`, in the background, as Lambda would.
     pub fn run_worker(&self, worker: Arc<dyn WorkerHandler>) {
         *self.state.worker.lock().unwrap() = Some(worker);
+    }
+
+    /// Sends each successful worker invocation's record to `queue_url`, as an async
+    /// `OnSuccess` destination does.
+    pub fn deliver_results_to(&self, sqs: aws_sdk_sqs::Client, queue_url: String) {
+        *self.state.on_success.lock().unwrap() = Some((sqs, queue_url));
     }
 
     /// The next `n` invokes are refused: `429` TooManyRequestsException, or `500`

@@ -13,11 +13,15 @@ use paceline_orchestrator::{lambda as orchestrator_lambda, Orchestrator, RunErro
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames, DynamoStateStore, SqsQueue};
 use paceline_shared::adapters::memory::RecordingWorker;
 use paceline_shared::check::peak_in_any_window;
+use paceline_shared::dlq::DlqSource;
 use paceline_shared::job::WorkerPayload;
 use paceline_shared::lambda_env::Env;
+use paceline_shared::outcome::{from_destination, Ending, OutcomeRecord};
+use paceline_shared::ports::DeadLetterQueues;
 use paceline_shared::ports::{JobQueue, OutgoingMessage, StateStore, WorkerHandler};
 use paceline_shared::testing::contract;
 use paceline_shared::time::{system_now, SystemClock, UnixMillis};
+use serde_json::json;
 
 /// A lane on moto: resources, a fake Lambda, and the environment its functions read.
 struct Lane {
@@ -353,6 +357,87 @@ async fn an_orchestrator_killed_mid_run_never_lets_the_day_counter_fall_under_th
     assert!(counted >= log.arrivals.len() as u64, "the day counter {counted} is under the {} calls made", log.arrivals.len());
     let succeeded: BTreeSet<String> = log.ok_by_path.keys().filter_map(|p| p.strip_prefix("/items/")).map(str::to_owned).collect();
     assert_eq!(succeeded.len(), 30, "every job succeeded");
+}
+
+/// Every record on the results queue so far, read as a producer would (deleted once
+/// read); with how many invocations ended no job (null payloads).
+async fn read_results(sqs: &aws_sdk_sqs::Client, queue_url: &str) -> (BTreeMap<String, OutcomeRecord>, usize) {
+    let (mut records, mut nulls) = (BTreeMap::new(), 0);
+    loop {
+        let out = sqs.receive_message().queue_url(queue_url).max_number_of_messages(10).wait_time_seconds(1).send().await.unwrap();
+        let messages = out.messages.unwrap_or_default();
+        if messages.is_empty() {
+            return (records, nulls);
+        }
+        for message in messages {
+            match from_destination(message.body().unwrap()).unwrap() {
+                Some(record) => {
+                    records.insert(record.job_id.clone(), record);
+                }
+                None => nulls += 1,
+            }
+            sqs.delete_message().queue_url(queue_url).receipt_handle(message.receipt_handle().unwrap()).send().await.unwrap();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_results_queue_receives_each_job_s_outcome_record_through_the_on_success_destination() {
+    let mut lane = lane("10/s").await;
+    let api = api(&["10/s"], None).await;
+    lane.with_worker_calling(&api);
+    let results = paceline_e2e::aws::create_queue(&lane.sdk, "paceline-results").await;
+    let sqs = aws_sdk_sqs::Client::new(&lane.sdk);
+    lane.lambda.deliver_results_to(sqs.clone(), results.clone());
+    let mut bodies: Vec<String> = (0..6)
+        .map(|i| format!(r#"{{"id":"echo-{i}","request":{{"method":"GET","path":"/items/echo-{i}","query":{{"echo":"v{i}"}}}},"metadata":{{"n":{i}}}}}"#))
+        .collect();
+    bodies.push(r#"{"id":"gone-1","request":{"method":"GET","path":"/missing/1"}}"#.into());
+    bodies.push(r#"{"id":"quiet-1","request":{"method":"GET","path":"/items/quiet-1"},"fire_and_forget":true}"#.into());
+    lane.enqueue(bodies).await;
+
+    let report = lane.orchestrator().run(&drain_opts("test", Duration::from_secs(60))).await.unwrap();
+    lane.lambda.settle(Duration::from_secs(10)).await;
+    assert_eq!(report.stop, StopReason::Drained);
+
+    let (records, nulls) = read_results(&sqs, &results).await;
+    assert_eq!(records.keys().map(String::as_str).collect::<Vec<_>>(), ["echo-0", "echo-1", "echo-2", "echo-3", "echo-4", "echo-5", "gone-1"]);
+    for i in 0..6 {
+        let record = &records[&format!("echo-{i}")];
+        assert_eq!((record.outcome, record.status, record.attempts), (Ending::Succeeded, Some(200), 1));
+        assert_eq!((record.body.as_ref().map(|b| b["echo"].clone()), record.metadata.clone()), (Some(json!(format!("v{i}"))), Some(json!({ "n": i }))));
+        assert!(record.times.enqueued.is_some() && record.times.answered >= record.times.called, "{:?}", record.times);
+    }
+    let gone = &records["gone-1"];
+    assert_eq!((gone.outcome, gone.status), (Ending::DeadLettered, Some(404)));
+    assert_eq!(nulls, 1, "the fire-and-forget job's invocation returned null");
+    // The dead letter carries the same record.
+    let dead = lane.queue().page(DlqSource::Jobs, None, 10, Duration::from_secs(1)).await.unwrap();
+    assert_eq!(dead.iter().map(|d| d.outcome.as_ref()).collect::<Vec<_>>(), [Some(gone)]);
+}
+
+#[tokio::test]
+async fn a_fifo_queue_drops_a_producer_s_repeated_send_of_a_job_but_never_a_re_queue() {
+    let sdk = moto_sdk_config().await;
+    let sqs = aws_sdk_sqs::Client::new(&sdk);
+    let suffix = &uuid::Uuid::new_v4().simple().to_string()[..12];
+    let fifo = |name: String| {
+        let sqs = sqs.clone();
+        async move {
+            let created = sqs.create_queue().queue_name(name).attributes(aws_sdk_sqs::types::QueueAttributeName::FifoQueue, "true").send().await.unwrap();
+            created.queue_url().unwrap().to_owned()
+        }
+    };
+    let queue = SqsQueue::new(sqs.clone(), fifo(format!("paceline-jobs-{suffix}.fifo")).await, fifo(format!("paceline-dlq-{suffix}.fifo")).await);
+    let body = r#"{"id":"once","request":{"method":"GET","path":"/items/once"}}"#.to_owned();
+    let produced = OutgoingMessage { body: body.clone(), attempt: 0, delay: Duration::ZERO, dedup_id: Some("once".into()) };
+    queue.send(&[produced.clone()]).await.unwrap();
+    queue.send(&[produced]).await.unwrap();
+    assert_eq!(queue.depth().await.unwrap().visible, 1, "the producer's second send of job `once` was dropped");
+    let requeued = OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None };
+    queue.send(&[requeued.clone()]).await.unwrap();
+    queue.send(&[requeued]).await.unwrap();
+    assert_eq!(queue.depth().await.unwrap().visible, 3, "Paceline's own re-queues are never taken for the first send");
 }
 
 #[tokio::test]

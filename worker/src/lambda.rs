@@ -11,6 +11,7 @@ use lambda_runtime::LambdaEvent;
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames};
 use paceline_shared::job::WorkerPayload;
 use paceline_shared::lambda_env::Env;
+use paceline_shared::outcome::OutcomeRecord;
 use paceline_shared::ports::WorkerHandler;
 use paceline_shared::time::SystemClock;
 use secrecy::SecretString;
@@ -71,6 +72,11 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig) -> Result<Worker, St
 /// An unreadable payload, or a follow-up write that failed: Lambda retries.
 pub async fn handle(event: LambdaEvent<Value>, worker: &Worker) -> Result<Value, lambda_runtime::Error> {
     let payload = WorkerPayload::from_json(&event.payload.to_string())?;
-    let record = worker.handle(payload).await?;
-    Ok(record.map_or(Value::Null, |record| serde_json::to_value(record).unwrap_or(Value::Null)))
+    Ok(function_result(worker.handle(payload).await?))
+}
+
+/// The function result for a handled payload: its outcome record, or `null`.
+#[must_use]
+pub fn function_result(record: Option<OutcomeRecord>) -> Value {
+    record.and_then(|record| serde_json::to_value(record).ok()).unwrap_or(Value::Null)
 }
