@@ -431,11 +431,11 @@ async fn a_fifo_queue_drops_a_producer_s_repeated_send_of_a_job_but_never_a_re_q
     let queue = SqsQueue::new(sqs.clone(), fifo(format!("paceline-jobs-{suffix}.fifo")).await, fifo(format!("paceline-dlq-{suffix}.fifo")).await);
     let body = r#"{"id":"once","request":{"method":"GET","path":"/items/once"}}"#.to_owned();
     let produced = OutgoingMessage { body: body.clone(), attempt: 0, delay: Duration::ZERO, dedup_id: Some("once".into()) };
-    queue.send(&[produced.clone()]).await.unwrap();
+    queue.send(std::slice::from_ref(&produced)).await.unwrap();
     queue.send(&[produced]).await.unwrap();
     assert_eq!(queue.depth().await.unwrap().visible, 1, "the producer's second send of job `once` was dropped");
     let requeued = OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None };
-    queue.send(&[requeued.clone()]).await.unwrap();
+    queue.send(std::slice::from_ref(&requeued)).await.unwrap();
     queue.send(&[requeued]).await.unwrap();
     assert_eq!(queue.depth().await.unwrap().visible, 3, "Paceline's own re-queues are never taken for the first send");
 }
