@@ -29,6 +29,11 @@ mod outcomes;
 
 pub use outcomes::{KeptOutcome, OutcomeQuery};
 
+/// The schema's version, kept in SQLite's `user_version`. 1: the first (unversioned,
+/// `user_version` 0 in its files); 2: outcome records. [`SCHEMA`] creates what is missing,
+/// so opening a file of an older version migrates it; a newer version is refused.
+pub const SCHEMA_VERSION: u32 = 2;
+
 const SCHEMA: &str = "
 PRAGMA journal_mode = WAL;
 PRAGMA synchronous = NORMAL;
@@ -136,7 +141,16 @@ impl EmbeddedStore {
 
     fn init(conn: Connection, clock: Arc<dyn Clock>) -> PortResult<Self> {
         conn.busy_timeout(Duration::from_secs(5)).map_err(fatal)?;
+        let version: u32 = conn.query_row("PRAGMA user_version", [], |r| r.get(0)).map_err(fatal)?;
+        if version > SCHEMA_VERSION {
+            return Err(fatal(format!(
+                "the database has schema version {version}, written by a newer paceline; this one knows up to {SCHEMA_VERSION} (upgrade paceline)"
+            )));
+        }
         conn.execute_batch(SCHEMA).map_err(fatal)?;
+        if version < SCHEMA_VERSION {
+            conn.pragma_update(None, "user_version", SCHEMA_VERSION).map_err(fatal)?;
+        }
         let retention = crate::outcome::OutcomeSettings::default().retention;
         Ok(Self { conn: Mutex::new(conn), clock, outcome_retention: retention, last_outcome_sweep: AtomicU64::new(0) })
     }
@@ -772,6 +786,44 @@ mod tests {
         let got = q.receive(10, Duration::from_secs(5), Duration::from_secs(30)).await.unwrap();
         assert_eq!(got[0].body, "later");
         assert!(clock.now() >= UnixMillis(1_002_000));
+    }
+
+    /// The first schema, as files written before versions were kept have it.
+    const SCHEMA_1: &str = "
+        CREATE TABLE messages (seq INTEGER PRIMARY KEY AUTOINCREMENT, message_id TEXT NOT NULL UNIQUE, body TEXT NOT NULL,
+            attempt INTEGER NOT NULL, visible_at INTEGER NOT NULL, receipt TEXT, receive_count INTEGER NOT NULL DEFAULT 0, enqueued_at INTEGER NOT NULL);
+        CREATE INDEX messages_visible ON messages (visible_at, seq);
+        CREATE TABLE dead_letters (seq INTEGER PRIMARY KEY AUTOINCREMENT, message_id TEXT NOT NULL, body TEXT NOT NULL,
+            attempt INTEGER NOT NULL, reason TEXT NOT NULL, dead_at INTEGER NOT NULL);
+        CREATE TABLE kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        CREATE TABLE usage (key TEXT PRIMARY KEY, used INTEGER NOT NULL);
+        CREATE TABLE call_slots (idx INTEGER PRIMARY KEY, holder TEXT, expires_at INTEGER NOT NULL);
+        CREATE TABLE invocations (seq INTEGER PRIMARY KEY AUTOINCREMENT, payload TEXT NOT NULL, created_at INTEGER NOT NULL);
+        INSERT INTO messages (message_id, body, attempt, visible_at, enqueued_at) VALUES ('m1', '{\"id\":\"old\",\"request\":{\"method\":\"GET\",\"path\":\"/\"}}', 2, 0, 5);
+        INSERT INTO usage (key, used) VALUES ('usage#100/day#2026-11-23', 42);
+    ";
+
+    #[tokio::test]
+    async fn a_file_of_the_first_schema_is_migrated_keeping_its_jobs_and_counters_and_a_newer_one_is_refused() {
+        let dir = std::env::temp_dir().join(format!("paceline-schema-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("lane.db");
+        Connection::open(&path).unwrap().execute_batch(SCHEMA_1).unwrap();
+        let clock = Arc::new(ManualClock::new(UnixMillis(1_000_000)));
+        let store = EmbeddedStore::open(&path, clock.clone()).unwrap();
+        let got = store.receive(10, Duration::ZERO, Duration::from_secs(30)).await.unwrap();
+        assert_eq!((got.len(), got[0].attempt, got[0].enqueued_at), (1, 2, UnixMillis(5)), "the queued job survived");
+        assert_eq!(store.load_usage(&["usage#100/day#2026-11-23".to_owned()]).await.unwrap(), vec![42]);
+        let all = OutcomeQuery { limit: 10, ..OutcomeQuery::default() };
+        assert!(store.outcomes(&all).unwrap().is_empty(), "the outcomes table was added");
+        let version: u32 = store.conn().query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+        assert_eq!(version, SCHEMA_VERSION);
+        drop(store);
+
+        Connection::open(&path).unwrap().pragma_update(None, "user_version", SCHEMA_VERSION + 1).unwrap();
+        let Err(refused) = EmbeddedStore::open(&path, clock) else { panic!("a newer schema was opened") };
+        assert!(refused.to_string().contains("newer paceline"), "{refused}");
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[tokio::test]
