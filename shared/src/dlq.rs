@@ -63,6 +63,7 @@ pub struct DeadLetterRecord {
     /// `http_404`, `attempts_exhausted:http_503`, `malformed`, `worker:retries_exhausted`...
     pub cause: String,
     pub detail: String,
+    #[serde(serialize_with = "crate::time::rfc3339::serialize")]
     pub dead_at: UnixMillis,
     /// The stored message as it is.
     pub raw: String,
@@ -130,7 +131,9 @@ pub struct CauseGroup {
     pub source: DlqSource,
     pub cause: String,
     pub count: u64,
+    #[serde(serialize_with = "crate::time::rfc3339::serialize")]
     pub first_seen: UnixMillis,
+    #[serde(serialize_with = "crate::time::rfc3339::serialize")]
     pub last_seen: UnixMillis,
     /// The detail of the most recent one, as an example.
     pub example: String,

@@ -216,7 +216,8 @@ async fn after_an_outage_dlq_summary_groups_causes_and_redrive_moves_exactly_tho
     .map(|(k, v)| (k.to_owned(), v))
     .collect();
     assert_eq!(group_counts(&summary), expected);
-    assert!(summary[0]["first_seen"].as_u64().unwrap() <= summary[0]["last_seen"].as_u64().unwrap());
+    // RFC 3339 in UTC with milliseconds: ordered as text.
+    assert!(summary[0]["first_seen"].as_str().unwrap() <= summary[0]["last_seen"].as_str().unwrap(), "{summary}");
 
     let listed = json_of(&cli(&config, &["dlq", "list", "--cause", "4xx", "--json"]).await);
     let listed: BTreeSet<&str> = listed.as_array().unwrap().iter().map(|r| r["job_id"].as_str().unwrap()).collect();
@@ -347,7 +348,11 @@ async fn the_same_operator_commands_work_on_the_embedded_store() {
     let config = config.to_str().unwrap();
     let mut jobs = ids("fine", 20);
     jobs.extend(ids("gone", 6));
-    assert!(paceline(&["enqueue", "--config", config], &job_lines(&jobs)).await.status.success());
+    let enqueued = json_of(&paceline(&["enqueue", "--config", config, "--json"], &format!("{}not a job\n", job_lines(&jobs))).await);
+    assert_eq!(
+        (enqueued["enqueued"].as_u64(), enqueued["job_ids"][0].as_str(), enqueued["rejected"].as_array().map(Vec::len)),
+        (Some(26), Some("fine-0000"), Some(1))
+    );
     let status = json_of(&paceline(&["status", "--config", config, "--json"], "").await);
     assert_eq!((status["queue"]["visible"].as_u64(), status["drain_estimate_seconds"].as_u64()), (Some(26), Some(0)));
     assert!(status["worker_dead"].is_null());
@@ -355,6 +360,10 @@ async fn the_same_operator_commands_work_on_the_embedded_store() {
     assert!(paceline(&["run", "--config", config, "--drain"], "").await.status.success());
     let summary = json_of(&paceline(&["dlq", "summary", "--config", config, "--json"], "").await);
     assert_eq!(group_counts(&summary), [("jobs/http_404".to_owned(), 6)].into_iter().collect());
+    let listed = json_of(&paceline(&["dlq", "list", "--config", config, "--json"], "").await);
+    let dead_at = listed[0]["dead_at"].as_str().unwrap_or_default();
+    assert!(UnixMillis::parse_rfc3339(dead_at).is_ok(), "times in JSON are RFC 3339: {}", listed[0]);
+    assert_eq!(listed[0]["outcome"]["status"], 404, "the dead letter carries its outcome record");
     let status = json_of(&paceline(&["status", "--config", config, "--json"], "").await);
     assert_eq!((status["queue"]["dead"].as_u64(), status["tiers"][1]["used"].as_u64()), (Some(6), Some(26)));
 
@@ -367,9 +376,13 @@ async fn the_same_operator_commands_work_on_the_embedded_store() {
     let status = json_of(&paceline(&["status", "--config", config, "--json"], "").await);
     assert_eq!((status["queue"]["visible"].as_u64(), status["queue"]["dead"].as_u64()), (Some(1), Some(0)));
 
-    assert!(paceline(&["circuit", "open", "--config", config, "--reason", "drill"], "").await.status.success());
+    let opened = json_of(&paceline(&["circuit", "open", "--config", config, "--reason", "drill", "--json"], "").await);
+    assert_eq!((opened["changed"].as_bool(), opened["status"].as_str()), (Some(true), Some("open")), "{opened}");
+    let again = json_of(&paceline(&["circuit", "open", "--config", config, "--json"], "").await);
+    assert_eq!((again["changed"].as_bool(), again["epoch"].as_u64()), (Some(false), opened["epoch"].as_u64()), "{again}");
     let status = json_of(&paceline(&["status", "--config", config, "--json"], "").await);
     assert_eq!((status["circuit"]["status"].as_str(), status["circuit"]["reason"].as_str()), (Some("open"), Some("operator: drill")));
+    assert_eq!(status["circuit"]["since"], opened["since"]);
     let kick = paceline(&["kick", "--config", config], "").await;
     assert!(!kick.status.success() && stderr(&kick).contains("paceline run"), "{}", stderr(&kick));
 }

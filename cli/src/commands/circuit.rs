@@ -21,6 +21,40 @@ pub struct CircuitArgs {
     pub lane: LaneArgs,
     #[command(subcommand)]
     pub action: CircuitAction,
+    /// Print the outcome as JSON: the circuit after the command, whether it changed,
+    /// and a cool-down it cleared.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+/// `circuit --json`.
+#[derive(serde::Serialize)]
+struct CircuitChanged {
+    changed: bool,
+    status: paceline_shared::breaker::CircuitStatus,
+    epoch: u64,
+    reason: String,
+    held: bool,
+    since: String,
+    /// The end of a cool-down `close` cleared.
+    cool_down_cleared: Option<String>,
+    /// Why nothing changed.
+    note: Option<String>,
+}
+
+impl CircuitChanged {
+    fn of(circuit: &Circuit, changed: bool, cool_down_cleared: Option<String>, note: Option<String>) -> Self {
+        Self {
+            changed,
+            status: circuit.status,
+            epoch: circuit.epoch,
+            reason: circuit.reason.clone(),
+            held: circuit.held,
+            since: circuit.since.to_rfc3339(),
+            cool_down_cleared,
+            note,
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -58,13 +92,26 @@ impl CircuitArgs {
     /// A bad lane, an unavailable store, or a circuit that moved past `--epoch`.
     pub async fn run(self) -> anyhow::Result<()> {
         let lane = self.lane.open().await?;
+        let mut cool_down_cleared = None;
         if matches!(self.action, CircuitAction::Close(_)) {
             let cool_down = lane.state.cool_down().await?;
             if cool_down > system_now() {
                 lane.state.clear_cool_down().await?;
-                println!("cool-down until {} cleared", cool_down.to_rfc3339());
+                cool_down_cleared = Some(cool_down.to_rfc3339());
+                if !self.json {
+                    println!("cool-down until {} cleared", cool_down.to_rfc3339());
+                }
             }
         }
+        let say = |circuit: &Circuit, changed: bool, note: String| -> anyhow::Result<()> {
+            if self.json {
+                let note = (!changed).then_some(note);
+                println!("{}", serde_json::to_string_pretty(&CircuitChanged::of(circuit, changed, cool_down_cleared.clone(), note))?);
+            } else {
+                println!("{note}");
+            }
+            Ok(())
+        };
         let current = lane.state.circuit().await?;
         let (change, transition): (&Change, Transition) = match &self.action {
             CircuitAction::Open(OpenChange { change, hold: true }) => (change, Circuit::hold),
@@ -76,12 +123,10 @@ impl CircuitArgs {
         let next = match transition(&current, seen, &reason, system_now()) {
             Ok(next) => next,
             Err(Refusal::Already(status)) => {
-                println!("the circuit is already {status} (epoch {}): nothing to do", current.epoch);
-                return Ok(());
+                return say(&current, false, format!("the circuit is already {status} (epoch {}): nothing to do", current.epoch));
             }
             Err(Refusal::Held) => {
-                println!("the circuit is already held open (epoch {}): `paceline circuit close` lifts the hold", current.epoch);
-                return Ok(());
+                return say(&current, false, format!("the circuit is already held open (epoch {}): `paceline circuit close` lifts the hold", current.epoch));
             }
             Err(Refusal::Stale { seen, current }) => {
                 bail!("the circuit is at epoch {current}, not {seen}: it changed since; check `paceline status` and decide again")
@@ -90,8 +135,7 @@ impl CircuitArgs {
         match lane.state.swap_circuit(seen, &next).await {
             Ok(()) => {
                 let held = if next.held { ", held until `paceline circuit close`" } else { "" };
-                println!("circuit {} at epoch {} ({}){held}", next.status, next.epoch, next.reason);
-                Ok(())
+                say(&next, true, format!("circuit {} at epoch {} ({}){held}", next.status, next.epoch, next.reason))
             }
             Err(PortError::Conflict(_)) => bail!("the circuit changed while we wrote (epoch {seen} is gone); check `paceline status` and decide again"),
             Err(e) => Err(e.into()),

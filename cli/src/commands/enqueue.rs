@@ -19,6 +19,18 @@ pub struct EnqueueArgs {
     pub lane: LaneArgs,
     /// File of JSON lines; `-` or nothing reads standard input.
     pub file: Option<PathBuf>,
+    /// Print what was enqueued as JSON: the job ids (generated ones too, to find their
+    /// outcomes by) and the rejected lines.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `enqueue --json`.
+#[derive(serde::Serialize)]
+struct Enqueued<'a> {
+    enqueued: usize,
+    job_ids: Vec<&'a str>,
+    rejected: &'a [String],
 }
 
 /// The good jobs and the numbered complaints about the bad lines; with the lane's
@@ -59,8 +71,10 @@ impl EnqueueArgs {
                 parse_lines(std::io::BufReader::new(file).lines(), limits.as_ref())
             }
         };
-        for error in &errors {
-            eprintln!("{error}");
+        if !self.json {
+            for error in &errors {
+                eprintln!("{error}");
+            }
         }
         let messages: Vec<OutgoingMessage> = jobs
             .iter()
@@ -73,7 +87,12 @@ impl EnqueueArgs {
             bar.inc(batch.len() as u64);
         }
         bar.finish_and_clear();
-        println!("enqueued {} job(s); {} line(s) rejected", messages.len(), errors.len());
+        if self.json {
+            let job_ids = jobs.iter().map(|job| job.id.as_str()).collect();
+            println!("{}", serde_json::to_string_pretty(&Enqueued { enqueued: messages.len(), job_ids, rejected: &errors })?);
+        } else {
+            println!("enqueued {} job(s); {} line(s) rejected", messages.len(), errors.len());
+        }
         if errors.is_empty() {
             Ok(())
         } else {

@@ -9,6 +9,9 @@ use crate::access::LaneArgs;
 pub struct KickArgs {
     #[command(flatten)]
     pub lane: LaneArgs,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 impl KickArgs {
@@ -19,7 +22,11 @@ impl KickArgs {
         let orchestrator = lane.orchestrator.map_err(anyhow::Error::msg)?;
         let event = serde_json::json!({ "source": "paceline.cli", "detail-type": "Kick", "detail": { "at": paceline_shared::time::system_now() } });
         orchestrator.invoke_event(event.to_string()).await?;
-        println!("orchestrator kicked: a run starts now (unless one is running already)");
+        if self.json {
+            println!("{}", serde_json::json!({ "kicked": true, "at": paceline_shared::time::system_now().to_rfc3339() }));
+        } else {
+            println!("orchestrator kicked: a run starts now (unless one is running already)");
+        }
         Ok(())
     }
 }

@@ -78,7 +78,9 @@ struct Status {
     queue: QueueDepth,
     /// The worker's DLQ, where the lane has one.
     worker_dead: Option<u64>,
+    #[serde(serialize_with = "circuit_view")]
     circuit: Circuit,
+    #[serde(serialize_with = "lease_view")]
     lease: Option<Lease>,
     cool_down_until: Option<String>,
     /// None before a run saved one.
@@ -87,6 +89,34 @@ struct Status {
     tiers: Vec<TierUsage>,
     /// Seconds the waiting jobs take at the quota (one unit each), when the quota is known.
     drain_estimate_seconds: Option<u64>,
+}
+
+/// The circuit as `status --json` shows it (times in RFC 3339).
+#[derive(Serialize)]
+struct CircuitView {
+    status: paceline_shared::breaker::CircuitStatus,
+    epoch: u64,
+    since: String,
+    reason: String,
+    reopened: u32,
+    held: bool,
+}
+
+fn circuit_view<S: serde::Serializer>(c: &Circuit, s: S) -> Result<S::Ok, S::Error> {
+    CircuitView { status: c.status, epoch: c.epoch, since: c.since.to_rfc3339(), reason: c.reason.clone(), reopened: c.reopened, held: c.held }.serialize(s)
+}
+
+/// The lease as `status --json` shows it.
+#[derive(Serialize)]
+struct LeaseView {
+    holder: String,
+    epoch: u64,
+    expires_at: String,
+}
+
+#[allow(clippy::ref_option)]
+fn lease_view<S: serde::Serializer>(lease: &Option<Lease>, s: S) -> Result<S::Ok, S::Error> {
+    lease.as_ref().map(|l| LeaseView { holder: l.holder.clone(), epoch: l.epoch, expires_at: l.expires_at.to_rfc3339() }).serialize(s)
 }
 
 impl StatusArgs {
