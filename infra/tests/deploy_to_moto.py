@@ -132,6 +132,11 @@ def check_what_moto_cannot_create(translated):
     print("declared in the translated template (moto's CloudFormation does not create these):")
     functions = declared(translated, "AWS::Lambda::Function")
     check(len(functions) == 2 and all(f["Architectures"] == ["arm64"] for f in functions), "both functions: arm64")
+    check(
+        all(f["LoggingConfig"]["LogFormat"] == "JSON" and f["LoggingConfig"]["ApplicationLogLevel"] == {"Ref": "LogLevel"} for f in functions)
+        and all("RUST_LOG" not in f["Environment"]["Variables"] for f in functions),
+        "both functions: JSON logs at the level of Lambda's logging configuration",
+    )
     configs = declared(translated, "AWS::Lambda::EventInvokeConfig")
     kicks = [c for c in configs if c["MaximumRetryAttempts"] == 0]
     check(len(kicks) == 1 and kicks[0]["MaximumEventAgeInSeconds"] == 60, "orchestrator: kicks expire after 60 s, never retried")

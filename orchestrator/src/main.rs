@@ -9,7 +9,9 @@ use paceline_shared::lambda_env::Env;
 // 1,000 jobs/s (see docs/benchmarks.md).
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), lambda_runtime::Error> {
-    tracing_subscriber::fmt().json().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_current_span(false).init();
+    // JSON or text and the level as the function's logging configuration sets them
+    // (AWS_LAMBDA_LOG_FORMAT, AWS_LAMBDA_LOG_LEVEL).
+    lambda_runtime::tracing::init_default_subscriber();
     let sdk = paceline_shared::adapters::aws::load_sdk_config().await;
     let get = |name: &str| std::env::var(name).ok();
     let function = lambda::from_env(&Env::new(&get), &sdk, None).map_err(|e| format!("cold start: {e}"))?;

@@ -7,7 +7,9 @@ use secrecy::ExposeSecret;
 
 #[tokio::main]
 async fn main() -> Result<(), lambda_runtime::Error> {
-    tracing_subscriber::fmt().json().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_current_span(false).init();
+    // JSON or text and the level as the function's logging configuration sets them
+    // (AWS_LAMBDA_LOG_FORMAT, AWS_LAMBDA_LOG_LEVEL).
+    lambda_runtime::tracing::init_default_subscriber();
     let sdk = paceline_shared::adapters::aws::load_sdk_config().await;
     let from_process = |name: &str| std::env::var(name).ok();
     let secrets = lambda::fetch_secrets(&Env::new(&from_process), &sdk).await.map_err(|e| format!("cold start: {e}"))?;
