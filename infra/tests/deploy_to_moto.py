@@ -151,7 +151,10 @@ def check_what_moto_cannot_create(translated):
     check('"UsesResultsQueue", {"Effect": "Allow", "Action": "sqs:SendMessage", "Resource": {"Fn::GetAtt": ["ResultsQueue", "Arn"]}}' in grants, "worker role: may send to the results queue only")
     check('"ResultsToSns", {"Effect": "Allow", "Action": "sns:Publish", "Resource": {"Ref": "ResultsDestinationArn"}}' in grants, "worker role: may publish to a named topic only")
     alarms = {a["MetricName"] for a in declared(translated, "AWS::CloudWatch::Alarm")}
-    check({"ApproximateNumberOfMessagesVisible", "CircuitOpen", "QuotaExhausted", "Errors"} <= alarms, "alarms: DLQ depth, circuit open, quota exhausted, orchestrator errors")
+    check(
+        {"ApproximateNumberOfMessagesVisible", "CircuitOpen", "QuotaExhausted", "Errors", "ApproximateAgeOfOldestMessage", "RateLimited"} <= alarms,
+        "alarms: DLQ depth, circuit open, quota exhausted, orchestrator errors, the oldest job's age, any 429",
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ use lambda_runtime::LambdaEvent;
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames};
 use paceline_shared::config::WorkerHost;
 use paceline_shared::lambda_env::Env;
+use paceline_shared::metrics::{emf_record, Metric};
 use paceline_shared::time::{SystemClock, UnixMillis};
 use serde_json::{json, Value};
 
@@ -109,29 +110,16 @@ fn scheduled_for(event: &Value) -> Option<UnixMillis> {
 #[must_use]
 pub fn metrics_record(report: &RunReport, circuit_open: bool, lane: &str) -> Value {
     let exhausted = report.tiers.iter().any(|t| t.tier.is_calendar() && t.utilization >= 1.0);
-    json!({
-        "_aws": {
-            "Timestamp": report.ended_at.0,
-            "CloudWatchMetrics": [{
-                "Namespace": "Paceline",
-                "Dimensions": [["Lane"]],
-                "Metrics": [
-                    { "Name": "Dispatched", "Unit": "Count" },
-                    { "Name": "DeadLettered", "Unit": "Count" },
-                    { "Name": "HealthChecks", "Unit": "Count" },
-                    { "Name": "CircuitOpen", "Unit": "None" },
-                    { "Name": "QuotaExhausted", "Unit": "None" }
-                ]
-            }]
-        },
-        "Lane": lane,
-        "Dispatched": report.dispatched,
-        "DeadLettered": report.dead_lettered,
-        "HealthChecks": report.health_checks,
-        "CircuitOpen": u8::from(circuit_open),
-        "QuotaExhausted": u8::from(exhausted),
-        "Stop": report.stop,
-    })
+    let metrics = [
+        Metric::count("Dispatched", report.dispatched),
+        Metric::count("DeadLettered", report.dead_lettered),
+        Metric::count("HealthChecks", report.health_checks),
+        Metric::flag("CircuitOpen", circuit_open),
+        Metric::flag("QuotaExhausted", exhausted),
+    ];
+    let mut properties = serde_json::Map::new();
+    properties.insert("Stop".into(), json!(report.stop));
+    emf_record(report.ended_at, lane, &metrics, properties)
 }
 
 #[cfg(test)]

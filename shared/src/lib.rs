@@ -9,6 +9,7 @@ pub mod config;
 pub mod dlq;
 pub mod job;
 pub mod lambda_env;
+pub mod metrics;
 pub mod outcome;
 pub mod pacer;
 pub mod ports;

@@ -11,13 +11,14 @@ use lambda_runtime::LambdaEvent;
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames};
 use paceline_shared::job::WorkerPayload;
 use paceline_shared::lambda_env::Env;
+use paceline_shared::metrics::{emf_record, Metric};
 use paceline_shared::outcome::OutcomeRecord;
 use paceline_shared::ports::WorkerHandler;
-use paceline_shared::time::SystemClock;
+use paceline_shared::time::{system_now, SystemClock, UnixMillis};
 use secrecy::SecretString;
 use serde_json::Value;
 
-use crate::{ApiClient, CallSlots, Worker};
+use crate::{ApiClient, CallSlots, Worker, WorkerCounts};
 
 /// Fetches the secrets `PACELINE_API_SECRETS` names (`{"API_TOKEN": "<secret ARN>"}`)
 /// from Secrets Manager, once at cold start. A header reads one as it would an
@@ -64,19 +65,64 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig) -> Result<Worker, St
         .with_outcomes(outcomes, None))
 }
 
-/// Handles one payload. The function result is the job's outcome record, which the
-/// async `OnSuccess` destination delivers to the results queue (or bus, or topic); `null`
-/// when the invocation ended no job (a re-queue, a health check, a fire-and-forget job).
+/// Handles one payload and prints what it did as a CloudWatch EMF record (lane `lane`).
+/// The function result is the job's outcome record, which the async `OnSuccess`
+/// destination delivers to the results queue (or bus, or topic); `null` when the
+/// invocation ended no job (a re-queue, a health check, a fire-and-forget job).
 ///
 /// # Errors
 /// An unreadable payload, or a follow-up write that failed: Lambda retries.
-pub async fn handle(event: LambdaEvent<Value>, worker: &Worker) -> Result<Value, lambda_runtime::Error> {
+pub async fn handle(event: LambdaEvent<Value>, worker: &Worker, lane: &str) -> Result<Value, lambda_runtime::Error> {
     let payload = WorkerPayload::from_json(&event.payload.to_string())?;
-    Ok(function_result(worker.handle(payload).await?))
+    let before = worker.stats().counts();
+    let handled = worker.handle(payload).await;
+    println!("{}", invocation_metrics(&worker.stats().counts().since(&before), lane, system_now()));
+    Ok(function_result(handled?))
+}
+
+/// One invocation's metrics: `Succeeded`, `RateLimited` (any is worth an alarm: the
+/// configured quota is above the API's), `Requeued`, `DeadLettered`, `ApiFailures`,
+/// `MissedSlots`, and for a call `CallLatency` and `SlotLag` (how long after its pacer
+/// slot it went out).
+#[must_use]
+pub fn invocation_metrics(done: &WorkerCounts, lane: &str, at: UnixMillis) -> Value {
+    let mut metrics = vec![
+        Metric::count("Succeeded", done.succeeded),
+        Metric::count("RateLimited", done.rate_limited),
+        Metric::count("Requeued", done.requeued),
+        Metric::count("DeadLettered", done.dead_lettered),
+        Metric::count("ApiFailures", done.api_failures),
+        Metric::count("MissedSlots", done.missed_slots),
+    ];
+    if let (Some(latency), Some(lag)) = (done.call_millis.checked_div(done.calls), done.slot_lag_millis.checked_div(done.calls)) {
+        metrics.push(Metric::millis("CallLatency", latency));
+        metrics.push(Metric::millis("SlotLag", lag));
+    }
+    let mut properties = serde_json::Map::new();
+    properties.insert("Function".into(), "worker".into());
+    emf_record(at, lane, &metrics, properties)
 }
 
 /// The function result for a handled payload: its outcome record, or `null`.
 #[must_use]
 pub fn function_result(record: Option<OutcomeRecord>) -> Value {
     record.and_then(|record| serde_json::to_value(record).ok()).unwrap_or(Value::Null)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_invocation_s_metrics_count_what_it_did_and_time_its_call() {
+        let before = WorkerCounts { succeeded: 3, calls: 4, call_millis: 400, slot_lag_millis: 8, ..WorkerCounts::default() };
+        let after = WorkerCounts { succeeded: 4, calls: 5, call_millis: 580, slot_lag_millis: 10, ..before };
+        let record = invocation_metrics(&after.since(&before), "sms", UnixMillis(1_000));
+        assert_eq!((record["Succeeded"].as_u64(), record["RateLimited"].as_u64()), (Some(1), Some(0)));
+        assert_eq!((record["CallLatency"].as_u64(), record["SlotLag"].as_u64(), record["Lane"].as_str()), (Some(180), Some(2), Some("sms")));
+        let requeued = WorkerCounts { requeued: 1, missed_slots: 1, ..WorkerCounts::default() };
+        let record = invocation_metrics(&requeued, "sms", UnixMillis(1_000));
+        assert!(record.get("CallLatency").is_none(), "no call, no latency: {record}");
+        assert_eq!(record["MissedSlots"], 1);
+    }
 }

@@ -66,11 +66,68 @@ pub struct WorkerStats {
     pub call_slots_full: AtomicU64,
     /// Repeated deliveries of an attempt already called: no second call was made.
     pub repeats_skipped: AtomicU64,
+    /// Jobs' calls made (health checks apart), how long they took in all, and how long
+    /// after their pacer slots they went out in all.
+    pub calls: AtomicU64,
+    pub call_millis: AtomicU64,
+    pub slot_lag_millis: AtomicU64,
+}
+
+/// A copy of what [`WorkerStats`] counts, to tell what one invocation did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WorkerCounts {
+    pub succeeded: u64,
+    pub requeued: u64,
+    pub dead_lettered: u64,
+    pub rate_limited: u64,
+    pub api_failures: u64,
+    pub missed_slots: u64,
+    pub calls: u64,
+    pub call_millis: u64,
+    pub slot_lag_millis: u64,
+}
+
+impl WorkerCounts {
+    /// What was counted since `earlier`.
+    #[must_use]
+    pub fn since(&self, earlier: &Self) -> Self {
+        Self {
+            succeeded: self.succeeded - earlier.succeeded,
+            requeued: self.requeued - earlier.requeued,
+            dead_lettered: self.dead_lettered - earlier.dead_lettered,
+            rate_limited: self.rate_limited - earlier.rate_limited,
+            api_failures: self.api_failures - earlier.api_failures,
+            missed_slots: self.missed_slots - earlier.missed_slots,
+            calls: self.calls - earlier.calls,
+            call_millis: self.call_millis - earlier.call_millis,
+            slot_lag_millis: self.slot_lag_millis - earlier.slot_lag_millis,
+        }
+    }
 }
 
 impl WorkerStats {
     fn bump(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn add(counter: &AtomicU64, amount: std::time::Duration) {
+        counter.fetch_add(u64::try_from(amount.as_millis()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    /// The counts now.
+    #[must_use]
+    pub fn counts(&self) -> WorkerCounts {
+        WorkerCounts {
+            succeeded: Self::get(&self.succeeded),
+            requeued: Self::get(&self.requeued),
+            dead_lettered: Self::get(&self.dead_lettered),
+            rate_limited: Self::get(&self.rate_limited),
+            api_failures: Self::get(&self.outages_seen),
+            missed_slots: Self::get(&self.missed_slots),
+            calls: Self::get(&self.calls),
+            call_millis: Self::get(&self.call_millis),
+            slot_lag_millis: Self::get(&self.slot_lag_millis),
+        }
     }
 
     /// Reads a counter.
@@ -238,6 +295,12 @@ impl Worker {
         Self { call_slots, ..self }
     }
 
+    /// What this worker counted.
+    #[must_use]
+    pub fn stats(&self) -> &WorkerStats {
+        &self.stats
+    }
+
     /// The same worker counting its outcomes into `stats` (shared with a progress view).
     #[must_use]
     pub fn with_stats(self, stats: Arc<WorkerStats>) -> Self {
@@ -279,6 +342,9 @@ impl Worker {
         self.record_provider_reading(&result, called_at, report_limits).await;
         let now = self.clock.now();
         (times.called, times.answered) = (Some(called_at), Some(now));
+        WorkerStats::bump(&self.stats.calls);
+        WorkerStats::add(&self.stats.call_millis, now.since(called_at));
+        WorkerStats::add(&self.stats.slot_lag_millis, called_at.since(slotted));
         let attempted = Attempted { calls: attempt + 1, answer: answer_of(&result), times };
         let failure = failure_label(&result);
         match classify(&result, now, &self.retry) {

@@ -15,5 +15,6 @@ async fn main() -> Result<(), lambda_runtime::Error> {
     let secrets = lambda::fetch_secrets(&Env::new(&from_process), &sdk).await.map_err(|e| format!("cold start: {e}"))?;
     let get = |name: &str| secrets.get(name).map(|s| s.expose_secret().to_owned()).or_else(|| std::env::var(name).ok());
     let worker = lambda::from_env(&Env::new(&get), &sdk).map_err(|e| format!("cold start: {e}"))?;
-    lambda_runtime::run(service_fn(|event: LambdaEvent<serde_json::Value>| lambda::handle(event, &worker))).await
+    let lane = Env::new(&get).optional("PACELINE_LANE").unwrap_or_else(|| "paceline".into());
+    lambda_runtime::run(service_fn(|event: LambdaEvent<serde_json::Value>| lambda::handle(event, &worker, &lane))).await
 }
