@@ -17,7 +17,7 @@ use paceline_shared::dlq::DlqSource;
 use paceline_shared::job::WorkerPayload;
 use paceline_shared::lambda_env::Env;
 use paceline_shared::outcome::{from_destination, Ending, OutcomeRecord};
-use paceline_shared::ports::DeadLetterQueues;
+use paceline_shared::ports::{call_record_key, CallClaim, DeadLetterQueues, PortError};
 use paceline_shared::ports::{JobQueue, OutgoingMessage, StateStore, WorkerHandler};
 use paceline_shared::testing::contract;
 use paceline_shared::time::{system_now, SystemClock, UnixMillis};
@@ -517,9 +517,19 @@ async fn a_repeated_delivery_of_an_event_calls_the_api_once_through_dynamodb() {
     worker.handle(event.clone()).await.unwrap();
     worker.handle(event.clone()).await.unwrap();
     assert_eq!(api.log().arrivals.len(), 1, "the second delivery found the call done");
+    // A delivery that arrives while another is calling: the other's claim is in place
+    // (DynamoDB's conditional write is atomic; moto's is not under concurrent requests,
+    // so the overlap is set up in order rather than raced).
     let WorkerPayload::Job { job, .. } = event else { unreachable!() };
+    let record = call_record_key(job.id.as_str(), 1);
     let next = WorkerPayload::Job { job, attempt: 1, circuit_epoch: 0, dispatched_at: system_now(), slot: None, trip: None, report_limits: false };
-    let (first, second) = tokio::join!(worker.handle(next.clone()), worker.handle(next));
-    assert_eq!(api.log().arrivals.len(), 2, "of two deliveries at once, one calls");
-    assert!(first.is_ok() != second.is_ok(), "the other fails, for Lambda to retry: {first:?} {second:?}");
+    let store = lane.store();
+    let now = system_now();
+    assert_eq!(store.claim_call(&record, "the other delivery", now, now.plus(Duration::from_secs(30))).await.unwrap(), CallClaim::Taken);
+    let meanwhile = worker.handle(next.clone()).await;
+    assert!(matches!(meanwhile, Err(PortError::Transient(_))), "it fails, for Lambda to retry: {meanwhile:?}");
+    assert_eq!(api.log().arrivals.len(), 1, "and does not call while the other is calling");
+    store.finish_call(&record, now.plus(Duration::from_secs(60))).await.unwrap();
+    assert_eq!(worker.handle(next).await.unwrap(), None, "retried after the other's call is done, it has nothing to do");
+    assert_eq!(api.log().arrivals.len(), 1);
 }
