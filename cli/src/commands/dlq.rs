@@ -59,7 +59,7 @@ pub enum DlqAction {
     /// Put dead letters back on the jobs queue, where they are paced like any job.
     Redrive {
         #[command(flatten)]
-        select: Selection,
+        target: RemovalTarget,
         /// Say what would move, and move nothing.
         #[arg(long)]
         dry_run: bool,
@@ -73,7 +73,7 @@ pub enum DlqAction {
     /// Delete dead letters for good.
     Purge {
         #[command(flatten)]
-        select: Selection,
+        target: RemovalTarget,
         /// Say what would be deleted, and delete nothing.
         #[arg(long)]
         dry_run: bool,
@@ -103,7 +103,14 @@ pub struct Selection {
     /// Only those dead-lettered at most this long ago.
     #[arg(long, value_parser = humantime::parse_duration)]
     pub newer_than: Option<Duration>,
-    /// Redrive or purge everything (they refuse to without a filter or this).
+}
+
+/// Which dead letters a redrive or purge acts on: a selection, or every one with `--all`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct RemovalTarget {
+    #[command(flatten)]
+    pub select: Selection,
+    /// Every dead letter (a redrive or purge refuses to act without a filter or this).
     #[arg(long)]
     pub all: bool,
 }
@@ -157,10 +164,10 @@ impl DlqArgs {
             DlqAction::List { select, limit, json } => list(queues, &select, hold, limit, json).await,
             DlqAction::Show { id, json } => show(queues, &id, hold, json).await,
             DlqAction::Summary { select, json } => summary(queues, &select, hold, json).await,
-            DlqAction::Redrive { select, dry_run, keep_attempts, json } => {
-                remove(&lane, &select, hold, RemovalKind::Redrive { keep_attempts }, dry_run, json).await
+            DlqAction::Redrive { target, dry_run, keep_attempts, json } => {
+                remove(&lane, &target, hold, RemovalKind::Redrive { keep_attempts }, dry_run, json).await
             }
-            DlqAction::Purge { select, dry_run, json } => remove(&lane, &select, hold, RemovalKind::Purge, dry_run, json).await,
+            DlqAction::Purge { target, dry_run, json } => remove(&lane, &target, hold, RemovalKind::Purge, dry_run, json).await,
         }
     }
 }
@@ -281,14 +288,15 @@ fn progress_bar(len: u64, verb: &str) -> ProgressBar {
 }
 
 /// Redrives or purges the selected dead letters, a page at a time.
-async fn remove(lane: &OperatorLane, select: &Selection, hold: Duration, kind: RemovalKind, dry_run: bool, json: bool) -> anyhow::Result<()> {
+async fn remove(lane: &OperatorLane, target: &RemovalTarget, hold: Duration, kind: RemovalKind, dry_run: bool, json: bool) -> anyhow::Result<()> {
+    let select = &target.select;
     let queues = lane.queues.as_ref();
     let (verb, done_verb) = match kind {
         RemovalKind::Redrive { .. } => ("redriving", "redrove"),
         RemovalKind::Purge => ("purging", "purged"),
     };
     let filter = select.filter();
-    if filter.is_everything() && !select.all {
+    if filter.is_everything() && !target.all {
         bail!("say which dead letters: --cause, --id, --older-than, --newer-than, or --all for every one (add --dry-run to see first)");
     }
     let sources = select.sources(queues)?;
