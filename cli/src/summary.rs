@@ -84,7 +84,13 @@ impl Summary {
     /// The human-readable form.
     #[must_use]
     pub fn render(&self) -> String {
-        let mut out = format!("run ended ({:?}) after {:.1} s\n", self.stop, self.seconds);
+        let why = match self.stop {
+            StopReason::Drained => "the queue is drained",
+            StopReason::Deadline => "its time was up",
+            StopReason::Stopped => "it was asked to stop",
+            StopReason::LeaseLost => "another run took the lease",
+        };
+        let mut out = format!("run ended after {:.1} s: {why}\n", self.seconds);
         out += &format!("  dispatched     {:>7}   (+ {} health checks)\n", self.dispatched, self.health_checks);
         out += &format!("  succeeded      {:>7}\n", self.succeeded);
         out += &format!("  re-queued      {:>7}\n", self.requeued);

@@ -211,5 +211,10 @@ fn print_report(r: &DemoReport) {
         println!("  {cause:<20} {count}");
     }
     println!();
-    println!("Config and database kept at {} — try `paceline status --config {}`", r.config.display(), r.config.display());
+    let config = r.config.display();
+    println!("Config and database kept at {config}. Look around:");
+    println!("  paceline status --config {config}");
+    println!("  paceline results --config {config} --status 4xx     (each job's outcome: the API's status and body)");
+    println!("  paceline dlq summary --config {config}");
+    println!("(`paceline` comes with `cargo install --path cli`; without it, run `cargo run --release -p paceline-cli -- status --config {config}`.)");
 }
