@@ -38,6 +38,13 @@ pub struct LaneArgs {
     /// The orchestrator function, for `kick`.
     #[arg(long, global = true, env = "PACELINE_ORCHESTRATOR_FUNCTION")]
     pub orchestrator_function: Option<String>,
+    /// The AWS region (overrides `[backend] region` and `AWS_REGION`).
+    #[arg(long, global = true)]
+    pub region: Option<String>,
+    /// The AWS profile of the shared config and credentials files (overrides
+    /// `[backend] profile` and `AWS_PROFILE`).
+    #[arg(long, global = true)]
+    pub profile: Option<String>,
 }
 
 /// A lane opened for an operator command.
@@ -118,7 +125,14 @@ impl LaneArgs {
                 })
             }
             Some(mut aws) => {
-                let sdk = load_sdk_config_with(aws.region.as_deref(), aws.endpoint_url.as_deref()).await;
+                // Where and as whom to reach AWS comes first: the stack is read with it.
+                if self.region.is_some() {
+                    aws.region.clone_from(&self.region);
+                }
+                if self.profile.is_some() {
+                    aws.profile.clone_from(&self.profile);
+                }
+                let sdk = load_sdk_config_with(aws.profile.as_deref(), aws.region.as_deref(), aws.endpoint_url.as_deref()).await;
                 if let Some(stack) = &self.stack {
                     fill_from_stack(&sdk, stack, &mut aws).await?;
                 }

@@ -233,6 +233,9 @@ pub struct AwsBackend {
     /// Defaults to the SDK's own (`AWS_REGION`, profile).
     #[serde(default)]
     pub region: Option<String>,
+    /// The shared config/credentials profile; defaults to the SDK's own (`AWS_PROFILE`).
+    #[serde(default)]
+    pub profile: Option<String>,
     /// Points every client elsewhere (a local emulator); `AWS_ENDPOINT_URL*` work too.
     #[serde(default)]
     pub endpoint_url: Option<String>,

@@ -154,6 +154,9 @@ async fn enqueue_status_circuit_and_kick_on_an_aws_lane() {
         ["status", "--json", "--config", "/nonexistent/paceline.toml", "--queue-url", &names.queue_url, "--dlq-url", &names.dlq_url, "--table", &names.table];
     let status = json_of(&paceline_with_env(&flags, "", &moto_env()).await);
     assert_eq!(status["queue"]["visible"], 1000);
+    // --region overrides AWS_REGION: the lane's queue is not in another region.
+    let elsewhere = paceline_with_env(&[&flags[..], &["--region", "eu-west-1"]].concat(), "", &moto_env()).await;
+    assert!(!elsewhere.status.success() && stderr(&elsewhere).contains("queue does not exist"), "{}", stderr(&elsewhere));
     let missing = paceline_with_env(&["status", "--config", "/nonexistent/paceline.toml", "--queue-url", &names.queue_url], "", &moto_env()).await;
     assert!(stderr(&missing).contains("--dlq-url, --table"), "{}", stderr(&missing));
 

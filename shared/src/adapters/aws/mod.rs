@@ -147,9 +147,12 @@ pub async fn load_sdk_config() -> aws_config::SdkConfig {
 }
 
 /// The SDK configuration for an operator's command: the environment's, with the
-/// region and endpoint a config file may set.
-pub async fn load_sdk_config_with(region: Option<&str>, endpoint_url: Option<&str>) -> aws_config::SdkConfig {
+/// profile, region and endpoint a config file or flags may set.
+pub async fn load_sdk_config_with(profile: Option<&str>, region: Option<&str>, endpoint_url: Option<&str>) -> aws_config::SdkConfig {
     let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest());
+    if let Some(profile) = profile {
+        loader = loader.profile_name(profile);
+    }
     if let Some(region) = region {
         loader = loader.region(aws_config::Region::new(region.to_owned()));
     }
