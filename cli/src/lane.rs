@@ -168,11 +168,15 @@ impl EmbeddedLane {
                 .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
         let (store, stats, progress, ticking) = (self.store.clone(), self.worker_stats.clone(), self.orchestrator.progress().clone(), bar.clone());
+        let invoker = self.orchestrator.invoker().clone();
         let ticker = tokio::spawn(async move {
             loop {
-                let settled = WorkerStats::get(&stats.succeeded) + store.depth().await.map_or(0, |d| d.dead);
-                let waiting = store.depth().await.map_or(0, |d| d.visible + d.not_visible);
-                ticking.set_length(settled + waiting);
+                // Every job is settled, waiting on the queue, or with a worker: the total
+                // stays put while jobs move between those.
+                let depth = store.depth().await.unwrap_or_default();
+                let settled = WorkerStats::get(&stats.succeeded) + depth.dead;
+                let unsettled = depth.visible + depth.not_visible + invoker.in_flight() as u64;
+                ticking.set_length(settled + unsettled);
                 ticking.set_position(settled);
                 let open = progress.circuit_open.load(std::sync::atomic::Ordering::Relaxed);
                 ticking.set_message(if open { "circuit OPEN: waiting for a healthy check" } else { "" });
