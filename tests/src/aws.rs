@@ -46,44 +46,50 @@ pub async fn create_queue(sdk: &aws_config::SdkConfig, prefix: &str) -> String {
     sqs.create_queue().queue_name(format!("{prefix}-{suffix}")).send().await.expect("create queue").queue_url().unwrap().to_owned()
 }
 
-/// The record Lambda writes to an async on-failure destination when it gives up on an
-/// event, in the shape the Lambda documentation gives ("Adding a destination").
-#[must_use]
-pub fn lambda_failure_record(payload: &WorkerPayload, error_type: &str, message: &str) -> String {
+/// The invocation record Lambda sends an async destination, in the shape the Lambda
+/// documentation gives ("Adding a destination"): the event, and the function's result
+/// or error.
+fn invocation_record(
+    payload: &WorkerPayload,
+    at: &str,
+    condition: &str,
+    invoke_count: u32,
+    function_error: Option<&str>,
+    response: serde_json::Value,
+) -> String {
+    let mut response_context = serde_json::json!({ "statusCode": 200, "executedVersion": "$LATEST" });
+    if let Some(error) = function_error {
+        response_context["functionError"] = error.into();
+    }
     serde_json::json!({
         "version": "1.0",
-        "timestamp": "2026-11-22T10:00:00.000Z",
+        "timestamp": at,
         "requestContext": {
             "requestId": uuid::Uuid::new_v4().to_string(),
             "functionArn": "arn:aws:lambda:us-east-1:123456789012:function:paceline-worker:$LATEST",
-            "condition": "RetriesExhausted",
-            "approximateInvokeCount": 3
+            "condition": condition,
+            "approximateInvokeCount": invoke_count
         },
         "requestPayload": serde_json::from_str::<serde_json::Value>(&payload.to_json()).unwrap(),
-        "responseContext": { "statusCode": 200, "executedVersion": "$LATEST", "functionError": "Unhandled" },
-        "responsePayload": { "errorType": error_type, "errorMessage": message }
+        "responseContext": response_context,
+        "responsePayload": response
     })
     .to_string()
 }
 
-/// The record Lambda sends an async on-success destination: the event and the function's
-/// result (the job's outcome record, or null).
+/// The record Lambda writes to an async on-failure destination when it gives up on an
+/// event (after two retries).
+#[must_use]
+pub fn lambda_failure_record(payload: &WorkerPayload, error_type: &str, message: &str) -> String {
+    let error = serde_json::json!({ "errorType": error_type, "errorMessage": message });
+    invocation_record(payload, "2026-11-22T10:00:00.000Z", "RetriesExhausted", 3, Some("Unhandled"), error)
+}
+
+/// The record Lambda sends an async on-success destination: the function's result (the
+/// job's outcome record, or null).
 #[must_use]
 pub fn lambda_success_record(payload: &WorkerPayload, result: serde_json::Value) -> String {
-    serde_json::json!({
-        "version": "1.0",
-        "timestamp": system_now().to_rfc3339(),
-        "requestContext": {
-            "requestId": uuid::Uuid::new_v4().to_string(),
-            "functionArn": "arn:aws:lambda:us-east-1:123456789012:function:paceline-worker:$LATEST",
-            "condition": "Success",
-            "approximateInvokeCount": 1
-        },
-        "requestPayload": serde_json::from_str::<serde_json::Value>(&payload.to_json()).unwrap(),
-        "responseContext": { "statusCode": 200, "executedVersion": "$LATEST" },
-        "responsePayload": result
-    })
-    .to_string()
+    invocation_record(payload, &system_now().to_rfc3339(), "Success", 1, None, result)
 }
 
 /// The `PACELINE_*` environment of a lane's Lambda functions: its resource names and
