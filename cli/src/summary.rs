@@ -18,6 +18,7 @@ pub struct TierLine {
     /// Rolling tiers: the achieved rate's share of the tier's while jobs waited for the
     /// pacer (over at least one window). Calendar tiers: the share of the current day or
     /// month used.
+    #[serde(serialize_with = "paceline_shared::figures::six_digits")]
     pub utilization: f64,
     /// A day or month tier.
     pub calendar: bool,

@@ -54,6 +54,7 @@ pub struct TierReport {
     /// the tier's rate over at least one of its windows (a minute tier filled at the
     /// second tier's pace for 10 s is not "600% used"). Calendar tiers: the share of the
     /// current day or month used.
+    #[serde(serialize_with = "paceline_shared::figures::six_digits")]
     pub utilization: f64,
 }
 

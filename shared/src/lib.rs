@@ -7,6 +7,7 @@ pub mod breaker;
 pub mod check;
 pub mod config;
 pub mod dlq;
+pub mod figures;
 pub mod job;
 pub mod lambda_env;
 pub mod metrics;

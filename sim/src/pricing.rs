@@ -37,6 +37,7 @@ pub struct CostLine {
     pub item: String,
     pub quantity: f64,
     pub unit: &'static str,
+    #[serde(serialize_with = "paceline_shared::figures::six_digits")]
     pub usd: f64,
 }
 
@@ -45,7 +46,9 @@ pub struct CostLine {
 pub struct CostEstimate {
     pub prices: PriceTable,
     pub lines: Vec<CostLine>,
+    #[serde(serialize_with = "paceline_shared::figures::six_digits")]
     pub total_usd: f64,
+    #[serde(serialize_with = "paceline_shared::figures::six_digits")]
     pub per_million_jobs_usd: f64,
 }
 

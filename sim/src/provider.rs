@@ -229,6 +229,7 @@ pub struct TierFigures {
     /// (`limit * span / window + 1`), or over `limit` when they span less than a window
     /// (the busiest window's fill is `peak_offered_in_any_window` of `limit`). Calendar
     /// tiers: admitted over the limits of the days or months calls arrived in.
+    #[serde(serialize_with = "paceline_shared::figures::six_digits")]
     pub utilization: f64,
 }
 

@@ -83,6 +83,7 @@ pub struct SimReport {
     pub aws_requests: BTreeMap<String, u64>,
     pub cost: CostEstimate,
     /// Wall-clock seconds the simulation took (varies run to run; not part of equality).
+    #[serde(serialize_with = "paceline_shared::figures::six_digits")]
     pub wall_seconds: f64,
     /// Calls admitted and offered per simulated second, for plots.
     #[serde(skip)]
