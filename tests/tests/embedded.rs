@@ -175,6 +175,19 @@ async fn an_outage_opens_then_closes_the_circuit_and_no_job_is_lost() {
     assert_eq!(status["queue"]["visible"], 0);
 }
 
+/// Starts `paceline run` on `config` and kills it with SIGKILL (no clean-up runs) after
+/// `running`.
+async fn run_then_kill_9(config: &str, running: Duration) {
+    let mut child = tokio::process::Command::new(paceline_bin())
+        .args(["run", "--config", config])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(running).await;
+    child.kill().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_mid_run_then_restart_accounts_for_every_job_exactly_once() {
     let _alone = one_lane_at_a_time().await;
@@ -186,14 +199,7 @@ async fn kill_9_mid_run_then_restart_accounts_for_every_job_exactly_once() {
     jobs.extend(ids("gone", 3));
     assert!(paceline(&["enqueue", "--config", config], &job_lines(&jobs)).await.status.success());
 
-    let mut child = tokio::process::Command::new(paceline_bin())
-        .args(["run", "--config", config])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    child.kill().await.unwrap(); // SIGKILL: no clean-up runs
+    run_then_kill_9(config, Duration::from_secs(3)).await;
     let calls_before_kill = api.log().arrivals.len();
     assert!(calls_before_kill > 5, "the first run had barely started");
 
@@ -236,14 +242,7 @@ async fn results_show_each_job_s_answer_and_status_across_a_kill_9_and_restart()
     lines.push_str("{\"id\":\"gone-1\",\"request\":{\"method\":\"GET\",\"path\":\"/missing/1\"}}\n");
     assert!(paceline(&["enqueue", "--config", config], &lines).await.status.success());
 
-    let mut child = tokio::process::Command::new(paceline_bin())
-        .args(["run", "--config", config])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    child.kill().await.unwrap(); // SIGKILL: no clean-up runs
+    run_then_kill_9(config, Duration::from_secs(3)).await;
     let before_restart = results(config, &[]).await;
     assert!(!before_restart.is_empty(), "records written before the kill are kept");
 
