@@ -127,10 +127,7 @@ impl OutcomeRecord {
             .filter(|(name, _)| keep_headers.iter().any(|kept| kept.eq_ignore_ascii_case(name)))
             .map(|(name, value)| (name.to_ascii_lowercase(), value.clone()))
             .collect::<BTreeMap<_, _>>();
-        let content_type = headers
-            .get("content-type")
-            .map(String::as_str)
-            .or_else(|| answer.headers.iter().find(|(name, _)| name.eq_ignore_ascii_case("content-type")).map(|(_, value)| value.as_str()));
+        let content_type = answer.headers.iter().find(|(name, _)| name.eq_ignore_ascii_case("content-type")).map(|(_, value)| value.as_str());
         let (body, body_base64) = answer.body.map_or((None, false), |body| body_value(body, content_type));
         Self {
             v: OUTCOME_VERSION,
@@ -164,15 +161,6 @@ impl OutcomeRecord {
     #[must_use]
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).unwrap_or_default()
-    }
-
-    /// Whether the record matches a `--status` filter.
-    #[must_use]
-    pub fn matches(&self, filter: StatusFilter) -> bool {
-        match filter {
-            StatusFilter::Class(class) => self.status.is_some_and(|status| status / 100 == u16::from(class)),
-            StatusFilter::Dead => self.outcome == Ending::DeadLettered,
-        }
     }
 }
 
@@ -398,7 +386,6 @@ mod tests {
         assert_eq!(line["times"]["enqueued"], "2023-11-14T22:13:20.000Z");
         assert_eq!(line["times"]["answered"], "2023-11-14T22:13:20.250Z");
         assert_eq!(line["reason"], "http_404: the API answered HTTP 404");
-        assert!(r.matches(StatusFilter::Dead) && r.matches("4xx".parse().unwrap()) && !r.matches("2xx".parse().unwrap()));
     }
 
     #[test]
