@@ -1,7 +1,7 @@
 //! `paceline`: run a paced lane locally, try the demo, and operate a lane (embedded or
 //! on AWS): enqueue jobs, inspect state, redrive dead letters, steer the circuit.
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory as _, Parser, Subcommand};
 use paceline_cli::commands::{
     circuit::CircuitArgs,
     demo::DemoArgs,
@@ -36,6 +36,12 @@ enum Command {
     Circuit(CircuitArgs),
     Kick(KickArgs),
     Simulate(SimulateArgs),
+    /// Print a completion script for a shell (e.g. `paceline completions bash >
+    /// ~/.local/share/bash-completion/completions/paceline`).
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
 }
 
 #[tokio::main]
@@ -56,6 +62,10 @@ async fn main() -> std::process::ExitCode {
         Command::Circuit(args) => args.run().await,
         Command::Kick(args) => args.run().await,
         Command::Simulate(args) => args.run().await,
+        Command::Completions { shell } => {
+            clap_complete::generate(shell, &mut Cli::command(), "paceline", &mut std::io::stdout());
+            Ok(())
+        }
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

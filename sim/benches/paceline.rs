@@ -167,7 +167,7 @@ fn baselines() {
         for dispatcher in [Dispatcher::TokenBucket, Dispatcher::FixedWindow, Dispatcher::ConcurrencyOnly { limit: cap }] {
             reports.push(simulate(&ahead, &dispatcher));
         }
-        println!("{}", render_comparison(&reports));
+        println!("{}", render_comparison(&reports, true));
     }
 }
 

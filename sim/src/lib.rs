@@ -13,7 +13,7 @@ pub mod profile;
 pub mod provider;
 pub mod report;
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -118,6 +118,9 @@ pub struct Plan {
     pub memory: FunctionMemory,
     /// Give up (and report "not drained") after this much simulated time.
     pub time_limit: Duration,
+    /// Counts up the jobs that settle, across every simulation it is given to (for a
+    /// progress bar).
+    pub progress: Option<Arc<AtomicU64>>,
 }
 
 impl Plan {
@@ -137,6 +140,7 @@ impl Plan {
             schedule: Duration::from_secs(60),
             memory: FunctionMemory::default(),
             time_limit: Duration::from_secs(400 * 86_400),
+            progress: None,
         }
     }
 }
@@ -159,6 +163,9 @@ struct Lane {
     jobs: u64,
     /// When the last job settled.
     done_at: Mutex<Option<UnixMillis>>,
+    progress: Option<Arc<AtomicU64>>,
+    /// Jobs settled that `progress` has been told of.
+    reported: AtomicU64,
 }
 
 impl Lane {
@@ -182,7 +189,19 @@ impl Lane {
         let handler: Arc<dyn WorkerHandler> = Arc::new(Notifying { worker, finished: finished.clone() });
         let lambda = Arc::new(SimLambda::new(world.clone(), handler, dispatched_at, plan.jobs).with_duplicate_delivery(plan.failures.rate_duplicate_delivery));
         queue.preload(job_bodies(plan.jobs));
-        Self { world, queue, store, lambda, provider, stats, finished, jobs: plan.jobs as u64, done_at: Mutex::new(None) }
+        Self {
+            world,
+            queue,
+            store,
+            lambda,
+            provider,
+            stats,
+            finished,
+            jobs: plan.jobs as u64,
+            done_at: Mutex::new(None),
+            progress: plan.progress.clone(),
+            reported: AtomicU64::new(0),
+        }
     }
 
     /// Jobs that reached an end: succeeded, dead-lettered, or lost by a failing worker.
@@ -194,12 +213,22 @@ impl Lane {
         self.settled() >= self.jobs && self.lambda.running.load(Ordering::Relaxed) == 0
     }
 
+    /// Adds the jobs settled since the last report to the plan's progress counter.
+    fn report_progress(&self) {
+        if let Some(progress) = &self.progress {
+            let settled = self.settled().min(self.jobs);
+            let before = self.reported.swap(settled, Ordering::Relaxed);
+            progress.fetch_add(settled.saturating_sub(before), Ordering::Relaxed);
+        }
+    }
+
     /// Waits until every job settled or `until` comes; `true` if they all settled.
     async fn wait_done(&self, until: UnixMillis) -> bool {
         loop {
             let finished = self.finished.notified();
             tokio::pin!(finished);
             finished.as_mut().enable();
+            self.report_progress();
             if self.done() {
                 self.done_at.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert(self.world.clock.now());
                 return true;

@@ -1,96 +1,437 @@
-//! `--plot out.svg`: achieved call rate at the provider over simulated time, against the
-//! quota's sustained rate. Plain SVG (two polylines, axes, labels), no dependencies.
+//! `simulate --plot FILE`: what the provider saw over simulated time, drawn with plotters
+//! to PNG or SVG (by the file's extension). One panel per tier against its limit: a
+//! rolling tier as calls in its own window (mean and busiest per point), a calendar tier
+//! as cumulative use in its day or month. Outages are shaded, calls refused as over quota
+//! are marked, and baselines (`--baselines`) are overlaid.
 
-use std::fmt::Write as _;
+use std::fmt;
+use std::path::Path;
+use std::sync::OnceLock;
+use std::time::Duration;
 
-use paceline_shared::quota::{Period, Quota};
+use paceline_shared::quota::{Period, Quota, Tier};
+use paceline_shared::time::UnixMillis;
+use plotters::coord::Shift;
+use plotters::prelude::*;
 
 use crate::report::SimReport;
+use crate::SIM_START;
 
-const WIDTH: f64 = 900.0;
-const HEIGHT: f64 = 360.0;
-const LEFT: f64 = 70.0;
-const RIGHT: f64 = 20.0;
-const TOP: f64 = 40.0;
-const BOTTOM: f64 = 50.0;
-/// Points per series at most: seconds are averaged into this many buckets.
-const MAX_POINTS: usize = 600;
+/// The figure's width, and each panel's height, in pixels.
+const WIDTH: u32 = 1200;
+/// The legend's column, right of each panel.
+const LEGEND_WIDTH: u32 = 330;
+const PANEL_HEIGHT: u32 = 300;
+const TITLE_HEIGHT: u32 = 56;
+/// Points per line at most: seconds are gathered into this many buckets.
+const MAX_POINTS: usize = 150;
+/// The font every label is set in, bundled so that a machine without fonts draws text
+/// (DejaVu Sans; its licence is beside it).
+const FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
+const FAMILY: &str = "sans-serif";
 
-/// The quota's sustained rate in calls per second: the tightest tier's limit over its
-/// window (calendar tiers: a day of 86,400 s, a month of 30 days).
+const LANE_COLOUR: RGBColor = RGBColor(31, 111, 235);
+const LIMIT_COLOUR: RGBColor = RGBColor(200, 30, 30);
+const OUTAGE_COLOUR: RGBColor = RGBColor(255, 150, 0);
+const BASELINE_COLOURS: [RGBColor; 5] = [RGBColor(230, 120, 0), RGBColor(40, 150, 70), RGBColor(140, 70, 170), RGBColor(140, 90, 50), RGBColor(110, 110, 110)];
+
+/// Why a plot was not written.
+#[derive(Debug)]
+pub struct PlotError(String);
+
+impl fmt::Display for PlotError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for PlotError {}
+
+/// The image formats a plot is written in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    Png,
+    Svg,
+}
+
+impl Format {
+    /// The format `path`'s extension names.
+    ///
+    /// # Errors
+    /// Any extension but `.png` or `.svg`.
+    pub fn of(path: &Path) -> Result<Self, PlotError> {
+        match path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
+            Some("png") => Ok(Self::Png),
+            Some("svg") => Ok(Self::Svg),
+            _ => Err(PlotError(format!("--plot {}: the file must end in .png or .svg", path.display()))),
+        }
+    }
+}
+
+/// Checks, before a long simulation, that a plot can be written to `path`: its extension
+/// names a format and the file can be created.
+///
+/// # Errors
+/// An unknown extension or a file that cannot be created.
+pub fn check_path(path: &Path) -> Result<Format, PlotError> {
+    let format = Format::of(path)?;
+    std::fs::OpenOptions::new().write(true).create(true).truncate(false).open(path).map_err(|e| PlotError(format!("--plot {}: {e}", path.display())))?;
+    Ok(format)
+}
+
+/// One line in a panel: a dispatcher's use of the panel's tier.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Line {
+    pub name: String,
+    /// (seconds, value): the mean over each point's seconds (a calendar tier: the use at
+    /// the point's end).
+    pub mean: Vec<(f64, f64)>,
+    /// (seconds, value): the busiest window within each point's seconds (rolling tiers).
+    pub busiest: Vec<(f64, f64)>,
+    /// (seconds, value on the line) of the points in which calls were refused as over quota.
+    pub refused: Vec<(f64, f64)>,
+    /// Calls refused as over quota in all.
+    pub refused_total: u64,
+}
+
+/// One tier's panel.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Panel {
+    pub caption: String,
+    /// What the y axis counts, with its unit.
+    pub y_unit: String,
+    pub limit: f64,
+    pub lines: Vec<Line>,
+}
+
+impl Panel {
+    fn y_max(&self) -> f64 {
+        let highest = self.lines.iter().flat_map(|l| l.mean.iter().chain(&l.busiest)).map(|(_, y)| *y).fold(0.0, f64::max);
+        highest.max(self.limit) * 1.15
+    }
+}
+
+/// Everything drawn, computed from the reports before any drawing.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Figure {
+    pub title: String,
+    pub subtitle: String,
+    /// The x axis' end, in seconds.
+    pub seconds: f64,
+    /// (start, end) in seconds of each outage of the API.
+    pub outages: Vec<(f64, f64)>,
+    pub panels: Vec<Panel>,
+}
+
+/// The figure for `main` (the configured lane) and `others` (baselines) under `quota`.
 #[must_use]
-pub fn sustained_rate(quota: &Quota) -> f64 {
-    quota
+pub fn figure(main: &SimReport, others: &[SimReport], quota: &Quota) -> Figure {
+    let reports: Vec<&SimReport> = std::iter::once(main).chain(others).collect();
+    let seconds = reports.iter().map(|r| r.offered_per_second.len()).max().unwrap_or(0).max(1);
+    let bucket = seconds.div_ceil(MAX_POINTS).max(1);
+    let panels = quota
         .tiers()
         .iter()
-        .map(|t| {
-            let seconds = match t.period {
-                Period::Rolling(d) => d.as_secs_f64().max(1e-3),
-                Period::Day => 86_400.0,
-                Period::Month => 30.0 * 86_400.0,
-            };
-            t.limit as f64 / seconds
-        })
-        .fold(f64::INFINITY, f64::min)
-}
-
-/// Averages per-second counts into at most `MAX_POINTS` buckets: (bucket seconds, rates).
-fn bucketed(per_second: &[u32], seconds: usize) -> (usize, Vec<f64>) {
-    let width = seconds.div_ceil(MAX_POINTS).max(1);
-    let rates = (0..seconds.div_ceil(width))
-        .map(|b| {
-            let range = b * width..((b + 1) * width).min(seconds);
-            let len = range.len().max(1) as f64;
-            range.map(|s| f64::from(per_second.get(s).copied().unwrap_or(0))).sum::<f64>() / len
+        .map(|tier| {
+            let measure = Measure::of(tier, quota);
+            let lines = reports.iter().map(|r| measure.line(r, seconds, bucket)).collect();
+            Panel { caption: measure.caption(tier), y_unit: measure.y_unit(), limit: measure.limit, lines }
         })
         .collect();
-    (width, rates)
+    let drained = if main.drained { "drained in" } else { "not drained after" };
+    Figure {
+        title: format!("{} jobs, quota {}: {drained} {}", main.jobs, main.quota.join(", "), clock_label(main.time_to_drain_s, main.time_to_drain_s)),
+        subtitle: format!("{} (seed {}); {} calls refused as over quota; {} health checks", main.dispatcher, main.seed, main.violations(), main.health_checks),
+        seconds: seconds as f64,
+        outages: main.failures.outages.iter().map(|o| (o.start.as_secs_f64(), (o.start + o.length).as_secs_f64())).collect(),
+        panels,
+    }
 }
 
-fn polyline(rates: &[f64], width_s: usize, seconds: usize, max_rate: f64, colour: &str) -> String {
-    let x = |s: f64| LEFT + s / seconds.max(1) as f64 * (WIDTH - LEFT - RIGHT);
-    let y = |r: f64| TOP + (1.0 - r / max_rate) * (HEIGHT - TOP - BOTTOM);
-    let points: Vec<String> = rates.iter().enumerate().map(|(i, r)| format!("{:.1},{:.1}", x((i * width_s) as f64), y(*r))).collect();
-    format!(r#"<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{}"/>"#, points.join(" "))
+/// How a tier's use is measured each second.
+struct Measure {
+    limit: f64,
+    kind: MeasureKind,
 }
 
-/// The SVG document for `report` under `quota`.
-#[must_use]
-pub fn svg(report: &SimReport, quota: &Quota) -> String {
-    let seconds = report.offered_per_second.len().max(1);
-    let (width_s, admitted) = bucketed(&report.admitted_per_second, seconds);
-    let (_, offered) = bucketed(&report.offered_per_second, seconds);
-    let limit = sustained_rate(quota);
-    let max_rate = offered.iter().chain(&admitted).copied().fold(limit, f64::max) * 1.1;
-    let y = |r: f64| TOP + (1.0 - r / max_rate) * (HEIGHT - TOP - BOTTOM);
-    let mut out = String::new();
-    let _ = write!(out, r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" font-family="sans-serif" font-size="12">"#);
-    let _ = write!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let title = format!("{}: {} jobs, quota {}", report.dispatcher, report.jobs, report.quota.join(", "));
-    let _ = write!(out, r#"<text x="{LEFT}" y="22" font-size="14">{}</text>"#, escape(&title));
-    let (x0, x1, y0, y1) = (LEFT, WIDTH - RIGHT, TOP, HEIGHT - BOTTOM);
-    let _ = write!(out, r#"<path d="M{x0},{y0} V{y1} H{x1}" stroke="black" fill="none"/>"#);
-    let _ = write!(out, r##"<line x1="{x0}" x2="{x1}" y1="{0:.1}" y2="{0:.1}" stroke="#c33" stroke-dasharray="6 4"/>"##, y(limit));
-    let _ = write!(out, r##"<text x="{}" y="{:.1}" fill="#c33" text-anchor="end">quota {limit:.3}/s</text>"##, x1, y(limit) - 4.0);
-    out.push_str(&polyline(&offered, width_s, seconds, max_rate, "#999"));
-    out.push_str(&polyline(&admitted, width_s, seconds, max_rate, "#1f6feb"));
-    let _ = write!(out, r#"<text x="{x0}" y="{:.1}" text-anchor="end" dx="-6">{:.2}</text>"#, y(max_rate / 1.1), max_rate / 1.1);
-    let _ = write!(out, r#"<text x="{x0}" y="{y1}" text-anchor="end" dx="-6">0</text>"#);
-    let _ = write!(out, r#"<text x="{x1}" y="{}" text-anchor="end">{} s</text>"#, y1 + 18.0, seconds);
-    let _ = write!(out, r#"<text x="{x0}" y="{}">0 s (calls per second, averaged over {width_s} s)</text>"#, y1 + 18.0);
-    let _ = write!(
-        out,
-        r##"<text x="{x0}" y="{}" fill="#1f6feb">admitted</text><text x="{}" y="{}" fill="#999">arrived (incl. refused)</text>"##,
-        y1 + 36.0,
-        x0 + 80.0,
-        y1 + 36.0
-    );
-    out.push_str("</svg>\n");
-    out
+enum MeasureKind {
+    /// Calls in the trailing window of this many whole seconds, times `scale` (a window
+    /// that is not a whole number of seconds is measured over the next whole number and
+    /// scaled to the tier's length).
+    Rolling { window_s: usize, scale: f64, tier_window: Duration },
+    /// Calls so far in the calendar day or month.
+    Calendar { tier: Tier, zone: paceline_shared::quota::chrono_tz::Tz },
 }
 
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+impl Measure {
+    fn of(tier: &Tier, quota: &Quota) -> Self {
+        let limit = tier.limit as f64;
+        match tier.period {
+            Period::Rolling(window) => {
+                let window_s = (window.as_secs_f64().ceil() as usize).max(1);
+                let scale = window.as_secs_f64() / window_s as f64;
+                Self { limit, kind: MeasureKind::Rolling { window_s, scale, tier_window: window } }
+            }
+            Period::Day | Period::Month => Self { limit, kind: MeasureKind::Calendar { tier: *tier, zone: quota.zone() } },
+        }
+    }
+
+    fn caption(&self, tier: &Tier) -> String {
+        match &self.kind {
+            MeasureKind::Rolling { .. } => format!("tier {tier}: calls in each {} against the limit", self.y_unit_window()),
+            MeasureKind::Calendar { .. } => format!("tier {tier}: calls so far in the {} against the limit", self.y_unit_window()),
+        }
+    }
+
+    fn y_unit_window(&self) -> String {
+        match &self.kind {
+            MeasureKind::Rolling { tier_window, .. } => window_name(*tier_window),
+            MeasureKind::Calendar { tier, .. } => if tier.period == Period::Day { "day" } else { "month" }.to_owned(),
+        }
+    }
+
+    fn y_unit(&self) -> String {
+        match &self.kind {
+            MeasureKind::Rolling { .. } => format!("calls per {}", self.y_unit_window()),
+            MeasureKind::Calendar { .. } => format!("calls this {}", self.y_unit_window()),
+        }
+    }
+
+    /// The tier's use, second by second.
+    fn per_second(&self, calls: &[u32], seconds: usize) -> Vec<f64> {
+        match &self.kind {
+            MeasureKind::Rolling { window_s, scale, .. } => trailing_counts(calls, seconds, *window_s).into_iter().map(|c| c as f64 * scale).collect(),
+            MeasureKind::Calendar { tier, zone } => {
+                calendar_use(calls, seconds, |s| tier.window_at(*zone, SIM_START.plus(Duration::from_secs(s as u64))).0).into_iter().map(|c| c as f64).collect()
+            }
+        }
+    }
+
+    fn line(&self, report: &SimReport, seconds: usize, bucket: usize) -> Line {
+        let values = self.per_second(&report.admitted_per_second, seconds);
+        let calendar = matches!(self.kind, MeasureKind::Calendar { .. });
+        let mut line = Line { name: report.dispatcher.clone(), mean: Vec::new(), busiest: Vec::new(), refused: Vec::new(), refused_total: report.violations() };
+        for (index, chunk) in values.chunks(bucket).enumerate() {
+            let x = ((index * bucket) as f64).min(seconds as f64);
+            let mean = if calendar { chunk.last().copied().unwrap_or(0.0) } else { chunk.iter().sum::<f64>() / chunk.len() as f64 };
+            line.mean.push((x, mean));
+            if !calendar {
+                line.busiest.push((x, chunk.iter().copied().fold(0.0, f64::max)));
+            }
+            let refused = (index * bucket..(index + 1) * bucket).any(|s| report.refused_per_second.get(s).is_some_and(|n| *n > 0));
+            if refused {
+                line.refused.push((x, mean));
+            }
+        }
+        line
+    }
+}
+
+/// For each second, the calls in the `window_s` seconds that end with it.
+fn trailing_counts(calls: &[u32], seconds: usize, window_s: usize) -> Vec<u64> {
+    let at = |s: usize| u64::from(calls.get(s).copied().unwrap_or(0));
+    let mut sum = 0;
+    (0..seconds)
+        .map(|s| {
+            sum += at(s);
+            if s >= window_s {
+                sum -= at(s - window_s);
+            }
+            sum
+        })
+        .collect()
+}
+
+/// For each second, the calls so far in its calendar window (`window_start` of a second
+/// names the window it falls in).
+fn calendar_use(calls: &[u32], seconds: usize, window_start: impl Fn(usize) -> UnixMillis) -> Vec<u64> {
+    let mut current = None;
+    let mut sum = 0;
+    (0..seconds)
+        .map(|s| {
+            let start = window_start(s);
+            if current != Some(start) {
+                current = Some(start);
+                sum = 0;
+            }
+            sum += u64::from(calls.get(s).copied().unwrap_or(0));
+            sum
+        })
+        .collect()
+}
+
+/// "second", "minute", "hour" or the window's length ("5s").
+fn window_name(window: Duration) -> String {
+    match window.as_millis() {
+        1_000 => "second".into(),
+        60_000 => "minute".into(),
+        3_600_000 => "hour".into(),
+        _ => humantime::format_duration(window).to_string(),
+    }
+}
+
+/// `seconds` as h:mm when the axis runs an hour or more (`span`), else m:ss.
+fn clock_label(seconds: f64, span: f64) -> String {
+    let s = seconds.round().max(0.0) as u64;
+    if span >= 3_600.0 {
+        format!("{}:{:02}", s / 3_600, s % 3_600 / 60)
+    } else {
+        format!("{}:{:02}", s / 60, s % 60)
+    }
+}
+
+/// Seconds per unit of the x axis for a run of `seconds`: seconds under two minutes,
+/// minutes under two hours, else hours.
+fn time_unit(seconds: f64) -> f64 {
+    if seconds < 120.0 {
+        1.0
+    } else if seconds < 7_200.0 {
+        60.0
+    } else {
+        3_600.0
+    }
+}
+
+/// A y tick: whole numbers where the axis is tall, thousands as k.
+fn count_label(value: f64, top: f64) -> String {
+    if value == 0.0 {
+        "0".into()
+    } else if top >= 20_000.0 {
+        format!("{}k", (value / 1_000.0 * 10.0).round() / 10.0)
+    } else if top >= 10.0 {
+        format!("{value:.0}")
+    } else {
+        format!("{}", (value * 100.0).round() / 100.0)
+    }
+}
+
+fn register_font() -> Result<(), PlotError> {
+    static REGISTERED: OnceLock<bool> = OnceLock::new();
+    let ok = *REGISTERED.get_or_init(|| plotters::style::register_font(FAMILY, FontStyle::Normal, FONT).is_ok());
+    if ok {
+        Ok(())
+    } else {
+        Err(PlotError("the bundled font did not load".into()))
+    }
+}
+
+/// Draws `figure` to `path`, PNG or SVG by its extension.
+///
+/// # Errors
+/// An unknown extension, or a file that cannot be written.
+pub fn write(path: &Path, figure: &Figure) -> Result<(), PlotError> {
+    let format = Format::of(path)?;
+    register_font()?;
+    let size = (WIDTH, TITLE_HEIGHT + PANEL_HEIGHT * figure.panels.len().max(1) as u32);
+    match format {
+        Format::Png => draw(BitMapBackend::new(path, size).into_drawing_area(), figure),
+        Format::Svg => draw(SVGBackend::new(path, size).into_drawing_area(), figure),
+    }
+    .map_err(|e| PlotError(format!("--plot {}: {e}", path.display())))
+}
+
+type DrawResult = Result<(), Box<dyn std::error::Error>>;
+
+fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, figure: &Figure) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    root.fill(&WHITE)?;
+    let (head, body) = root.split_vertically(TITLE_HEIGHT);
+    head.draw(&Text::new(figure.title.as_str(), (16, 8), (FAMILY, 20).into_font().color(&BLACK)))?;
+    head.draw(&Text::new(figure.subtitle.as_str(), (16, 32), (FAMILY, 14).into_font().color(&BLACK.mix(0.7))))?;
+    for (area, panel) in body.split_evenly((figure.panels.len().max(1), 1)).iter().zip(&figure.panels) {
+        draw_panel(area, panel, figure)?;
+    }
+    root.present()?;
+    Ok(())
+}
+
+fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, panel: &Panel, figure: &Figure) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    let (plot_area, legend_area) = area.split_horizontally(WIDTH - LEGEND_WIDTH);
+    let (x_max, y_max) = (figure.seconds, panel.y_max());
+    // The x axis counts seconds, minutes or hours, whichever gives round ticks.
+    let unit = time_unit(x_max);
+    let mut chart = ChartBuilder::on(&plot_area)
+        .caption(panel.caption.as_str(), (FAMILY, 16))
+        .margin(12)
+        .x_label_area_size(42)
+        .y_label_area_size(72)
+        .build_cartesian_2d(0.0..x_max / unit, 0.0..y_max)?;
+    let clock = if x_max >= 3_600.0 { "h:mm" } else { "m:ss" };
+    chart
+        .configure_mesh()
+        .light_line_style(BLACK.mix(0.05))
+        .x_labels(12)
+        .y_labels(8)
+        .x_desc(format!("simulated time ({clock})"))
+        .y_desc(panel.y_unit.as_str())
+        .x_label_formatter(&|x| clock_label(*x * unit, x_max))
+        .y_label_formatter(&|y| count_label(*y, y_max))
+        .label_style((FAMILY, 13))
+        .axis_desc_style((FAMILY, 14))
+        .draw()?;
+    let mut legend = Vec::new();
+    if !figure.outages.is_empty() {
+        chart.draw_series(
+            figure.outages.iter().map(|(start, end)| Rectangle::new([(*start / unit, 0.0), (*end / unit, y_max)], OUTAGE_COLOUR.mix(0.18).filled())),
+        )?;
+        legend.push((Swatch::Area(OUTAGE_COLOUR.mix(0.3)), "API outage (503)".to_owned()));
+    }
+    chart.draw_series(DashedLineSeries::new([(0.0, panel.limit), (x_max / unit, panel.limit)], 8, 5, LIMIT_COLOUR.stroke_width(2)))?;
+    legend.push((Swatch::Dashed(LIMIT_COLOUR.into()), format!("limit {}", count_label(panel.limit, panel.limit))));
+    for (index, line) in panel.lines.iter().enumerate() {
+        let colour = if index == 0 { LANE_COLOUR } else { BASELINE_COLOURS[(index - 1) % BASELINE_COLOURS.len()] };
+        let lane = index == 0;
+        if lane && !line.busiest.is_empty() {
+            chart.draw_series(LineSeries::new(line.busiest.iter().map(|(x, y)| (x / unit, *y)), colour.mix(0.35).stroke_width(1)))?;
+            legend.push((Swatch::Line(colour.mix(0.35), 1), format!("{}: busiest window", line.name)));
+        }
+        let width = if lane { 2 } else { 1 };
+        chart.draw_series(LineSeries::new(line.mean.iter().map(|(x, y)| (x / unit, *y)), colour.stroke_width(width)))?;
+        let what = if line.busiest.is_empty() { "" } else { ": mean" };
+        let refused = if line.refused_total > 0 { format!(" ({} refused)", line.refused_total) } else { String::new() };
+        legend.push((Swatch::Line(colour.into(), 2), format!("{}{what}{refused}", line.name)));
+        // Where the lane itself was refused, crosses on its line; baselines give their count.
+        if lane && !line.refused.is_empty() {
+            chart.draw_series(line.refused.iter().map(|(x, y)| Cross::new((x / unit, *y), 5, LIMIT_COLOUR.stroke_width(2))))?;
+            legend.push((Swatch::Cross(LIMIT_COLOUR.into()), "calls refused as over quota (429)".to_owned()));
+        }
+    }
+    draw_legend(&legend_area, &legend)
+}
+
+/// How a legend entry is drawn.
+enum Swatch {
+    Line(RGBAColor, u32),
+    Dashed(RGBAColor),
+    Area(RGBAColor),
+    Cross(RGBAColor),
+}
+
+/// The legend, in a column of its own beside the panel (it never hides a line).
+fn draw_legend<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, entries: &[(Swatch, String)]) -> DrawResult
+where
+    DB::ErrorType: 'static,
+{
+    let font = (FAMILY, 12).into_font().color(&BLACK);
+    for (row, (swatch, label)) in entries.iter().enumerate() {
+        let y = 44 + 18 * row as i32;
+        match swatch {
+            Swatch::Line(colour, width) => area.draw(&PathElement::new([(0, y), (22, y)], colour.stroke_width(*width)))?,
+            Swatch::Dashed(colour) => {
+                area.draw(&PathElement::new([(0, y), (8, y)], colour.stroke_width(2)))?;
+                area.draw(&PathElement::new([(13, y), (22, y)], colour.stroke_width(2)))?;
+            }
+            Swatch::Area(colour) => area.draw(&Rectangle::new([(0, y - 5), (22, y + 5)], colour.filled()))?,
+            Swatch::Cross(colour) => area.draw(&Cross::new((11, y), 5, colour.stroke_width(2)))?,
+        }
+        area.draw(&Text::new(label.as_str(), (30, y - 7), font.clone()))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -98,17 +439,45 @@ mod tests {
     use super::*;
 
     #[test]
-    fn buckets_average_seconds_and_keep_the_points_bounded() {
-        let per_second = vec![2; 1_800];
-        let (width, rates) = bucketed(&per_second, 1_800);
-        assert_eq!((width, rates.len()), (3, 600));
-        assert!(rates.iter().all(|r| (*r - 2.0).abs() < 1e-9));
+    fn trailing_counts_hold_the_calls_of_each_window_ending_at_a_second() {
+        let calls = [1, 2, 3, 4];
+        assert_eq!(trailing_counts(&calls, 6, 1), vec![1, 2, 3, 4, 0, 0]);
+        assert_eq!(trailing_counts(&calls, 6, 2), vec![1, 3, 5, 7, 4, 0]);
+        assert_eq!(trailing_counts(&calls, 4, 60), vec![1, 3, 6, 10]);
     }
 
     #[test]
-    fn sustained_rate_is_the_tightest_tier() {
-        let quota =
-            Quota::new(vec!["10/s".parse().unwrap(), "86400/day".parse().unwrap()], paceline_shared::quota::chrono_tz::UTC, std::time::Duration::ZERO).unwrap();
-        assert!((sustained_rate(&quota) - 1.0).abs() < 1e-9);
+    fn calendar_use_starts_again_in_each_window() {
+        let calls = [5, 5, 5, 5, 5];
+        assert_eq!(calendar_use(&calls, 5, |s| UnixMillis(if s < 3 { 0 } else { 3_000 })), vec![5, 10, 15, 5, 10]);
+    }
+
+    #[test]
+    fn the_time_axis_reads_minutes_and_seconds_under_an_hour_and_hours_and_minutes_above() {
+        assert_eq!(clock_label(125.0, 600.0), "2:05");
+        assert_eq!(clock_label(3_725.0, 7_200.0), "1:02");
+        assert_eq!(clock_label(0.0, 30.0), "0:00");
+    }
+
+    #[test]
+    fn counts_are_labelled_to_the_axis_height() {
+        assert_eq!(count_label(500.0, 575.0), "500");
+        assert_eq!(count_label(20_000.0, 23_000.0), "20k");
+        assert_eq!(count_label(0.25, 1.15), "0.25");
+        assert_eq!(count_label(0.0, 23_000.0), "0");
+    }
+
+    #[test]
+    fn only_png_and_svg_files_are_written() {
+        assert_eq!(Format::of(Path::new("a/b.PNG")).unwrap(), Format::Png);
+        assert_eq!(Format::of(Path::new("b.svg")).unwrap(), Format::Svg);
+        let refused = Format::of(Path::new("b.pdf")).unwrap_err().to_string();
+        assert!(refused.contains("b.pdf") && refused.contains(".png or .svg"), "{refused}");
+    }
+
+    #[test]
+    fn a_path_that_cannot_be_created_is_refused_before_a_run() {
+        let refused = check_path(Path::new("/nonexistent-directory/plot.png")).unwrap_err().to_string();
+        assert!(refused.contains("/nonexistent-directory/plot.png"), "{refused}");
     }
 }

@@ -267,6 +267,8 @@ struct Observations {
     /// Calls admitted / arrived, per second since the start.
     admitted_per_second: Vec<u32>,
     offered_per_second: Vec<u32>,
+    /// Calls refused as over quota, per second since the start.
+    refused_per_second: Vec<u32>,
 }
 
 /// The simulated API and its checker.
@@ -296,6 +298,8 @@ pub struct ProviderFigures {
     pub admitted_per_second: Vec<u32>,
     #[serde(skip)]
     pub offered_per_second: Vec<u32>,
+    #[serde(skip)]
+    pub refused_per_second: Vec<u32>,
 }
 
 fn bump_second(series: &mut Vec<u32>, second: usize) {
@@ -403,6 +407,7 @@ impl Provider {
                 tier.violations += 1;
             }
             seen.answers.over_quota_429 += 1;
+            bump_second(&mut seen.refused_per_second, second);
             return CallResult::Response { status: 429, headers: self.answer_headers(&mut tiers, now, true), body: CappedBody::default() };
         }
         for tier in tiers.iter_mut() {
@@ -466,6 +471,7 @@ impl Provider {
             delays_ms: seen.delays_ms.clone(),
             admitted_per_second: seen.admitted_per_second.clone(),
             offered_per_second: seen.offered_per_second.clone(),
+            refused_per_second: seen.refused_per_second.clone(),
         }
     }
 }

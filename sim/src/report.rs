@@ -7,6 +7,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use comfy_table::{presets, CellAlignment, ContentArrangement, Table};
 use paceline_shared::quota::describe_use;
 use paceline_worker::WorkerStats;
 use serde::Serialize;
@@ -85,11 +86,13 @@ pub struct SimReport {
     /// Wall-clock seconds the simulation took (varies run to run; not part of equality).
     #[serde(serialize_with = "paceline_shared::figures::six_digits")]
     pub wall_seconds: f64,
-    /// Calls admitted and offered per simulated second, for plots.
+    /// Calls admitted, offered and refused as over quota per simulated second, for plots.
     #[serde(skip)]
     pub admitted_per_second: Vec<u32>,
     #[serde(skip)]
     pub offered_per_second: Vec<u32>,
+    #[serde(skip)]
+    pub refused_per_second: Vec<u32>,
 }
 
 impl SimReport {
@@ -148,6 +151,7 @@ pub(crate) fn build(plan: &Plan, dispatcher: String, lane: &Lane, drained: bool,
         wall_seconds: wall.as_secs_f64(),
         admitted_per_second: seen.admitted_per_second,
         offered_per_second: seen.offered_per_second,
+        refused_per_second: seen.refused_per_second,
     }
 }
 
@@ -182,14 +186,15 @@ pub fn render(r: &SimReport) -> String {
     }
     let model = serde_json::to_value(r.provider).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
     let _ = writeln!(out, "\nAt the provider ({model}, strict per tier; a violation is a call refused with 429):");
-    let _ = writeln!(out, "  {:<18} {:>10} {:>10} {:>14} {:>16}   use", "tier", "admitted", "violations", "busiest window", "worst alignment");
+    let mut tiers = text_table(&["tier", "admitted", "violations", "busiest window", "worst alignment", "use"], &[1, 2, 3, 4]);
     for t in &r.tiers {
         let busiest = t.peak_offered_in_any_window.map_or_else(|| "-".into(), |p| format!("{p}/{}", t.limit));
         let offset = t.worst_alignment_offset_ms.map_or_else(|| "calendar".into(), |o| format!("+{o} ms"));
         let used = describe_use(&t.tier, t.calendar, t.utilization);
-        let pace = if r.paced_by.as_deref() == Some(t.tier.as_str()) { "  <- set the pace" } else { "" };
-        let _ = writeln!(out, "  {:<18} {:>10} {:>10} {busiest:>14} {offset:>16}   {used}{pace}", t.tier, t.admitted, t.violations);
+        let pace = if r.paced_by.as_deref() == Some(t.tier.as_str()) { " (set the pace)" } else { "" };
+        tiers.add_row(vec![t.tier.clone(), t.admitted.to_string(), t.violations.to_string(), busiest, offset, format!("{used}{pace}")]);
     }
+    let _ = writeln!(out, "{tiers}");
     let a = &r.answers;
     let _ = writeln!(
         out,
@@ -199,31 +204,62 @@ pub fn render(r: &SimReport) -> String {
     let d = &r.dispatch_to_call_ms;
     let _ = writeln!(out, "\nDispatch to call (ms): p50 {} p90 {} p99 {} p99.9 {} max {} ({} calls)", d.p50, d.p90, d.p99, d.p999, d.max, d.count);
     let _ = writeln!(out, "\nAWS requests:");
+    let mut requests = text_table(&["operation", "requests", "per job"], &[1, 2]);
     for (op, n) in &r.aws_requests {
-        let _ = writeln!(out, "  {op:<36} {n:>12} {:>10.4} per job", *n as f64 / r.jobs.max(1) as f64);
+        requests.add_row(vec![op.clone(), n.to_string(), format!("{:.4}", *n as f64 / r.jobs.max(1) as f64)]);
     }
+    let _ = writeln!(out, "{requests}");
     let c = &r.cost;
     let _ = writeln!(out, "\nEstimated AWS cost ({} list prices, {}; excludes {}):", c.prices.region, c.prices.as_of, c.prices.excludes);
+    let mut cost = text_table(&["item", "quantity", "unit", "USD"], &[1, 3]);
     for line in &c.lines {
-        let _ = writeln!(out, "  {:<30} {:>16.1} {:<12} ${:>10.4}", line.item, line.quantity, line.unit, line.usd);
+        cost.add_row(vec![line.item.to_owned(), format!("{:.1}", line.quantity), line.unit.to_owned(), format!("{:.4}", line.usd)]);
     }
+    let _ = writeln!(out, "{cost}");
     let _ = writeln!(out, "  total ${:.4}, per million jobs ${:.2}", c.total_usd, c.per_million_jobs_usd);
     out
 }
 
-/// Dispatchers side by side on the same workload.
+/// A table style with no borders, and a rule under the header (comfy-table's preset
+/// layout: borders, then the header line and its crossings, then the rest).
+const HEADER_RULE_ONLY: &str = "     ──            ";
+
+/// A table for the terminal: `header`, the columns numbered in `right_aligned` aligned
+/// right, fitted to the terminal's width with text cut at a word and an ellipsis.
 #[must_use]
-pub fn render_comparison(reports: &[SimReport]) -> String {
-    let mut out = String::new();
-    let _ = writeln!(out, "| dispatcher | violations | utilization (per tier) | time to drain | dead-lettered | dispatch-to-call p99 |");
-    let _ = writeln!(out, "| --- | ---: | --- | ---: | ---: | ---: |");
+pub fn text_table(header: &[&str], right_aligned: &[usize]) -> Table {
+    let mut table = Table::new();
+    table.load_preset(HEADER_RULE_ONLY).set_content_arrangement(ContentArrangement::Dynamic).set_truncation_indicator("…").set_header(header.to_vec());
+    for index in right_aligned {
+        if let Some(column) = table.column_mut(*index) {
+            column.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    table
+}
+
+/// Dispatchers side by side on the same workload: a table for the terminal, or (with
+/// `markdown`) for docs/benchmarks.md.
+#[must_use]
+pub fn render_comparison(reports: &[SimReport], markdown: bool) -> String {
+    let mut table =
+        text_table(&["dispatcher", "violations", "utilization (per tier)", "time to drain", "dead-lettered", "dispatch-to-call p99"], &[1, 3, 4, 5]);
+    if markdown {
+        table.load_preset(presets::ASCII_MARKDOWN).set_content_arrangement(ContentArrangement::Disabled);
+    }
     for r in reports {
         let utilization: Vec<String> = r.tiers.iter().map(|t| format!("{} {:.1}%", t.tier, t.utilization * 100.0)).collect();
-        let dead = r.outcomes.dead_lettered;
         let drain = if r.drained { human(r.time_to_drain_s) } else { format!("not drained in {}", human(r.time_to_drain_s)) };
-        let _ = writeln!(out, "| {} | {} | {} | {drain} | {dead} | {} ms |", r.dispatcher, r.violations(), utilization.join(", "), r.dispatch_to_call_ms.p99);
+        table.add_row(vec![
+            r.dispatcher.clone(),
+            r.violations().to_string(),
+            utilization.join(", "),
+            drain,
+            r.outcomes.dead_lettered.to_string(),
+            format!("{} ms", r.dispatch_to_call_ms.p99),
+        ]);
     }
-    out
+    table.to_string()
 }
 
 #[cfg(test)]

@@ -291,3 +291,44 @@ fn repeated_deliveries_and_lost_202s_never_call_an_attempt_twice() {
     assert!(report.aws_requests["lambda:Invoke"] > 5_050, "{:?}", report.aws_requests);
     assert_eq!(report.violations(), 0);
 }
+
+#[test]
+fn the_plot_draws_a_panel_per_tier_against_its_limit_with_outages_and_baselines_in_png_and_svg() {
+    let mut lane = plan(&["10/s", "500/min", "20000/day"], 20, 400, 600, 1);
+    lane.failures.outages.push(Outage { start: Duration::from_secs(20), length: Duration::from_secs(10) });
+    let main = simulate(&lane, &Dispatcher::Paceline);
+    let baseline = simulate(&lane, &Dispatcher::TokenBucket);
+    let figure = paceline_sim::plot::figure(&main, std::slice::from_ref(&baseline), &lane.settings.quota);
+
+    let limits: Vec<f64> = figure.panels.iter().map(|p| p.limit).collect();
+    assert_eq!(limits, [10.0, 500.0, 20_000.0]);
+    let units: Vec<&str> = figure.panels.iter().map(|p| p.y_unit.as_str()).collect();
+    assert_eq!(units, ["calls per second", "calls per minute", "calls this day"]);
+    assert_eq!(figure.outages, [(20.0, 30.0)]);
+    for panel in &figure.panels {
+        assert_eq!(panel.lines.len(), 2, "the lane and the baseline: {}", panel.caption);
+        let lane_peak = panel.lines[0].busiest.iter().chain(&panel.lines[0].mean).map(|(_, y)| *y).fold(0.0, f64::max);
+        assert!(lane_peak <= panel.limit, "{}: {lane_peak} over {}", panel.caption, panel.limit);
+    }
+    // The day panel is the lane's cumulative use: it ends at every call it made.
+    let day_end = figure.panels[2].lines[0].mean.last().unwrap().1;
+    assert_eq!(day_end as u64, main.tiers[2].admitted);
+    // The token bucket overruns the strict per-second limiter; its refusals are counted.
+    assert_eq!(figure.panels[0].lines[1].refused_total, baseline.violations());
+    assert!(baseline.violations() > 0);
+
+    let dir = std::env::temp_dir().join(format!("paceline-plot-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (png, svg) = (dir.join("plot.png"), dir.join("plot.svg"));
+    paceline_sim::plot::write(&png, &figure).unwrap();
+    paceline_sim::plot::write(&svg, &figure).unwrap();
+    let png = std::fs::read(png).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    let (width, height) = (u32::from_be_bytes(png[16..20].try_into().unwrap()), u32::from_be_bytes(png[20..24].try_into().unwrap()));
+    assert_eq!((width, height), (1200, 56 + 3 * 300));
+    let svg = std::fs::read_to_string(svg).unwrap();
+    for text in ["tier 500/min: calls in each minute against the limit", "limit 20k", "API outage (503)", "token bucket (per second): mean"] {
+        assert!(svg.contains(text), "{text} in the SVG");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}

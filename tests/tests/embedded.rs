@@ -389,4 +389,26 @@ async fn simulate_of_a_minimal_config_stays_in_quota_and_exits_non_zero_with_a_h
     let minimal = simulate(None).await;
     let report: serde_json::Value = serde_json::from_slice(&minimal.stdout).unwrap();
     assert_eq!((report["violations"].as_u64(), report["dispatch_ahead_ms"].as_u64(), minimal.status.code()), (Some(0), Some(400), Some(0)), "{report}");
+    assert_eq!(report["baselines"], serde_json::json!([]), "one shape with or without baselines: {report}");
+}
+
+#[tokio::test]
+async fn simulate_json_is_one_object_with_baselines_as_a_field_and_a_bad_plot_path_fails_before_the_run() {
+    let dir = lane_dir("simulate-shape");
+    let config = write_config(&dir, "http://127.0.0.1:1", &["5/s"], "");
+    let config = config.to_str().unwrap();
+    let plot = dir.join("rate.png");
+    let with_baselines = paceline(&["simulate", "--config", config, "--jobs", "100", "--json", "--baselines", "--plot", plot.to_str().unwrap()], "").await;
+    assert_eq!(with_baselines.status.code(), Some(0), "{}", String::from_utf8_lossy(&with_baselines.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&with_baselines.stdout).unwrap();
+    assert_eq!(report["violations"], 0, "the lane's own report at the top: {report}");
+    let baselines = report["baselines"].as_array().expect("baselines is an array");
+    assert!(baselines.len() >= 4 && baselines.iter().all(|b| b["violations"].is_u64() && b["dispatcher"].is_string()), "{report}");
+    assert_eq!(&std::fs::read(&plot).unwrap()[..4], b"\x89PNG");
+
+    let refused = paceline(&["simulate", "--config", config, "--jobs", "100", "--plot", dir.join("rate.pdf").to_str().unwrap()], "").await;
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(stderr.contains("rate.pdf") && stderr.contains(".png or .svg") && !stderr.contains("Simulated"), "{stderr}");
+    assert!(refused.stdout.is_empty(), "no simulation ran");
 }

@@ -2,9 +2,12 @@
 //! what it costs, from the real orchestrator and worker under virtual time.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use indicatif::{ProgressBar, ProgressStyle};
 use paceline_orchestrator::Settings;
 use paceline_shared::config::{WorkerHost, MAX_DISPATCH_AHEAD};
 use paceline_sim::profile::{Failures, LatencyProfile, Outage};
@@ -87,7 +90,8 @@ pub struct SimulateArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
-    /// Write the achieved rate against the quota over time to this SVG file.
+    /// Draw each tier's use over time against its limit to this file (.png or .svg),
+    /// with outages, refused calls and, with `--baselines`, the other dispatchers.
     #[arg(long, value_name = "FILE")]
     pub plot: Option<PathBuf>,
 }
@@ -127,24 +131,31 @@ impl SimulateArgs {
     /// Bad config or flags, or an unwritable plot file; [`OverQuota`] (after the report)
     /// when the provider refused any of the lane's calls as over quota.
     pub async fn run(self) -> anyhow::Result<()> {
-        let plan = self.plan()?;
+        let mut plan = self.plan()?;
+        if let Some(path) = &self.plot {
+            plot::check_path(path)?;
+        }
+        let simulations = if self.baselines { dispatchers(&plan).len() } else { 1 };
+        let progress = Progress::start(plan.jobs as u64 * simulations as u64);
+        plan.progress = Some(progress.settled.clone());
         let baselines = self.baselines;
         // The simulation runs its own paused runtime, on a thread of its own.
         let reports = tokio::task::spawn_blocking(move || run_all(&plan, baselines).map(|reports| (plan, reports))).await.context("the simulation failed")?;
+        progress.finish();
         let (plan, reports) = reports?;
-        let main = &reports[0];
+        let (main, others) = reports.split_first().context("the simulation made no report")?;
         if let Some(path) = &self.plot {
-            std::fs::write(path, plot::svg(main, &plan.settings.quota)).with_context(|| format!("cannot write {}", path.display()))?;
+            plot::write(path, &plot::figure(main, others, &plan.settings.quota))?;
         }
         if self.json {
-            let mut values = reports.iter().map(json_with_violations).collect::<anyhow::Result<Vec<_>>>()?;
-            let value = if values.len() == 1 { values.remove(0) } else { serde_json::Value::Array(values) };
+            let mut value = json_with_violations(main)?;
+            value["baselines"] = others.iter().map(json_with_violations).collect::<anyhow::Result<Vec<_>>>()?.into();
             println!("{}", serde_json::to_string_pretty(&value)?);
         } else {
             print!("{}", render(main));
-            if reports.len() > 1 {
+            if !others.is_empty() {
                 println!("\nSame workload, other dispatchers:\n");
-                print!("{}", render_comparison(&reports));
+                println!("{}", render_comparison(&reports, false));
             }
             if let Some(path) = &self.plot {
                 println!("\nPlot written to {}", path.display());
@@ -168,15 +179,53 @@ fn json_with_violations(report: &SimReport) -> anyhow::Result<serde_json::Value>
 fn run_all(plan: &Plan, baselines: bool) -> anyhow::Result<Vec<SimReport>> {
     let mut reports = vec![simulate(plan, &Dispatcher::Paceline)];
     if baselines {
-        if !plan.settings.dispatch_ahead().is_zero() {
-            let mut at_slot = plan.clone();
-            at_slot.settings.orchestrator.dispatch_ahead = Some(Duration::ZERO);
-            reports.push(simulate(&at_slot, &Dispatcher::Paceline));
-        }
-        let concurrency = little_law_concurrency(plan);
-        for dispatcher in [Dispatcher::TokenBucket, Dispatcher::FixedWindow, Dispatcher::ConcurrencyOnly { limit: concurrency }] {
-            reports.push(simulate(plan, &dispatcher));
-        }
+        reports.extend(dispatchers(plan).into_iter().skip(1).map(|(plan, dispatcher)| simulate(&plan, &dispatcher)));
     }
     Ok(reports)
+}
+
+/// The configured lane and the baselines to compare it with, each with its plan:
+/// Paceline at the slot (when the lane dispatches ahead), a per-second token bucket, a
+/// fixed-window counter and a concurrency cap alone.
+fn dispatchers(plan: &Plan) -> Vec<(Plan, Dispatcher)> {
+    let mut all = vec![(plan.clone(), Dispatcher::Paceline)];
+    if !plan.settings.dispatch_ahead().is_zero() {
+        let mut at_slot = plan.clone();
+        at_slot.settings.orchestrator.dispatch_ahead = Some(Duration::ZERO);
+        all.push((at_slot, Dispatcher::Paceline));
+    }
+    let concurrency = little_law_concurrency(plan);
+    all.extend([Dispatcher::TokenBucket, Dispatcher::FixedWindow, Dispatcher::ConcurrencyOnly { limit: concurrency }].map(|d| (plan.clone(), d)));
+    all
+}
+
+/// A progress bar on standard error (drawn only on a terminal) that follows the jobs
+/// settled in simulated time, for simulations that take a while of wall time.
+struct Progress {
+    settled: Arc<AtomicU64>,
+    bar: ProgressBar,
+    ticker: tokio::task::JoinHandle<()>,
+}
+
+impl Progress {
+    fn start(total: u64) -> Self {
+        let settled = Arc::new(AtomicU64::new(0));
+        let bar = ProgressBar::new(total);
+        bar.set_style(
+            ProgressStyle::with_template("simulating {wide_bar} {pos}/{len} jobs settled ({elapsed})").unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        let (seen, shown) = (settled.clone(), bar.clone());
+        let ticker = tokio::spawn(async move {
+            loop {
+                shown.set_position(seen.load(Ordering::Relaxed));
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        Self { settled, bar, ticker }
+    }
+
+    fn finish(self) {
+        self.ticker.abort();
+        self.bar.finish_and_clear();
+    }
 }
