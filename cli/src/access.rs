@@ -133,6 +133,7 @@ impl LaneArgs {
                     aws.profile.clone_from(&self.profile);
                 }
                 let sdk = load_sdk_config_with(aws.profile.as_deref(), aws.region.as_deref(), aws.endpoint_url.as_deref()).await;
+                ensure_credentials(&sdk, aws.profile.as_deref()).await?;
                 if let Some(stack) = &self.stack {
                     fill_from_stack(&sdk, stack, &mut aws).await?;
                 }
@@ -152,6 +153,25 @@ impl LaneArgs {
                 Ok(OperatorLane { config, queues: Arc::new(adapters.queue), state: Arc::new(adapters.store), orchestrator })
             }
         }
+    }
+}
+
+/// Fails with a plain message when the SDK's provider chain finds no credentials, rather
+/// than with the SDK's internals at the first request.
+async fn ensure_credentials(sdk: &aws_config::SdkConfig, profile: Option<&str>) -> anyhow::Result<()> {
+    use aws_credential_types::provider::{error::CredentialsError, ProvideCredentials as _};
+    let advice = "run `aws configure` or `aws sso login`, set AWS_PROFILE, or pass --profile";
+    let Some(provider) = sdk.credentials_provider() else { bail!("no AWS credentials found (no credentials provider is configured): {advice}") };
+    match provider.provide_credentials().await {
+        Ok(_) => Ok(()),
+        Err(CredentialsError::CredentialsNotLoaded(_)) => {
+            let profile = profile.map(str::to_owned).or_else(|| std::env::var("AWS_PROFILE").ok()).unwrap_or_else(|| "default".into());
+            bail!(
+                "no AWS credentials found (looked for AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, profile `{profile}` in ~/.aws/credentials and \
+                 ~/.aws/config, SSO, web identity and a container or instance role): {advice}"
+            )
+        }
+        Err(e) => bail!("cannot load AWS credentials: {}", paceline_shared::error_chain(&e)),
     }
 }
 

@@ -7,12 +7,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use aws_lambda_events::eventbridge::EventBridgeEvent;
 use lambda_runtime::LambdaEvent;
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames};
 use paceline_shared::config::WorkerHost;
 use paceline_shared::lambda_env::Env;
 use paceline_shared::metrics::{emf_record, Metric};
 use paceline_shared::time::{SystemClock, UnixMillis};
+use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::{handover_deadline, Orchestrator, RunError, RunOptions, RunReport, Settings};
@@ -66,10 +68,10 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
 ///
 /// # Errors
 /// A run error that is not retryable.
-pub async fn handle(event: LambdaEvent<Value>, function: &OrchestratorFunction) -> Result<Value, lambda_runtime::Error> {
+pub async fn handle(event: LambdaEvent<Trigger>, function: &OrchestratorFunction) -> Result<Value, lambda_runtime::Error> {
     let orchestrator = &function.orchestrator;
     let deadline = UnixMillis(event.context.deadline);
-    let deadline = match scheduled_for(&event.payload) {
+    let deadline = match event.payload.scheduled_for() {
         Some(tick) => handover_deadline(deadline, tick, SCHEDULE_EVERY, orchestrator.settings().orchestrator.deadline_margin),
         None => deadline,
     };
@@ -93,14 +95,27 @@ pub async fn handle(event: LambdaEvent<Value>, function: &OrchestratorFunction) 
     }
 }
 
-/// The minute an EventBridge scheduled event was due (its `time`); `None` for any other
-/// event (an operator's kick).
-fn scheduled_for(event: &Value) -> Option<UnixMillis> {
-    if event.get("detail-type").and_then(Value::as_str) != Some("Scheduled Event") {
-        return None;
+/// What starts a run: an EventBridge event (the stack's schedule, or `paceline kick`'s
+/// event), or anything else a caller sends (a test invocation's `{}`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Trigger {
+    Event(EventBridgeEvent),
+    Other(Value),
+}
+
+impl Trigger {
+    /// The minute a scheduled event (`aws.events`, `Scheduled Event`) was due: its `time`.
+    /// `None` for any other event (an operator's kick).
+    #[must_use]
+    pub fn scheduled_for(&self) -> Option<UnixMillis> {
+        match self {
+            Self::Event(event) if event.source == "aws.events" && event.detail_type == "Scheduled Event" => {
+                event.time.and_then(|time| u64::try_from(time.timestamp_millis()).ok()).map(UnixMillis)
+            }
+            _ => None,
+        }
     }
-    let time = chrono::DateTime::parse_from_rfc3339(event.get("time")?.as_str()?).ok()?;
-    u64::try_from(time.timestamp_millis()).ok().map(UnixMillis)
 }
 
 /// The run's figures as one CloudWatch embedded-metric-format record in namespace
@@ -144,7 +159,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_passing_fault_ends_the_invocation_without_error_and_a_fatal_one_with_an_error() {
-        let kick = || LambdaEvent::new(json!({}), lambda_runtime::Context::default());
+        let kick = || LambdaEvent::new(Trigger::Other(json!({})), lambda_runtime::Context::default());
         let throttled = function_failing_with(&PortError::Throttled("ProvisionedThroughputExceededException".into()));
         let out = handle(kick(), &throttled).await.expect("a throttled store is not the invocation's error");
         assert_eq!(out["retryable"], true, "{out}");
@@ -180,9 +195,18 @@ mod tests {
 
     #[test]
     fn only_scheduled_events_carry_a_tick() {
-        let scheduled = json!({ "detail-type": "Scheduled Event", "time": "2026-11-23T01:46:00Z", "source": "aws.events" });
-        assert_eq!(scheduled_for(&scheduled), Some(UnixMillis(1_795_398_360_000)));
-        assert_eq!(scheduled_for(&json!({ "kick": "operator" })), None);
-        assert_eq!(scheduled_for(&json!({ "detail-type": "Scheduled Event", "time": "soon" })), None);
+        let trigger = |event: Value| serde_json::from_value::<Trigger>(event).unwrap();
+        let scheduled = json!({
+            "version": "0", "id": "53dc4d37-cffa-4f76-80c9-8b7d4a4d2eaa", "detail-type": "Scheduled Event", "source": "aws.events",
+            "account": "123456789012", "time": "2026-11-23T01:46:00Z", "region": "us-east-1",
+            "resources": ["arn:aws:events:us-east-1:123456789012:rule/paceline-schedule"], "detail": {}
+        });
+        assert!(matches!(trigger(scheduled.clone()), Trigger::Event(_)));
+        assert_eq!(trigger(scheduled).scheduled_for(), Some(UnixMillis(1_795_398_360_000)));
+        let kick = json!({ "source": "paceline.cli", "detail-type": "Kick", "detail": { "at": "2026-11-23T01:46:00Z" } });
+        assert!(matches!(trigger(kick.clone()), Trigger::Event(_)), "paceline kick sends an EventBridge-shaped event");
+        assert_eq!(trigger(kick).scheduled_for(), None);
+        assert_eq!(trigger(json!({})).scheduled_for(), None);
+        assert_eq!(trigger(json!({ "detail-type": "Scheduled Event", "source": "aws.events", "time": "soon", "detail": {} })).scheduled_for(), None);
     }
 }

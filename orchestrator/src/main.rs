@@ -15,5 +15,5 @@ async fn main() -> Result<(), lambda_runtime::Error> {
     let sdk = paceline_shared::adapters::aws::load_sdk_config().await;
     let get = |name: &str| std::env::var(name).ok();
     let function = lambda::from_env(&Env::new(&get), &sdk, None).map_err(|e| format!("cold start: {e}"))?;
-    lambda_runtime::run(service_fn(|event: LambdaEvent<serde_json::Value>| lambda::handle(event, &function))).await
+    lambda_runtime::run(service_fn(|event: LambdaEvent<lambda::Trigger>| lambda::handle(event, &function))).await
 }

@@ -285,7 +285,7 @@ async fn the_orchestrator_lambda_runs_a_scheduled_kick_until_its_deadline() {
     context.deadline = system_now().plus(Duration::from_secs(4)).0;
     let scheduled = serde_json::json!({"version": "0", "detail-type": "Scheduled Event", "source": "aws.events", "detail": {}});
     let started = system_now();
-    let out = orchestrator_lambda::handle(LambdaEvent::new(scheduled, context), &lane.function()).await.unwrap();
+    let out = orchestrator_lambda::handle(LambdaEvent::new(serde_json::from_value(scheduled).unwrap(), context), &lane.function()).await.unwrap();
     assert_eq!(out["dispatched"], 3, "{out}");
     assert_eq!(out["stop"], "deadline");
     let took = system_now().since(started);
@@ -295,7 +295,8 @@ async fn the_orchestrator_lambda_runs_a_scheduled_kick_until_its_deadline() {
     let held = lane.store().acquire_lease("other", Duration::from_secs(30), system_now()).await.unwrap();
     let mut context = Context::default();
     context.deadline = system_now().plus(Duration::from_secs(10)).0;
-    let out = orchestrator_lambda::handle(LambdaEvent::new(serde_json::json!({}), context), &lane.function()).await.unwrap();
+    let out =
+        orchestrator_lambda::handle(LambdaEvent::new(orchestrator_lambda::Trigger::Other(serde_json::json!({})), context), &lane.function()).await.unwrap();
     assert!(out["skipped"].as_str().unwrap().contains("other"), "{out}");
     lane.store().release_lease(&held).await.unwrap();
 }

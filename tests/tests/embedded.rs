@@ -412,3 +412,54 @@ async fn simulate_json_is_one_object_with_baselines_as_a_field_and_a_bad_plot_pa
     assert!(stderr.contains("rate.pdf") && stderr.contains(".png or .svg") && !stderr.contains("Simulated"), "{stderr}");
     assert!(refused.stdout.is_empty(), "no simulation ran");
 }
+
+#[tokio::test]
+async fn an_aws_lane_without_credentials_fails_once_with_what_to_do() {
+    let mut command = tokio::process::Command::new(paceline_bin());
+    command.args([
+        "status",
+        "--config",
+        "/nonexistent/paceline.toml",
+        "--queue-url",
+        "http://127.0.0.1:1/q",
+        "--dlq-url",
+        "http://127.0.0.1:1/d",
+        "--table",
+        "t",
+    ]);
+    for name in
+        ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI"]
+    {
+        command.env_remove(name);
+    }
+    let out = command
+        .envs([
+            ("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent"),
+            ("AWS_CONFIG_FILE", "/nonexistent"),
+            ("AWS_EC2_METADATA_DISABLED", "true"),
+            ("AWS_REGION", "us-east-1"),
+        ])
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.starts_with("error: no AWS credentials found (") && stderr.contains("aws configure") && stderr.contains("--profile"), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "the error once, on one line: {stderr}");
+}
+
+#[tokio::test]
+async fn completions_cover_every_command_for_each_shell() {
+    for shell in ["bash", "zsh", "fish", "elvish", "powershell"] {
+        let out = paceline(&["completions", shell], "").await;
+        assert_eq!(out.status.code(), Some(0), "{shell}: {}", String::from_utf8_lossy(&out.stderr));
+        let script = String::from_utf8_lossy(&out.stdout);
+        for command in ["demo", "run", "enqueue", "status", "results", "dlq", "circuit", "kick", "simulate", "completions", "redrive"] {
+            assert!(script.contains(command), "{shell} completes {command}");
+        }
+    }
+    let bash = paceline(&["completions", "bash"], "").await;
+    assert!(String::from_utf8_lossy(&bash.stdout).contains("complete -F _paceline"), "a bash completion function");
+    let unknown = paceline(&["completions", "tcsh"], "").await;
+    assert_ne!(unknown.status.code(), Some(0));
+}
