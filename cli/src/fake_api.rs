@@ -55,6 +55,8 @@ pub struct FakeApiLog {
     /// Other clients' calls admitted (`others_per_second`).
     pub others_admitted: u64,
     pub not_found: u64,
+    /// Calls to `/health` (a lane's health checks, in the demo's config).
+    pub health_checks: u64,
     /// Successful calls per path (job paths carry the job id).
     pub ok_by_path: BTreeMap<String, u32>,
     pub first_call: Option<UnixMillis>,
@@ -174,6 +176,9 @@ async fn answer(state: &Mutex<State>, request: Request) -> (StatusCode, HeaderMa
         let first = *s.log.first_call.get_or_insert(now);
         s.serve_others_until(now, first);
         s.log.arrivals.push(now);
+        if path == "/health" {
+            s.log.health_checks += 1;
+        }
         let n = s.log.arrivals.len() as u32;
         let (low, high) = s.spec.latency;
         let latency = low + (high.saturating_sub(low)) * (n.wrapping_mul(2_654_435_761) % 1000) / 1000;

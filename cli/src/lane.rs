@@ -9,8 +9,9 @@ use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 use paceline_orchestrator::{Orchestrator, RunOptions, RunReport, Settings};
 use paceline_shared::adapters::embedded::{canonical_db_path, lock_exclusive, EmbeddedInvoker, EmbeddedStore};
+use paceline_shared::breaker::Circuit;
 use paceline_shared::config::{Backend, Config, WorkerHost};
-use paceline_shared::ports::{JobQueue, WorkerHandler};
+use paceline_shared::ports::{JobQueue, StateStore, WorkerHandler};
 use paceline_shared::time::{Clock, SystemClock, UnixMillis};
 use paceline_worker::{ApiClient, CallRecords, CallSlots, Worker, WorkerStats};
 
@@ -74,6 +75,8 @@ pub struct LaneOutcome {
     /// Calls still in flight when the run had waited for them as long as a call may
     /// take: their jobs go back on the queue at the next start.
     pub interrupted: usize,
+    /// The circuit's states during the run, oldest first.
+    pub circuit_changes: Vec<Circuit>,
 }
 
 impl EmbeddedLane {
@@ -139,6 +142,8 @@ impl EmbeddedLane {
         let deadline = for_at_most.map_or(UnixMillis(u64::MAX / 2), |d| now.plus(d).plus(self.orchestrator.settings().orchestrator.deadline_margin));
         let opts = RunOptions { holder: format!("paceline-run-{}", std::process::id()), deadline, drain, stop: Some(stop_rx) };
         let bar = show_progress.then(|| self.progress_bar());
+        let (changes_tx, changes_rx) = tokio::sync::watch::channel(Vec::new());
+        let watcher = tokio::spawn(watch_circuit(self.store.clone(), changes_tx));
         let report = self.orchestrator.run(&opts).await;
         if let Some((bar, ticker)) = bar {
             ticker.abort();
@@ -146,8 +151,10 @@ impl EmbeddedLane {
         }
         let report = report?;
         let interrupted = self.settle_in_flight().await;
+        watcher.abort();
+        let circuit_changes = changes_rx.borrow().clone();
         let dead_letters_total = self.store.depth().await?.dead;
-        Ok(LaneOutcome { report, worker: self.worker_stats.clone(), dead_letters_total, interrupted })
+        Ok(LaneOutcome { report, worker: self.worker_stats.clone(), dead_letters_total, interrupted, circuit_changes })
     }
 
     /// Waits for the workers' calls in flight to finish, at most as long as a call may
@@ -184,5 +191,23 @@ impl EmbeddedLane {
             }
         });
         (bar, ticker)
+    }
+}
+
+/// How often the circuit's state is read for the run's timeline: a state that lasts
+/// less than this may be missed (the ramp's steps and a break last seconds).
+const CIRCUIT_WATCH_EVERY: Duration = Duration::from_millis(100);
+
+/// Records each new state of the circuit (a new epoch) in `changes`, until aborted.
+async fn watch_circuit(store: Arc<EmbeddedStore>, changes: tokio::sync::watch::Sender<Vec<Circuit>>) {
+    let mut last_epoch = store.circuit().await.map(|c| c.epoch).ok();
+    loop {
+        tokio::time::sleep(CIRCUIT_WATCH_EVERY).await;
+        if let Ok(circuit) = store.circuit().await {
+            if last_epoch != Some(circuit.epoch) {
+                last_epoch = Some(circuit.epoch);
+                changes.send_modify(|seen| seen.push(circuit));
+            }
+        }
     }
 }

@@ -1,8 +1,13 @@
 //! The end-of-run summary: what was dispatched, how it ended, and how much of each
 //! quota tier was used, as a table or as JSON.
 
+use std::time::Duration;
+
 use paceline_orchestrator::StopReason;
+use paceline_shared::breaker::{Circuit, CircuitStatus};
 use paceline_shared::quota::describe_use;
+use paceline_shared::time::UnixMillis;
+use paceline_sim::report::text_table;
 use paceline_worker::WorkerStats;
 use serde::Serialize;
 
@@ -24,6 +29,40 @@ pub struct TierLine {
     pub calendar: bool,
 }
 
+/// One state of the circuit, and when it began.
+#[derive(Debug, Serialize)]
+pub struct CircuitMoment {
+    pub status: CircuitStatus,
+    /// RFC 3339.
+    pub at: String,
+    /// Seconds from the start of the run.
+    #[serde(serialize_with = "paceline_shared::figures::six_digits")]
+    pub after_seconds: f64,
+    pub reason: String,
+}
+
+impl CircuitMoment {
+    fn new(circuit: &Circuit, run_started: UnixMillis) -> Self {
+        Self {
+            status: circuit.status,
+            at: circuit.since.to_rfc3339(),
+            after_seconds: circuit.since.since(run_started).as_secs_f64(),
+            reason: circuit.reason.clone(),
+        }
+    }
+}
+
+/// How long the circuit stayed open in `changes` (each state lasting until the next, the
+/// last until `ended`).
+fn paused_for(changes: &[Circuit], ended: UnixMillis) -> Duration {
+    changes
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.status == CircuitStatus::Open)
+        .map(|(i, c)| changes.get(i + 1).map_or(ended, |next| next.since).since(c.since))
+        .sum()
+}
+
 #[derive(Debug, Serialize)]
 pub struct Summary {
     pub stop: StopReason,
@@ -40,6 +79,11 @@ pub struct Summary {
     pub dead_letters_total: u64,
     pub circuit_opened: u64,
     pub circuit_closed: u64,
+    /// The circuit's states during the run, oldest first.
+    pub circuit_timeline: Vec<CircuitMoment>,
+    /// How long the circuit was open (no job dispatched) during the run.
+    #[serde(serialize_with = "paceline_shared::figures::six_digits")]
+    pub dispatch_paused_seconds: f64,
     /// Calls still running when the run stopped and had waited as long as a call may
     /// take: their jobs go back on the queue at the next start.
     pub interrupted: usize,
@@ -65,6 +109,8 @@ impl Summary {
             dead_letters_total: outcome.dead_letters_total,
             circuit_opened: WorkerStats::get(&w.circuit_opened),
             circuit_closed: WorkerStats::get(&w.circuit_closed),
+            circuit_timeline: outcome.circuit_changes.iter().map(|c| CircuitMoment::new(c, r.started_at)).collect(),
+            dispatch_paused_seconds: paused_for(&outcome.circuit_changes, r.ended_at).as_secs_f64(),
             interrupted: outcome.interrupted,
             paced_by: r.paced_by.map(|t| t.to_string()),
             tiers: r
@@ -82,6 +128,28 @@ impl Summary {
         }
     }
 
+    /// The circuit's run in words: "stayed closed", or when it opened (and why), went
+    /// half-open and closed, and how long dispatch was paused.
+    pub fn circuit_story(&self) -> String {
+        if self.circuit_timeline.is_empty() {
+            return "stayed closed".into();
+        }
+        let moments: Vec<String> = self
+            .circuit_timeline
+            .iter()
+            .map(|m| {
+                let verb = match m.status {
+                    CircuitStatus::Open => "opened",
+                    CircuitStatus::HalfOpen => "half-open",
+                    CircuitStatus::Closed => "closed",
+                };
+                let why = if m.status == CircuitStatus::Open && !m.reason.is_empty() { format!(" ({})", m.reason) } else { String::new() };
+                format!("{verb} at {:.1} s{why}", m.after_seconds)
+            })
+            .collect();
+        format!("{}; dispatch paused for {:.1} s", moments.join(", "), self.dispatch_paused_seconds)
+    }
+
     /// The human-readable form.
     #[must_use]
     pub fn render(&self) -> String {
@@ -97,18 +165,63 @@ impl Summary {
         out += &format!("  re-queued      {:>7}\n", self.requeued);
         out += &format!("  answered 429   {:>7}   (each one means the configured quota is above the API's)\n", self.rate_limited);
         out += &format!("  dead-lettered  {:>7}   ({} in the DLQ in all)\n", self.dead_lettered, self.dead_letters_total);
-        out += &format!("  circuit        opened {}, closed {}\n", self.circuit_opened, self.circuit_closed);
+        out += &format!("  circuit        {}\n", self.circuit_story());
         if self.interrupted > 0 {
             out +=
                 &format!("  interrupted    {:>7}   (calls still running at the stop; their jobs go back on the queue at the next start)\n", self.interrupted);
         }
-        out += &format!("  {:<18} {:>7}   {:>14}   use\n", "tier", "units", "busiest window");
+        let mut tiers = text_table(&["tier", "units", "busiest window", "use"], &[1, 2]);
         for t in &self.tiers {
-            let busiest = format!("{}/{}", t.peak_window, t.limit);
             let used = describe_use(&t.tier, t.calendar, t.utilization);
-            let pace = if self.paced_by.as_deref() == Some(t.tier.as_str()) { "  <- set the pace" } else { "" };
-            out += &format!("  {:<18} {:>7}   {busiest:>14}   {used}{pace}\n", t.tier, t.units);
+            let pace = if self.paced_by.as_deref() == Some(t.tier.as_str()) { " (set the pace)" } else { "" };
+            tiers.add_row(vec![t.tier.clone(), t.units.to_string(), format!("{}/{}", t.peak_window, t.limit), format!("{used}{pace}")]);
         }
+        out += &format!("{tiers}\n");
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn circuit(status: CircuitStatus, since: u64) -> Circuit {
+        Circuit { status, epoch: since, since: UnixMillis(since), reason: "HTTP 503".into(), reopened: 0, held: false }
+    }
+
+    #[test]
+    fn dispatch_is_paused_while_the_circuit_is_open_and_until_the_run_ends_if_it_stays_open() {
+        let changes = [circuit(CircuitStatus::Open, 10_000), circuit(CircuitStatus::HalfOpen, 16_500), circuit(CircuitStatus::Closed, 20_000)];
+        assert_eq!(paused_for(&changes, UnixMillis(30_000)), Duration::from_millis(6_500));
+        let reopened = [circuit(CircuitStatus::Open, 10_000), circuit(CircuitStatus::HalfOpen, 12_000), circuit(CircuitStatus::Open, 13_000)];
+        assert_eq!(paused_for(&reopened, UnixMillis(20_000)), Duration::from_millis(2_000 + 7_000));
+        assert_eq!(paused_for(&[], UnixMillis(20_000)), Duration::ZERO);
+    }
+
+    #[test]
+    fn the_circuit_story_names_each_state_from_the_start_of_the_run() {
+        let started = UnixMillis(1_000);
+        let changes = [circuit(CircuitStatus::Open, 13_800), circuit(CircuitStatus::HalfOpen, 20_100), circuit(CircuitStatus::Closed, 28_100)];
+        let summary = Summary {
+            stop: StopReason::Drained,
+            seconds: 45.0,
+            dispatched: 0,
+            health_checks: 0,
+            succeeded: 0,
+            requeued: 0,
+            rate_limited: 0,
+            dead_lettered: 0,
+            dead_letters_total: 0,
+            circuit_opened: 1,
+            circuit_closed: 1,
+            circuit_timeline: changes.iter().map(|c| CircuitMoment::new(c, started)).collect(),
+            dispatch_paused_seconds: paused_for(&changes, UnixMillis(46_000)).as_secs_f64(),
+            interrupted: 0,
+            paced_by: None,
+            tiers: Vec::new(),
+        };
+        assert_eq!(summary.circuit_story(), "opened at 12.8 s (HTTP 503), half-open at 19.1 s, closed at 27.1 s; dispatch paused for 6.3 s");
+        let calm = Summary { circuit_timeline: Vec::new(), ..summary };
+        assert_eq!(calm.circuit_story(), "stayed closed");
     }
 }

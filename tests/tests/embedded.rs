@@ -7,6 +7,7 @@ use std::time::Duration;
 use paceline_cli::fake_api::{FakeApi, FakeApiLog, FakeApiSpec};
 use paceline_e2e::{job_lines, json_of, lane_dir, one_lane_at_a_time, paceline, paceline_bin, write_config};
 use paceline_shared::check::peak_in_any_window;
+use paceline_shared::time::UnixMillis;
 
 fn ids(prefix: &str, n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{prefix}-{i:04}")).collect()
@@ -165,6 +166,15 @@ async fn an_outage_opens_then_closes_the_circuit_and_no_job_is_lost() {
     assert!(summary["circuit_opened"].as_u64().unwrap() >= 1, "{summary}");
     assert!(summary["circuit_closed"].as_u64().unwrap() >= 1, "{summary}");
     assert!(summary["health_checks"].as_u64().unwrap() >= 1, "{summary}");
+    // The run's circuit timeline: opened, half-open after a healthy check, closed; the
+    // pause is the open stretch, at least the outage's end minus its first failure.
+    let timeline: Vec<&str> = summary["circuit_timeline"].as_array().unwrap().iter().map(|m| m["status"].as_str().unwrap()).collect();
+    assert_eq!((timeline.first(), timeline.last()), (Some(&"open"), Some(&"closed")), "{summary}");
+    assert!(timeline.contains(&"half_open"), "{summary}");
+    let opened_at = summary["circuit_timeline"][0]["after_seconds"].as_f64().unwrap();
+    let paused = summary["dispatch_paused_seconds"].as_f64().unwrap();
+    assert!((1.0..=10.0).contains(&paused) && opened_at >= 1.5, "opened at {opened_at} s, paused {paused} s: {summary}");
+    assert!(UnixMillis::parse_rfc3339(summary["circuit_timeline"][0]["at"].as_str().unwrap()).is_ok(), "{summary}");
     assert_eq!(summary["succeeded"], 80, "{summary}");
     assert_eq!(summary["dead_letters_total"], 0, "{summary}");
     assert_eq!(log.quota_rejections, 0);

@@ -17,6 +17,7 @@ use serde::Serialize;
 use crate::fake_api::{FakeApi, FakeApiLog, FakeApiSpec};
 use crate::lane::{load_config, EmbeddedLane};
 use crate::summary::Summary;
+use paceline_sim::report::text_table;
 
 /// Quota of the demo's fake API.
 const TIERS: [&str; 3] = ["10/s", "500/min", "20000/day"];
@@ -52,10 +53,14 @@ struct ApiTierCheck {
 #[derive(Serialize)]
 struct DemoReport {
     api_calls: usize,
+    /// Of `api_calls`, the lane's health checks (the rest are jobs' calls).
+    api_health_checks: u64,
     api_ok: u64,
     quota_rejections: u64,
     outage_failures: u64,
     not_found: u64,
+    /// When the API answered 503, in seconds from the start of the run.
+    api_outage_seconds: Option<(f64, f64)>,
     api_tiers: Vec<ApiTierCheck>,
     lane: Summary,
     dead_letters_by_cause: BTreeMap<String, u64>,
@@ -173,12 +178,19 @@ impl DemoArgs {
         for dead in lane.store.dead_letters()? {
             *by_cause.entry(dead.reason.cause.label()).or_insert(0) += 1;
         }
+        let started = outcome.report.started_at;
+        let api_outage_seconds = outage.zip(log.first_call).map(|((after, length), first)| {
+            let from = first.plus(after).since(started).as_secs_f64();
+            (from, from + length.as_secs_f64())
+        });
         let report = DemoReport {
             api_calls: log.arrivals.len(),
+            api_health_checks: log.health_checks,
             api_ok: log.ok,
             quota_rejections: log.quota_rejections,
             outage_failures: log.outage_failures,
             not_found: log.not_found,
+            api_outage_seconds,
             api_tiers: check_api_tiers(&log),
             lane: Summary::new(&outcome),
             dead_letters_by_cause: by_cause,
@@ -195,14 +207,24 @@ impl DemoArgs {
 
 fn print_report(r: &DemoReport) {
     println!("What the API saw");
+    let job_calls = r.api_calls as u64 - r.api_health_checks;
+    println!("  {} calls: {job_calls} for jobs (a job the outage failed is called again) and {} health checks", r.api_calls, r.api_health_checks);
     println!(
-        "  calls {}: {} ok, {} quota rejections (429), {} failed in the outage (503), {} not found (404)",
-        r.api_calls, r.api_ok, r.quota_rejections, r.outage_failures, r.not_found
+        "  answers: {} ok, {} over quota (429), {} failed in the outage (503), {} not found (404)",
+        r.api_ok, r.quota_rejections, r.outage_failures, r.not_found
     );
+    let mut tiers = text_table(&["tier", "busiest window", "verdict"], &[1]);
     for t in &r.api_tiers {
-        println!("  {:<10} busiest window held {:>5} of {:>5} calls  {}", t.tier, t.peak_window, t.limit, if t.within_limit { "ok" } else { "OVER QUOTA" });
+        tiers.add_row(vec![t.tier.clone(), format!("{} of {} calls", t.peak_window, t.limit), if t.within_limit { "within" } else { "OVER QUOTA" }.to_owned()]);
     }
+    println!("{tiers}");
     println!();
+    if let Some((from, to)) = r.api_outage_seconds {
+        println!("The outage");
+        println!("  the API answered 503 from {from:.1} s to {to:.1} s into the run");
+        println!("  the circuit {}", r.lane.circuit_story());
+        println!();
+    }
     println!("What the lane did");
     print!("{}", r.lane.render());
     println!();

@@ -10,6 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use paceline_shared::dlq::{CauseSummary, DeadLetterFilter, DeadLetterRecord, DlqSource};
 use paceline_shared::ports::{forget_calls, DeadLetterQueues};
 use paceline_shared::time::system_now;
+use paceline_sim::report::text_table;
 use serde::Serialize;
 
 use crate::access::{LaneArgs, OperatorLane};
@@ -208,18 +209,23 @@ async fn collect(queues: &dyn DeadLetterQueues, select: &Selection, hold: Durati
     Ok(found)
 }
 
-fn one_line(record: &DeadLetterRecord) -> String {
-    let detail: String = record.detail.chars().take(80).collect();
-    format!(
-        "{:<6} {}  {:<32} attempt {:<2} job {:<24} id {}  {}",
-        record.source,
-        record.dead_at.to_rfc3339(),
-        record.cause,
-        record.attempt,
-        record.job_id.as_deref().unwrap_or("-"),
-        record.message_id,
-        detail
-    )
+/// Dead letters as a table, a row each (text cut to the terminal's width).
+fn records_table(records: &[DeadLetterRecord]) -> comfy_table::Table {
+    let mut table = text_table(&["dlq", "dead since", "cause", "attempt", "job", "id", "detail"], &[3]);
+    for record in records {
+        let mut row = comfy_table::Row::from(vec![
+            record.source.to_string(),
+            record.dead_at.to_rfc3339(),
+            record.cause.clone(),
+            record.attempt.to_string(),
+            record.job_id.clone().unwrap_or_else(|| "-".into()),
+            record.message_id.clone(),
+            record.detail.clone(),
+        ]);
+        row.max_height(1);
+        table.add_row(row);
+    }
+    table
 }
 
 async fn list(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duration, limit: usize, json: bool) -> anyhow::Result<()> {
@@ -228,8 +234,8 @@ async fn list(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duration,
         println!("{}", serde_json::to_string_pretty(&records)?);
         return Ok(());
     }
-    for record in &records {
-        println!("{}", one_line(record));
+    if !records.is_empty() {
+        println!("{}", records_table(&records));
     }
     println!("{} dead letter(s){}", records.len(), if records.len() == limit { " (the limit; --limit shows more)" } else { "" });
     Ok(())
@@ -269,10 +275,21 @@ async fn summary(queues: &dyn DeadLetterQueues, select: &Selection, hold: Durati
         println!("{}", serde_json::to_string_pretty(&groups)?);
         return Ok(());
     }
-    println!("{:<6} {:<36} {:>7}  {:<29} {:<29} example", "dlq", "cause", "count", "first seen", "last seen");
+    let mut table = text_table(&["dlq", "cause", "count", "first seen", "last seen", "example"], &[2]);
     for g in &groups {
-        let example: String = g.example.chars().take(60).collect();
-        println!("{:<6} {:<36} {:>7}  {:<29} {:<29} {example}", g.source, g.cause, g.count, g.first_seen.to_rfc3339(), g.last_seen.to_rfc3339());
+        let mut row = comfy_table::Row::from(vec![
+            g.source.to_string(),
+            g.cause.clone(),
+            g.count.to_string(),
+            g.first_seen.to_rfc3339(),
+            g.last_seen.to_rfc3339(),
+            g.example.clone(),
+        ]);
+        row.max_height(1);
+        table.add_row(row);
+    }
+    if !groups.is_empty() {
+        println!("{table}");
     }
     println!("{total} dead letter(s) in {} group(s); redrive a group with `paceline dlq redrive --cause <cause>`", groups.len());
     Ok(())
@@ -352,8 +369,8 @@ async fn remove(lane: &OperatorLane, target: &RemovalTarget, hold: Duration, kin
     }
     if dry_run {
         let verb = if matches!(kind, RemovalKind::Purge) { "purge" } else { "redrive" };
-        for record in &outcome.would {
-            println!("would {verb} {}", one_line(record));
+        if !outcome.would.is_empty() {
+            println!("would {verb}:\n{}", records_table(&outcome.would));
         }
         println!("dry run: {} dead letter(s) match; nothing was changed", outcome.would.len());
     } else {
