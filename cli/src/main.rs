@@ -21,8 +21,17 @@ struct Cli {
     /// Log filter (error, warn, info, debug, or a tracing directive).
     #[arg(long, global = true, env = "PACELINE_LOG", default_value = "error")]
     log: String,
+    /// Log lines (on standard error) as text or as JSON, one object a line.
+    #[arg(long, global = true, env = "PACELINE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -44,14 +53,22 @@ enum Command {
     },
 }
 
+/// Colour codes only on a terminal, and not when `NO_COLOR` is set (no-color.org).
+fn colour_on_stderr() -> bool {
+    std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "error".into()))
         .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+        .with_ansi(colour_on_stderr());
+    match cli.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().init(),
+    }
     let result = match cli.command {
         Command::Demo(args) => args.run().await,
         Command::Run(args) => args.run().await,

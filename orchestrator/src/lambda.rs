@@ -12,10 +12,11 @@ use lambda_runtime::LambdaEvent;
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames};
 use paceline_shared::config::WorkerHost;
 use paceline_shared::lambda_env::Env;
-use paceline_shared::metrics::{emf_record, Metric};
+use paceline_shared::metrics::{emf_record, emf_record_by, Metric};
 use paceline_shared::time::{SystemClock, UnixMillis};
 use serde::Deserialize;
 use serde_json::{json, Value};
+use tracing::Instrument as _;
 
 use crate::{handover_deadline, Orchestrator, RunError, RunOptions, RunReport, Settings};
 
@@ -69,6 +70,12 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
 /// # Errors
 /// A run error that is not retryable.
 pub async fn handle(event: LambdaEvent<Trigger>, function: &OrchestratorFunction) -> Result<Value, lambda_runtime::Error> {
+    // Every log line of the run carries the lane.
+    let span = tracing::info_span!("orchestrator", lane = %function.lane);
+    run_once(event, function).instrument(span).await
+}
+
+async fn run_once(event: LambdaEvent<Trigger>, function: &OrchestratorFunction) -> Result<Value, lambda_runtime::Error> {
     let orchestrator = &function.orchestrator;
     let deadline = UnixMillis(event.context.deadline);
     let deadline = match event.payload.scheduled_for() {
@@ -79,8 +86,10 @@ pub async fn handle(event: LambdaEvent<Trigger>, function: &OrchestratorFunction
     match orchestrator.run(&opts).await {
         Ok(report) => {
             let circuit_open = orchestrator.progress().circuit_open.load(std::sync::atomic::Ordering::Relaxed);
-            // Lambda sends standard output to CloudWatch Logs, which turns this into metrics.
-            println!("{}", metrics_record(&report, circuit_open, &function.lane));
+            // Lambda sends standard output to CloudWatch Logs, which turns these into metrics.
+            for record in metrics_records(&report, circuit_open, &function.lane) {
+                println!("{record}");
+            }
             Ok(serde_json::to_value(report)?)
         }
         Err(RunError::LeaseHeld(why)) => {
@@ -118,12 +127,16 @@ impl Trigger {
     }
 }
 
-/// The run's figures as one CloudWatch embedded-metric-format record in namespace
-/// `Paceline`, dimension `Lane`: `Dispatched`, `DeadLettered`, `HealthChecks`,
-/// `CircuitOpen` (1 when the run ended with the circuit open) and `QuotaExhausted`
-/// (1 when a day or month tier has no room left).
+/// The run's figures as CloudWatch embedded-metric-format records in namespace
+/// `Paceline`. Under dimension `Lane`: `Dispatched`, `DeadLettered`, `HealthChecks`,
+/// `CircuitOpen` (1 when the run ended with the circuit open), `QuotaExhausted` (1 when a
+/// day or month tier has no room left) and `LongestWait` (seconds the oldest job handed
+/// off had waited). Then one record per tier under `Lane` and `Tier`: `TierBusiestWindow`
+/// (the busiest window's fill, percent of the limit: 100 is the limit) and
+/// `TierUtilization` (percent of the tier's rate achieved while jobs waited; a calendar
+/// tier's share of its day or month).
 #[must_use]
-pub fn metrics_record(report: &RunReport, circuit_open: bool, lane: &str) -> Value {
+pub fn metrics_records(report: &RunReport, circuit_open: bool, lane: &str) -> Vec<Value> {
     let exhausted = report.tiers.iter().any(|t| t.tier.is_calendar() && t.utilization >= 1.0);
     let metrics = [
         Metric::count("Dispatched", report.dispatched),
@@ -131,10 +144,18 @@ pub fn metrics_record(report: &RunReport, circuit_open: bool, lane: &str) -> Val
         Metric::count("HealthChecks", report.health_checks),
         Metric::flag("CircuitOpen", circuit_open),
         Metric::flag("QuotaExhausted", exhausted),
+        Metric::seconds("LongestWait", report.longest_wait_ms / 1_000),
     ];
     let mut properties = serde_json::Map::new();
     properties.insert("Stop".into(), json!(report.stop));
-    emf_record(report.ended_at, lane, &metrics, properties)
+    let mut records = vec![emf_record(report.ended_at, lane, &metrics, properties)];
+    for tier in &report.tiers {
+        let name = tier.tier.to_string();
+        let fill = tier.peak_window as f64 / tier.tier.max_in_one_window().max(1) as f64;
+        let metrics = [Metric::percent("TierBusiestWindow", fill), Metric::percent("TierUtilization", tier.utilization)];
+        records.push(emf_record_by(report.ended_at, &[("Lane", lane), ("Tier", &name)], &metrics, serde_json::Map::new()));
+    }
+    records
 }
 
 #[cfg(test)]
@@ -184,13 +205,22 @@ mod tests {
             paced_by: Some("10/s".parse().unwrap()),
             slowest_rate: None,
             tiers: vec![tier("10/s", 1.0), tier("1000/day", 0.5)],
+            longest_wait_ms: 95_400,
         };
-        let record = metrics_record(&report, true, "sms");
+        let records = metrics_records(&report, true, "sms");
+        let record = &records[0];
         assert_eq!((record["Dispatched"].as_u64(), record["CircuitOpen"].as_u64(), record["QuotaExhausted"].as_u64()), (Some(42), Some(1), Some(0)));
-        assert_eq!(record["_aws"]["CloudWatchMetrics"][0]["Metrics"].as_array().unwrap().len(), 5);
-        assert_eq!((record["Lane"].as_str(), record["_aws"]["Timestamp"].as_u64()), (Some("sms"), Some(61_000)));
+        assert_eq!(record["_aws"]["CloudWatchMetrics"][0]["Metrics"].as_array().unwrap().len(), 6);
+        assert_eq!((record["Lane"].as_str(), record["_aws"]["Timestamp"].as_u64(), record["LongestWait"].as_u64()), (Some("sms"), Some(61_000), Some(95)));
+        // One record per tier, under Lane and Tier: the busiest window's fill (5 of 10)
+        // and the utilization, in percent.
+        assert_eq!(records.len(), 3);
+        let second = &records[1];
+        assert_eq!((second["Tier"].as_str(), &second["_aws"]["CloudWatchMetrics"][0]["Dimensions"]), (Some("10/s"), &json!([["Lane", "Tier"]])));
+        assert_eq!((second["TierBusiestWindow"].as_f64(), second["TierUtilization"].as_f64()), (Some(50.0), Some(100.0)));
+        assert_eq!((records[2]["Tier"].as_str(), records[2]["TierUtilization"].as_f64()), (Some("1000/day"), Some(50.0)));
         report.tiers[1].utilization = 1.0;
-        assert_eq!(metrics_record(&report, false, "sms")["QuotaExhausted"], 1);
+        assert_eq!(metrics_records(&report, false, "sms")[0]["QuotaExhausted"], 1);
     }
 
     #[test]

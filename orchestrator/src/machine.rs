@@ -648,7 +648,8 @@ impl<'a> DrainState<'a> {
                 }
                 let InHand { message, job, since } = self.buffer.pop_front().expect("the message in hand");
                 let mut job = job.expect("parsed: checked above");
-                job.enqueued_at.get_or_insert(message.enqueued_at);
+                let enqueued = *job.enqueued_at.get_or_insert(message.enqueued_at);
+                self.report.longest_wait_ms = self.report.longest_wait_ms.max(slot.since(enqueued).as_millis() as u64);
                 let paced = slot.since(self.last_dispatch.unwrap_or(since).max(since));
                 self.commit(cost, slot, upload_allowance(&job), paced);
                 debug!(job_id = %job.id, attempt = message.attempt, cost, "dispatching");

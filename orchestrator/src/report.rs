@@ -78,6 +78,9 @@ pub struct RunReport {
     /// the configured pace).
     pub slowest_rate: Option<EffectiveRate>,
     pub tiers: Vec<TierReport>,
+    /// The longest a job handed off in the run had waited since it was first enqueued
+    /// (to its slot): the backlog's age as the run found it.
+    pub longest_wait_ms: u64,
 }
 
 impl RunReport {
@@ -95,6 +98,7 @@ impl RunReport {
             paced_by: None,
             slowest_rate: None,
             tiers: Vec::new(),
+            longest_wait_ms: 0,
         }
     }
 }

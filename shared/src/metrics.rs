@@ -26,6 +26,17 @@ impl Metric {
         Self { name, unit: "Milliseconds", value: value.into() }
     }
 
+    #[must_use]
+    pub fn seconds(name: &'static str, value: u64) -> Self {
+        Self { name, unit: "Seconds", value: value.into() }
+    }
+
+    /// A share, in percent (rounded to a tenth).
+    #[must_use]
+    pub fn percent(name: &'static str, share: f64) -> Self {
+        Self { name, unit: "Percent", value: ((share * 1_000.0).round() / 10.0).into() }
+    }
+
     /// A 0-or-1 flag.
     #[must_use]
     pub fn flag(name: &'static str, on: bool) -> Self {
@@ -37,11 +48,20 @@ impl Metric {
 /// Logs Insights, not metrics) beside them.
 #[must_use]
 pub fn emf_record(at: UnixMillis, lane: &str, metrics: &[Metric], properties: Map<String, Value>) -> Value {
+    emf_record_by(at, &[("Lane", lane)], metrics, properties)
+}
+
+/// The EMF record of `metrics` at `at` under the dimensions `dimensions` (name, value),
+/// together one dimension set.
+#[must_use]
+pub fn emf_record_by(at: UnixMillis, dimensions: &[(&str, &str)], metrics: &[Metric], properties: Map<String, Value>) -> Value {
     let declared: Vec<Value> = metrics.iter().map(|m| json!({ "Name": m.name, "Unit": m.unit })).collect();
+    let names: Vec<&str> = dimensions.iter().map(|(name, _)| *name).collect();
     let mut record = properties;
-    record
-        .insert("_aws".into(), json!({ "Timestamp": at.0, "CloudWatchMetrics": [{ "Namespace": "Paceline", "Dimensions": [["Lane"]], "Metrics": declared }] }));
-    record.insert("Lane".into(), lane.into());
+    record.insert("_aws".into(), json!({ "Timestamp": at.0, "CloudWatchMetrics": [{ "Namespace": "Paceline", "Dimensions": [names], "Metrics": declared }] }));
+    for (name, value) in dimensions {
+        record.insert((*name).into(), (*value).into());
+    }
     for metric in metrics {
         record.insert(metric.name.into(), metric.value.clone());
     }

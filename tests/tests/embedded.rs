@@ -473,3 +473,13 @@ async fn completions_cover_every_command_for_each_shell() {
     let unknown = paceline(&["completions", "tcsh"], "").await;
     assert_ne!(unknown.status.code(), Some(0));
 }
+
+#[tokio::test]
+async fn run_logs_one_json_object_a_line_with_log_format_json() {
+    let dir = lane_dir("log-format");
+    let config = write_config(&dir, "http://127.0.0.1:1", &["5/s"], "");
+    let out = paceline(&["--log", "info", "--log-format", "json", "run", "--config", config.to_str().unwrap(), "--drain"], "").await;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stderr).lines().map(|l| serde_json::from_str(l).expect("a JSON log line")).collect();
+    assert!(lines.iter().any(|l| l["fields"]["message"] == "run ended" && l["level"] == "INFO"), "{lines:?}");
+}

@@ -17,6 +17,7 @@ use paceline_shared::ports::WorkerHandler;
 use paceline_shared::time::{system_now, SystemClock, UnixMillis};
 use secrecy::SecretString;
 use serde_json::Value;
+use tracing::Instrument as _;
 
 use crate::{ApiClient, CallSlots, Worker, WorkerCounts};
 
@@ -73,11 +74,17 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig) -> Result<Worker, St
 /// # Errors
 /// An unreadable payload, or a follow-up write that failed: Lambda retries.
 pub async fn handle(event: LambdaEvent<Value>, worker: &Worker, lane: &str) -> Result<Value, lambda_runtime::Error> {
-    let payload = WorkerPayload::from_json(&event.payload.to_string())?;
-    let before = worker.stats().counts();
-    let handled = worker.handle(payload).await;
-    println!("{}", invocation_metrics(&worker.stats().counts().since(&before), lane, system_now()));
-    Ok(function_result(handled?))
+    // Every log line of the invocation carries the lane.
+    let span = tracing::info_span!("worker", lane = %lane);
+    async {
+        let payload = WorkerPayload::from_json(&event.payload.to_string())?;
+        let before = worker.stats().counts();
+        let handled = worker.handle(payload).await;
+        println!("{}", invocation_metrics(&worker.stats().counts().since(&before), lane, system_now()));
+        Ok(function_result(handled?))
+    }
+    .instrument(span)
+    .await
 }
 
 /// One invocation's metrics: `Succeeded`, `RateLimited` (any is worth an alarm: the
