@@ -109,3 +109,29 @@ pub fn json_of(output: &Output) -> serde_json::Value {
         )
     })
 }
+
+/// Asserts that every time in `value` (a key `since`, `until`, `as_of`, or ending in
+/// `_at`, `_seen` or `_until`) is an RFC 3339 string, not epoch milliseconds; returns how
+/// many it checked.
+///
+/// # Panics
+/// On a time that is a number or does not parse.
+#[must_use]
+pub fn assert_times_are_rfc3339(value: &serde_json::Value) -> usize {
+    let is_time = |key: &str| matches!(key, "since" | "until" | "as_of") || ["_at", "_seen", "_until"].iter().any(|end| key.ends_with(end));
+    match value {
+        serde_json::Value::Object(map) => map
+            .iter()
+            .map(|(key, v)| match v {
+                serde_json::Value::String(text) if is_time(key) => {
+                    assert!(paceline_shared::time::UnixMillis::parse_rfc3339(text).is_ok(), "{key}: {text} is not RFC 3339");
+                    1
+                }
+                serde_json::Value::Number(n) if is_time(key) => panic!("{key}: {n} is a number, not an RFC 3339 time"),
+                other => assert_times_are_rfc3339(other),
+            })
+            .sum(),
+        serde_json::Value::Array(items) => items.iter().map(assert_times_are_rfc3339).sum(),
+        _ => 0,
+    }
+}

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use paceline_cli::fake_api::{FakeApi, FakeApiSpec};
 use paceline_e2e::aws::{create_lane, create_queue, lambda_failure_record, lane_env, moto_env, moto_sdk_config, FakeLambda};
-use paceline_e2e::{job_lines, json_of, lane_dir, paceline, paceline_bin, paceline_with_env, write_config};
+use paceline_e2e::{assert_times_are_rfc3339, job_lines, json_of, lane_dir, paceline, paceline_bin, paceline_with_env, write_config};
 use paceline_orchestrator::{lambda as orchestrator_lambda, RunOptions, StopReason};
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames, SqsQueue};
 use paceline_shared::check::peak_in_any_window;
@@ -130,6 +130,7 @@ async fn enqueue_status_circuit_and_kick_on_an_aws_lane() {
     let opened = cli(&config, &["circuit", "open", "--reason", "provider maintenance"]).await;
     assert!(opened.status.success(), "{}", stderr(&opened));
     let status = json_of(&cli(&config, &["status", "--json"]).await);
+    assert!(assert_times_are_rfc3339(&status) >= 1, "the circuit's since at least: {status}");
     assert_eq!((status["circuit"]["status"].as_str(), status["circuit"]["epoch"].as_u64()), (Some("open"), Some(1)));
     assert_eq!(status["circuit"]["reason"], "operator: provider maintenance");
     let stale = cli(&config, &["circuit", "close", "--epoch", "0"]).await;
@@ -369,6 +370,7 @@ async fn the_same_operator_commands_work_on_the_embedded_store() {
     assert_eq!(listed[0]["outcome"]["status"], 404, "the dead letter carries its outcome record");
     let status = json_of(&paceline(&["status", "--config", config, "--json"], "").await);
     assert_eq!((status["queue"]["dead"].as_u64(), status["tiers"][1]["used"].as_u64()), (Some(6), Some(26)));
+    assert!(assert_times_are_rfc3339(&status) >= 2, "the circuit's since and the day's reset at least: {status}");
 
     let worker = paceline(&["dlq", "list", "--config", config, "--dlq", "worker"], "").await;
     assert!(stderr(&worker).contains("no worker DLQ"), "{}", stderr(&worker));
