@@ -2,7 +2,7 @@
 
 use lambda_runtime::{service_fn, LambdaEvent};
 use paceline_orchestrator::lambda;
-use paceline_shared::lambda_env::Env;
+use paceline_shared::lambda_env::{cold_start, Env};
 
 // One thread: at 128 MB Lambda gives a fraction of a vCPU, and the dispatch loop's work is
 // waiting; a single-threaded scheduler cut its CPU per job from about 69 to 40 us at
@@ -14,6 +14,6 @@ async fn main() -> Result<(), lambda_runtime::Error> {
     lambda_runtime::tracing::init_default_subscriber();
     let sdk = paceline_shared::adapters::aws::load_sdk_config().await;
     let get = |name: &str| std::env::var(name).ok();
-    let function = lambda::from_env(&Env::new(&get), &sdk, None).map_err(|e| format!("cold start: {e}"))?;
+    let function = cold_start(lambda::from_env(&Env::new(&get), &sdk, None)).await?;
     lambda_runtime::run(service_fn(|event: LambdaEvent<lambda::Trigger>| lambda::handle(event, &function))).await
 }

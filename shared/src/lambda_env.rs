@@ -13,6 +13,48 @@ use crate::config::{
 use crate::outcome::{OutcomeSettings, RecordOutcomes};
 use crate::quota::{Quota, Tier};
 
+/// A cold-start step's result: on failure, the error (prefixed `cold start: `) is
+/// reported to Lambda's Runtime API as the init error (`/runtime/init/error`, where
+/// Lambda shows it on the invocation that started the environment) before the caller
+/// exits with it.
+///
+/// # Errors
+/// The step's error, prefixed.
+pub async fn cold_start<T>(step: Result<T, String>) -> Result<T, String> {
+    match step {
+        Ok(value) => Ok(value),
+        Err(e) => {
+            let message = format!("cold start: {e}");
+            if let Ok(api) = std::env::var("AWS_LAMBDA_RUNTIME_API") {
+                report_init_error(&api, &message).await;
+            }
+            Err(message)
+        }
+    }
+}
+
+/// Posts `message` to the Runtime API at `api` (host:port) as the init error, over plain
+/// HTTP/1.1 as the Runtime API speaks it; a failure to report is printed, not returned
+/// (the function fails either way).
+async fn report_init_error(api: &str, message: &str) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let body = serde_json::json!({ "errorType": "Paceline.ConfigError", "errorMessage": message }).to_string();
+    let request = format!(
+        "POST /2018-06-01/runtime/init/error HTTP/1.1\r\nHost: {api}\r\nLambda-Runtime-Function-Error-Type: Paceline.ConfigError\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let sent = async {
+        let mut stream = tokio::net::TcpStream::connect(api).await?;
+        stream.write_all(request.as_bytes()).await?;
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await.map(|_| ())
+    };
+    if let Err(e) = tokio::time::timeout(Duration::from_secs(2), sent).await.unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into())) {
+        eprintln!("could not report the init error to the Runtime API at {api}: {e}");
+    }
+}
+
 /// Reads variables from a source (the process environment, or a map in tests).
 pub struct Env<'a> {
     get: &'a dyn Fn(&str) -> Option<String>,

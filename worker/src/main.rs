@@ -1,7 +1,7 @@
 //! The worker Lambda's entry point: read settings, build clients once, serve.
 
 use lambda_runtime::{service_fn, LambdaEvent};
-use paceline_shared::lambda_env::Env;
+use paceline_shared::lambda_env::{cold_start, Env};
 use paceline_worker::lambda;
 use secrecy::ExposeSecret;
 
@@ -12,9 +12,9 @@ async fn main() -> Result<(), lambda_runtime::Error> {
     lambda_runtime::tracing::init_default_subscriber();
     let sdk = paceline_shared::adapters::aws::load_sdk_config().await;
     let from_process = |name: &str| std::env::var(name).ok();
-    let secrets = lambda::fetch_secrets(&Env::new(&from_process), &sdk).await.map_err(|e| format!("cold start: {e}"))?;
+    let secrets = cold_start(lambda::fetch_secrets(&Env::new(&from_process), &sdk).await).await?;
     let get = |name: &str| secrets.get(name).map(|s| s.expose_secret().to_owned()).or_else(|| std::env::var(name).ok());
-    let worker = lambda::from_env(&Env::new(&get), &sdk).map_err(|e| format!("cold start: {e}"))?;
+    let worker = cold_start(lambda::from_env(&Env::new(&get), &sdk)).await?;
     let lane = Env::new(&get).optional("PACELINE_LANE").unwrap_or_else(|| "paceline".into());
     lambda_runtime::run(service_fn(|event: LambdaEvent<serde_json::Value>| lambda::handle(event, &worker, &lane))).await
 }
