@@ -1,0 +1,191 @@
+//! The orchestrator's release binary as Lambda runs it, with the real AWS SDK (SigV4
+//! signing, HTTP) against local endpoints: SQS and DynamoDB on the moto server, Lambda's
+//! Invoke on the fake endpoint, the Runtime API on loopback. Prints, asserting nothing:
+//! - cold start: process start to the first `next` request, and to the first Invoke;
+//! - CPU per job (user + system time of the process over the jobs it handed off) at
+//!   100 and 1,000 jobs/s, and from it the dispatch rate each Lambda memory size can
+//!   sustain (Lambda gives a function CPU in proportion to its memory: a whole vCPU at
+//!   1,769 MB).
+//!
+//! Run with `cargo build --release -p paceline-orchestrator && cargo bench -p
+//! paceline-e2e --bench lambda`; it starts `.venv/bin/moto_server` unless
+//! `PACELINE_TEST_MOTO_URL` names one (`./scripts/test.sh` installs it).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use paceline_e2e::aws::{create_lane, moto_env, moto_sdk_config, FakeLambda};
+use paceline_e2e::runtime_api::{lambda_env, start_function, template_env, Reported, RuntimeApi};
+use paceline_shared::adapters::aws::{AwsAdapters, AwsNames};
+use paceline_shared::ports::{JobQueue, OutgoingMessage};
+use paceline_shared::time::system_now;
+
+/// Linux's clock ticks per second in /proc (USER_HZ).
+const TICKS_PER_SECOND: f64 = 100.0;
+/// How much of a vCPU Lambda gives per MB of memory (a whole one at 1,769 MB).
+const VCPU_PER_MB: f64 = 1.0 / 1_769.0;
+const COLD_STARTS: usize = 10;
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The moto server to use: `PACELINE_TEST_MOTO_URL`, or one started here.
+fn moto() -> Option<std::process::Child> {
+    if std::env::var_os("PACELINE_TEST_MOTO_URL").is_some() {
+        return None;
+    }
+    let server = workspace().join(".venv/bin/moto_server");
+    assert!(server.exists(), "{} not found: run ./scripts/test.sh once (it installs moto), or set PACELINE_TEST_MOTO_URL", server.display());
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let child = std::process::Command::new(server)
+        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start moto");
+    let url = format!("http://127.0.0.1:{port}");
+    for _ in 0..100 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::env::set_var("PACELINE_TEST_MOTO_URL", url);
+    Some(child)
+}
+
+/// CPU seconds (user + system) the process `pid` has used.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/PID/stat");
+    // Fields after the command's closing parenthesis: state is the 3rd field, utime the
+    // 14th and stime the 15th of the whole line.
+    let after = &stat[stat.rfind(')').expect("(comm)") + 2..];
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
+    ticks / TICKS_PER_SECOND
+}
+
+async fn enqueue(names: &AwsNames, jobs: usize) {
+    let adapters = AwsAdapters::new(&moto_sdk_config().await, names, None);
+    let messages: Vec<OutgoingMessage> = (0..jobs)
+        .map(|n| OutgoingMessage {
+            body: format!(r#"{{"id":"bench-{n}","request":{{"method":"GET","path":"/items/{n}"}}}}"#),
+            attempt: 0,
+            delay: Duration::ZERO,
+            dedup_id: None,
+        })
+        .collect();
+    for batch in messages.chunks(10) {
+        adapters.queue.send(batch).await.unwrap();
+    }
+}
+
+fn orchestrator_env(names: &AwsNames, tiers: &str, lambda: &FakeLambda) -> BTreeMap<String, String> {
+    let given = BTreeMap::from([
+        ("AWS::StackName", "bench".to_owned()),
+        ("JobsQueue", names.queue_url.clone()),
+        ("JobsDlq", names.dlq_url.clone()),
+        ("StateTable", names.table.clone()),
+        ("WorkerFunction", names.worker_function.clone()),
+        ("QuotaTiers", tiers.to_owned()),
+    ]);
+    let mut env = lambda_env("OrchestratorFunction", 128);
+    env.insert("AWS_LAMBDA_LOG_LEVEL".into(), "WARN".into());
+    env.extend(moto_env());
+    env.insert("AWS_ENDPOINT_URL_LAMBDA".into(), lambda.url.clone());
+    env.extend(template_env("OrchestratorFunction", &given));
+    env
+}
+
+fn scheduled_event() -> serde_json::Value {
+    serde_json::json!({ "detail-type": "Scheduled Event", "source": "aws.events", "time": system_now().to_rfc3339(), "detail": {} })
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+async fn cold_starts(binary: &Path) {
+    let sdk = moto_sdk_config().await;
+    let (mut to_next, mut to_invoke) = (Vec::new(), Vec::new());
+    for _ in 0..COLD_STARTS {
+        let lambda = FakeLambda::start().await;
+        let names = create_lane(&sdk, "bench-worker").await;
+        enqueue(&names, 5).await;
+        let runtime = RuntimeApi::start().await;
+        let env = orchestrator_env(&names, "10/s", &lambda);
+        let (started, started_at) = (Instant::now(), system_now());
+        let mut child = start_function(binary, &runtime, &env);
+        // The event is queued before the process asks: it gets it on its first `next`.
+        let request = runtime.invoke(&scheduled_event(), Duration::from_secs(7));
+        while lambda.invocations().is_empty() && started.elapsed() < Duration::from_secs(10) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let first_invoke = lambda.invocations().first().map(|i| i.at.since(started_at).as_secs_f64() * 1e3).expect("a hand-off");
+        let first_next = runtime.first_next().expect("a next request").duration_since(started).as_secs_f64() * 1e3;
+        to_next.push(first_next);
+        to_invoke.push(first_invoke);
+        let _ = runtime.reported(&request, Duration::from_secs(10)).await;
+        let _ = child.kill().await;
+    }
+    println!("### Cold start of the orchestrator's release binary ({COLD_STARTS} starts; SQS and DynamoDB on moto, loopback)\n");
+    println!("| | median | max |\n| --- | ---: | ---: |");
+    println!("| process start to the first `next` request (init) | {:.1} ms | {:.1} ms |", median(to_next.clone()), to_next.iter().copied().fold(0.0, f64::max));
+    println!(
+        "| process start to the first Invoke (init, lease, state reads, first receive) | {:.1} ms | {:.1} ms |\n",
+        median(to_invoke.clone()),
+        to_invoke.iter().copied().fold(0.0, f64::max)
+    );
+}
+
+/// One run at `rate` jobs/s for `seconds` of dispatch: (jobs handed off, CPU seconds,
+/// wall seconds of the run).
+async fn saturated_run(binary: &Path, rate: u32, seconds: u64) -> (u64, f64, f64) {
+    let sdk = moto_sdk_config().await;
+    let lambda = FakeLambda::start().await;
+    let names = create_lane(&sdk, "bench-worker").await;
+    enqueue(&names, rate as usize * seconds as usize).await;
+    let runtime = RuntimeApi::start().await;
+    let mut child = start_function(binary, &runtime, &orchestrator_env(&names, &format!("{rate}/s"), &lambda));
+    while runtime.first_next().is_none() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let pid = child.id().expect("running");
+    let (cpu_before, started) = (cpu_seconds(pid), Instant::now());
+    // The run stops the template's 5 s deadline margin before the deadline.
+    let request = runtime.invoke(&scheduled_event(), Duration::from_secs(seconds + 5));
+    let reported = runtime.reported(&request, Duration::from_secs(seconds + 30)).await;
+    let (cpu, wall) = (cpu_seconds(pid) - cpu_before, started.elapsed().as_secs_f64());
+    let _ = child.kill().await;
+    let Some(Reported::Response(report)) = reported else { panic!("the run failed: {reported:?}") };
+    (report["dispatched"].as_u64().unwrap_or(0), cpu, wall)
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let binary = workspace().join("target/release/orchestrator");
+    assert!(binary.exists(), "{} not found: cargo build --release -p paceline-orchestrator", binary.display());
+    let _moto = moto();
+    cold_starts(&binary).await;
+
+    println!("### CPU per job with the real SDK (orchestrator release binary, current-thread runtime)\n");
+    println!("| quota | jobs handed off | run | achieved | CPU (user + system) | CPU per job |\n| --- | ---: | ---: | ---: | ---: | ---: |");
+    let mut per_job_at_1000 = 0.0;
+    for rate in [100_u32, 1_000] {
+        let (jobs, cpu, wall) = saturated_run(&binary, rate, 10).await;
+        let per_job = cpu / jobs.max(1) as f64 * 1e6;
+        if rate == 1_000 {
+            per_job_at_1000 = per_job;
+        }
+        println!("| {rate}/s | {jobs} | {wall:.1} s | {:.0}/s | {cpu:.2} s | {per_job:.0} us |", jobs as f64 / wall);
+    }
+    println!("\n### Dispatch rate a Lambda memory size sustains, from the CPU per job at 1000/s ({per_job_at_1000:.0} us)\n");
+    println!("| memory | share of a vCPU | sustainable dispatch rate |\n| ---: | ---: | ---: |");
+    for memory in [128_u32, 256, 512, 1_024, 1_769] {
+        let share = (f64::from(memory) * VCPU_PER_MB).min(1.0);
+        println!("| {memory} MB | {:.0}% | {:.0} jobs/s |", share * 100.0, share * 1e6 / per_job_at_1000);
+    }
+}
