@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use paceline_e2e::aws::{create_lane, moto_env, moto_sdk_config, FakeLambda};
+use paceline_e2e::fake_sqs::FakeSqs;
 use paceline_e2e::runtime_api::{lambda_env, start_function, template_env, Reported, RuntimeApi};
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames};
 use paceline_shared::ports::{JobQueue, OutgoingMessage};
@@ -92,7 +93,7 @@ fn orchestrator_env(names: &AwsNames, tiers: &str, lambda: &FakeLambda) -> BTree
         ("QuotaTiers", tiers.to_owned()),
     ]);
     let mut env = lambda_env("OrchestratorFunction", 128);
-    env.insert("AWS_LAMBDA_LOG_LEVEL".into(), "WARN".into());
+    env.insert("AWS_LAMBDA_LOG_LEVEL".into(), std::env::var("BENCH_LOG_LEVEL").unwrap_or_else(|_| "WARN".into()));
     env.extend(moto_env());
     env.insert("AWS_ENDPOINT_URL_LAMBDA".into(), lambda.url.clone());
     env.extend(template_env("OrchestratorFunction", &given));
@@ -118,7 +119,7 @@ async fn cold_starts(binary: &Path) {
         let runtime = RuntimeApi::start().await;
         let env = orchestrator_env(&names, "10/s", &lambda);
         let (started, started_at) = (Instant::now(), system_now());
-        let mut child = start_function(binary, &runtime, &env);
+        let function = start_function(binary, &runtime, &env);
         // The event is queued before the process asks: it gets it on its first `next`.
         let request = runtime.invoke(&scheduled_event(), Duration::from_secs(7));
         while lambda.invocations().is_empty() && started.elapsed() < Duration::from_secs(10) {
@@ -129,11 +130,15 @@ async fn cold_starts(binary: &Path) {
         to_next.push(first_next);
         to_invoke.push(first_invoke);
         let _ = runtime.reported(&request, Duration::from_secs(10)).await;
-        let _ = child.kill().await;
+        function.stop().await;
     }
     println!("### Cold start of the orchestrator's release binary ({COLD_STARTS} starts; SQS and DynamoDB on moto, loopback)\n");
     println!("| | median | max |\n| --- | ---: | ---: |");
-    println!("| process start to the first `next` request (init) | {:.1} ms | {:.1} ms |", median(to_next.clone()), to_next.iter().copied().fold(0.0, f64::max));
+    println!(
+        "| process start to the first `next` request (init) | {:.1} ms | {:.1} ms |",
+        median(to_next.clone()),
+        to_next.iter().copied().fold(0.0, f64::max)
+    );
     println!(
         "| process start to the first Invoke (init, lease, state reads, first receive) | {:.1} ms | {:.1} ms |\n",
         median(to_invoke.clone()),
@@ -146,20 +151,29 @@ async fn cold_starts(binary: &Path) {
 async fn saturated_run(binary: &Path, rate: u32, seconds: u64) -> (u64, f64, f64) {
     let sdk = moto_sdk_config().await;
     let lambda = FakeLambda::start().await;
-    let names = create_lane(&sdk, "bench-worker").await;
-    enqueue(&names, rate as usize * seconds as usize).await;
+    // The jobs queue on the fast fake (moto's receives would cap the lane near 20 jobs/s);
+    // the state table on moto.
+    let jobs = (0..rate as usize * (seconds as usize + 2)).map(|n| format!(r#"{{"id":"bench-{n}","request":{{"method":"GET","path":"/items/{n}"}}}}"#));
+    let sqs = FakeSqs::start(jobs).await;
+    let mut names = create_lane(&sdk, "bench-worker").await;
+    (names.queue_url, names.dlq_url) = (sqs.queue_url(), format!("{}-dlq", sqs.queue_url()));
+    let mut env = orchestrator_env(&names, &format!("{rate}/s"), &lambda);
+    env.insert("AWS_ENDPOINT_URL_SQS".into(), sqs.url.clone());
     let runtime = RuntimeApi::start().await;
-    let mut child = start_function(binary, &runtime, &orchestrator_env(&names, &format!("{rate}/s"), &lambda));
+    let function = start_function(binary, &runtime, &env);
     while runtime.first_next().is_none() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let pid = child.id().expect("running");
+    let pid = function.child.id().expect("running");
     let (cpu_before, started) = (cpu_seconds(pid), Instant::now());
     // The run stops the template's 5 s deadline margin before the deadline.
     let request = runtime.invoke(&scheduled_event(), Duration::from_secs(seconds + 5));
     let reported = runtime.reported(&request, Duration::from_secs(seconds + 30)).await;
     let (cpu, wall) = (cpu_seconds(pid) - cpu_before, started.elapsed().as_secs_f64());
-    let _ = child.kill().await;
+    let output = function.stop().await;
+    if let Ok(path) = std::env::var("BENCH_OUTPUT") {
+        std::fs::write(path, output).unwrap();
+    }
     let Some(Reported::Response(report)) = reported else { panic!("the run failed: {reported:?}") };
     (report["dispatched"].as_u64().unwrap_or(0), cpu, wall)
 }

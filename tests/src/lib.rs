@@ -3,6 +3,7 @@
 //! moto server's resources and a fake Lambda Invoke endpoint.
 
 pub mod aws;
+pub mod fake_sqs;
 pub mod runtime_api;
 
 use std::path::{Path, PathBuf};

@@ -145,16 +145,36 @@ impl Drop for RuntimeApi {
     }
 }
 
+/// A function's process, its standard output and error read as they come (so a chatty
+/// function never blocks on a full pipe).
+pub struct FunctionProcess {
+    pub child: tokio::process::Child,
+    output: Arc<Mutex<Vec<u8>>>,
+    readers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl FunctionProcess {
+    /// Stops the process and returns everything it wrote (standard output, then error).
+    pub async fn stop(mut self) -> String {
+        let _ = self.child.start_kill();
+        let _ = self.child.wait().await;
+        for reader in self.readers.drain(..) {
+            let _ = reader.await;
+        }
+        String::from_utf8_lossy(&self.output.lock().unwrap()).into_owned()
+    }
+}
+
 /// Starts a function's binary (`target/debug/orchestrator` or `worker`, as `cargo
-/// lambda` builds the `bootstrap`) against `api` with `env` alone (and `PATH`), its
-/// standard output and error piped.
+/// lambda` builds the `bootstrap`) against `api` with `env` alone (and `PATH`).
 ///
 /// # Panics
 /// When the binary is missing or does not start.
 #[must_use]
-pub fn start_function(binary: &Path, api: &RuntimeApi, env: &BTreeMap<String, String>) -> tokio::process::Child {
+pub fn start_function(binary: &Path, api: &RuntimeApi, env: &BTreeMap<String, String>) -> FunctionProcess {
+    use tokio::io::AsyncReadExt as _;
     assert!(binary.exists(), "{} not found: run `cargo build --workspace` first (the README's test command does)", binary.display());
-    tokio::process::Command::new(binary)
+    let mut child = tokio::process::Command::new(binary)
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("AWS_LAMBDA_RUNTIME_API", &api.address)
@@ -163,7 +183,24 @@ pub fn start_function(binary: &Path, api: &RuntimeApi, env: &BTreeMap<String, St
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
-        .expect("start the function's binary")
+        .expect("start the function's binary");
+    let output = Arc::new(Mutex::new(Vec::new()));
+    let mut readers = Vec::new();
+    let streams: [Option<Box<dyn tokio::io::AsyncRead + Unpin + Send>>; 2] =
+        [child.stdout.take().map(|s| Box::new(s) as _), child.stderr.take().map(|s| Box::new(s) as _)];
+    for mut stream in streams.into_iter().flatten() {
+        let output = output.clone();
+        readers.push(tokio::spawn(async move {
+            let mut buffer = [0_u8; 8192];
+            while let Ok(read) = stream.read(&mut buffer).await {
+                if read == 0 {
+                    break;
+                }
+                output.lock().unwrap().extend_from_slice(&buffer[..read]);
+            }
+        }));
+    }
+    FunctionProcess { child, output, readers }
 }
 
 /// The environment Lambda gives every function (`AWS_LAMBDA_*`), for a function named

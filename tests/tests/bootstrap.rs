@@ -10,12 +10,11 @@ use std::time::Duration;
 
 use paceline_cli::fake_api::{FakeApi, FakeApiSpec};
 use paceline_e2e::aws::{create_lane, moto_env, moto_sdk_config, FakeLambda};
-use paceline_e2e::runtime_api::{function_binary, lambda_env, start_function, template_env, Reported, RuntimeApi};
+use paceline_e2e::runtime_api::{function_binary, lambda_env, start_function, template_env, FunctionProcess, Reported, RuntimeApi};
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames};
 use paceline_shared::job::{Job, WorkerPayload};
 use paceline_shared::ports::{JobQueue, OutgoingMessage};
 use paceline_shared::time::system_now;
-use tokio::io::AsyncReadExt as _;
 
 const LANE: &str = "bootstrap-test";
 
@@ -43,13 +42,9 @@ fn function_env(function: &str, given: &BTreeMap<&str, String>, lambda_url: &str
     env
 }
 
-/// The lines of a finished child's standard output that are JSON.
-async fn json_lines(child: &mut tokio::process::Child) -> Vec<serde_json::Value> {
-    let _ = child.start_kill();
-    let _ = child.wait().await;
-    let mut text = String::new();
-    child.stdout.take().unwrap().read_to_string(&mut text).await.unwrap();
-    text.lines().filter_map(|line| serde_json::from_str(line).ok()).collect()
+/// The lines a function wrote that are JSON, once it is stopped.
+async fn json_lines(function: FunctionProcess) -> Vec<serde_json::Value> {
+    function.stop().await.lines().filter_map(|line| serde_json::from_str(line).ok()).collect()
 }
 
 async fn enqueue(names: &AwsNames, ids: &[&str]) {
@@ -76,7 +71,7 @@ async fn the_orchestrator_binary_serves_a_scheduled_event_and_hands_each_job_to_
     let env = function_env("OrchestratorFunction", &deployed(&names, "https://api.example.com", "5/s"), &lambda.url);
     assert_eq!(env["PACELINE_TIERS"], "5/s");
     assert_eq!(env["PACELINE_VISIBILITY_TIMEOUT"], "70s", "the template's default run length, as the template sets it");
-    let mut orchestrator = start_function(&function_binary("orchestrator"), &runtime, &env);
+    let orchestrator = start_function(&function_binary("orchestrator"), &runtime, &env);
 
     let scheduled = serde_json::json!({
         "version": "0", "id": uuid_like(), "detail-type": "Scheduled Event", "source": "aws.events", "account": "123456789012",
@@ -91,7 +86,7 @@ async fn the_orchestrator_binary_serves_a_scheduled_event_and_hands_each_job_to_
     assert_eq!(invocations.len(), 3, "one asynchronous invoke per job: {invocations:?}");
     assert!(invocations.iter().all(|i| i.function == "paceline-worker" && i.invocation_type == "Event"), "{invocations:?}");
 
-    let lines = json_lines(&mut orchestrator).await;
+    let lines = json_lines(orchestrator).await;
     let run = lines.iter().find(|l| l.get("_aws").is_some() && l.get("Dispatched").is_some()).expect("the run's EMF record on standard output");
     assert_eq!((run["Dispatched"].as_u64(), run["Lane"].as_str()), (Some(3), Some(LANE)), "{run}");
     let tier = lines.iter().find(|l| l.get("TierBusiestWindow").is_some()).expect("a tier's EMF record");
@@ -108,7 +103,7 @@ async fn the_worker_binary_calls_the_api_for_a_job_answers_with_its_outcome_and_
     let api = FakeApi::start(FakeApiSpec { tiers: vec!["5/s".parse().unwrap()], ..FakeApiSpec::default() }).await.unwrap();
     let runtime = RuntimeApi::start().await;
     let env = function_env("WorkerFunction", &deployed(&names, &api.base_url, "5/s"), &lambda.url);
-    let mut worker = start_function(&function_binary("worker"), &runtime, &env);
+    let worker = start_function(&function_binary("worker"), &runtime, &env);
 
     let job = Job::parse(r#"{"id":"boot-w","request":{"method":"GET","path":"/items/boot-w","query":{"echo":"hello"}}}"#).unwrap();
     let payload = WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: system_now(), slot: None, trip: None, report_limits: false };
@@ -125,7 +120,7 @@ async fn the_worker_binary_calls_the_api_for_a_job_answers_with_its_outcome_and_
     let Some(Reported::Error(error)) = runtime.reported(&bad, Duration::from_secs(30)).await else { panic!("a bad event is an invocation error") };
     assert!(error["errorType"].is_string() && error["errorMessage"].as_str().is_some_and(|m| !m.is_empty()), "{error}");
 
-    let lines = json_lines(&mut worker).await;
+    let lines = json_lines(worker).await;
     let metrics = lines.iter().find(|l| l.get("_aws").is_some() && l["Succeeded"] == 1).expect("the invocation's EMF record");
     assert_eq!(metrics["Lane"], LANE, "{metrics}");
     assert!(metrics["CallLatency"].is_u64(), "{metrics}");
@@ -153,11 +148,11 @@ async fn a_missing_or_bad_variable_fails_init_with_its_name_through_the_runtime_
             Some(value) => env.insert(variable.into(), value.into()),
             None => env.remove(variable),
         };
-        let mut child = start_function(&function_binary(binary), &runtime, &env);
+        let mut function = start_function(&function_binary(binary), &runtime, &env);
         let error = runtime.init_error(Duration::from_secs(20)).await.unwrap_or_else(|| panic!("{binary} without a good {variable}: no init error"));
         let message = error["errorMessage"].as_str().unwrap_or_default();
         assert!(message.starts_with("cold start: ") && message.contains(variable), "{binary}, {variable}: {error}");
-        let status = tokio::time::timeout(Duration::from_secs(10), child.wait()).await.expect("the process exits").unwrap();
+        let status = tokio::time::timeout(Duration::from_secs(10), function.child.wait()).await.expect("the process exits").unwrap();
         assert!(!status.success(), "{binary} exits with an error");
         assert!(runtime.first_next().is_none(), "{binary} never asked for an event");
     }
