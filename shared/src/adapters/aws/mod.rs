@@ -128,7 +128,11 @@ impl AwsAdapters {
         // The drain loop retries a refused hand-off itself, in a new pacer slot. An SDK
         // retry would hand the job off late, after later slots: its API call would then
         // bunch up with theirs at the provider.
-        let mut lambda = aws_sdk_lambda::config::Builder::from(config).retry_config(aws_sdk_lambda::config::retry::RetryConfig::disabled());
+        // Nor does a hand-off need stalled-stream protection: its request is a few KB and
+        // its answer an empty 202; the check's future costs CPU on every one of them.
+        let mut lambda = aws_sdk_lambda::config::Builder::from(config)
+            .retry_config(aws_sdk_lambda::config::retry::RetryConfig::disabled())
+            .stalled_stream_protection(aws_sdk_lambda::config::StalledStreamProtectionConfig::disabled());
         if let Some(url) = lambda_endpoint {
             lambda = lambda.endpoint_url(url);
         }
