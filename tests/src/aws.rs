@@ -244,12 +244,8 @@ impl FakeLambda {
     pub async fn start() -> Self {
         let state = Arc::new(FakeLambdaState::default());
         let app = axum::Router::new().route("/2015-03-31/functions/{name}/invocations", axum::routing::post(invoke)).with_state(state.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let server = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
-        Self { url, state, server }
+        let (address, server) = crate::serve_on_loopback(app).await;
+        Self { url: format!("http://{address}"), state, server }
     }
 
     /// Runs every accepted payload on `worker`, in the background, as Lambda would.

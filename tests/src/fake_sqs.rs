@@ -101,12 +101,8 @@ impl FakeSqs {
     pub async fn start(bodies: impl IntoIterator<Item = String>) -> Self {
         let queue = Arc::new(Mutex::new(Queue { visible: bodies.into_iter().enumerate().map(|(i, b)| (format!("m-{i}"), b)).collect(), ..Queue::default() }));
         let app = axum::Router::new().route("/", axum::routing::post(serve)).with_state(queue.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let server = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
-        Self { url, queue, server }
+        let (address, server) = crate::serve_on_loopback(app).await;
+        Self { url: format!("http://{address}"), queue, server }
     }
 
     /// The queue's URL, as a lane names it.

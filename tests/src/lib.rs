@@ -137,3 +137,17 @@ pub fn assert_times_are_rfc3339(value: &serde_json::Value) -> usize {
         _ => 0,
     }
 }
+
+/// Serves `app` on an ephemeral loopback port: its `host:port`, and the server's task
+/// (abort it to stop).
+///
+/// # Panics
+/// When no port can be bound.
+pub async fn serve_on_loopback(app: axum::Router) -> (String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let server = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (address, server)
+}

@@ -92,11 +92,7 @@ impl RuntimeApi {
             .route("/2018-06-01/runtime/invocation/{id}/error", axum::routing::post(error))
             .route("/2018-06-01/runtime/init/error", axum::routing::post(init_error))
             .with_state(state.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap().to_string();
-        let server = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
+        let (address, server) = crate::serve_on_loopback(app).await;
         Self { address, state, server }
     }
 
