@@ -135,14 +135,14 @@ impl SimulateArgs {
         if let Some(path) = &self.plot {
             plot::check_path(path)?;
         }
-        let simulations = if self.baselines { dispatchers(&plan).len() } else { 1 };
-        let progress = Progress::start(plan.jobs as u64 * simulations as u64);
-        plan.progress = Some(progress.settled.clone());
-        let baselines = self.baselines;
-        // The simulation runs its own paused runtime, on a thread of its own.
-        let reports = tokio::task::spawn_blocking(move || run_all(&plan, baselines).map(|reports| (plan, reports))).await.context("the simulation failed")?;
+        let settled = Arc::new(AtomicU64::new(0));
+        plan.progress = Some(settled.clone());
+        let simulations = if self.baselines { with_baselines(&plan) } else { vec![(plan.clone(), Dispatcher::Paceline)] };
+        let progress = Progress::start(settled, plan.jobs as u64 * simulations.len() as u64);
+        // The simulations run their own paused runtime, on a thread of their own.
+        let reports = tokio::task::spawn_blocking(move || simulations.iter().map(|(plan, dispatcher)| simulate(plan, dispatcher)).collect::<Vec<_>>()).await;
         progress.finish();
-        let (plan, reports) = reports?;
+        let reports = reports.context("the simulation failed")?;
         let (main, others) = reports.split_first().context("the simulation made no report")?;
         if let Some(path) = &self.plot {
             plot::write(path, &plot::figure(main, others, &plan.settings.quota))?;
@@ -175,19 +175,10 @@ fn json_with_violations(report: &SimReport) -> anyhow::Result<serde_json::Value>
     Ok(value)
 }
 
-/// The lane as configured, then (with `baselines`) the others on the same workload.
-fn run_all(plan: &Plan, baselines: bool) -> anyhow::Result<Vec<SimReport>> {
-    let mut reports = vec![simulate(plan, &Dispatcher::Paceline)];
-    if baselines {
-        reports.extend(dispatchers(plan).into_iter().skip(1).map(|(plan, dispatcher)| simulate(&plan, &dispatcher)));
-    }
-    Ok(reports)
-}
-
 /// The configured lane and the baselines to compare it with, each with its plan:
 /// Paceline at the slot (when the lane dispatches ahead), a per-second token bucket, a
 /// fixed-window counter and a concurrency cap alone.
-fn dispatchers(plan: &Plan) -> Vec<(Plan, Dispatcher)> {
+fn with_baselines(plan: &Plan) -> Vec<(Plan, Dispatcher)> {
     let mut all = vec![(plan.clone(), Dispatcher::Paceline)];
     if !plan.settings.dispatch_ahead().is_zero() {
         let mut at_slot = plan.clone();
@@ -199,29 +190,27 @@ fn dispatchers(plan: &Plan) -> Vec<(Plan, Dispatcher)> {
     all
 }
 
-/// A progress bar on standard error (drawn only on a terminal) that follows the jobs
-/// settled in simulated time, for simulations that take a while of wall time.
+/// A progress bar on standard error (drawn only on a terminal) that follows `settled`,
+/// the jobs settled in simulated time, for simulations that take a while of wall time.
 struct Progress {
-    settled: Arc<AtomicU64>,
     bar: ProgressBar,
     ticker: tokio::task::JoinHandle<()>,
 }
 
 impl Progress {
-    fn start(total: u64) -> Self {
-        let settled = Arc::new(AtomicU64::new(0));
+    fn start(settled: Arc<AtomicU64>, total: u64) -> Self {
         let bar = ProgressBar::new(total);
         bar.set_style(
             ProgressStyle::with_template("simulating {wide_bar} {pos}/{len} jobs settled ({elapsed})").unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
-        let (seen, shown) = (settled.clone(), bar.clone());
+        let (seen, shown) = (settled, bar.clone());
         let ticker = tokio::spawn(async move {
             loop {
                 shown.set_position(seen.load(Ordering::Relaxed));
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         });
-        Self { settled, bar, ticker }
+        Self { bar, ticker }
     }
 
     fn finish(self) {
