@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use comfy_table::{presets, CellAlignment, ContentArrangement, Table};
+use comfy_table::{presets, CellAlignment, ContentArrangement, Row, Table};
 use paceline_shared::quota::describe_use;
 use paceline_worker::WorkerStats;
 use serde::Serialize;
@@ -225,7 +225,8 @@ pub fn render(r: &SimReport) -> String {
 const HEADER_RULE_ONLY: &str = "     ──            ";
 
 /// A table for the terminal: `header`, the columns numbered in `right_aligned` aligned
-/// right, fitted to the terminal's width with text cut at a word and an ellipsis.
+/// right, fitted to the terminal's width (wrapping at words; [`one_line_row`] cuts with
+/// an ellipsis instead).
 #[must_use]
 pub fn text_table(header: &[&str], right_aligned: &[usize]) -> Table {
     let mut table = Table::new();
@@ -236,6 +237,15 @@ pub fn text_table(header: &[&str], right_aligned: &[usize]) -> Table {
         }
     }
     table
+}
+
+/// A row for [`text_table`] that stays on one line: text too long for the terminal is
+/// cut with an ellipsis rather than wrapped.
+#[must_use]
+pub fn one_line_row(cells: Vec<String>) -> Row {
+    let mut row = Row::from(cells);
+    row.max_height(1);
+    row
 }
 
 /// Dispatchers side by side on the same workload: a table for the terminal, or (with

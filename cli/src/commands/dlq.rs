@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use paceline_shared::dlq::{CauseSummary, DeadLetterFilter, DeadLetterRecord, DlqSource};
 use paceline_shared::ports::{forget_calls, DeadLetterQueues};
 use paceline_shared::time::system_now;
-use paceline_sim::report::text_table;
+use paceline_sim::report::{one_line_row, text_table};
 use serde::Serialize;
 
 use crate::access::{LaneArgs, OperatorLane};
@@ -213,7 +213,7 @@ async fn collect(queues: &dyn DeadLetterQueues, select: &Selection, hold: Durati
 fn records_table(records: &[DeadLetterRecord]) -> comfy_table::Table {
     let mut table = text_table(&["dlq", "dead since", "cause", "attempt", "job", "id", "detail"], &[3]);
     for record in records {
-        let mut row = comfy_table::Row::from(vec![
+        table.add_row(one_line_row(vec![
             record.source.to_string(),
             record.dead_at.to_rfc3339(),
             record.cause.clone(),
@@ -221,9 +221,7 @@ fn records_table(records: &[DeadLetterRecord]) -> comfy_table::Table {
             record.job_id.clone().unwrap_or_else(|| "-".into()),
             record.message_id.clone(),
             record.detail.clone(),
-        ]);
-        row.max_height(1);
-        table.add_row(row);
+        ]));
     }
     table
 }
@@ -277,16 +275,14 @@ async fn summary(queues: &dyn DeadLetterQueues, select: &Selection, hold: Durati
     }
     let mut table = text_table(&["dlq", "cause", "count", "first seen", "last seen", "example"], &[2]);
     for g in &groups {
-        let mut row = comfy_table::Row::from(vec![
+        table.add_row(one_line_row(vec![
             g.source.to_string(),
             g.cause.clone(),
             g.count.to_string(),
             g.first_seen.to_rfc3339(),
             g.last_seen.to_rfc3339(),
             g.example.clone(),
-        ]);
-        row.max_height(1);
-        table.add_row(row);
+        ]));
     }
     if !groups.is_empty() {
         println!("{table}");
