@@ -392,6 +392,28 @@ async fn dispatch_ahead_hands_jobs_off_early_with_their_slot() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn dispatching_ahead_one_wake_up_hands_off_several_milliseconds_of_slots() {
+    let lane = lane_with_settings(&["1000/s"], 0, |settings| settings.orchestrator.dispatch_ahead = Some(Duration::from_millis(50)));
+    enqueue(&lane, (0..60).map(|i| job(&format!("j{i}")))).await;
+    lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    let accepted = lane.invoker.accepted();
+    let slots: Vec<u64> = accepted
+        .iter()
+        .map(|(_, p)| match p {
+            WorkerPayload::Job { slot: Some(slot), .. } => slot.not_before.0 - T0.0,
+            other => panic!("expected a job with a slot, got {other:?}"),
+        })
+        .collect();
+    assert_eq!(slots, (50..110).collect::<Vec<u64>>(), "a slot every millisecond, the first 50 ms out");
+    for ((handed_off, _), slot) in accepted.iter().zip(&slots) {
+        let ahead = slot - (handed_off.0 - T0.0);
+        assert!((50..=57).contains(&ahead), "handed off {ahead} ms before its slot");
+    }
+    let wake_ups = accepted.iter().map(|(t, _)| t.0).collect::<std::collections::BTreeSet<_>>().len();
+    assert!(wake_ups <= 11, "60 slots handed off on {wake_ups} wake-ups");
+}
+
+#[tokio::test(start_paused = true)]
 async fn without_dispatch_ahead_payloads_carry_no_slot() {
     let lane = lane(&["5/s"], 0);
     enqueue(&lane, [job("a")]).await;
