@@ -13,7 +13,7 @@ use paceline_shared::breaker::Circuit;
 use paceline_shared::config::{Backend, Config, WorkerHost};
 use paceline_shared::ports::{JobQueue, StateStore, WorkerHandler};
 use paceline_shared::time::{Clock, SystemClock, UnixMillis};
-use paceline_worker::{ApiClient, CallRecords, CallSlots, Worker, WorkerStats};
+use paceline_worker::{Api, ApiClient, CallRecords, CallSlots, Worker, WorkerStats};
 
 /// Reads the config file, with secrets from the process environment.
 ///
@@ -108,13 +108,7 @@ impl EmbeddedLane {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let worker_stats = Arc::new(WorkerStats::default());
         let api = Arc::new(ApiClient::new(&config.api)?.keeping_bodies(config.outcomes.body_cap()));
-        let worker = Worker::new(api, store.clone(), store.clone(), clock.clone(), config.retry, config.api.health_check.clone())
-            .with_stats(worker_stats.clone())
-            .with_call_slots(CallSlots::for_api(config.quota.max_in_flight(), config.api.timeout))
-            .with_api_timeout(config.api.timeout)
-            .with_call_records(CallRecords::AheadOfSlot)
-            .with_outcomes(config.outcomes.clone(), Some(store.clone()));
-        let worker: Arc<dyn WorkerHandler> = Arc::new(worker);
+        let worker: Arc<dyn WorkerHandler> = Arc::new(embedded_worker(config, &store, api, clock.clone(), worker_stats.clone()));
         let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), worker));
         let orchestrator = Orchestrator::new(store.clone(), store.clone(), invoker, clock, Settings::from_config(config, WorkerHost::InProcess));
         let settle_for = config.api.timeout + orchestrator.settings().dispatch_ahead() + Duration::from_secs(1);
@@ -194,6 +188,17 @@ impl EmbeddedLane {
     }
 }
 
+/// The worker of an embedded lane: calls `api`, keeps its queue, records and outcomes in
+/// `store`.
+fn embedded_worker(config: &Config, store: &Arc<EmbeddedStore>, api: Arc<dyn Api>, clock: Arc<dyn Clock>, stats: Arc<WorkerStats>) -> Worker {
+    Worker::new(api, store.clone(), store.clone(), clock, config.retry, config.api.health_check.clone())
+        .with_stats(stats)
+        .with_call_slots(CallSlots::for_api(config.quota.max_in_flight(), config.api.timeout))
+        .with_api_timeout(config.api.timeout)
+        .with_call_records(CallRecords::AheadOfSlot)
+        .with_outcomes(config.outcomes.clone(), Some(store.clone()))
+}
+
 /// How often the circuit's state is read for the run's timeline: a state that lasts
 /// less than this may be missed (the ramp's steps and a break last seconds).
 const CIRCUIT_WATCH_EVERY: Duration = Duration::from_millis(100);
@@ -209,5 +214,85 @@ async fn watch_circuit(store: Arc<EmbeddedStore>, changes: tokio::sync::watch::S
                 changes.send_modify(|seen| seen.push(circuit));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use async_trait::async_trait;
+    use paceline_shared::job::{ApiRequest, WorkerPayload};
+    use paceline_shared::outcome::OutcomeRecord;
+    use paceline_shared::ports::{Invoker, OutgoingMessage, PortResult};
+    use paceline_shared::time::TokioClock;
+    use paceline_worker::{ApiError, CallResult, CappedBody};
+
+    use super::*;
+
+    /// The API: answers 200 at once and records when each call arrives.
+    struct Arrivals {
+        clock: Arc<dyn Clock>,
+        at: Mutex<Vec<UnixMillis>>,
+    }
+
+    #[async_trait]
+    impl Api for Arrivals {
+        async fn call(&self, _request: &ApiRequest, _job_id: Option<&str>) -> Result<CallResult, ApiError> {
+            self.at.lock().unwrap().push(self.clock.now());
+            Ok(CallResult::Response { status: 200, headers: Vec::new(), body: CappedBody::default() })
+        }
+    }
+
+    /// The in-process hand-off of the `late`th job starts `by` late, as on a busy machine
+    /// (or in a slow debug build) the task that runs it may.
+    struct LateStart {
+        worker: Worker,
+        late: usize,
+        by: Duration,
+        started: std::sync::atomic::AtomicUsize,
+    }
+
+    #[async_trait]
+    impl WorkerHandler for LateStart {
+        async fn handle(&self, payload: WorkerPayload) -> PortResult<Option<OutcomeRecord>> {
+            if self.started.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == self.late {
+                tokio::time::sleep(self.by).await;
+            }
+            self.worker.handle(payload).await
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_in_process_hand_off_that_starts_late_still_leaves_every_window_within_the_quota() {
+        let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"10/s\"]\nsafety_margin = \"20ms\"\n";
+        let config = Config::parse(text, Path::new("."), &|_| None).unwrap();
+        let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+        let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap());
+        let jobs: Vec<OutgoingMessage> = (0..15)
+            .map(|n| OutgoingMessage {
+                body: format!(r#"{{"id":"j{n}","request":{{"method":"GET","path":"/items/{n}"}}}}"#),
+                attempt: 0,
+                delay: Duration::ZERO,
+                dedup_id: None,
+            })
+            .collect();
+        store.send(&jobs).await.unwrap();
+        let api = Arc::new(Arrivals { clock: clock.clone(), at: Mutex::default() });
+        let worker = embedded_worker(&config, &store, api.clone(), clock.clone(), Arc::default());
+        let late = Arc::new(LateStart { worker, late: 2, by: Duration::from_millis(40), started: Default::default() });
+        let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), late));
+        let orchestrator =
+            Orchestrator::new(store.clone(), store.clone(), invoker.clone(), clock.clone(), Settings::from_config(&config, WorkerHost::InProcess));
+        let opts = RunOptions { holder: "test".into(), deadline: clock.now().plus(Duration::from_secs(60)), drain: true, stop: None };
+        orchestrator.run(&opts).await.unwrap();
+        while invoker.in_flight() > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+
+        let arrivals = api.at.lock().unwrap().clone();
+        assert_eq!(arrivals.len(), 15, "every job called once");
+        let busiest = arrivals.iter().map(|from| arrivals.iter().filter(|t| **t >= *from && t.0 < from.0 + 1_000).count()).max().unwrap();
+        assert!(busiest <= 10, "{busiest} calls in one second under 10/s: {arrivals:?}");
     }
 }

@@ -1,5 +1,6 @@
 //! Dispatch benchmark: prints figures, asserts nothing (run: `cargo bench -p
-//! paceline-orchestrator --bench dispatch`).
+//! paceline-orchestrator --bench dispatch`). The lane is set up as a Lambda one is: jobs
+//! go 400 ms ahead of their slots (`dispatch_ahead`'s default there).
 //!
 //! 1. AWS requests per dispatched job, by operation, at saturation of a few quotas. The
 //!    ports are wrapped in counters that map each call to the AWS requests its adapter
@@ -205,7 +206,7 @@ async fn lane(tiers: &[&str], jobs: usize, invoke_latency: Duration, receive_lat
     let counting = Arc::new(Counting { inner: store, counts: counts.clone(), clock: clock.clone(), receive_latency });
     let quota = Quota::new(tiers.iter().map(|t| t.parse().unwrap()).collect(), chrono_tz::UTC, Duration::from_millis(10)).unwrap();
     let invoker = Arc::new(CountingInvoker { inner: RecordingInvoker::new(clock.clone()).with_latency(invoke_latency), counts: counts.clone() });
-    let settings = Settings { quota, orchestrator: OrchestratorConfig::default(), circuit: CircuitConfig::default(), workers: WorkerHost::InProcess };
+    let settings = Settings { quota, orchestrator: OrchestratorConfig::default(), circuit: CircuitConfig::default(), workers: WorkerHost::Lambda };
     let orchestrator = Orchestrator::new(counting.clone(), counting, invoker, clock, settings);
     Bench { orchestrator, counts }
 }

@@ -1191,7 +1191,7 @@ mod tests {
         let quota = Quota::new(vec!["5/s".parse().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
         Settings {
             quota,
-            orchestrator: OrchestratorConfig::default(),
+            orchestrator: OrchestratorConfig { dispatch_ahead: Some(Duration::ZERO), ..OrchestratorConfig::default() },
             circuit: CircuitConfig { health_check_interval: Duration::from_secs(2), ..CircuitConfig::default() },
             workers: WorkerHost::InProcess,
         }

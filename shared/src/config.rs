@@ -149,10 +149,19 @@ pub struct OrchestratorConfig {
 /// the provider. The AWS lane, the template's default and the simulator all use it.
 pub const LAMBDA_DISPATCH_AHEAD: Duration = Duration::from_millis(400);
 
+/// How long before its slot a job goes to an in-process worker unless configured: the
+/// hand-off's own work before the call (the invocation's write, the task's start, the
+/// claim's write) then happens before the slot, and the worker calls at the slot itself.
+/// At the slot, a hand-off that ran late on a busy machine (or in a debug build) put its
+/// call that much closer to the next window's and a strict provider saw 11 calls in a
+/// second under 10/s.
+pub const IN_PROCESS_DISPATCH_AHEAD: Duration = Duration::from_millis(50);
+
 /// Where a lane's workers run, which sets the default `dispatch_ahead`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WorkerHost {
-    /// In the orchestrator's process (`paceline run`, the demo): no start delay.
+    /// In the orchestrator's process (`paceline run`, the demo): no start delay, but a
+    /// hand-off's own work (and a busy scheduler) before the call.
     InProcess,
     /// Lambda functions, invoked asynchronously.
     Lambda,
@@ -392,11 +401,12 @@ fn at_least(field: &'static str, value: Duration, least: Duration) -> Result<(),
 
 impl OrchestratorConfig {
     /// `dispatch_ahead` as configured, or else the default where the workers run:
-    /// [`LAMBDA_DISPATCH_AHEAD`] for Lambda functions, none in one process.
+    /// [`LAMBDA_DISPATCH_AHEAD`] for Lambda functions, [`IN_PROCESS_DISPATCH_AHEAD`] in
+    /// one process.
     #[must_use]
     pub fn dispatch_ahead(&self, workers: WorkerHost) -> Duration {
         self.dispatch_ahead.unwrap_or(match workers {
-            WorkerHost::InProcess => Duration::ZERO,
+            WorkerHost::InProcess => IN_PROCESS_DISPATCH_AHEAD,
             WorkerHost::Lambda => LAMBDA_DISPATCH_AHEAD,
         })
     }
@@ -762,7 +772,7 @@ mod tests {
     #[test]
     fn dispatch_ahead_defaults_to_where_the_workers_run() {
         let unset = parse(MINIMAL).unwrap().orchestrator;
-        assert_eq!(unset.dispatch_ahead(WorkerHost::InProcess), Duration::ZERO);
+        assert_eq!(unset.dispatch_ahead(WorkerHost::InProcess), IN_PROCESS_DISPATCH_AHEAD);
         assert_eq!(unset.dispatch_ahead(WorkerHost::Lambda), LAMBDA_DISPATCH_AHEAD);
         let at_slot = parse(&format!("{MINIMAL}[orchestrator]\ndispatch_ahead = \"0s\"\n")).unwrap().orchestrator;
         assert_eq!(at_slot.dispatch_ahead(WorkerHost::Lambda), Duration::ZERO);

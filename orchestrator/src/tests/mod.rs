@@ -35,7 +35,8 @@ fn lane_built(tiers: &[&str], margin_ms: u64, invoker: impl FnOnce(Arc<TokioCloc
     let quota = Quota::new(tiers.iter().map(|t| t.parse().unwrap()).collect(), chrono_tz::UTC, Duration::from_millis(margin_ms)).unwrap();
     let mut settings = Settings {
         quota,
-        orchestrator: OrchestratorConfig { deadline_margin: Duration::from_secs(1), ..OrchestratorConfig::default() },
+        // At the slot unless a test sets `dispatch_ahead`.
+        orchestrator: OrchestratorConfig { deadline_margin: Duration::from_secs(1), dispatch_ahead: Some(Duration::ZERO), ..OrchestratorConfig::default() },
         circuit: CircuitConfig { health_check_interval: Duration::from_secs(2), ..CircuitConfig::default() },
         workers: WorkerHost::InProcess,
     };
