@@ -219,30 +219,14 @@ async fn watch_circuit(store: Arc<EmbeddedStore>, changes: tokio::sync::watch::S
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-
     use async_trait::async_trait;
-    use paceline_shared::job::{ApiRequest, WorkerPayload};
+    use paceline_shared::job::WorkerPayload;
     use paceline_shared::outcome::OutcomeRecord;
     use paceline_shared::ports::{Invoker, OutgoingMessage, PortResult};
     use paceline_shared::time::TokioClock;
-    use paceline_worker::{ApiError, CallResult, CappedBody};
+    use paceline_worker::testing::InstantApi;
 
     use super::*;
-
-    /// The API: answers 200 at once and records when each call arrives.
-    struct Arrivals {
-        clock: Arc<dyn Clock>,
-        at: Mutex<Vec<UnixMillis>>,
-    }
-
-    #[async_trait]
-    impl Api for Arrivals {
-        async fn call(&self, _request: &ApiRequest, _job_id: Option<&str>) -> Result<CallResult, ApiError> {
-            self.at.lock().unwrap().push(self.clock.now());
-            Ok(CallResult::Response { status: 200, headers: Vec::new(), body: CappedBody::default() })
-        }
-    }
 
     /// The in-process hand-off of the `late`th job starts `by` late, as on a busy machine
     /// (or in a slow debug build) the task that runs it may.
@@ -278,7 +262,7 @@ mod tests {
             })
             .collect();
         store.send(&jobs).await.unwrap();
-        let api = Arc::new(Arrivals { clock: clock.clone(), at: Mutex::default() });
+        let api = Arc::new(InstantApi::new(clock.clone()));
         let worker = embedded_worker(&config, &store, api.clone(), clock.clone(), Arc::default());
         let late = Arc::new(LateStart { worker, late: 2, by: Duration::from_millis(40), started: Default::default() });
         let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), late));
@@ -290,7 +274,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
 
-        let arrivals = api.at.lock().unwrap().clone();
+        let arrivals = api.calls();
         assert_eq!(arrivals.len(), 15, "every job called once");
         let busiest = arrivals.iter().map(|from| arrivals.iter().filter(|t| **t >= *from && t.0 < from.0 + 1_000).count()).max().unwrap();
         assert!(busiest <= 10, "{busiest} calls in one second under 10/s: {arrivals:?}");

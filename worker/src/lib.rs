@@ -26,6 +26,8 @@ pub mod classify;
 pub mod http;
 #[cfg(feature = "lambda")]
 pub mod lambda;
+#[cfg(any(test, feature = "test-util"))]
+pub mod testing;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -12,6 +12,8 @@ use paceline_shared::outcome::{Ending, OutcomeRecord, OutcomeSettings};
 use paceline_shared::ports::{call_record_key, CallClaim};
 use paceline_shared::time::TokioClock;
 
+use crate::testing::InstantApi;
+
 use super::*;
 
 /// Answers `/v1/status/CODE` with CODE and a JSON body naming the path (429s carry
@@ -237,24 +239,10 @@ async fn a_healthy_check_half_opens_the_circuit_but_a_stale_one_cannot() {
     assert_eq!(WorkerStats::get(&worker.stats.circuit_closed), 1);
 }
 
-/// Answers 200 at once and records when each call was made.
-struct InstantApi {
-    clock: Arc<dyn Clock>,
-    calls: Mutex<Vec<UnixMillis>>,
-}
-
-#[async_trait]
-impl Api for InstantApi {
-    async fn call(&self, _request: &ApiRequest, _job_id: Option<&str>) -> Result<CallResult, ApiError> {
-        self.calls.lock().unwrap().push(self.clock.now());
-        Ok(CallResult::Response { status: 200, headers: Vec::new(), body: CappedBody::default() })
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn a_slotted_job_calls_at_its_slot_and_a_late_one_is_requeued_without_calling() {
     let (mut worker, store) = new_worker("http://127.0.0.1:9/v1");
-    let api = Arc::new(InstantApi { clock: worker.clock.clone(), calls: Mutex::default() });
+    let api = Arc::new(InstantApi::new(worker.clock.clone()));
     worker.api = api.clone();
     let t0 = worker.clock.now();
     // Each payload is another attempt: one attempt calls once at most.
@@ -271,16 +259,16 @@ async fn a_slotted_job_calls_at_its_slot_and_a_late_one_is_requeued_without_call
         }
     };
     worker.handle(slotted(t0.plus(Duration::from_millis(250)), 1)).await.unwrap();
-    assert_eq!(*api.calls.lock().unwrap(), vec![t0.plus(Duration::from_millis(250))], "waits for the slot, then calls");
+    assert_eq!(api.calls(), vec![t0.plus(Duration::from_millis(250))], "waits for the slot, then calls");
 
     tokio::time::advance(Duration::from_millis(100)).await;
     worker.handle(slotted(t0.plus(Duration::from_millis(300)), 2)).await.unwrap();
-    assert_eq!(api.calls.lock().unwrap().len(), 1, "started 50 ms after the slot: no call");
+    assert_eq!(api.calls().len(), 1, "started 50 ms after the slot: no call");
     assert_eq!(WorkerStats::get(&worker.stats.missed_slots), 1);
     assert_eq!(requeued(&store).await, vec![("job-200".to_string(), 2)], "re-queued; the attempt does not count");
     // Its claim on the call was dropped: the re-queued attempt calls when it comes.
     worker.handle(slotted(worker.clock.now(), 2)).await.unwrap();
-    assert_eq!(api.calls.lock().unwrap().len(), 2);
+    assert_eq!(api.calls().len(), 2);
 }
 
 #[tokio::test]
