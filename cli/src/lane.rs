@@ -11,7 +11,7 @@ use paceline_orchestrator::{Orchestrator, RunOptions, RunReport, Settings};
 use paceline_shared::adapters::embedded::{canonical_db_path, lock_exclusive, EmbeddedInvoker, EmbeddedStore};
 use paceline_shared::breaker::Circuit;
 use paceline_shared::config::{Backend, Config, WorkerHost};
-use paceline_shared::ports::{JobQueue, StateStore, WorkerHandler};
+use paceline_shared::ports::{Invoker, JobQueue, StateStore, WorkerHandler};
 use paceline_shared::time::{Clock, SystemClock, UnixMillis};
 use paceline_worker::{Api, ApiClient, CallRecords, CallSlots, Worker, WorkerStats};
 
@@ -110,7 +110,7 @@ impl EmbeddedLane {
         let api = Arc::new(ApiClient::new(&config.api)?.keeping_bodies(config.outcomes.body_cap()));
         let worker: Arc<dyn WorkerHandler> = Arc::new(embedded_worker(config, &store, api, clock.clone(), worker_stats.clone()));
         let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), worker));
-        let orchestrator = Orchestrator::new(store.clone(), store.clone(), invoker, clock, Settings::from_config(config, WorkerHost::InProcess));
+        let orchestrator = embedded_orchestrator(config, &store, invoker, clock);
         let settle_for = config.api.timeout + orchestrator.settings().dispatch_ahead() + Duration::from_secs(1);
         Ok(Self { store, orchestrator, worker_stats, settle_for, _lock: lock })
     }
@@ -199,6 +199,13 @@ fn embedded_worker(config: &Config, store: &Arc<EmbeddedStore>, api: Arc<dyn Api
         .with_outcomes(config.outcomes.clone(), Some(store.clone()))
 }
 
+/// The orchestrator of an embedded lane: its queue and state in `store`, handing off
+/// through `invoker`.
+fn embedded_orchestrator(config: &Config, store: &Arc<EmbeddedStore>, invoker: Arc<dyn Invoker>, clock: Arc<dyn Clock>) -> Orchestrator {
+    Orchestrator::new(store.clone(), store.clone(), invoker, clock, Settings::from_config(config, WorkerHost::InProcess))
+        .with_outcomes(config.outcomes.clone(), store.clone())
+}
+
 /// How often the circuit's state is read for the run's timeline: a state that lasts
 /// less than this may be missed (the ramp's steps and a break last seconds).
 const CIRCUIT_WATCH_EVERY: Duration = Duration::from_millis(100);
@@ -220,9 +227,11 @@ async fn watch_circuit(store: Arc<EmbeddedStore>, changes: tokio::sync::watch::S
 #[cfg(test)]
 mod tests {
     use async_trait::async_trait;
+    use paceline_shared::adapters::embedded::OutcomeQuery;
     use paceline_shared::job::WorkerPayload;
     use paceline_shared::outcome::OutcomeRecord;
-    use paceline_shared::ports::{Invoker, OutgoingMessage, PortResult};
+    use paceline_shared::outcome::StatusFilter;
+    use paceline_shared::ports::{OutgoingMessage, PortResult};
     use paceline_shared::time::TokioClock;
     use paceline_worker::testing::InstantApi;
 
@@ -266,8 +275,7 @@ mod tests {
         let worker = embedded_worker(&config, &store, api.clone(), clock.clone(), Arc::default());
         let late = Arc::new(LateStart { worker, late: 2, by: Duration::from_millis(40), started: Default::default() });
         let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), late));
-        let orchestrator =
-            Orchestrator::new(store.clone(), store.clone(), invoker.clone(), clock.clone(), Settings::from_config(&config, WorkerHost::InProcess));
+        let orchestrator = embedded_orchestrator(&config, &store, invoker.clone(), clock.clone());
         let opts = RunOptions { holder: "test".into(), deadline: clock.now().plus(Duration::from_secs(60)), drain: true, stop: None };
         orchestrator.run(&opts).await.unwrap();
         while invoker.in_flight() > 0 {
@@ -278,5 +286,39 @@ mod tests {
         assert_eq!(arrivals.len(), 15, "every job called once");
         let busiest = arrivals.iter().map(|from| arrivals.iter().filter(|t| **t >= *from && t.0 < from.0 + 1_000).count()).max().unwrap();
         assert!(busiest <= 10, "{busiest} calls in one second under 10/s: {arrivals:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_job_the_orchestrator_dead_letters_gets_its_outcome_record_like_one_the_worker_does() {
+        let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"10/s\"]\n";
+        let config = Config::parse(text, Path::new("."), &|_| None).unwrap();
+        let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+        let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap());
+        let bodies = [
+            r#"{"id":"too-big","request":{"method":"GET","path":"/items/1"},"cost":20,"metadata":{"batch":7}}"#,
+            r#"{"id":"fits","request":{"method":"GET","path":"/items/2"}}"#,
+        ];
+        let jobs: Vec<OutgoingMessage> =
+            bodies.iter().map(|body| OutgoingMessage { body: (*body).into(), attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
+        store.send(&jobs).await.unwrap();
+        let worker = embedded_worker(&config, &store, Arc::new(InstantApi::new(clock.clone())), clock.clone(), Arc::default());
+        let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), Arc::new(worker)));
+        let orchestrator = embedded_orchestrator(&config, &store, invoker.clone(), clock.clone());
+        let opts = RunOptions { holder: "test".into(), deadline: clock.now().plus(Duration::from_secs(60)), drain: true, stop: None };
+        orchestrator.run(&opts).await.unwrap();
+        while invoker.in_flight() > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+
+        let dead = OutcomeQuery { status: Some(StatusFilter::Dead), limit: 10, ..OutcomeQuery::default() };
+        let records: Vec<OutcomeRecord> = store.outcomes(&dead).unwrap().into_iter().map(|kept| kept.record).collect();
+        assert_eq!(records.len(), 1, "{records:?}");
+        let record = &records[0];
+        assert_eq!((record.job_id.as_str(), record.status, record.attempts), ("too-big", None, 0));
+        assert_eq!(record.metadata, Some(serde_json::json!({ "batch": 7 })));
+        assert!(record.reason.as_deref().is_some_and(|r| r.starts_with("never_fits: cost 20")), "{:?}", record.reason);
+        assert!(record.times.enqueued.is_some());
+        let all = OutcomeQuery { limit: 10, ..OutcomeQuery::default() };
+        assert_eq!(store.outcomes(&all).unwrap().len(), 2, "the job that fit succeeded and has its record too");
     }
 }

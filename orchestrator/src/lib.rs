@@ -29,7 +29,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use paceline_shared::config::{CircuitConfig, Config, OrchestratorConfig, WorkerHost};
-use paceline_shared::ports::{load_calendar_usage, Invoker, JobQueue, PortError, PortResult, StateStore, CALL_SLOTS_FULL_KEY};
+use paceline_shared::job::{DeadLetterReason, Job};
+use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, OutcomeTimes};
+use paceline_shared::ports::{load_calendar_usage, Invoker, JobQueue, OutcomeSink, PortError, PortResult, QueuedMessage, StateStore, CALL_SLOTS_FULL_KEY};
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, UnixMillis};
 use tokio::task::{JoinError, JoinSet};
@@ -116,6 +118,13 @@ impl RunError {
     }
 }
 
+/// Where the outcome records of the jobs the orchestrator dead-letters go, and what
+/// they keep.
+struct KeptOutcomes {
+    settings: OutcomeSettings,
+    sink: Arc<dyn OutcomeSink>,
+}
+
 /// The drain loop's dependencies, built once (in Lambda, at cold start).
 pub struct Orchestrator {
     queue: Arc<dyn JobQueue>,
@@ -124,12 +133,34 @@ pub struct Orchestrator {
     clock: Arc<dyn Clock>,
     settings: Settings,
     progress: Arc<Progress>,
+    outcomes: Option<KeptOutcomes>,
 }
 
 impl Orchestrator {
     #[must_use]
     pub fn new(queue: Arc<dyn JobQueue>, store: Arc<dyn StateStore>, invoker: Arc<dyn Invoker>, clock: Arc<dyn Clock>, settings: Settings) -> Self {
-        Self { queue, store, invoker, clock, settings, progress: Arc::default() }
+        Self { queue, store, invoker, clock, settings, progress: Arc::default(), outcomes: None }
+    }
+
+    /// The same orchestrator giving the jobs it dead-letters itself (a cost no tier can
+    /// hold, a payload over the invoker's limit) an outcome record as the worker gives
+    /// its own: kept in `sink` and carried by the dead letter. Without it (on AWS, where
+    /// records go to the worker's results destination) they have none.
+    #[must_use]
+    pub fn with_outcomes(self, settings: OutcomeSettings, sink: Arc<dyn OutcomeSink>) -> Self {
+        Self { outcomes: Some(KeptOutcomes { settings, sink }), ..self }
+    }
+
+    /// The outcome record of `job`, dead-lettered from `message` for `reason` without a
+    /// call, if this orchestrator keeps records and the job gets one.
+    fn outcome_of_dead_letter(&self, job: &Job, message: &QueuedMessage, reason: &DeadLetterReason) -> Option<OutcomeRecord> {
+        let kept = self.outcomes.as_ref()?;
+        if !kept.settings.records(job, Ending::DeadLettered) {
+            return None;
+        }
+        let times = OutcomeTimes { enqueued: Some(job.enqueued_at.unwrap_or(message.enqueued_at)), ..OutcomeTimes::default() };
+        let record = OutcomeRecord::new(job, Ending::DeadLettered, message.attempt, &Answer::default(), &kept.settings.headers, times);
+        Some(record.because(OutcomeRecord::dead_letter_reason(reason)))
     }
 
     /// The same orchestrator handing off through `invoker`.
@@ -285,9 +316,17 @@ impl Executor<'_> {
                 let result = o.store.add_usage(&deltas).await;
                 Event::Reserved(needed, result)
             }
-            Action::DeadLetter(message, reason) => {
+            Action::DeadLetter(message, mut reason, job) => {
                 warn!(message_id = %message.message_id, cause = %reason.cause.label(), detail = %reason.detail, "dead-lettered");
+                let record = job.and_then(|job| o.outcome_of_dead_letter(&job, &message, &reason));
+                reason.outcome = record.clone().map(Box::new);
                 let result = o.queue.dead_letter(&message.message_id, &message.body, message.attempt, &reason).await;
+                if let (Ok(()), Some(record), Some(kept)) = (&result, &record, &o.outcomes) {
+                    // The dead letter carries the record: a failed write loses nothing.
+                    if let Err(e) = kept.sink.record_outcome(record).await {
+                        warn!(error = %e, job_id = %record.job_id, "could not keep the dead-lettered job's outcome record; its dead letter carries it");
+                    }
+                }
                 Event::DeadLettered(message, result)
             }
             Action::Release(receipts) => Event::Released(receipts.len(), in_batches(&receipts, |batch| o.queue.release(batch)).await),

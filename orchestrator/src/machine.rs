@@ -105,8 +105,9 @@ pub(crate) enum Action {
     Flush(Lease, PacerSnapshot),
     /// Add these calendar units to the store before they are spent (await it).
     Reserve(Vec<(String, u64)>),
-    /// Move a message to the jobs DLQ with its reason (await it).
-    DeadLetter(QueuedMessage, DeadLetterReason),
+    /// Move a message to the jobs DLQ with its reason (await it); its job where it parsed
+    /// (for the job's outcome record).
+    DeadLetter(QueuedMessage, DeadLetterReason, Option<Box<Job>>),
     /// Make these received messages visible again (await it).
     Release(Vec<String>),
     /// Receive up to `max` messages, waiting up to `wait` for the first (background):
@@ -284,7 +285,7 @@ pub(crate) struct DrainState<'a> {
     buffer: VecDeque<InHand>,
     pending_deletes: Vec<String>,
     /// Messages to dead-letter whose reason came back from a hand-off.
-    to_dead_letter: VecDeque<(QueuedMessage, DeadLetterReason)>,
+    to_dead_letter: VecDeque<(QueuedMessage, DeadLetterReason, Option<Box<Job>>)>,
     /// Calendar units reserved in the store and not yet spent, by usage key.
     reserved: BTreeMap<String, u64>,
     timers: TimerTable,
@@ -546,8 +547,8 @@ impl<'a> DrainState<'a> {
         if self.timers.is_expired(Timer::Stop, now) {
             return self.stop_with(StopReason::Deadline);
         }
-        if let Some((message, reason)) = self.to_dead_letter.pop_front() {
-            return Action::DeadLetter(message, reason);
+        if let Some((message, reason, job)) = self.to_dead_letter.pop_front() {
+            return Action::DeadLetter(message, reason, job);
         }
         if self.timers.is_expired(Timer::Renew, now) {
             self.timers.stop(Timer::Renew);
@@ -620,7 +621,7 @@ impl<'a> DrainState<'a> {
             Err(why) => {
                 let why = why.clone();
                 let in_hand = self.buffer.pop_front().expect("the message in hand");
-                return Action::DeadLetter(in_hand.message, DeadLetterReason { cause: DeadLetterCause::Malformed, detail: why, outcome: None });
+                return Action::DeadLetter(in_hand.message, DeadLetterReason { cause: DeadLetterCause::Malformed, detail: why, outcome: None }, None);
             }
         };
         if let Some(until) = self.dispatch_held_until(now) {
@@ -641,7 +642,8 @@ impl<'a> DrainState<'a> {
             Decision::Never { tier } => {
                 let in_hand = self.buffer.pop_front().expect("the message in hand");
                 let detail = format!("cost {cost} exceeds the whole {tier} tier");
-                Action::DeadLetter(in_hand.message, DeadLetterReason { cause: DeadLetterCause::NeverFits, detail, outcome: None })
+                let job = in_hand.job.ok().map(Box::new);
+                Action::DeadLetter(in_hand.message, DeadLetterReason { cause: DeadLetterCause::NeverFits, detail, outcome: None }, job)
             }
             Decision::WaitUntil { at, by } => {
                 self.note_hold(at, by);
@@ -979,7 +981,11 @@ impl<'a> DrainState<'a> {
             }
             Err(PortError::TooLarge(why)) => {
                 let detail = format!("the worker payload is over the invoker's limit: {why}");
-                self.to_dead_letter.push_back((hand_off.message, DeadLetterReason { cause: DeadLetterCause::Malformed, detail, outcome: None }));
+                let job = match payload {
+                    WorkerPayload::Job { job, .. } => Some(Box::new(job)),
+                    WorkerPayload::HealthCheck { .. } => None,
+                };
+                self.to_dead_letter.push_back((hand_off.message, DeadLetterReason { cause: DeadLetterCause::Malformed, detail, outcome: None }, job));
                 Ok(())
             }
             Err(e) => {
