@@ -236,10 +236,10 @@ impl Quota {
             ready = state.hold_until;
             by = Some(Hold::CoolDown);
         }
+        if let Some(tier) = self.tier_too_small_for(cost) {
+            return Decision::Never { tier: *tier };
+        }
         for (index, (tier, tier_state)) in self.tiers().iter().zip(&state.tiers).enumerate() {
-            if cost > tier.max_cost() {
-                return Decision::Never { tier: *tier };
-            }
             let tier_ready = match &tier_state.rolling {
                 Some(rolling) => {
                     let rules = self.rules(index, tier);

@@ -320,6 +320,13 @@ impl Quota {
         self.spacing
     }
 
+    /// The first tier a job of `cost` units can never fit in (over its whole limit, or
+    /// its bucket for a `burst` tier), if one.
+    #[must_use]
+    pub fn tier_too_small_for(&self, cost: u64) -> Option<&Tier> {
+        self.tiers.iter().find(|tier| cost > tier.max_cost())
+    }
+
     /// Every tier, in the order given.
     #[must_use]
     pub fn tiers(&self) -> &[Tier] {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
-use paceline_shared::config::RequestLimits;
+use paceline_shared::config::{Config, RequestLimits};
 use paceline_shared::job::Job;
 use paceline_shared::ports::OutgoingMessage;
 
@@ -33,19 +33,31 @@ struct Enqueued<'a> {
     rejected: &'a [String],
 }
 
+/// What the lane's configuration forbids `job`: its request breaks the lane's
+/// [`RequestLimits`], or its cost is over a whole tier (the orchestrator would
+/// dead-letter it).
+fn check_for_lane(job: &Job, config: &Config, limits: &RequestLimits) -> Result<(), String> {
+    limits.check(&job.request)?;
+    match config.quota.tier_too_small_for(job.cost) {
+        Some(tier) => Err(format!("cost {} exceeds the whole {tier} tier: it could never be called", job.cost)),
+        None => Ok(()),
+    }
+}
+
 /// The good jobs and the numbered complaints about the bad lines; with the lane's
-/// [`RequestLimits`], a job that breaks them is a bad line too.
+/// configuration, a job it forbids ([`check_for_lane`]) is a bad line too.
 #[must_use]
-pub fn parse_lines(lines: impl Iterator<Item = std::io::Result<String>>, limits: Option<&RequestLimits>) -> (Vec<Job>, Vec<String>) {
+pub fn parse_lines(lines: impl Iterator<Item = std::io::Result<String>>, lane: Option<&Config>) -> (Vec<Job>, Vec<String>) {
+    let limits = lane.map(|config| config.api.request_limits());
     let mut jobs = Vec::new();
     let mut errors = Vec::new();
     for (index, line) in lines.enumerate() {
         let number = index + 1;
         match line {
             Ok(line) if line.trim().is_empty() => {}
-            Ok(line) => match Job::parse(&line).map_err(|e| e.to_string()).and_then(|job| match limits {
-                Some(limits) => limits.check(&job.request).map(|()| job),
-                None => Ok(job),
+            Ok(line) => match Job::parse(&line).map_err(|e| e.to_string()).and_then(|job| match (lane, &limits) {
+                (Some(config), Some(limits)) => check_for_lane(&job, config, limits).map(|()| job),
+                _ => Ok(job),
             }) {
                 Ok(job) => jobs.push(job),
                 Err(e) => errors.push(format!("line {number}: {e}")),
@@ -62,13 +74,13 @@ impl EnqueueArgs {
     /// ones were sent).
     pub async fn run(self) -> anyhow::Result<()> {
         let lane = self.lane.open().await?;
-        let limits = lane.config.as_ref().map(|config| config.api.request_limits());
+        let config = lane.config.as_ref();
         let (jobs, errors) = match self.file.as_deref() {
-            None => parse_lines(std::io::stdin().lock().lines(), limits.as_ref()),
-            Some(path) if path.as_os_str() == "-" => parse_lines(std::io::stdin().lock().lines(), limits.as_ref()),
+            None => parse_lines(std::io::stdin().lock().lines(), config),
+            Some(path) if path.as_os_str() == "-" => parse_lines(std::io::stdin().lock().lines(), config),
             Some(path) => {
                 let file = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
-                parse_lines(std::io::BufReader::new(file).lines(), limits.as_ref())
+                parse_lines(std::io::BufReader::new(file).lines(), config)
             }
         };
         if !self.json {
@@ -122,9 +134,19 @@ mod tests {
         let config = paceline_shared::config::Config::parse(text, std::path::Path::new("."), &|_| None).unwrap();
         let big = format!("{{\"request\":{{\"method\":\"POST\",\"path\":\"/a\",\"body\":\"{}\"}}}}", "x".repeat(100));
         let input = format!("{big}\n{{\"request\":{{\"method\":\"GET\",\"path\":\"/a\",\"headers\":{{\"x-lane\":\"forged\"}}}}}}\n{{\"request\":{{\"method\":\"GET\",\"path\":\"/a\"}}}}\n");
-        let (jobs, errors) = parse_lines(std::io::Cursor::new(input).lines(), Some(&config.api.request_limits()));
+        let (jobs, errors) = parse_lines(std::io::Cursor::new(input).lines(), Some(&config));
         assert_eq!(jobs.len(), 1);
         assert!(errors[0].starts_with("line 1: request.body: 102 bytes, over api.max_body (64 bytes)"), "{}", errors[0]);
         assert!(errors[1].starts_with("line 2: request.headers: `x-lane`"), "{}", errors[1]);
+    }
+
+    #[test]
+    fn a_job_whose_cost_a_tier_can_never_hold_is_refused_with_its_line_number() {
+        let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"10/s\", \"5/min burst=3\"]\n";
+        let config = paceline_shared::config::Config::parse(text, std::path::Path::new("."), &|_| None).unwrap();
+        let input = "{\"id\":\"a\",\"request\":{\"method\":\"GET\",\"path\":\"/a\"},\"cost\":3}\n{\"id\":\"b\",\"request\":{\"method\":\"GET\",\"path\":\"/b\"},\"cost\":4}\n";
+        let (jobs, errors) = parse_lines(std::io::Cursor::new(input).lines(), Some(&config));
+        assert_eq!(jobs.iter().map(|job| job.id.as_str()).collect::<Vec<_>>(), vec!["a"]);
+        assert_eq!(errors, vec!["line 2: cost 4 exceeds the whole 5/min burst=3 tier: it could never be called".to_owned()]);
     }
 }
