@@ -71,6 +71,9 @@ pub struct Summary {
     pub health_checks: u64,
     pub succeeded: u64,
     pub requeued: u64,
+    /// Of the re-queued, jobs whose worker started after its slot's last moment (a busy
+    /// machine): they made no call, and go again.
+    pub missed_slots: u64,
     pub rate_limited: u64,
     /// Dead-lettered during this run, by the orchestrator (malformed, never fits) and by
     /// workers (4xx, attempts exhausted).
@@ -104,6 +107,7 @@ impl Summary {
             health_checks: r.health_checks,
             succeeded: WorkerStats::get(&w.succeeded),
             requeued: WorkerStats::get(&w.requeued),
+            missed_slots: WorkerStats::get(&w.missed_slots),
             rate_limited: WorkerStats::get(&w.rate_limited),
             dead_lettered: r.dead_lettered + WorkerStats::get(&w.dead_lettered),
             dead_letters_total: outcome.dead_letters_total,
@@ -163,6 +167,9 @@ impl Summary {
         out += &format!("  dispatched     {:>7}   (+ {} health checks)\n", self.dispatched, self.health_checks);
         out += &format!("  succeeded      {:>7}\n", self.succeeded);
         out += &format!("  re-queued      {:>7}\n", self.requeued);
+        if self.missed_slots > 0 {
+            out += &format!("    {} of them started after their slot (a busy machine) and made no call\n", self.missed_slots);
+        }
         out += &format!("  answered 429   {:>7}   (each one means the configured quota is above the API's)\n", self.rate_limited);
         out += &format!("  dead-lettered  {:>7}   ({} in the DLQ in all)\n", self.dead_lettered, self.dead_letters_total);
         out += &format!("  circuit        {}\n", self.circuit_story());
@@ -209,6 +216,7 @@ mod tests {
             health_checks: 0,
             succeeded: 0,
             requeued: 0,
+            missed_slots: 0,
             rate_limited: 0,
             dead_lettered: 0,
             dead_letters_total: 0,
