@@ -229,8 +229,7 @@ mod tests {
     use async_trait::async_trait;
     use paceline_shared::adapters::embedded::OutcomeQuery;
     use paceline_shared::job::WorkerPayload;
-    use paceline_shared::outcome::OutcomeRecord;
-    use paceline_shared::outcome::StatusFilter;
+    use paceline_shared::outcome::{OutcomeRecord, StatusFilter};
     use paceline_shared::ports::{OutgoingMessage, PortResult};
     use paceline_shared::time::TokioClock;
     use paceline_worker::testing::InstantApi;
@@ -256,31 +255,33 @@ mod tests {
         }
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn an_in_process_hand_off_that_starts_late_still_leaves_every_window_within_the_quota() {
-        let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"10/s\"]\nsafety_margin = \"20ms\"\n";
-        let config = Config::parse(text, Path::new("."), &|_| None).unwrap();
+    /// Drains `bodies` through an embedded lane with `quota` (its `[quota]` lines) in one
+    /// run under paused time, until every worker is done; `handler` is the worker as the
+    /// in-process invoker runs it. Returns the store and the API the worker called.
+    async fn drain(quota: &str, bodies: Vec<String>, handler: impl FnOnce(Worker) -> Arc<dyn WorkerHandler>) -> (Arc<EmbeddedStore>, Arc<InstantApi>) {
+        let text = format!("[api]\nbase_url = \"https://api.example.com\"\n[quota]\n{quota}");
+        let config = Config::parse(&text, Path::new("."), &|_| None).unwrap();
         let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
         let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap());
-        let jobs: Vec<OutgoingMessage> = (0..15)
-            .map(|n| OutgoingMessage {
-                body: format!(r#"{{"id":"j{n}","request":{{"method":"GET","path":"/items/{n}"}}}}"#),
-                attempt: 0,
-                delay: Duration::ZERO,
-                dedup_id: None,
-            })
-            .collect();
+        let jobs: Vec<OutgoingMessage> = bodies.into_iter().map(|body| OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
         store.send(&jobs).await.unwrap();
         let api = Arc::new(InstantApi::new(clock.clone()));
         let worker = embedded_worker(&config, &store, api.clone(), clock.clone(), Arc::default());
-        let late = Arc::new(LateStart { worker, late: 2, by: Duration::from_millis(40), started: Default::default() });
-        let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), late));
+        let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), handler(worker)));
         let orchestrator = embedded_orchestrator(&config, &store, invoker.clone(), clock.clone());
         let opts = RunOptions { holder: "test".into(), deadline: clock.now().plus(Duration::from_secs(60)), drain: true, stop: None };
         orchestrator.run(&opts).await.unwrap();
         while invoker.in_flight() > 0 {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        (store, api)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_in_process_hand_off_that_starts_late_still_leaves_every_window_within_the_quota() {
+        let bodies = (0..15).map(|n| format!(r#"{{"id":"j{n}","request":{{"method":"GET","path":"/items/{n}"}}}}"#)).collect();
+        let late = |worker| -> Arc<dyn WorkerHandler> { Arc::new(LateStart { worker, late: 2, by: Duration::from_millis(40), started: Default::default() }) };
+        let (_, api) = drain("tiers = [\"10/s\"]\nsafety_margin = \"20ms\"\n", bodies, late).await;
 
         let arrivals = api.calls();
         assert_eq!(arrivals.len(), 15, "every job called once");
@@ -290,25 +291,11 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_job_the_orchestrator_dead_letters_gets_its_outcome_record_like_one_the_worker_does() {
-        let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"10/s\"]\n";
-        let config = Config::parse(text, Path::new("."), &|_| None).unwrap();
-        let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
-        let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap());
-        let bodies = [
-            r#"{"id":"too-big","request":{"method":"GET","path":"/items/1"},"cost":20,"metadata":{"batch":7}}"#,
-            r#"{"id":"fits","request":{"method":"GET","path":"/items/2"}}"#,
+        let bodies = vec![
+            r#"{"id":"too-big","request":{"method":"GET","path":"/items/1"},"cost":20,"metadata":{"batch":7}}"#.to_owned(),
+            r#"{"id":"fits","request":{"method":"GET","path":"/items/2"}}"#.to_owned(),
         ];
-        let jobs: Vec<OutgoingMessage> =
-            bodies.iter().map(|body| OutgoingMessage { body: (*body).into(), attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
-        store.send(&jobs).await.unwrap();
-        let worker = embedded_worker(&config, &store, Arc::new(InstantApi::new(clock.clone())), clock.clone(), Arc::default());
-        let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), Arc::new(worker)));
-        let orchestrator = embedded_orchestrator(&config, &store, invoker.clone(), clock.clone());
-        let opts = RunOptions { holder: "test".into(), deadline: clock.now().plus(Duration::from_secs(60)), drain: true, stop: None };
-        orchestrator.run(&opts).await.unwrap();
-        while invoker.in_flight() > 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let (store, _) = drain("tiers = [\"10/s\"]\n", bodies, |worker| Arc::new(worker)).await;
 
         let dead = OutcomeQuery { status: Some(StatusFilter::Dead), limit: 10, ..OutcomeQuery::default() };
         let records: Vec<OutcomeRecord> = store.outcomes(&dead).unwrap().into_iter().map(|kept| kept.record).collect();
