@@ -8,6 +8,7 @@ use paceline_cli::commands::{
     dlq::DlqArgs,
     enqueue::EnqueueArgs,
     kick::KickArgs,
+    rate::RateArgs,
     results::ResultsArgs,
     run::RunArgs,
     simulate::{OverQuota, SimulateArgs, EXIT_OVER_QUOTA},
@@ -44,6 +45,7 @@ enum Command {
     Dlq(DlqArgs),
     Circuit(CircuitArgs),
     Kick(KickArgs),
+    Rate(RateArgs),
     Simulate(SimulateArgs),
     /// Print a completion script for a shell (e.g. `paceline completions bash >
     /// ~/.local/share/bash-completion/completions/paceline`).
@@ -78,6 +80,7 @@ async fn main() -> std::process::ExitCode {
         Command::Dlq(args) => args.run().await,
         Command::Circuit(args) => args.run().await,
         Command::Kick(args) => args.run().await,
+        Command::Rate(args) => args.run().await,
         Command::Simulate(args) => args.run().await,
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "paceline", &mut std::io::stdout());

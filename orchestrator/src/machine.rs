@@ -307,6 +307,8 @@ pub(crate) struct DrainState<'a> {
     effective_rate: Option<EffectiveRate>,
     /// The cool-down as last read (`None` before the first read): a later one means a 429.
     cool_down_seen: Option<UnixMillis>,
+    /// The last read found a provider reading in the store (one gone since was cleared).
+    reading_seen: bool,
     /// The slot of the last call whose worker was asked for the provider's headers.
     reading_asked_for: Option<UnixMillis>,
     /// While jobs go at a share of the pace (a ramp, an adaptive rate), no job is handed
@@ -364,6 +366,7 @@ impl<'a> DrainState<'a> {
             adaptive: AdaptiveRate::new(&settings.quota, started),
             effective_rate: None,
             cool_down_seen: None,
+            reading_seen: false,
             reading_asked_for: None,
             spaced_until: UnixMillis(0),
             spaced_exact_ms: 0.0,
@@ -444,7 +447,19 @@ impl<'a> DrainState<'a> {
 
     /// Feeds the adaptive rate what the provider said: its latest reading, and a 429
     /// when the cool-down moved later since the last read (a worker met one).
+    ///
+    /// An operator's clear (`paceline circuit close`, `paceline rate reset`) forgets the
+    /// stored reading and ends the cool-down: a reading gone, or a cool-down earlier than
+    /// the one seen, makes the lane forget what readings and 429s said and go at the
+    /// configured pace again.
     fn adapt_rate(&mut self, reading: Option<ProviderReading>, cool_down: UnixMillis, now: UnixMillis) {
+        let cleared = self.cool_down_seen.is_some_and(|seen| cool_down < seen) || (reading.is_none() && self.reading_seen);
+        if cleared {
+            info!("the provider's readings and cool-down were cleared: the configured pace again");
+            self.adaptive.forget_readings();
+            self.spaced_until = UnixMillis(0);
+        }
+        self.reading_seen = reading.is_some();
         if let Some(reading) = reading {
             let usage = self.pacer.usage(self.quota(), reading.at);
             self.adaptive.on_reading(&reading, |tier| usage.get(tier).copied().unwrap_or(0));
@@ -700,14 +715,22 @@ impl<'a> DrainState<'a> {
     /// At a share of the pace, the next job waits the pace's interval divided by it. The
     /// spacing is kept to the fraction of a millisecond and rounded up to the slot
     /// (truncated, 67/s went at 71/s; rounded up each time, at 66.7/s).
+    ///
+    /// A provider's budget (a share down to 0, nothing left until its reset) spaces no
+    /// further than the reset: the rate is recomputed from there, so a share of 0 pauses
+    /// the lane until the reset instead of for good.
     fn space_by_share(&mut self, cost: u64, slot: UnixMillis) {
         let share = self.pace_share(slot);
         let pace = self.quota().pace_per_second();
         if pace.is_finite() && share < 1.0 {
             let on_time = slot <= self.spaced_until;
             let from = if on_time { self.spaced_exact_ms } else { slot.0 as f64 };
-            self.spaced_exact_ms = from + cost as f64 * 1000.0 / (pace * share);
-            self.spaced_until = UnixMillis(self.spaced_exact_ms.ceil() as u64);
+            let mut next = from + cost as f64 * 1000.0 / (pace * share);
+            if let RateReason::ProviderBudget { resets_at, .. } = self.adaptive.rate(slot).reason {
+                next = next.min(resets_at.0.max(slot.0) as f64);
+            }
+            self.spaced_exact_ms = next;
+            self.spaced_until = UnixMillis(next.ceil() as u64);
         }
     }
 

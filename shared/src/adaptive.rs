@@ -67,6 +67,18 @@ pub struct ProviderReading {
     pub at: UnixMillis,
 }
 
+impl ProviderReading {
+    /// The reading with its reset at most `max` after the call, as every cool-down is
+    /// capped (`retry.max_cool_down`): a reset years ahead (an epoch in the wrong unit, a
+    /// bogus date) or a day-long window with nothing left would otherwise hold the lane
+    /// at a rate of 0 with no call going out to bring a fresh reading.
+    #[must_use]
+    pub fn with_reset_capped(mut self, max: Duration) -> Self {
+        self.resets_at = self.resets_at.min(self.at.plus(max));
+        self
+    }
+}
+
 /// Why the effective rate is what it is.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -280,6 +292,14 @@ impl AdaptiveRate {
         }
     }
 
+    /// Forgets every reading and back-off (an operator's `paceline circuit close` or
+    /// `paceline rate reset`): the configured pace again, until new answers say otherwise.
+    pub fn forget_readings(&mut self) {
+        self.shared = None;
+        self.budget = None;
+        self.backoff = None;
+    }
+
     /// The provider answered 429 at `now`.
     pub fn on_rate_limited(&mut self, now: UnixMillis) {
         if self.backoff.is_some_and(|b| now < b.at.plus(CUT_SPACING)) {
@@ -470,6 +490,34 @@ mod tests {
         // Grown back past the pace: the configured pace again.
         assert_eq!(rate.rate(at(12_000)).per_second, 100.0);
         assert_eq!(rate.rate(at(12_000)).reason, RateReason::Configured);
+    }
+
+    #[test]
+    fn a_reading_whose_reset_is_years_ahead_holds_the_lane_no_longer_than_the_cap() {
+        // X-RateLimit-Limit: 7, Remaining: 0, Reset: 9999999999 (the year 2286), on a
+        // quota the config does not name: a rate of 0 until the reset.
+        let far = ProviderReading { limit: 7, remaining: 0, window_ms: None, resets_at: UnixMillis(9_999_999_999_000), at: at(0) };
+        let mut rate = AdaptiveRate::new(&quota(&["10/s"]), T0);
+        rate.on_reading(&far.with_reset_capped(Duration::from_secs(5)), no_usage);
+        assert_eq!(rate.rate(at(4_999)).per_second, 0.0);
+        assert_eq!(rate.rate(at(4_999)).reason, RateReason::ProviderBudget { remaining: 0, resets_at: at(5_000) });
+        assert_eq!(rate.rate(at(5_000)).reason, RateReason::Configured, "probing resumes at the cap");
+        // A reset within the cap is kept as the provider said it.
+        let near = ProviderReading { resets_at: at(2_000), ..far };
+        assert_eq!(near.with_reset_capped(Duration::from_secs(5)).resets_at, at(2_000));
+    }
+
+    #[test]
+    fn forgetting_the_readings_restores_the_configured_pace() {
+        let mut rate = AdaptiveRate::new(&quota(&["10/s"]), T0);
+        rate.on_reading(&reading(7, 0, None, 3_600_000, 0), no_usage);
+        rate.on_rate_limited(at(1));
+        assert_eq!(rate.rate(at(10)).per_second, 0.0);
+        rate.forget_readings();
+        assert_eq!(rate.rate(at(10)).reason, RateReason::Configured);
+        // An older reading arriving after the reset changes nothing.
+        rate.on_reading(&reading(7, 0, None, 3_600_000, 0), no_usage);
+        assert_eq!(rate.rate(at(10)).reason, RateReason::Configured);
     }
 
     #[test]

@@ -382,7 +382,9 @@ pub trait StateStore: Send + Sync {
     /// Transport errors only.
     async fn extend_cool_down(&self, until: UnixMillis) -> PortResult<()>;
 
-    /// Ends any cool-down now (an operator's `paceline circuit close`).
+    /// Ends any cool-down now and forgets the provider's latest reading (an operator's
+    /// `paceline circuit close` or `paceline rate reset`): the orchestrator then forgets
+    /// what readings and 429s said and goes at the configured pace.
     ///
     /// # Errors
     /// Transport errors only.

@@ -551,8 +551,10 @@ impl StateStore for SimStore {
     }
 
     async fn clear_cool_down(&self) -> PortResult<()> {
-        self.write("dynamodb:DeleteItem", 1, 1).await;
-        self.state().cool_down = UnixMillis(0);
+        self.write("dynamodb:DeleteItem", 2, 2).await;
+        let mut state = self.state();
+        state.cool_down = UnixMillis(0);
+        state.provider_reading = None;
         Ok(())
     }
 }

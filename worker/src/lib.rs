@@ -495,7 +495,8 @@ impl Worker {
         if !asked && *status != 429 {
             return;
         }
-        let Some(reading) = provider_reading(headers, called_at) else { return };
+        // Its reset capped as every cool-down is: no reading stalls the lane for longer.
+        let Some(reading) = provider_reading(headers, called_at).map(|r| r.with_reset_capped(self.retry.max_cool_down)) else { return };
         if let Err(e) = self.store.record_provider_reading(&reading).await {
             warn!(error = %e, "could not record the provider's rate-limit reading");
         }

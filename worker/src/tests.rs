@@ -34,6 +34,8 @@ async fn scripted_api() -> (String, Arc<Mutex<Vec<String>>>) {
             headers.insert("x-ratelimit-remaining", "7".parse().unwrap());
             if code == 429 {
                 headers.insert("retry-after", "3".parse().unwrap());
+                // An epoch reset in 2286, as a hostile provider sent it.
+                headers.insert("x-ratelimit-reset", "9999999999".parse().unwrap());
             }
             headers.insert("content-type", "application/json".parse().unwrap());
             headers.insert("location", "/v1/items/9".parse().unwrap());
@@ -347,6 +349,15 @@ async fn the_provider_s_rate_limit_headers_are_recorded_when_asked_and_on_a_429(
     worker.handle(job_to(429)).await.unwrap();
     let after_429 = store.provider_reading().await.unwrap().unwrap();
     assert!(after_429.at > reading.at, "a 429's headers are recorded unasked");
+}
+
+#[tokio::test]
+async fn a_reading_s_reset_years_ahead_is_recorded_capped_at_max_cool_down() {
+    let (base, _) = scripted_api().await;
+    let (worker, store) = new_worker(&base);
+    worker.handle(job_to(429)).await.unwrap();
+    let reading = store.provider_reading().await.unwrap().expect("a 429's headers are recorded");
+    assert_eq!(reading.resets_at, reading.at.plus(worker.retry.max_cool_down), "not the year 2286");
 }
 
 #[tokio::test]

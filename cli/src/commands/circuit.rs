@@ -5,11 +5,41 @@
 
 use anyhow::bail;
 use clap::Subcommand;
+use paceline_shared::adaptive::ProviderReading;
 use paceline_shared::breaker::{Circuit, Refusal};
-use paceline_shared::ports::PortError;
+use paceline_shared::ports::{PortError, StateStore};
 use paceline_shared::time::{system_now, UnixMillis};
 
 use crate::access::LaneArgs;
+
+/// What an operator's clear of the provider's limits ended.
+pub(crate) struct ClearedLimits {
+    /// The end of the cool-down it cleared.
+    pub cool_down: Option<UnixMillis>,
+    /// The reading it forgot.
+    pub reading: Option<ProviderReading>,
+}
+
+impl ClearedLimits {
+    pub fn print(&self) {
+        if let Some(until) = self.cool_down {
+            println!("cool-down until {} cleared", until.to_rfc3339());
+        }
+        if let Some(r) = &self.reading {
+            println!("the provider's reading forgotten ({} of {} left until {}): the configured pace again", r.remaining, r.limit, r.resets_at.to_rfc3339());
+        }
+    }
+}
+
+/// Ends the cool-down and forgets the provider's reading (a run forgets what they said
+/// within `state_refresh`): what `circuit close` and `rate reset` share.
+pub(crate) async fn clear_provider_limits(state: &dyn StateStore) -> anyhow::Result<ClearedLimits> {
+    let now = system_now();
+    let cool_down = Some(state.cool_down().await?).filter(|until| *until > now);
+    let reading = state.provider_reading().await?;
+    state.clear_cool_down().await?;
+    Ok(ClearedLimits { cool_down, reading })
+}
 
 /// `Circuit::open`, `Circuit::hold` or `Circuit::close`.
 type Transition = fn(&Circuit, u64, &str, UnixMillis) -> Result<Circuit, Refusal>;
@@ -64,7 +94,8 @@ pub enum CircuitAction {
     /// health checks) until `paceline circuit close`.
     Open(OpenChange),
     /// Let jobs flow again now at the full pace, without waiting for a health check;
-    /// lifts a hold and ends a cool-down the API asked for.
+    /// lifts a hold, ends a cool-down the API asked for and forgets the API's rate-limit
+    /// reading (as `paceline rate reset`).
     Close(Change),
 }
 
@@ -94,14 +125,11 @@ impl CircuitArgs {
         let lane = self.lane.open().await?;
         let mut cool_down_cleared = None;
         if matches!(self.action, CircuitAction::Close(_)) {
-            let cool_down = lane.state.cool_down().await?;
-            if cool_down > system_now() {
-                lane.state.clear_cool_down().await?;
-                cool_down_cleared = Some(cool_down.to_rfc3339());
-                if !self.json {
-                    println!("cool-down until {} cleared", cool_down.to_rfc3339());
-                }
+            let cleared = clear_provider_limits(lane.state.as_ref()).await?;
+            if !self.json {
+                cleared.print();
             }
+            cool_down_cleared = cleared.cool_down.map(|until| until.to_rfc3339());
         }
         let say = |circuit: &Circuit, changed: bool, note: String| -> anyhow::Result<()> {
             if self.json {

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use paceline_shared::adaptive::{ProviderReading, RateReason};
+use paceline_shared::adaptive::{EffectiveRate, ProviderReading, RateReason};
 use paceline_shared::breaker::Circuit;
 use paceline_shared::dlq::DlqSource;
 use paceline_shared::pacer::PacerState;
@@ -130,7 +130,13 @@ impl StatusArgs {
         let mut tiers = Vec::new();
         let mut drain_estimate_seconds = None;
         let snapshot = lane.state.load_pacer().await?;
-        let effective_rate = snapshot.as_ref().and_then(|s| s.effective_rate.clone()).map(|rate| RateStatus {
+        let provider_reading = lane.state.provider_reading().await?;
+        // A budget the provider set ends at its reset, or when an operator forgot its reading.
+        let in_force = |rate: &EffectiveRate| match rate.reason {
+            RateReason::ProviderBudget { resets_at, .. } => resets_at > now && provider_reading.is_some(),
+            _ => true,
+        };
+        let effective_rate = snapshot.as_ref().and_then(|s| s.effective_rate.clone()).filter(in_force).map(|rate| RateStatus {
             per_second: (rate.per_second * 100.0).round() / 100.0,
             configured_per_second: rate.configured_per_second,
             reason: rate.reason.to_string(),
@@ -174,7 +180,7 @@ impl StatusArgs {
             lease: lane.state.lease().await?.filter(|l| l.expires_at > now),
             cool_down_until: (cool_down > now).then(|| cool_down.to_rfc3339()),
             effective_rate,
-            provider_reading: lane.state.provider_reading().await?.map(ReadingStatus::from),
+            provider_reading: provider_reading.map(ReadingStatus::from),
             tiers,
             drain_estimate_seconds,
         };

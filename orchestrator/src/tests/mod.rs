@@ -7,6 +7,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::adapters::memory::RecordingInvoker;
+use paceline_shared::adaptive::ProviderReading;
 use paceline_shared::breaker::{CircuitStatus, TripRule};
 use paceline_shared::config::{CircuitConfig, OrchestratorConfig, WorkerHost};
 use paceline_shared::job::{DeadLetterCause, WorkerPayload};
@@ -524,4 +525,44 @@ async fn a_large_body_is_paced_on_its_arrival_so_the_next_call_keeps_its_distanc
     // The 1 MB body may arrive 100 ms after its slot (200): the next call goes 200 ms
     // after that arrival, not after the slot.
     assert_eq!(offsets(&lane), vec![0, 200, 500, 700]);
+}
+
+/// A provider reading with nothing left until `resets_after` past `T0`, on a quota the
+/// config does not name (the hostile probe's `X-RateLimit-Limit: 7, Remaining: 0`).
+fn nothing_left_until(resets_after: Duration) -> ProviderReading {
+    ProviderReading { limit: 7, remaining: 0, window_ms: None, resets_at: T0.plus(resets_after), at: T0 }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_rate_of_zero_until_a_reading_s_reset_ends_at_the_reset_instead_of_stalling_the_lane() {
+    let lane = lane(&["10/s"], 0);
+    lane.store.record_provider_reading(&nothing_left_until(Duration::from_secs(5))).await.unwrap();
+    enqueue(&lane, (0..20).map(|i| job(&format!("j{i}")))).await;
+    let report = lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    assert_eq!((report.dispatched, report.stop), (20, StopReason::Drained));
+    let sent = offsets(&lane);
+    // Jobs go until the first refresh reads the reading, none until its reset, then the
+    // pace resumes.
+    assert!(sent.iter().all(|t| *t <= 1_000 || *t >= 5_000), "{sent:?}");
+    assert!(*sent.last().unwrap() < 7_000, "the pace resumed at the reset: {sent:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_operator_s_clear_ends_a_rate_the_provider_s_reading_set() {
+    let lane = lane(&["10/s"], 0);
+    // A reading stored before resets were capped: nothing left for an hour.
+    lane.store.record_provider_reading(&nothing_left_until(Duration::from_secs(3_600))).await.unwrap();
+    enqueue(&lane, (0..20).map(|i| job(&format!("j{i}")))).await;
+    let store = lane.store.clone();
+    let clear = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        store.clear_cool_down().await.unwrap();
+    });
+    let report = lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    clear.await.unwrap();
+    assert_eq!((report.dispatched, report.stop), (20, StopReason::Drained));
+    assert_eq!(lane.store.provider_reading().await.unwrap(), None, "the clear forgets the reading");
+    let sent = offsets(&lane);
+    assert!(sent.iter().all(|t| *t <= 1_000 || *t >= 3_000), "{sent:?}");
+    assert!(*sent.last().unwrap() < 6_000, "the configured pace after the clear: {sent:?}");
 }

@@ -236,6 +236,7 @@ pub async fn state_store(store: Arc<dyn StateStore>, quota: &Quota) {
     assert_eq!(store.call_slots_in_use(2, until).await.unwrap(), 1, "a holder whose slot expired and was taken cannot give it back");
     store.clear_cool_down().await.unwrap();
     assert_eq!(store.cool_down().await.unwrap(), UnixMillis(0), "a cleared cool-down is over");
+    assert_eq!(store.provider_reading().await.unwrap(), None, "a clear forgets the provider's reading too");
 }
 
 /// Polls borrowing futures together on this task (they cannot be spawned) and

@@ -446,13 +446,15 @@ impl StateStore for DynamoStateStore {
     }
 
     async fn clear_cool_down(&self) -> PortResult<()> {
-        self.client
-            .delete_item()
-            .table_name(&self.table)
-            .key("pk", s(COOL_DOWN))
-            .send()
-            .await
-            .map_err(|e| map_sdk_error("dynamodb DeleteItem (cool-down)", &e))?;
+        for key in [COOL_DOWN, PROVIDER_READING] {
+            self.client
+                .delete_item()
+                .table_name(&self.table)
+                .key("pk", s(key))
+                .send()
+                .await
+                .map_err(|e| map_sdk_error(&format!("dynamodb DeleteItem ({key})"), &e))?;
+        }
         Ok(())
     }
 }
