@@ -485,3 +485,52 @@ async fn run_logs_one_json_object_a_line_with_log_format_json() {
     let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stderr).lines().map(|l| serde_json::from_str(l).expect("a JSON log line")).collect();
     assert!(lines.iter().any(|l| l["fields"]["message"] == "run ended" && l["level"] == "INFO"), "{lines:?}");
 }
+
+/// Holds SQLite's write lock on `db` from another process for `hold`, as a DB browser,
+/// the `sqlite3` shell or a backup would.
+fn hold_write_lock(db: &std::path::Path, hold: Duration) -> std::process::Child {
+    let script = "import sqlite3, sys, time\n\
+                  c = sqlite3.connect(sys.argv[1], timeout=30, isolation_level=None)\n\
+                  c.execute('BEGIN IMMEDIATE')\n\
+                  print('locked', flush=True)\n\
+                  time.sleep(float(sys.argv[2]))\n\
+                  c.execute('COMMIT')\n";
+    let mut child = std::process::Command::new("python3")
+        .args(["-c", script, db.to_str().unwrap(), &hold.as_secs_f64().to_string()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 holds the lock");
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.as_mut().unwrap()), &mut line).unwrap();
+    assert_eq!(line.trim(), "locked");
+    child
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_process_holding_the_write_lock_causes_no_duplicate_call_and_the_drain_ends() {
+    let _alone = one_lane_at_a_time().await;
+    let spec =
+        FakeApiSpec { tiers: vec!["10/s".parse().unwrap()], latency: (Duration::from_millis(200), Duration::from_millis(400)), ..FakeApiSpec::default() };
+    let api = FakeApi::start(spec).await.unwrap();
+    let dir = lane_dir("locked");
+    let config = write_config(&dir, &api.base_url, &["10/s"], "");
+    let config = config.to_str().unwrap();
+    let jobs = ids("locked", 60);
+    assert!(paceline(&["enqueue", "--config", config], &job_lines(&jobs)).await.status.success());
+
+    let run = tokio::spawn({
+        let config = config.to_owned();
+        async move { paceline(&["run", "--config", &config, "--drain", "--json"], "").await }
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut lock = hold_write_lock(&dir.join("lane.db"), Duration::from_secs(8));
+    let run = tokio::time::timeout(Duration::from_secs(120), run).await.expect("the drain ends").unwrap();
+    lock.wait().unwrap();
+    let summary = json_of(&run);
+    let log = api.log();
+    let twice: Vec<_> = log.ok_by_path.iter().filter(|(_, calls)| **calls > 1).collect();
+    assert!(twice.is_empty(), "jobs called twice: {twice:?}");
+    assert_eq!(succeeded_ids(&log), jobs.iter().cloned().collect::<BTreeSet<_>>());
+    assert_eq!(summary["succeeded"], 60, "{summary}");
+    assert_eq!(summary["circuit_opened"].as_u64(), Some(0), "answers held up by the lock are no outage: {summary}");
+}

@@ -204,6 +204,25 @@ struct Attempted<'a> {
     times: OutcomeTimes,
 }
 
+/// A job's answered call, as settling it needs it.
+struct Answered<'a> {
+    attempt: u32,
+    circuit_epoch: u64,
+    trip: Option<TripRule>,
+    called_at: UnixMillis,
+    /// The failure's label for dead letters (`http_503`, `timeout`...).
+    failure: String,
+    attempted: Attempted<'a>,
+}
+
+/// Writing what an answer calls for is retried this long while the store is busy, the
+/// first retry after [`SETTLE_FIRST_WAIT`], doubling up to [`SETTLE_MAX_WAIT`]. Past it
+/// the payload fails and is run again (Lambda's retry, or the embedded invoker's
+/// re-queue): the call may repeat then, at least once being all that is left.
+const SETTLE_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(120);
+const SETTLE_FIRST_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+const SETTLE_MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// A call record is kept this long after its answer: a repeated delivery within it does
 /// not call again.
 const CALL_RECORD_KEEP: std::time::Duration = std::time::Duration::from_secs(86_400);
@@ -232,6 +251,8 @@ pub struct Worker {
     outcomes: OutcomeSettings,
     /// Where outcome records are kept besides the function result (the embedded store).
     outcome_sink: Option<Arc<dyn OutcomeSink>>,
+    /// How long writing what an answer calls for is retried (see [`SETTLE_RETRY_FOR`]).
+    settle_retry_for: std::time::Duration,
 }
 
 /// Which payloads claim their call record before calling.
@@ -269,6 +290,7 @@ impl Worker {
             call_records: CallRecords::Always,
             outcomes: OutcomeSettings::default(),
             outcome_sink: None,
+            settle_retry_for: SETTLE_RETRY_FOR,
         }
     }
 
@@ -348,33 +370,62 @@ impl Worker {
         WorkerStats::add(&self.stats.call_millis, now.since(called_at));
         WorkerStats::add(&self.stats.slot_lag_millis, called_at.since(slotted));
         let attempted = Attempted { calls: attempt + 1, answer: answer_of(&result), times };
-        let failure = failure_label(&result);
-        match classify(&result, now, &self.retry) {
+        let outcome = classify(&result, now, &self.retry);
+        match &outcome {
             Outcome::Success { status } => {
                 WorkerStats::bump(&self.stats.succeeded);
                 info!(status, "succeeded");
-                self.keep_outcome(job, Ending::Succeeded, &attempted, None).await
             }
             Outcome::RateLimited { until } => {
                 WorkerStats::bump(&self.stats.rate_limited);
                 warn!(cool_down_until = %until, "rate limited by the API; cooling down");
-                self.store.extend_cool_down(until).await?;
+            }
+            Outcome::Outage { .. } => WorkerStats::bump(&self.stats.outages_seen),
+            Outcome::Rejected { .. } => {}
+        }
+        // The call is made: what its answer calls for is written even through a store
+        // that is busy for a while (another process holding SQLite's lock), since a
+        // payload that failed now would run again and call the API a second time.
+        let answered = Answered { attempt, circuit_epoch, trip, called_at, failure: failure_label(&result), attempted };
+        let give_up_at = now.plus(self.settle_retry_for);
+        let mut wait = SETTLE_FIRST_WAIT;
+        loop {
+            match self.settle(job, &outcome, &answered).await {
+                Err(e) if e.is_retryable() && self.clock.now() < give_up_at => {
+                    warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "could not write what the answer calls for; retrying");
+                    self.clock.sleep_until(self.clock.now().plus(wait)).await;
+                    wait = (wait * 2).min(SETTLE_MAX_WAIT);
+                }
+                settled => return settled,
+            }
+        }
+    }
+
+    /// Does what `outcome`, the answer to the job's call, calls for: keep its outcome;
+    /// cool down and re-queue; count a failure and re-queue (opening the circuit past the
+    /// threshold); or dead-letter.
+    async fn settle(&self, job: &Job, outcome: &Outcome, answered: &Answered<'_>) -> PortResult<Option<OutcomeRecord>> {
+        let Answered { attempt, circuit_epoch, trip, called_at, ref failure, ref attempted } = *answered;
+        let failure = failure.clone();
+        match outcome {
+            Outcome::Success { .. } => self.keep_outcome(job, Ending::Succeeded, attempted, None).await,
+            Outcome::RateLimited { until } => {
+                self.store.extend_cool_down(*until).await?;
                 // The cool-down holds the whole lane: the job may go as soon as it ends.
-                self.retry_later(job, attempt, "HTTP 429", failure, std::time::Duration::ZERO, &attempted).await
+                self.retry_later(job, attempt, "HTTP 429", failure, std::time::Duration::ZERO, attempted).await
             }
             Outcome::Outage { reason } => {
-                WorkerStats::bump(&self.stats.outages_seen);
                 if self.failure_trips(trip, called_at).await? {
                     warn!(%reason, "failures passed the threshold; opening the circuit");
-                    self.transition_circuit(|c, now| c.open(circuit_epoch, &reason, now)).await?;
+                    self.transition_circuit(|c, now| c.open(circuit_epoch, reason, now)).await?;
                 } else {
                     info!(%reason, "API failure under the threshold; this job alone is retried");
                 }
                 let delay = retry_delay(job.id.as_str(), attempt + 1, self.retry.backoff_base, self.retry.backoff_max);
-                self.retry_later(job, attempt, &reason, failure, delay, &attempted).await
+                self.retry_later(job, attempt, reason, failure, delay, attempted).await
             }
             Outcome::Rejected { status } => {
-                self.dead_letter(job, attempt, DeadLetterCause::Rejected { status }, format!("the API answered HTTP {status}"), &attempted).await
+                self.dead_letter(job, attempt, DeadLetterCause::Rejected { status: *status }, format!("the API answered HTTP {status}"), attempted).await
             }
         }
     }

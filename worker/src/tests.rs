@@ -76,6 +76,7 @@ fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
         call_records: CallRecords::Always,
         outcomes: OutcomeSettings::default(),
         outcome_sink: Some(store.clone()),
+        settle_retry_for: SETTLE_RETRY_FOR,
     };
     (worker, store)
 }
@@ -292,9 +293,9 @@ async fn a_request_that_cannot_be_built_is_dead_lettered_as_malformed_and_leaves
     assert!(requeued(&store).await.is_empty());
 }
 
-/// Every follow-up write the worker makes, failing in turn: the payload's handling fails
-/// with the store's error, so Lambda retries the event (and at last sends it to the
-/// on-failure destination) instead of the job being dropped.
+/// Every follow-up write the worker makes, failing in turn past the time it is retried:
+/// the payload's handling fails with the store's error, so Lambda retries the event (and
+/// at last sends it to the on-failure destination) instead of the job being dropped.
 #[tokio::test]
 async fn a_failed_follow_up_write_fails_the_payload_so_it_is_retried() {
     use paceline_shared::testing::faults::{Faulty, Method};
@@ -320,6 +321,7 @@ async fn a_failed_follow_up_write_fails_the_payload_so_it_is_retried() {
         faulty.fail_next(method, times, &error);
         worker.queue = faulty.clone();
         worker.store = faulty.clone();
+        worker.settle_retry_for = Duration::ZERO;
         let payload = match payload {
             WorkerPayload::HealthCheck { sent_at, slot, .. } => {
                 WorkerPayload::HealthCheck { circuit_epoch: store.circuit().await.unwrap().epoch, sent_at, slot }
@@ -349,6 +351,26 @@ async fn the_provider_s_rate_limit_headers_are_recorded_when_asked_and_on_a_429(
     worker.handle(job_to(429)).await.unwrap();
     let after_429 = store.provider_reading().await.unwrap().unwrap();
     assert!(after_429.at > reading.at, "a 429's headers are recorded unasked");
+}
+
+/// A store busy for a moment after the call was made (another process holding SQLite's
+/// lock): the write is retried in place, so the payload does not fail and run again,
+/// calling the API a second time.
+#[tokio::test]
+async fn a_follow_up_write_that_fails_for_a_moment_is_retried_without_calling_again() {
+    use paceline_shared::testing::faults::{Faulty, Method};
+    let (base, seen) = scripted_api().await;
+    for (status, method) in [(429, Method::Send), (503, Method::Send), (404, Method::DeadLetter)] {
+        seen.lock().unwrap().clear();
+        let (mut worker, store) = new_worker(&base);
+        let faulty = Arc::new(Faulty::new(store.clone()));
+        faulty.fail_next(method, 2, &PortError::Transient("database is locked".into()));
+        worker.queue = faulty.clone();
+        worker.store = faulty.clone();
+        let result = worker.handle(job_to(status)).await;
+        assert!(result.is_ok(), "HTTP {status}, {method:?} failing twice: {result:?}");
+        assert_eq!(seen.lock().unwrap().len(), 1, "HTTP {status}: one call");
+    }
 }
 
 #[tokio::test]
@@ -407,7 +429,9 @@ async fn a_call_whose_follow_up_failed_is_not_done_so_the_retried_event_calls_ag
     let (mut worker, store) = new_worker(&base);
     let queue = Arc::new(paceline_shared::testing::faults::Faulty::new(store.clone()));
     worker.queue = queue.clone();
-    // The 503's job cannot be re-queued: the event fails, and Lambda retries it.
+    worker.settle_retry_for = Duration::ZERO;
+    // The 503's job cannot be re-queued (for longer than the worker retries it): the
+    // event fails, and Lambda retries it.
     queue.fail_next(paceline_shared::testing::faults::Method::Send, 1, &PortError::Transient("sqs down".into()));
     assert!(worker.handle(job_to(503)).await.is_err());
     // Lambda's retry comes at least a minute later, after the claim expired: it calls

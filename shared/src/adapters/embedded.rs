@@ -5,7 +5,10 @@
 //! Durability: WAL with `synchronous=NORMAL` survives a killed process (not a power cut
 //! on every filesystem). Each port call is one short transaction. Calls are synchronous
 //! under a mutex: they take microseconds, and staying off `spawn_blocking` keeps paused
-//! tokio time deterministic in tests.
+//! tokio time deterministic in tests. But another process can hold SQLite's write lock
+//! for seconds (a DB browser, the `sqlite3` shell, a backup), and a call then waits for
+//! it: on a multi-threaded runtime each call runs in [`blocking`], so the wait never
+//! holds up the async threads (where the workers' API calls and their timeouts run).
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -77,6 +80,14 @@ CREATE TABLE IF NOT EXISTS invocations (
 );
 ";
 
+/// A hand-off whose settle met a busy store tries again after this, doubling up to
+/// [`SETTLE_MAX_WAIT`].
+const SETTLE_FIRST_WAIT: Duration = Duration::from_millis(100);
+const SETTLE_MAX_WAIT: Duration = Duration::from_secs(5);
+
+/// How long a call waits for another process's lock before it fails as `Transient`.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// How often `receive` looks again while long polling an empty queue.
 const POLL_STEP: Duration = Duration::from_millis(50);
 
@@ -98,13 +109,27 @@ pub struct EmbeddedStore {
     last_outcome_sweep: AtomicU64,
 }
 
+/// Runs store work that may wait on SQLite's lock: on a multi-threaded runtime through
+/// `block_in_place`, so the thread's other tasks move to another thread meanwhile (an
+/// API answer that came in 0.3 s is read then, not taken for a timeout after the lock is
+/// gone); elsewhere (tests on a current-thread runtime, plain threads) directly.
+fn blocking<T>(work: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(work),
+        _ => work(),
+    }
+}
+
 fn fatal(e: impl std::fmt::Display) -> PortError {
     PortError::Fatal(format!("embedded store: {e}"))
 }
 
 fn sql_err(e: rusqlite::Error) -> PortError {
     match e.sqlite_error_code() {
-        Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) => PortError::Transient(e.to_string()),
+        Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) => PortError::Transient(format!(
+            "the database was locked for over {} s by another process (a DB browser, the sqlite3 shell, a backup?); retrying ({e})",
+            BUSY_TIMEOUT.as_secs()
+        )),
         _ => fatal(e),
     }
 }
@@ -140,7 +165,7 @@ impl EmbeddedStore {
     }
 
     fn init(conn: Connection, clock: Arc<dyn Clock>) -> PortResult<Self> {
-        conn.busy_timeout(Duration::from_secs(5)).map_err(fatal)?;
+        conn.busy_timeout(BUSY_TIMEOUT).map_err(fatal)?;
         let version: u32 = conn.query_row("PRAGMA user_version", [], |r| r.get(0)).map_err(fatal)?;
         if version > SCHEMA_VERSION {
             return Err(fatal(format!(
@@ -166,7 +191,7 @@ impl EmbeddedStore {
     }
 
     fn get_kv<T: serde::de::DeserializeOwned>(&self, key: &str) -> PortResult<Option<T>> {
-        Self::read_kv(&self.conn(), key)
+        blocking(|| Self::read_kv(&self.conn(), key))
     }
 
     fn read_kv<T: serde::de::DeserializeOwned>(conn: &Connection, key: &str) -> PortResult<Option<T>> {
@@ -195,30 +220,33 @@ impl EmbeddedStore {
     }
 
     fn try_receive(&self, max: usize, visibility: Duration) -> PortResult<Vec<QueuedMessage>> {
-        let now = self.clock.now();
-        let mut conn = self.conn();
-        let tx = conn.transaction().map_err(sql_err)?;
-        let mut received = Vec::new();
-        {
-            let mut select = tx
-                .prepare_cached("SELECT seq, message_id, body, attempt, enqueued_at FROM messages WHERE visible_at <= ?1 ORDER BY visible_at, seq LIMIT ?2")
-                .map_err(sql_err)?;
-            let rows = select
-                .query_map(params![to_i64(now.0), i64::try_from(max.min(10)).unwrap_or(10)], |r| {
-                    Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, u32>(3)?, r.get::<_, i64>(4)?))
-                })
-                .map_err(sql_err)?;
-            let mut update =
-                tx.prepare_cached("UPDATE messages SET visible_at = ?1, receipt = ?2, receive_count = receive_count + 1 WHERE seq = ?3").map_err(sql_err)?;
-            for row in rows {
-                let (seq, message_id, body, attempt, enqueued_at) = row.map_err(sql_err)?;
-                let receipt = uuid::Uuid::new_v4().to_string();
-                update.execute(params![to_i64(now.plus(visibility).0), receipt, seq]).map_err(sql_err)?;
-                received.push(QueuedMessage { message_id, receipt, body, attempt, enqueued_at: UnixMillis(u64::try_from(enqueued_at).unwrap_or(0)) });
+        blocking(|| {
+            let now = self.clock.now();
+            let mut conn = self.conn();
+            let tx = conn.transaction().map_err(sql_err)?;
+            let mut received = Vec::new();
+            {
+                let mut select = tx
+                    .prepare_cached("SELECT seq, message_id, body, attempt, enqueued_at FROM messages WHERE visible_at <= ?1 ORDER BY visible_at, seq LIMIT ?2")
+                    .map_err(sql_err)?;
+                let rows = select
+                    .query_map(params![to_i64(now.0), i64::try_from(max.min(10)).unwrap_or(10)], |r| {
+                        Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, u32>(3)?, r.get::<_, i64>(4)?))
+                    })
+                    .map_err(sql_err)?;
+                let mut update = tx
+                    .prepare_cached("UPDATE messages SET visible_at = ?1, receipt = ?2, receive_count = receive_count + 1 WHERE seq = ?3")
+                    .map_err(sql_err)?;
+                for row in rows {
+                    let (seq, message_id, body, attempt, enqueued_at) = row.map_err(sql_err)?;
+                    let receipt = uuid::Uuid::new_v4().to_string();
+                    update.execute(params![to_i64(now.plus(visibility).0), receipt, seq]).map_err(sql_err)?;
+                    received.push(QueuedMessage { message_id, receipt, body, attempt, enqueued_at: UnixMillis(u64::try_from(enqueued_at).unwrap_or(0)) });
+                }
             }
-        }
-        tx.commit().map_err(sql_err)?;
-        Ok(received)
+            tx.commit().map_err(sql_err)?;
+            Ok(received)
+        })
     }
 
     /// Every dead letter, oldest first.
@@ -231,20 +259,23 @@ impl EmbeddedStore {
 
     /// Up to `limit` dead letters after row `after`, with their row numbers.
     fn dead_letter_rows(&self, after: i64, limit: i64) -> PortResult<Vec<(i64, DeadLetter)>> {
-        let conn = self.conn();
-        let mut select =
-            conn.prepare("SELECT seq, message_id, body, attempt, reason, dead_at FROM dead_letters WHERE seq > ?1 ORDER BY seq LIMIT ?2").map_err(sql_err)?;
-        let rows = select
-            .query_map(params![after, limit], |r| {
-                Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, u32>(3)?, r.get::<_, String>(4)?, r.get::<_, i64>(5)?))
+        blocking(|| {
+            let conn = self.conn();
+            let mut select = conn
+                .prepare("SELECT seq, message_id, body, attempt, reason, dead_at FROM dead_letters WHERE seq > ?1 ORDER BY seq LIMIT ?2")
+                .map_err(sql_err)?;
+            let rows = select
+                .query_map(params![after, limit], |r| {
+                    Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, u32>(3)?, r.get::<_, String>(4)?, r.get::<_, i64>(5)?))
+                })
+                .map_err(sql_err)?;
+            rows.map(|row| {
+                let (seq, message_id, body, attempt, reason, dead_at) = row.map_err(sql_err)?;
+                let reason: DeadLetterReason = serde_json::from_str(&reason).map_err(fatal)?;
+                Ok((seq, DeadLetter { message_id, body, attempt, reason, dead_at: UnixMillis(to_u64(dead_at)) }))
             })
-            .map_err(sql_err)?;
-        rows.map(|row| {
-            let (seq, message_id, body, attempt, reason, dead_at) = row.map_err(sql_err)?;
-            let reason: DeadLetterReason = serde_json::from_str(&reason).map_err(fatal)?;
-            Ok((seq, DeadLetter { message_id, body, attempt, reason, dead_at: UnixMillis(to_u64(dead_at)) }))
+            .collect()
         })
-        .collect()
     }
 
     /// Takes the lease whoever holds it. Only for a caller that knows no other process
@@ -253,28 +284,35 @@ impl EmbeddedStore {
     /// # Errors
     /// `Fatal` on a database failure.
     pub fn clear_lease(&self) -> PortResult<()> {
-        self.conn().execute("DELETE FROM kv WHERE key = 'lease_holder'", []).map_err(sql_err)?;
-        Ok(())
+        blocking(|| {
+            self.conn().execute("DELETE FROM kv WHERE key = 'lease_holder'", []).map_err(sql_err)?;
+            Ok(())
+        })
     }
 
     /// Records a hand-off and, in the same transaction, deletes the message it comes
     /// from: after a crash either the message is back on the queue (not handed off) or
     /// the invocation is re-queued, never both.
     fn record_invocation(&self, payload: &WorkerPayload, from_receipt: Option<&str>) -> PortResult<i64> {
-        let mut conn = self.conn();
-        let tx = conn.transaction().map_err(sql_err)?;
-        tx.execute("INSERT INTO invocations (payload, created_at) VALUES (?1, ?2)", params![payload.to_json(), to_i64(self.clock.now().0)]).map_err(sql_err)?;
-        let seq = tx.last_insert_rowid();
-        if let Some(receipt) = from_receipt {
-            tx.execute("DELETE FROM messages WHERE receipt = ?1", [receipt]).map_err(sql_err)?;
-        }
-        tx.commit().map_err(sql_err)?;
-        Ok(seq)
+        blocking(|| {
+            let mut conn = self.conn();
+            let tx = conn.transaction().map_err(sql_err)?;
+            tx.execute("INSERT INTO invocations (payload, created_at) VALUES (?1, ?2)", params![payload.to_json(), to_i64(self.clock.now().0)])
+                .map_err(sql_err)?;
+            let seq = tx.last_insert_rowid();
+            if let Some(receipt) = from_receipt {
+                tx.execute("DELETE FROM messages WHERE receipt = ?1", [receipt]).map_err(sql_err)?;
+            }
+            tx.commit().map_err(sql_err)?;
+            Ok(seq)
+        })
     }
 
     fn finish_invocation(&self, seq: i64) -> PortResult<()> {
-        self.conn().execute("DELETE FROM invocations WHERE seq = ?1", [seq]).map_err(sql_err)?;
-        Ok(())
+        blocking(|| {
+            self.conn().execute("DELETE FROM invocations WHERE seq = ?1", [seq]).map_err(sql_err)?;
+            Ok(())
+        })
     }
 
     /// Makes visible again every message a killed process had received but not deleted,
@@ -287,34 +325,40 @@ impl EmbeddedStore {
     /// # Errors
     /// `Fatal` on a database failure.
     pub fn recover_after_crash(&self) -> PortResult<(usize, usize)> {
-        let now = to_i64(self.clock.now().0);
-        let released =
-            self.conn().execute("UPDATE messages SET visible_at = ?1, receipt = NULL WHERE receipt IS NOT NULL AND visible_at > ?1", [now]).map_err(sql_err)?;
-        self.conn().execute("DELETE FROM kv WHERE key LIKE 'call#%' AND json_extract(value, '$.state') = 'calling'", []).map_err(sql_err)?;
-        Ok((released, self.requeue_invocations(None)?))
+        blocking(|| {
+            let now = to_i64(self.clock.now().0);
+            let released = self
+                .conn()
+                .execute("UPDATE messages SET visible_at = ?1, receipt = NULL WHERE receipt IS NOT NULL AND visible_at > ?1", [now])
+                .map_err(sql_err)?;
+            self.conn().execute("DELETE FROM kv WHERE key LIKE 'call#%' AND json_extract(value, '$.state') = 'calling'", []).map_err(sql_err)?;
+            Ok((released, self.requeue_invocations(None)?))
+        })
     }
 
     /// Puts the job of one invocation (or of all, with `None`) back on the queue, to be
     /// paced again, and forgets health checks. Returns how many jobs.
     fn requeue_invocations(&self, only: Option<i64>) -> PortResult<usize> {
-        let now = to_i64(self.clock.now().0);
-        let mut conn = self.conn();
-        let tx = conn.transaction().map_err(sql_err)?;
-        let payloads: Vec<String> = {
-            let mut select = tx.prepare("SELECT payload FROM invocations WHERE ?1 IS NULL OR seq = ?1 ORDER BY seq").map_err(sql_err)?;
-            let rows = select.query_map([only], |r| r.get(0)).map_err(sql_err)?;
-            rows.collect::<Result<_, _>>().map_err(sql_err)?
-        };
-        let mut jobs = 0;
-        for text in payloads {
-            if let Ok(WorkerPayload::Job { job, attempt, .. }) = WorkerPayload::from_json(&text) {
-                insert_message(&tx, &job.to_json(), attempt, now)?;
-                jobs += 1;
+        blocking(|| {
+            let now = to_i64(self.clock.now().0);
+            let mut conn = self.conn();
+            let tx = conn.transaction().map_err(sql_err)?;
+            let payloads: Vec<String> = {
+                let mut select = tx.prepare("SELECT payload FROM invocations WHERE ?1 IS NULL OR seq = ?1 ORDER BY seq").map_err(sql_err)?;
+                let rows = select.query_map([only], |r| r.get(0)).map_err(sql_err)?;
+                rows.collect::<Result<_, _>>().map_err(sql_err)?
+            };
+            let mut jobs = 0;
+            for text in payloads {
+                if let Ok(WorkerPayload::Job { job, attempt, .. }) = WorkerPayload::from_json(&text) {
+                    insert_message(&tx, &job.to_json(), attempt, now)?;
+                    jobs += 1;
+                }
             }
-        }
-        tx.execute("DELETE FROM invocations WHERE ?1 IS NULL OR seq = ?1", [only]).map_err(sql_err)?;
-        tx.commit().map_err(sql_err)?;
-        Ok(jobs)
+            tx.execute("DELETE FROM invocations WHERE ?1 IS NULL OR seq = ?1", [only]).map_err(sql_err)?;
+            tx.commit().map_err(sql_err)?;
+            Ok(jobs)
+        })
     }
 }
 
@@ -380,51 +424,61 @@ impl JobQueue for EmbeddedStore {
     }
 
     async fn delete(&self, receipts: &[String]) -> PortResult<()> {
-        let conn = self.conn();
-        for receipt in receipts {
-            conn.execute("DELETE FROM messages WHERE receipt = ?1", [receipt]).map_err(sql_err)?;
-        }
-        Ok(())
+        blocking(|| {
+            let conn = self.conn();
+            for receipt in receipts {
+                conn.execute("DELETE FROM messages WHERE receipt = ?1", [receipt]).map_err(sql_err)?;
+            }
+            Ok(())
+        })
     }
 
     async fn release(&self, receipts: &[String]) -> PortResult<()> {
-        let now = to_i64(self.clock.now().0);
-        let conn = self.conn();
-        for receipt in receipts {
-            conn.execute("UPDATE messages SET visible_at = ?1, receipt = NULL WHERE receipt = ?2", params![now, receipt]).map_err(sql_err)?;
-        }
-        Ok(())
+        blocking(|| {
+            let now = to_i64(self.clock.now().0);
+            let conn = self.conn();
+            for receipt in receipts {
+                conn.execute("UPDATE messages SET visible_at = ?1, receipt = NULL WHERE receipt = ?2", params![now, receipt]).map_err(sql_err)?;
+            }
+            Ok(())
+        })
     }
 
     async fn send(&self, messages: &[OutgoingMessage]) -> PortResult<()> {
-        let now = self.clock.now();
-        let mut conn = self.conn();
-        let tx = conn.transaction().map_err(sql_err)?;
-        for m in messages {
-            insert_message(&tx, &m.body, m.attempt, to_i64(now.plus(m.delay).0))?;
-        }
-        tx.commit().map_err(sql_err)
+        blocking(|| {
+            let now = self.clock.now();
+            let mut conn = self.conn();
+            let tx = conn.transaction().map_err(sql_err)?;
+            for m in messages {
+                insert_message(&tx, &m.body, m.attempt, to_i64(now.plus(m.delay).0))?;
+            }
+            tx.commit().map_err(sql_err)
+        })
     }
 
     async fn dead_letter(&self, message_id: &str, body: &str, attempt: u32, reason: &DeadLetterReason) -> PortResult<()> {
-        let reason = serde_json::to_string(reason).map_err(fatal)?;
-        self.conn()
-            .execute(
-                "INSERT INTO dead_letters (message_id, body, attempt, reason, dead_at) VALUES (?1, ?2, ?3, ?4, ?5)",
-                params![message_id, body, attempt, reason, to_i64(self.clock.now().0)],
-            )
-            .map_err(sql_err)?;
-        Ok(())
+        blocking(|| {
+            let reason = serde_json::to_string(reason).map_err(fatal)?;
+            self.conn()
+                .execute(
+                    "INSERT INTO dead_letters (message_id, body, attempt, reason, dead_at) VALUES (?1, ?2, ?3, ?4, ?5)",
+                    params![message_id, body, attempt, reason, to_i64(self.clock.now().0)],
+                )
+                .map_err(sql_err)?;
+            Ok(())
+        })
     }
 
     async fn depth(&self) -> PortResult<QueueDepth> {
-        let now = to_i64(self.clock.now().0);
-        let conn = self.conn();
-        let count = |sql: &str, p: &[&dyn rusqlite::ToSql]| conn.query_row(sql, p, |r| r.get::<_, i64>(0)).map(to_u64).map_err(sql_err);
-        Ok(QueueDepth {
-            visible: count("SELECT COUNT(*) FROM messages WHERE visible_at <= ?1", &[&now])?,
-            not_visible: count("SELECT COUNT(*) FROM messages WHERE visible_at > ?1", &[&now])? + count("SELECT COUNT(*) FROM invocations", &[])?,
-            dead: count("SELECT COUNT(*) FROM dead_letters", &[])?,
+        blocking(|| {
+            let now = to_i64(self.clock.now().0);
+            let conn = self.conn();
+            let count = |sql: &str, p: &[&dyn rusqlite::ToSql]| conn.query_row(sql, p, |r| r.get::<_, i64>(0)).map(to_u64).map_err(sql_err);
+            Ok(QueueDepth {
+                visible: count("SELECT COUNT(*) FROM messages WHERE visible_at <= ?1", &[&now])?,
+                not_visible: count("SELECT COUNT(*) FROM messages WHERE visible_at > ?1", &[&now])? + count("SELECT COUNT(*) FROM invocations", &[])?,
+                dead: count("SELECT COUNT(*) FROM dead_letters", &[])?,
+            })
         })
     }
 }
@@ -471,13 +525,15 @@ impl DeadLetterQueues for EmbeddedStore {
     }
 
     async fn remove(&self, source: DlqSource, handles: &[String]) -> PortResult<()> {
-        only_jobs_dlq(source)?;
-        let mut conn = self.conn();
-        let tx = conn.transaction().map_err(sql_err)?;
-        for seq in row_numbers(handles)? {
-            tx.execute("DELETE FROM dead_letters WHERE seq = ?1", [seq]).map_err(sql_err)?;
-        }
-        tx.commit().map_err(sql_err)
+        blocking(|| {
+            only_jobs_dlq(source)?;
+            let mut conn = self.conn();
+            let tx = conn.transaction().map_err(sql_err)?;
+            for seq in row_numbers(handles)? {
+                tx.execute("DELETE FROM dead_letters WHERE seq = ?1", [seq]).map_err(sql_err)?;
+            }
+            tx.commit().map_err(sql_err)
+        })
     }
 
     async fn count(&self, source: DlqSource) -> PortResult<u64> {
@@ -488,21 +544,23 @@ impl DeadLetterQueues for EmbeddedStore {
     /// Exactly once: the copies are enqueued and the dead letters removed in one
     /// transaction.
     async fn redrive(&self, records: &[DeadLetterRecord], keep_attempts: bool) -> PortResult<()> {
-        let messages = redrive_messages(records, keep_attempts)?;
-        for r in records {
-            only_jobs_dlq(r.source)?;
-        }
-        let handles: Vec<String> = records.iter().map(|r| r.handle.clone()).collect();
-        let now = to_i64(self.clock.now().0);
-        let mut conn = self.conn();
-        let tx = conn.transaction().map_err(sql_err)?;
-        for (m, seq) in messages.iter().zip(row_numbers(&handles)?) {
-            // A record another operator redrove or purged meanwhile is not sent twice.
-            if tx.execute("DELETE FROM dead_letters WHERE seq = ?1", [seq]).map_err(sql_err)? == 1 {
-                insert_message(&tx, &m.body, m.attempt, now)?;
+        blocking(|| {
+            let messages = redrive_messages(records, keep_attempts)?;
+            for r in records {
+                only_jobs_dlq(r.source)?;
             }
-        }
-        tx.commit().map_err(sql_err)
+            let handles: Vec<String> = records.iter().map(|r| r.handle.clone()).collect();
+            let now = to_i64(self.clock.now().0);
+            let mut conn = self.conn();
+            let tx = conn.transaction().map_err(sql_err)?;
+            for (m, seq) in messages.iter().zip(row_numbers(&handles)?) {
+                // A record another operator redrove or purged meanwhile is not sent twice.
+                if tx.execute("DELETE FROM dead_letters WHERE seq = ?1", [seq]).map_err(sql_err)? == 1 {
+                    insert_message(&tx, &m.body, m.attempt, now)?;
+                }
+            }
+            tx.commit().map_err(sql_err)
+        })
     }
 }
 
@@ -511,39 +569,45 @@ impl StateStore for EmbeddedStore {
     // Each lease operation reads and writes in one transaction, under the one connection
     // lock: no other call sees or changes the lease between its check and its write.
     async fn acquire_lease(&self, holder: &str, ttl: Duration, now: UnixMillis) -> PortResult<Lease> {
-        let mut conn = self.conn();
-        let tx = conn.transaction().map_err(sql_err)?;
-        if let Some(current) = Self::read_kv::<Lease>(&tx, "lease_holder")?.filter(|lease| lease.expires_at > now) {
-            return Err(PortError::Conflict(format!("lease held by {} until {}", current.holder, current.expires_at)));
-        }
-        let epoch = Self::read_kv::<u64>(&tx, "lease_epoch")?.unwrap_or(0) + 1;
-        let lease = Lease { holder: holder.to_owned(), epoch, expires_at: now.plus(ttl) };
-        Self::put_kv(&tx, "lease_holder", &lease)?;
-        Self::put_kv(&tx, "lease_epoch", &epoch)?;
-        tx.commit().map_err(sql_err)?;
-        Ok(lease)
+        blocking(|| {
+            let mut conn = self.conn();
+            let tx = conn.transaction().map_err(sql_err)?;
+            if let Some(current) = Self::read_kv::<Lease>(&tx, "lease_holder")?.filter(|lease| lease.expires_at > now) {
+                return Err(PortError::Conflict(format!("lease held by {} until {}", current.holder, current.expires_at)));
+            }
+            let epoch = Self::read_kv::<u64>(&tx, "lease_epoch")?.unwrap_or(0) + 1;
+            let lease = Lease { holder: holder.to_owned(), epoch, expires_at: now.plus(ttl) };
+            Self::put_kv(&tx, "lease_holder", &lease)?;
+            Self::put_kv(&tx, "lease_epoch", &epoch)?;
+            tx.commit().map_err(sql_err)?;
+            Ok(lease)
+        })
     }
 
     async fn renew_lease(&self, lease: &Lease, ttl: Duration, now: UnixMillis) -> PortResult<Lease> {
-        let mut conn = self.conn();
-        let tx = conn.transaction().map_err(sql_err)?;
-        match Self::read_kv::<Lease>(&tx, "lease_holder")? {
-            Some(current) if current.epoch == lease.epoch && current.holder == lease.holder => {
-                let renewed = Lease { expires_at: now.plus(ttl), ..current };
-                Self::put_kv(&tx, "lease_holder", &renewed)?;
-                tx.commit().map_err(sql_err)?;
-                Ok(renewed)
+        blocking(|| {
+            let mut conn = self.conn();
+            let tx = conn.transaction().map_err(sql_err)?;
+            match Self::read_kv::<Lease>(&tx, "lease_holder")? {
+                Some(current) if current.epoch == lease.epoch && current.holder == lease.holder => {
+                    let renewed = Lease { expires_at: now.plus(ttl), ..current };
+                    Self::put_kv(&tx, "lease_holder", &renewed)?;
+                    tx.commit().map_err(sql_err)?;
+                    Ok(renewed)
+                }
+                _ => Err(PortError::Conflict(format!("lease epoch {} was lost", lease.epoch))),
             }
-            _ => Err(PortError::Conflict(format!("lease epoch {} was lost", lease.epoch))),
-        }
+        })
     }
 
     async fn release_lease(&self, lease: &Lease) -> PortResult<()> {
-        let conn = self.conn();
-        if Self::read_kv::<Lease>(&conn, "lease_holder")?.is_some_and(|c| c.epoch == lease.epoch) {
-            conn.execute("DELETE FROM kv WHERE key = 'lease_holder'", []).map_err(sql_err)?;
-        }
-        Ok(())
+        blocking(|| {
+            let conn = self.conn();
+            if Self::read_kv::<Lease>(&conn, "lease_holder")?.is_some_and(|c| c.epoch == lease.epoch) {
+                conn.execute("DELETE FROM kv WHERE key = 'lease_holder'", []).map_err(sql_err)?;
+            }
+            Ok(())
+        })
     }
 
     async fn lease(&self) -> PortResult<Option<Lease>> {
@@ -551,25 +615,32 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn load_usage(&self, keys: &[String]) -> PortResult<Vec<u64>> {
-        let conn = self.conn();
-        keys.iter()
-            .map(|k| {
-                conn.query_row("SELECT used FROM usage WHERE key = ?1", [k], |r| r.get::<_, i64>(0)).optional().map(|v| v.map_or(0, to_u64)).map_err(sql_err)
-            })
-            .collect()
+        blocking(|| {
+            let conn = self.conn();
+            keys.iter()
+                .map(|k| {
+                    conn.query_row("SELECT used FROM usage WHERE key = ?1", [k], |r| r.get::<_, i64>(0))
+                        .optional()
+                        .map(|v| v.map_or(0, to_u64))
+                        .map_err(sql_err)
+                })
+                .collect()
+        })
     }
 
     async fn add_usage(&self, deltas: &[(String, i64)]) -> PortResult<()> {
-        let mut conn = self.conn();
-        let tx = conn.transaction().map_err(sql_err)?;
-        for (key, delta) in deltas {
-            tx.execute("INSERT INTO usage (key, used) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET used = used + ?2", params![key, delta])
-                .map_err(sql_err)?;
-        }
-        if deltas.iter().any(|(key, _)| key.starts_with(FAILURE_BUCKET_PREFIX)) {
-            Self::sweep_failure_buckets(&tx, self.clock.now())?;
-        }
-        tx.commit().map_err(sql_err)
+        blocking(|| {
+            let mut conn = self.conn();
+            let tx = conn.transaction().map_err(sql_err)?;
+            for (key, delta) in deltas {
+                tx.execute("INSERT INTO usage (key, used) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET used = used + ?2", params![key, delta])
+                    .map_err(sql_err)?;
+            }
+            if deltas.iter().any(|(key, _)| key.starts_with(FAILURE_BUCKET_PREFIX)) {
+                Self::sweep_failure_buckets(&tx, self.clock.now())?;
+            }
+            tx.commit().map_err(sql_err)
+        })
     }
 
     async fn load_pacer(&self) -> PortResult<Option<PacerSnapshot>> {
@@ -577,12 +648,14 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn save_pacer(&self, lease: &Lease, snapshot: &PacerSnapshot) -> PortResult<()> {
-        let conn = self.conn();
-        let current: Option<Lease> = Self::read_kv(&conn, "lease_holder")?;
-        if current.is_none_or(|c| c.epoch != lease.epoch || c.holder != lease.holder) {
-            return Err(PortError::Conflict(format!("lease epoch {} was lost", lease.epoch)));
-        }
-        Self::put_kv(&conn, "pacer", snapshot)
+        blocking(|| {
+            let conn = self.conn();
+            let current: Option<Lease> = Self::read_kv(&conn, "lease_holder")?;
+            if current.is_none_or(|c| c.epoch != lease.epoch || c.holder != lease.holder) {
+                return Err(PortError::Conflict(format!("lease epoch {} was lost", lease.epoch)));
+            }
+            Self::put_kv(&conn, "pacer", snapshot)
+        })
     }
 
     async fn circuit(&self) -> PortResult<Circuit> {
@@ -590,15 +663,17 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn swap_circuit(&self, expected_epoch: u64, next: &Circuit) -> PortResult<()> {
-        let mut conn = self.conn();
-        let tx = conn.transaction().map_err(sql_err)?;
-        let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = 'circuit'", [], |r| r.get(0)).optional().map_err(sql_err)?;
-        let current: Circuit = stored.and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
-        if current.epoch != expected_epoch {
-            return Err(PortError::Conflict(format!("circuit is at epoch {}, not {expected_epoch}", current.epoch)));
-        }
-        Self::put_kv(&tx, "circuit", next)?;
-        tx.commit().map_err(sql_err)
+        blocking(|| {
+            let mut conn = self.conn();
+            let tx = conn.transaction().map_err(sql_err)?;
+            let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = 'circuit'", [], |r| r.get(0)).optional().map_err(sql_err)?;
+            let current: Circuit = stored.and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
+            if current.epoch != expected_epoch {
+                return Err(PortError::Conflict(format!("circuit is at epoch {}, not {expected_epoch}", current.epoch)));
+            }
+            Self::put_kv(&tx, "circuit", next)?;
+            tx.commit().map_err(sql_err)
+        })
     }
 
     async fn cool_down(&self) -> PortResult<UnixMillis> {
@@ -606,17 +681,21 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn extend_cool_down(&self, until: UnixMillis) -> PortResult<()> {
-        let mut conn = self.conn();
-        let tx = conn.transaction().map_err(sql_err)?;
-        let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = 'cool_down'", [], |r| r.get(0)).optional().map_err(sql_err)?;
-        let current: UnixMillis = stored.and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
-        Self::put_kv(&tx, "cool_down", &current.max(until))?;
-        tx.commit().map_err(sql_err)
+        blocking(|| {
+            let mut conn = self.conn();
+            let tx = conn.transaction().map_err(sql_err)?;
+            let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = 'cool_down'", [], |r| r.get(0)).optional().map_err(sql_err)?;
+            let current: UnixMillis = stored.and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
+            Self::put_kv(&tx, "cool_down", &current.max(until))?;
+            tx.commit().map_err(sql_err)
+        })
     }
 
     async fn clear_cool_down(&self) -> PortResult<()> {
-        self.conn().execute("DELETE FROM kv WHERE key = 'cool_down'", []).map_err(sql_err)?;
-        Ok(())
+        blocking(|| {
+            self.conn().execute("DELETE FROM kv WHERE key IN ('cool_down', 'provider_reading')", []).map_err(sql_err)?;
+            Ok(())
+        })
     }
 
     async fn provider_reading(&self) -> PortResult<Option<ProviderReading>> {
@@ -624,83 +703,103 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn record_provider_reading(&self, reading: &ProviderReading) -> PortResult<()> {
-        let mut conn = self.conn();
-        let tx = conn.transaction().map_err(sql_err)?;
-        let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = 'provider_reading'", [], |r| r.get(0)).optional().map_err(sql_err)?;
-        let current: Option<ProviderReading> = stored.and_then(|t| serde_json::from_str(&t).ok());
-        if current.is_none_or(|current| current.at < reading.at) {
-            Self::put_kv(&tx, "provider_reading", reading)?;
-        }
-        tx.commit().map_err(sql_err)
+        blocking(|| {
+            let mut conn = self.conn();
+            let tx = conn.transaction().map_err(sql_err)?;
+            let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = 'provider_reading'", [], |r| r.get(0)).optional().map_err(sql_err)?;
+            let current: Option<ProviderReading> = stored.and_then(|t| serde_json::from_str(&t).ok());
+            if current.is_none_or(|current| current.at < reading.at) {
+                Self::put_kv(&tx, "provider_reading", reading)?;
+            }
+            tx.commit().map_err(sql_err)
+        })
     }
 
     async fn claim_call(&self, key: &str, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<CallClaim> {
-        let mut conn = self.conn();
-        let tx = conn.transaction().map_err(sql_err)?;
-        let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = ?1", [key], |r| r.get(0)).optional().map_err(sql_err)?;
-        let current: Option<CallRecord> = stored.and_then(|t| serde_json::from_str(&t).ok());
-        match current {
-            Some(record) if record.state == CallClaim::Done => return Ok(CallClaim::Done),
-            Some(record) if record.expires_at > now => return Ok(CallClaim::Calling),
-            _ => {}
-        }
-        Self::put_kv(&tx, key, &CallRecord { state: CallClaim::Calling, holder: holder.to_owned(), expires_at })?;
-        tx.commit().map_err(sql_err)?;
-        Ok(CallClaim::Taken)
+        blocking(|| {
+            let mut conn = self.conn();
+            let tx = conn.transaction().map_err(sql_err)?;
+            let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = ?1", [key], |r| r.get(0)).optional().map_err(sql_err)?;
+            let current: Option<CallRecord> = stored.and_then(|t| serde_json::from_str(&t).ok());
+            match current {
+                Some(record) if record.state == CallClaim::Done => return Ok(CallClaim::Done),
+                Some(record) if record.expires_at > now => return Ok(CallClaim::Calling),
+                _ => {}
+            }
+            Self::put_kv(&tx, key, &CallRecord { state: CallClaim::Calling, holder: holder.to_owned(), expires_at })?;
+            tx.commit().map_err(sql_err)?;
+            Ok(CallClaim::Taken)
+        })
     }
 
     async fn finish_call(&self, key: &str, keep_until: UnixMillis) -> PortResult<()> {
-        let conn = self.conn();
-        let now = self.clock.now();
-        // Done records past their keep are swept as new ones come (DynamoDB's TTL on AWS).
-        conn.execute(
-            "DELETE FROM kv WHERE key LIKE 'call#%' AND json_extract(value, '$.expires_at') < ?1 AND json_extract(value, '$.state') = 'done'",
-            [to_i64(now.0)],
-        )
-        .map_err(sql_err)?;
-        Self::put_kv(&conn, key, &CallRecord { state: CallClaim::Done, holder: String::new(), expires_at: keep_until })
+        blocking(|| {
+            let conn = self.conn();
+            let now = self.clock.now();
+            // Done records past their keep are swept as new ones come (DynamoDB's TTL on AWS).
+            conn.execute(
+                "DELETE FROM kv WHERE key LIKE 'call#%' AND json_extract(value, '$.expires_at') < ?1 AND json_extract(value, '$.state') = 'done'",
+                [to_i64(now.0)],
+            )
+            .map_err(sql_err)?;
+            Self::put_kv(&conn, key, &CallRecord { state: CallClaim::Done, holder: String::new(), expires_at: keep_until })
+        })
     }
 
     async fn release_call(&self, key: &str, holder: &str) -> PortResult<()> {
-        let conn = self.conn();
-        conn.execute(
-            "DELETE FROM kv WHERE key = ?1 AND json_extract(value, '$.holder') = ?2 AND json_extract(value, '$.state') = 'calling'",
-            params![key, holder],
-        )
-        .map_err(sql_err)?;
-        Ok(())
+        blocking(|| {
+            let conn = self.conn();
+            conn.execute(
+                "DELETE FROM kv WHERE key = ?1 AND json_extract(value, '$.holder') = ?2 AND json_extract(value, '$.state') = 'calling'",
+                params![key, holder],
+            )
+            .map_err(sql_err)?;
+            Ok(())
+        })
     }
 
     async fn forget_call(&self, key: &str) -> PortResult<()> {
-        self.conn().execute("DELETE FROM kv WHERE key = ?1 AND key LIKE 'call#%'", [key]).map_err(sql_err)?;
-        Ok(())
+        blocking(|| {
+            self.conn().execute("DELETE FROM kv WHERE key = ?1 AND key LIKE 'call#%'", [key]).map_err(sql_err)?;
+            Ok(())
+        })
     }
 
     async fn take_call_slot(&self, capacity: u32, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<Option<u32>> {
-        let mut conn = self.conn();
-        let tx = conn.transaction().map_err(sql_err)?;
-        let taken: Vec<u32> = tx
-            .prepare("SELECT idx FROM call_slots WHERE idx < ?1 AND holder IS NOT NULL AND expires_at > ?2")
-            .and_then(|mut statement| statement.query_map(params![capacity, to_i64(now.0)], |row| row.get(0))?.collect())
-            .map_err(sql_err)?;
-        let Some(free) = (0..capacity).find(|index| !taken.contains(index)) else { return Ok(None) };
-        tx.execute("INSERT OR REPLACE INTO call_slots (idx, holder, expires_at) VALUES (?1, ?2, ?3)", params![free, holder, to_i64(expires_at.0)])
-            .map_err(sql_err)?;
-        tx.commit().map_err(sql_err)?;
-        Ok(Some(free))
+        blocking(|| {
+            let mut conn = self.conn();
+            let tx = conn.transaction().map_err(sql_err)?;
+            let taken: Vec<u32> = tx
+                .prepare("SELECT idx FROM call_slots WHERE idx < ?1 AND holder IS NOT NULL AND expires_at > ?2")
+                .and_then(|mut statement| statement.query_map(params![capacity, to_i64(now.0)], |row| row.get(0))?.collect())
+                .map_err(sql_err)?;
+            let Some(free) = (0..capacity).find(|index| !taken.contains(index)) else { return Ok(None) };
+            tx.execute("INSERT OR REPLACE INTO call_slots (idx, holder, expires_at) VALUES (?1, ?2, ?3)", params![free, holder, to_i64(expires_at.0)])
+                .map_err(sql_err)?;
+            tx.commit().map_err(sql_err)?;
+            Ok(Some(free))
+        })
     }
 
     async fn release_call_slot(&self, index: u32, holder: &str) -> PortResult<()> {
-        self.conn().execute("UPDATE call_slots SET holder = NULL, expires_at = 0 WHERE idx = ?1 AND holder = ?2", params![index, holder]).map_err(sql_err)?;
-        Ok(())
+        blocking(|| {
+            self.conn()
+                .execute("UPDATE call_slots SET holder = NULL, expires_at = 0 WHERE idx = ?1 AND holder = ?2", params![index, holder])
+                .map_err(sql_err)?;
+            Ok(())
+        })
     }
 
     async fn call_slots_in_use(&self, capacity: u32, now: UnixMillis) -> PortResult<u32> {
-        self.conn()
-            .query_row("SELECT COUNT(*) FROM call_slots WHERE idx < ?1 AND holder IS NOT NULL AND expires_at > ?2", params![capacity, to_i64(now.0)], |row| {
-                row.get(0)
-            })
-            .map_err(sql_err)
+        blocking(|| {
+            self.conn()
+                .query_row(
+                    "SELECT COUNT(*) FROM call_slots WHERE idx < ?1 AND holder IS NOT NULL AND expires_at > ?2",
+                    params![capacity, to_i64(now.0)],
+                    |row| row.get(0),
+                )
+                .map_err(sql_err)
+        })
     }
 }
 
@@ -727,15 +826,31 @@ impl Invoker for EmbeddedInvoker {
         self.in_flight.fetch_add(1, Ordering::SeqCst);
         let (store, handler, in_flight, payload) = (self.store.clone(), self.handler.clone(), self.in_flight.clone(), payload.clone());
         tokio::spawn(async move {
-            let finished = match handler.handle(payload).await {
-                Ok(_) => store.finish_invocation(seq),
-                Err(e) => {
-                    tracing::warn!(error = %e, "worker could not finish; its job goes back on the queue");
-                    store.requeue_invocations(Some(seq)).map(|_| ())
+            let handled = handler.handle(payload).await;
+            if let Err(e) = &handled {
+                tracing::warn!(error = %e, "worker could not finish; its job goes back on the queue");
+            }
+            // Settled it must be: a hand-off left recorded counts as in flight (a drain
+            // would wait for it for ever) and runs again at the next start. A busy store
+            // (another process holding the lock) is waited out.
+            let mut wait = SETTLE_FIRST_WAIT;
+            loop {
+                let settled = match &handled {
+                    Ok(_) => store.finish_invocation(seq),
+                    Err(_) => store.requeue_invocations(Some(seq)).map(|_| ()),
+                };
+                match settled {
+                    Err(e) if e.is_retryable() => {
+                        tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "could not settle an invocation; retrying");
+                        store.clock.sleep_until(store.clock.now().plus(wait)).await;
+                        wait = (wait * 2).min(SETTLE_MAX_WAIT);
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "could not settle an invocation; it will be re-queued on restart");
+                        break;
+                    }
+                    Ok(()) => break,
                 }
-            };
-            if let Err(e) = finished {
-                tracing::error!(error = %e, "could not settle an invocation; it will be re-queued on restart");
             }
             in_flight.fetch_sub(1, Ordering::SeqCst);
         });

@@ -7,7 +7,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use rusqlite::params;
 
-use super::{fatal, sql_err, to_i64, EmbeddedStore};
+use super::{blocking, fatal, sql_err, to_i64, EmbeddedStore};
 use crate::outcome::{Ending, OutcomeRecord, StatusFilter};
 use crate::ports::{OutcomeSink, PortResult};
 use crate::time::UnixMillis;
@@ -40,30 +40,32 @@ impl EmbeddedStore {
     /// # Errors
     /// `Fatal` when the database cannot be read or holds an unreadable record.
     pub fn outcomes(&self, query: &OutcomeQuery) -> PortResult<Vec<KeptOutcome>> {
-        let (class_from, ending) = match query.status {
-            None => (None, None),
-            Some(StatusFilter::Class(class)) => (Some(i64::from(class) * 100), None),
-            Some(StatusFilter::Dead) => (None, Some(Ending::DeadLettered.label())),
-        };
-        let conn = self.conn();
-        let mut select = conn
-            .prepare_cached(
-                "SELECT seq, record FROM outcomes WHERE seq > ?1 AND recorded_at >= ?2 AND (?3 IS NULL OR job_id = ?3)
-                 AND (?4 IS NULL OR outcome = ?4) AND (?5 IS NULL OR status BETWEEN ?5 AND ?5 + 99)
-                 ORDER BY seq LIMIT ?6",
-            )
-            .map_err(sql_err)?;
-        let since = to_i64(query.since.unwrap_or_default().0);
-        let limit = i64::try_from(query.limit).unwrap_or(i64::MAX);
-        let rows = select
-            .query_map(params![query.after_row, since, query.job_id, ending, class_from, limit], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))
-            .map_err(sql_err)?;
-        rows.map(|row| {
-            let (row, text) = row.map_err(sql_err)?;
-            let record = serde_json::from_str(&text).map_err(|e| fatal(format!("outcome record {row} is unreadable: {e}")))?;
-            Ok(KeptOutcome { row, record })
+        blocking(|| {
+            let (class_from, ending) = match query.status {
+                None => (None, None),
+                Some(StatusFilter::Class(class)) => (Some(i64::from(class) * 100), None),
+                Some(StatusFilter::Dead) => (None, Some(Ending::DeadLettered.label())),
+            };
+            let conn = self.conn();
+            let mut select = conn
+                .prepare_cached(
+                    "SELECT seq, record FROM outcomes WHERE seq > ?1 AND recorded_at >= ?2 AND (?3 IS NULL OR job_id = ?3)
+                     AND (?4 IS NULL OR outcome = ?4) AND (?5 IS NULL OR status BETWEEN ?5 AND ?5 + 99)
+                     ORDER BY seq LIMIT ?6",
+                )
+                .map_err(sql_err)?;
+            let since = to_i64(query.since.unwrap_or_default().0);
+            let limit = i64::try_from(query.limit).unwrap_or(i64::MAX);
+            let rows = select
+                .query_map(params![query.after_row, since, query.job_id, ending, class_from, limit], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))
+                .map_err(sql_err)?;
+            rows.map(|row| {
+                let (row, text) = row.map_err(sql_err)?;
+                let record = serde_json::from_str(&text).map_err(|e| fatal(format!("outcome record {row} is unreadable: {e}")))?;
+                Ok(KeptOutcome { row, record })
+            })
+            .collect()
         })
-        .collect()
     }
 
     /// Deletes records kept longer than the retention, at most once a minute.
@@ -81,16 +83,18 @@ impl EmbeddedStore {
 #[async_trait]
 impl OutcomeSink for EmbeddedStore {
     async fn record_outcome(&self, record: &OutcomeRecord) -> PortResult<()> {
-        let now = self.clock.now();
-        let text = serde_json::to_string(record).map_err(fatal)?;
-        let conn = self.conn();
-        conn.execute(
-            "INSERT INTO outcomes (job_id, outcome, attempts, status, recorded_at, record) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
-             ON CONFLICT (job_id, outcome, attempts) DO UPDATE SET status = excluded.status, record = excluded.record",
-            params![record.job_id, record.outcome.label(), record.attempts, record.status, to_i64(now.0), text],
-        )
-        .map_err(sql_err)?;
-        self.sweep_outcomes(&conn, now)
+        blocking(|| {
+            let now = self.clock.now();
+            let text = serde_json::to_string(record).map_err(fatal)?;
+            let conn = self.conn();
+            conn.execute(
+                "INSERT INTO outcomes (job_id, outcome, attempts, status, recorded_at, record) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+                 ON CONFLICT (job_id, outcome, attempts) DO UPDATE SET status = excluded.status, record = excluded.record",
+                params![record.job_id, record.outcome.label(), record.attempts, record.status, to_i64(now.0), text],
+            )
+            .map_err(sql_err)?;
+            self.sweep_outcomes(&conn, now)
+        })
     }
 }
 
