@@ -519,7 +519,7 @@ fn optional_size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Er
 
 fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     let text = String::deserialize(d)?;
-    humantime::parse_duration(&text).map_err(|e| serde::de::Error::custom(format!("`{text}` is not a duration ({e}); write for example 500ms, 10s, 5m")))
+    crate::time::parse_setting_duration(&text).map_err(serde::de::Error::custom)
 }
 
 fn optional_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
@@ -863,5 +863,22 @@ path = "data/lane.db"
             let err = parse(&text).unwrap_err();
             assert!(err.contains(expected), "error for {expected:?} was: {err}");
         }
+    }
+
+    /// `timeout = "500000000000years"` passed and panicked after the run; a tier of
+    /// `1/100000000000years` passed `status` and `enqueue` and panicked at the first job.
+    #[test]
+    fn a_duration_past_a_year_is_refused_at_parse_time_with_the_key_named() {
+        let cases = [
+            (MINIMAL.replace("[quota]", "timeout = \"500000000000years\"\n[quota]"), "timeout"),
+            (format!("{MINIMAL}[retry]\nmax_cool_down = \"400days\"\n"), "max_cool_down"),
+            (format!("{MINIMAL}[orchestrator]\nlease_ttl = \"99999999years\"\n"), "lease_ttl"),
+        ];
+        for (text, expected) in cases {
+            let err = parse(&text).unwrap_err();
+            assert!(err.contains(expected) && err.contains("longer than"), "error for {expected:?} was: {err}");
+        }
+        let tier = "1/100000000000years".parse::<crate::quota::Tier>().unwrap_err();
+        assert!(tier.to_string().contains("longer than a year"), "{tier}");
     }
 }

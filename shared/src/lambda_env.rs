@@ -93,7 +93,7 @@ impl<'a> Env<'a> {
     }
 
     fn duration(&self, name: &str, default: Duration) -> Result<Duration, String> {
-        self.parsed(name, default, |t| humantime::parse_duration(t).map_err(|e| format!("`{t}` is not a duration ({e})")))
+        self.parsed(name, default, crate::time::parse_setting_duration)
     }
 
     /// `PACELINE_TIERS` (comma-separated, e.g. `10/s,500/min`), `PACELINE_TIME_ZONE`,

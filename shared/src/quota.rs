@@ -66,6 +66,8 @@ pub enum TierParseError {
     Limit(String),
     #[error("unknown period `{0}` (use s, min, h, day, month or a duration such as 250ms, 5s, 2h)")]
     Period(String),
+    #[error("period `{0}` is longer than a year (a calendar tier, `/month`, counts longer use)")]
+    PeriodTooLong(String),
     #[error("unknown option `{0}` (a rolling tier takes `burst=N` or `smooth`, for example \"2/s burst=40\")")]
     Option(String),
     #[error("`{0}` applies to rolling tiers only (day and month tiers are counters per calendar window)")]
@@ -113,6 +115,7 @@ fn parse_period(text: &str) -> Result<Period, TierParseError> {
         "d" | "day" => Ok(Period::Day),
         "mo" | "month" => Ok(Period::Month),
         other => match humantime::parse_duration(other) {
+            Ok(d) if d > crate::time::LONGEST_SETTING => Err(TierParseError::PeriodTooLong(other.to_owned())),
             Ok(d) if d >= Duration::from_millis(1) => Ok(Period::Rolling(d)),
             _ => Err(TierParseError::Period(other.to_owned())),
         },

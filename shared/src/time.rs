@@ -130,6 +130,23 @@ pub trait Clock: Send + Sync {
     }
 }
 
+/// The longest duration any setting takes (a tier's period, a timeout, a cool-down): a
+/// year. Past it, instants computed from it would run off the clock's range; a setting
+/// longer than that is a typo, refused at parse time.
+pub const LONGEST_SETTING: Duration = Duration::from_secs(366 * 86_400);
+
+/// Parses a duration setting (`500ms`, `10s`, `5m`), at most [`LONGEST_SETTING`].
+///
+/// # Errors
+/// The text and what is wrong with it, to be shown with the setting's name.
+pub fn parse_setting_duration(text: &str) -> Result<Duration, String> {
+    let parsed = humantime::parse_duration(text).map_err(|e| format!("`{text}` is not a duration ({e}); write for example 500ms, 10s, 5m"))?;
+    if parsed > LONGEST_SETTING {
+        return Err(format!("`{text}` is longer than the longest setting taken, a year (366 days)"));
+    }
+    Ok(parsed)
+}
+
 /// How late [`Clock::sleep_until_coarse`] may return (tokio's timer fires up to a tick,
 /// a millisecond, late; twice that covers a busy scheduler).
 pub const COARSE_WAKE_SLACK: Duration = Duration::from_millis(2);
