@@ -60,8 +60,27 @@ fn colour_on_stderr() -> bool {
     std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
+/// Exit status of a command whose reader went away, as a process killed by SIGPIPE
+/// reports in a shell (128 + 13).
+const EXIT_READER_GONE: i32 = 141;
+
+/// `paceline status | head -1`: once the reader has gone, writing to standard output
+/// fails with a broken pipe, and `println!` (or a library writing there) panics. End
+/// quietly instead, as Unix tools do; any other panic is reported as before.
+fn end_quietly_on_a_broken_pipe() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let message = info.payload().downcast_ref::<String>().map(String::as_str).or_else(|| info.payload().downcast_ref::<&str>().copied()).unwrap_or("");
+        if message.contains("Broken pipe") || message.contains("BrokenPipe") {
+            std::process::exit(EXIT_READER_GONE);
+        }
+        report(info);
+    }));
+}
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    end_quietly_on_a_broken_pipe();
     let cli = Cli::parse();
     let logs = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "error".into()))

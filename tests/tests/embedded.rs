@@ -466,7 +466,7 @@ async fn completions_cover_every_command_for_each_shell() {
         let out = paceline(&["completions", shell], "").await;
         assert_eq!(out.status.code(), Some(0), "{shell}: {}", String::from_utf8_lossy(&out.stderr));
         let script = String::from_utf8_lossy(&out.stdout);
-        for command in ["demo", "run", "enqueue", "status", "results", "dlq", "circuit", "kick", "simulate", "completions", "redrive"] {
+        for command in ["demo", "run", "enqueue", "status", "results", "dlq", "circuit", "kick", "rate", "simulate", "completions", "redrive"] {
             assert!(script.contains(command), "{shell} completes {command}");
         }
     }
@@ -533,4 +533,24 @@ async fn another_process_holding_the_write_lock_causes_no_duplicate_call_and_the
     assert_eq!(succeeded_ids(&log), jobs.iter().cloned().collect::<BTreeSet<_>>());
     assert_eq!(summary["succeeded"], 60, "{summary}");
     assert_eq!(summary["circuit_opened"].as_u64(), Some(0), "answers held up by the lock are no outage: {summary}");
+}
+
+/// `paceline completions bash | head -1` (68 KB, more than a pipe holds) panicked with
+/// exit 101 once `head` had gone; so did `status` and `results`.
+#[test]
+fn a_reader_that_goes_away_ends_a_command_quietly() {
+    use std::io::BufRead as _;
+    let mut child = std::process::Command::new(paceline_bin())
+        .args(["completions", "bash"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!first.is_empty());
+    assert_ne!(output.status.code(), Some(101), "{stderr}");
+    assert!(stderr.is_empty(), "nothing said on a closed pipe: {stderr}");
 }
