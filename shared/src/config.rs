@@ -183,6 +183,11 @@ pub(crate) fn check_idempotency_header(name: Option<String>, headers: &[(String,
     if !crate::job::is_header_name(&name) {
         return Err(format!("`{name}` is not a header name"));
     }
+    if crate::job::is_reserved_header(&name) {
+        return Err(format!(
+            "`{name}` belongs to the connection or the lane's credentials, not to a job id; name a header of its own, such as Idempotency-Key"
+        ));
+    }
     let name = name.to_ascii_lowercase();
     if headers.iter().any(|(configured, _)| configured.eq_ignore_ascii_case(&name)) {
         return Err(format!("`{name}` is also in the lane's headers"));
@@ -661,6 +666,20 @@ pub(crate) fn resolve_headers(
                 format!("{prefix}{value}")
             }
         };
+        // Checked here, so every command refuses the config alike (the value is a
+        // secret: never shown).
+        let problem = if !crate::job::is_header_name(&name) {
+            Some("is not a header name".to_owned())
+        } else if crate::job::is_connection_header(&name) {
+            Some("belongs to the connection, which the HTTP client sets".to_owned())
+        } else if !crate::job::is_header_value(&value) {
+            Some("has a value with a control (CR, LF...) or non-ASCII character".to_owned())
+        } else {
+            None
+        };
+        if let Some(problem) = problem {
+            return Err(ConfigProblem::at(format!("{key}.{name}"), format!("`{name}` {problem}")));
+        }
         headers.push((name, SecretString::from(value)));
     }
     Ok(headers)
@@ -862,6 +881,28 @@ path = "data/lane.db"
         for (text, expected) in cases {
             let err = parse(&text).unwrap_err();
             assert!(err.contains(expected), "error for {expected:?} was: {err}");
+        }
+    }
+
+    /// `idempotency_header = "Host"` made a job id the Host header (and `Content-Length`
+    /// with id 0 dropped the body); a configured header with CR/LF passed `status` and
+    /// `enqueue` and was refused only by `run`.
+    #[test]
+    fn connection_headers_and_bad_header_values_are_refused_at_load() {
+        for name in ["Host", "Content-Length", "Transfer-Encoding", "Connection", "authorization"] {
+            let text = MINIMAL.replace("[quota]", &format!("idempotency_header = \"{name}\"\n[quota]"));
+            let err = parse(&text).unwrap_err();
+            assert!(err.contains("api.idempotency_header") && err.contains("not to a job id"), "{name}: {err}");
+        }
+        let cases = [
+            (MINIMAL.replace("[quota]", "headers = { \"X-Key\" = { value = \"a\\r\\nX-Evil: 1\" } }\n[quota]"), "api.headers.X-Key", "control"),
+            (MINIMAL.replace("[quota]", "headers = { Upgrade = { value = \"websocket\" } }\n[quota]"), "api.headers.Upgrade", "connection"),
+            (MINIMAL.replace("[quota]", "headers = { \"Bad Name\" = { value = \"x\" } }\n[quota]"), "api.headers.Bad Name", "not a header name"),
+        ];
+        for (text, key, problem) in cases {
+            let err = parse(&text).unwrap_err();
+            assert!(err.contains(key) && err.contains(problem), "{key}: {err}");
+            assert!(!err.contains("X-Evil"), "the value is not shown: {err}");
         }
     }
 

@@ -167,8 +167,33 @@ struct RawJob {
     enqueued_at: Option<UnixMillis>,
 }
 
-/// Headers a job may not set: they belong to the connection or to the lane's auth.
-const RESERVED_HEADERS: &[&str] = &["host", "authorization", "proxy-authorization", "content-length", "transfer-encoding", "connection"];
+/// Headers that belong to the connection and its framing, not to an API call: neither a
+/// job nor the lane's configuration sets them (a job id carried in `Content-Length`
+/// would drop the call's body; `Upgrade` or `Expect` change what the client does).
+const CONNECTION_HEADERS: &[&str] =
+    &["host", "content-length", "transfer-encoding", "connection", "upgrade", "te", "trailer", "keep-alive", "proxy-connection", "expect"];
+
+/// Headers that carry the lane's credentials: a job may not set them.
+const AUTH_HEADERS: &[&str] = &["authorization", "proxy-authorization"];
+
+/// Whether `name` belongs to the connection (see [`CONNECTION_HEADERS`]).
+#[must_use]
+pub fn is_connection_header(name: &str) -> bool {
+    CONNECTION_HEADERS.contains(&name.to_ascii_lowercase().as_str())
+}
+
+/// Whether a job may not set `name`: a connection header or the lane's credentials.
+#[must_use]
+pub fn is_reserved_header(name: &str) -> bool {
+    is_connection_header(name) || AUTH_HEADERS.contains(&name.to_ascii_lowercase().as_str())
+}
+
+/// Whether `value` can be sent as a header value: visible ASCII, spaces and tabs (no
+/// CR/LF that could inject a header, nothing an HTTP client refuses to send).
+#[must_use]
+pub fn is_header_value(value: &str) -> bool {
+    value.bytes().all(|b| b == b'\t' || (b' '..=b'~').contains(&b))
+}
 
 impl Job {
     /// Parses and validates a job message.
@@ -212,20 +237,20 @@ fn parse_method(method: &str) -> Result<String, JobError> {
     }
 }
 
-/// A header name is an RFC 9110 token; a value is visible ASCII, spaces and tabs (no
-/// CR/LF that could inject a header, nothing an HTTP client refuses to send). Checked
+/// A header name is an RFC 9110 token, not a reserved one; a value is a valid header
+/// value ([`is_header_value`]). Checked
 /// here so that a bad header is the job's fault (dead-lettered as malformed) and never
 /// looks like the API failing.
 fn check_headers(headers: &BTreeMap<String, String>) -> Result<(), JobError> {
     for (name, value) in headers {
         let shown: String = name.chars().take(40).flat_map(char::escape_default).collect();
-        if RESERVED_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
+        if is_reserved_header(name) {
             return Err(JobError::Header(shown));
         }
         if !is_header_name(name) {
             return Err(JobError::HeaderInvalid(format!("`{shown}` is not a valid header name")));
         }
-        if !value.bytes().all(|b| b == b'\t' || (b' '..=b'~').contains(&b)) {
+        if !is_header_value(value) {
             return Err(JobError::HeaderInvalid(format!("the value of `{shown}` holds a control or non-ASCII character")));
         }
     }
@@ -470,6 +495,16 @@ mod tests {
             assert!(matches!(err, JobError::HeaderInvalid(_)), "{name:?}: {value:?} gave {err}");
         }
         assert!(Job::parse(&with_header("X-Trace-Id", "abc 123\tok")).is_ok());
+    }
+
+    /// Jobs could still send `Upgrade`, `TE`, `Keep-Alive`, `Proxy-Connection` and
+    /// `Expect`, though connection headers are refused.
+    #[test]
+    fn every_connection_header_is_refused() {
+        for name in ["Upgrade", "te", "Keep-Alive", "Proxy-Connection", "Expect", "Trailer", "Host", "Connection"] {
+            let text = serde_json::json!({"request": {"method": "GET", "path": "/", "headers": {name: "x"}}}).to_string();
+            assert!(matches!(Job::parse(&text), Err(JobError::Header(_))), "{name} was accepted");
+        }
     }
 
     #[test]
