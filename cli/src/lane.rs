@@ -308,4 +308,26 @@ mod tests {
         let all = OutcomeQuery { limit: 10, ..OutcomeQuery::default() };
         assert_eq!(store.outcomes(&all).unwrap().len(), 2, "the job that fit succeeded and has its record too");
     }
+
+    /// Jobs that reached the queue another way (as a producer on SQS would) with a valid
+    /// id but a CR/LF header or TRACE were dead-lettered with `job_id: null` and no record.
+    #[tokio::test(start_paused = true)]
+    async fn a_malformed_job_keeps_the_id_its_json_names_in_its_dead_letter_and_outcome_record() {
+        let bodies = vec![
+            r#"{"id":"crlf","request":{"method":"GET","path":"/items/1","headers":{"X-A":"a\r\nX-B: 1"}}}"#.to_owned(),
+            r#"{"id":"trace","request":{"method":"TRACE","path":"/items/2"}}"#.to_owned(),
+            r#"{"request":"no id at all"}"#.to_owned(),
+        ];
+        let (store, _) = drain("tiers = [\"10/s\"]\n", bodies, |worker| Arc::new(worker)).await;
+
+        let records =
+            paceline_shared::ports::DeadLetterQueues::page(store.as_ref(), paceline_shared::dlq::DlqSource::Jobs, None, 10, Duration::ZERO).await.unwrap();
+        let ids: Vec<Option<&str>> = records.iter().map(|r| r.job_id.as_deref()).collect();
+        assert_eq!(ids, vec![Some("crlf"), Some("trace"), None]);
+        let dead = OutcomeQuery { status: Some(StatusFilter::Dead), limit: 10, ..OutcomeQuery::default() };
+        let mut kept: Vec<(String, Option<String>)> = store.outcomes(&dead).unwrap().into_iter().map(|kept| (kept.record.job_id, kept.record.reason)).collect();
+        kept.sort();
+        assert_eq!(kept.iter().map(|(id, _)| id.as_str()).collect::<Vec<_>>(), vec!["crlf", "trace"]);
+        assert!(kept.iter().all(|(_, reason)| reason.as_deref().is_some_and(|r| r.starts_with("malformed: "))), "{kept:?}");
+    }
 }

@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use paceline_shared::config::{CircuitConfig, Config, OrchestratorConfig, WorkerHost};
-use paceline_shared::job::{DeadLetterReason, Job};
+use paceline_shared::job::{DeadLetterReason, Job, JobId};
 use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, OutcomeTimes};
 use paceline_shared::ports::{load_calendar_usage, Invoker, JobQueue, OutcomeSink, PortError, PortResult, QueuedMessage, StateStore, CALL_SLOTS_FULL_KEY};
 use paceline_shared::quota::Quota;
@@ -153,8 +153,14 @@ impl Orchestrator {
 
     /// The outcome record of `job`, dead-lettered from `message` for `reason` without a
     /// call, if this orchestrator keeps records and the job gets one.
-    fn outcome_of_dead_letter(&self, job: &Job, message: &QueuedMessage, reason: &DeadLetterReason) -> Option<OutcomeRecord> {
+    /// A malformed job (`job` is `None`) gets one by the id its JSON names, if any.
+    fn outcome_of_dead_letter(&self, job: Option<&Job>, message: &QueuedMessage, reason: &DeadLetterReason) -> Option<OutcomeRecord> {
         let kept = self.outcomes.as_ref()?;
+        let Some(job) = job else {
+            let id = JobId::named_in(&message.body).filter(|_| kept.settings.records_ending(Ending::DeadLettered))?;
+            let times = OutcomeTimes { enqueued: Some(message.enqueued_at), ..OutcomeTimes::default() };
+            return Some(OutcomeRecord::of_malformed(&id, message.attempt, reason, times));
+        };
         if !kept.settings.records(job, Ending::DeadLettered) {
             return None;
         }
@@ -318,7 +324,7 @@ impl Executor<'_> {
             }
             Action::DeadLetter(message, mut reason, job) => {
                 warn!(message_id = %message.message_id, cause = %reason.cause.label(), detail = %reason.detail, "dead-lettered");
-                let record = job.and_then(|job| o.outcome_of_dead_letter(&job, &message, &reason));
+                let record = o.outcome_of_dead_letter(job.as_deref(), &message, &reason);
                 reason.outcome = record.clone().map(Box::new);
                 let result = o.queue.dead_letter(&message.message_id, &message.body, message.attempt, &reason).await;
                 if let (Ok(()), Some(record), Some(kept)) = (&result, &record, &o.outcomes) {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::job::{Job, WorkerPayload};
+use crate::job::{JobId, WorkerPayload};
 use crate::outcome::OutcomeRecord;
 use crate::time::UnixMillis;
 
@@ -255,7 +255,7 @@ pub fn worker_record(handle: String, message_id: String, body: String, received_
 /// A jobs-DLQ record from its stored body and reason.
 #[must_use]
 pub fn jobs_record(handle: String, message_id: String, body: String, attempt: u32, cause: String, detail: String, dead_at: UnixMillis) -> DeadLetterRecord {
-    let job_id = Job::parse(&body).ok().map(|j| j.id.as_str().to_owned());
+    let job_id = JobId::named_in(&body).map(|id| id.as_str().to_owned());
     DeadLetterRecord {
         source: DlqSource::Jobs,
         handle,
@@ -274,6 +274,7 @@ pub fn jobs_record(handle: String, message_id: String, body: String, attempt: u3
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::job::Job;
 
     fn record(cause: &str, dead_at: u64) -> DeadLetterRecord {
         jobs_record(

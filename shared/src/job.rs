@@ -41,6 +41,14 @@ impl JobId {
         Ok(Self(text.to_owned()))
     }
 
+    /// The id a message's JSON names, whether or not the rest of it is a valid job: a
+    /// malformed job keeps its id in its dead letter and outcome record.
+    #[must_use]
+    pub fn named_in(body: &str) -> Option<Self> {
+        let value: serde_json::Value = serde_json::from_str(body).ok()?;
+        Self::parse(value.get("id")?.as_str()?).ok()
+    }
+
     #[must_use]
     pub fn as_str(&self) -> &str {
         &self.0

@@ -8,7 +8,7 @@ use std::time::Duration;
 use base64::Engine;
 use serde::{Deserialize, Serialize};
 
-use crate::job::{DeadLetterReason, Job};
+use crate::job::{DeadLetterReason, Job, JobId};
 use crate::time::{rfc3339, UnixMillis};
 
 /// The record's schema version (`v`).
@@ -141,6 +141,26 @@ impl OutcomeRecord {
             attempts,
             metadata: job.metadata.clone(),
             reason: None,
+            times,
+        }
+    }
+
+    /// The record of a malformed job dead-lettered before any call, by the id its JSON
+    /// names (nothing else in it is trusted: no metadata).
+    #[must_use]
+    pub fn of_malformed(job_id: &JobId, attempts: u32, reason: &DeadLetterReason, times: OutcomeTimes) -> Self {
+        Self {
+            v: OUTCOME_VERSION,
+            job_id: job_id.as_str().to_owned(),
+            outcome: Ending::DeadLettered,
+            status: None,
+            headers: BTreeMap::new(),
+            body: None,
+            body_base64: false,
+            truncated: false,
+            attempts,
+            metadata: None,
+            reason: Some(Self::dead_letter_reason(reason)),
             times,
         }
     }
@@ -291,12 +311,18 @@ impl OutcomeSettings {
     /// Whether a job that ends as `ending` gets a record (never for a fire-and-forget job).
     #[must_use]
     pub fn records(&self, job: &Job, ending: Ending) -> bool {
-        let wanted = match self.record {
+        self.records_ending(ending) && !job.fire_and_forget
+    }
+
+    /// Whether a job ending as `ending` gets a record, whatever the job says (a malformed
+    /// one says nothing that can be trusted).
+    #[must_use]
+    pub fn records_ending(&self, ending: Ending) -> bool {
+        match self.record {
             RecordOutcomes::None => false,
             RecordOutcomes::Final => ending != Ending::Retrying,
             RecordOutcomes::EveryAttempt => true,
-        };
-        wanted && !job.fire_and_forget
+        }
     }
 
     /// How many bytes of each answer's body the worker must keep: none when nothing is
