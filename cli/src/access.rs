@@ -11,7 +11,7 @@ use paceline_shared::adapters::aws::{load_sdk_config_with, AwsAdapters, AwsNames
 use paceline_shared::config::{AwsBackend, Backend, Config};
 use paceline_shared::ports::{DeadLetterQueues, StateStore};
 
-use crate::lane::{load_config_for_operations, open_store};
+use crate::lane::{load_config_for_operations, open_store, IfMissing};
 
 /// Where the lane is: `--config`, and AWS names that override it.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -100,12 +100,25 @@ impl LaneArgs {
         Ok(())
     }
 
-    /// Opens the lane.
+    /// Opens the lane to inspect or repair it: an embedded database must exist already
+    /// (a mistyped path is an error, not a new empty lane).
     ///
     /// # Errors
     /// A bad or missing config (when no AWS names are given), missing AWS names, or an
-    /// embedded database that cannot be opened.
+    /// embedded database that is missing or cannot be opened.
     pub async fn open(&self) -> anyhow::Result<OperatorLane> {
+        self.open_with(IfMissing::Refuse).await
+    }
+
+    /// Opens the lane to feed it: an embedded database is created where there is none.
+    ///
+    /// # Errors
+    /// As [`LaneArgs::open`], but for a missing embedded database.
+    pub async fn open_to_enqueue(&self) -> anyhow::Result<OperatorLane> {
+        self.open_with(IfMissing::Create).await
+    }
+
+    async fn open_with(&self, if_missing: IfMissing) -> anyhow::Result<OperatorLane> {
         let config = if self.config.exists() {
             Some(load_config_for_operations(&self.config)?)
         } else if !self.any_aws_override() {
@@ -116,7 +129,7 @@ impl LaneArgs {
         match self.aws_base(config.as_ref()) {
             None => {
                 let config = config.context("an embedded lane needs its config file")?;
-                let store = open_store(&config)?;
+                let store = open_store(&config, if_missing)?;
                 Ok(OperatorLane {
                     config: Some(config),
                     queues: store.clone(),

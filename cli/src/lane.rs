@@ -46,14 +46,27 @@ pub fn embedded_path(config: &Config) -> anyhow::Result<PathBuf> {
     }
 }
 
+/// What opening a lane's database does where there is no file.
+#[derive(Clone, Copy, Debug)]
+pub enum IfMissing {
+    /// Create it (feeding a lane that has not run yet).
+    Create,
+    /// Fail, naming the path (inspecting or repairing one: a typo is not a new lane).
+    Refuse,
+}
+
 /// Opens the embedded store of a config (no lock: safe beside a running lane).
 ///
 /// # Errors
 /// When the backend is not embedded or the database cannot be opened.
-pub fn open_store(config: &Config) -> anyhow::Result<Arc<EmbeddedStore>> {
+pub fn open_store(config: &Config, if_missing: IfMissing) -> anyhow::Result<Arc<EmbeddedStore>> {
     let path = embedded_path(config)?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    Ok(Arc::new(EmbeddedStore::open(&path, clock).with_context(|| format!("opening {}", path.display()))?))
+    let store = match if_missing {
+        IfMissing::Create => EmbeddedStore::open(&path, clock),
+        IfMissing::Refuse => EmbeddedStore::open_existing(&path, clock),
+    };
+    Ok(Arc::new(store.with_context(|| format!("opening {}", path.display()))?))
 }
 
 /// A lane ready to run in this process.
@@ -65,6 +78,20 @@ pub struct EmbeddedLane {
     /// the wait for its slot.
     settle_for: Duration,
     _lock: std::fs::File,
+}
+
+/// The lease holder a `paceline run` records: its process id.
+fn run_holder(pid: u32) -> String {
+    format!("paceline-run-{pid}")
+}
+
+/// Whether `holder` is a `paceline run` other than this one whose process is alive (as
+/// Linux's `/proc` shows; elsewhere none is found, and a lease is cleared as before).
+fn run_is_alive(holder: &str) -> bool {
+    holder
+        .strip_prefix("paceline-run-")
+        .and_then(|pid| pid.parse::<u32>().ok())
+        .is_some_and(|pid| pid != std::process::id() && Path::new(&format!("/proc/{pid}")).exists())
 }
 
 /// What a run did, from both sides.
@@ -97,8 +124,14 @@ impl EmbeddedLane {
                 .with_context(|| format!("opening {}", path.display()))?
                 .with_outcome_retention(config.outcomes.retention),
         );
-        // We hold the lock: whatever lease or in-flight work is recorded belongs to a
-        // process that is gone.
+        // We hold the lock, so whatever lease or in-flight work is recorded should belong
+        // to a process that is gone; a live run's lease is refused all the same (one that
+        // locked another file: an older paceline's `lane.lock`, or a lock file deleted).
+        if let Some(lease) = store.recorded_lease()? {
+            if lease.expires_at > SystemClock.now() && run_is_alive(&lease.holder) {
+                bail!("{} is in use by {} (its lease runs to {}); stop that run first", path.display(), lease.holder, lease.expires_at.to_rfc3339());
+            }
+        }
         store.clear_lease()?;
         let (released, requeued) = store.recover_after_crash()?;
         if released + requeued > 0 {
@@ -134,7 +167,7 @@ impl EmbeddedLane {
         });
         let now = self.orchestrator.clock().now();
         let deadline = for_at_most.map_or(UnixMillis(u64::MAX / 2), |d| now.plus(d).plus(self.orchestrator.settings().orchestrator.deadline_margin));
-        let opts = RunOptions { holder: format!("paceline-run-{}", std::process::id()), deadline, drain, stop: Some(stop_rx) };
+        let opts = RunOptions { holder: run_holder(std::process::id()), deadline, drain, stop: Some(stop_rx) };
         let bar = show_progress.then(|| self.progress_bar());
         let (changes_tx, changes_rx) = tokio::sync::watch::channel(Vec::new());
         let watcher = tokio::spawn(watch_circuit(self.store.clone(), changes_tx));
@@ -143,12 +176,31 @@ impl EmbeddedLane {
             ticker.abort();
             bar.finish_and_clear();
         }
-        let report = report?;
+        let report = match report {
+            Ok(report) => report,
+            Err(failed) => {
+                let interrupted = self.settle_in_flight().await;
+                return Err(anyhow::Error::from(failed).context(self.what_a_failed_run_did(interrupted)));
+            }
+        };
         let interrupted = self.settle_in_flight().await;
         watcher.abort();
         let circuit_changes = changes_rx.borrow().clone();
         let dead_letters_total = self.store.depth().await?.dead;
         Ok(LaneOutcome { report, worker: self.worker_stats.clone(), dead_letters_total, interrupted, circuit_changes })
+    }
+
+    /// What a run that ended on an error did before it (its summary needs a report).
+    fn what_a_failed_run_did(&self, interrupted: usize) -> String {
+        let handed_off = self.orchestrator.progress().dispatched.load(std::sync::atomic::Ordering::Relaxed);
+        let stats = &self.worker_stats;
+        format!(
+            "the run stopped on an error after {handed_off} hand-off(s): {} call(s) made, {} succeeded, {} re-queued, {} dead-lettered; {interrupted} still in flight (re-queued at the next start)",
+            WorkerStats::get(&stats.calls),
+            WorkerStats::get(&stats.succeeded),
+            WorkerStats::get(&stats.requeued),
+            WorkerStats::get(&stats.dead_lettered),
+        )
     }
 
     /// Waits for the workers' calls in flight to finish, at most as long as a call may
@@ -307,6 +359,44 @@ mod tests {
         assert!(record.times.enqueued.is_some());
         let all = OutcomeQuery { limit: 10, ..OutcomeQuery::default() };
         assert_eq!(store.outcomes(&all).unwrap().len(), 2, "the job that fit succeeded and has its record too");
+    }
+
+    /// Opening a lane cleared whatever lease was recorded without checking it: a second
+    /// run that got past the file lock (through a hard link) took over a live one's lane.
+    #[tokio::test]
+    async fn a_live_runs_lease_is_refused_on_open_and_a_gone_runs_is_taken_over() {
+        let dir = std::env::temp_dir().join(format!("paceline-lease-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"10/s\"]\n[backend]\nkind = \"embedded\"\npath = \"lane.db\"\n";
+        let config = Config::parse(text, &dir, &|_| None).unwrap();
+        let mut other_run = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let store = EmbeddedStore::open(&dir.join("lane.db"), Arc::new(SystemClock)).unwrap();
+        store.acquire_lease(&run_holder(other_run.id()), Duration::from_secs(60), SystemClock.now()).await.unwrap();
+        drop(store);
+
+        let Err(refused) = EmbeddedLane::open(&config) else { panic!("a live run's lease was cleared") };
+        assert!(refused.to_string().contains(&format!("in use by paceline-run-{}", other_run.id())), "{refused}");
+        other_run.kill().unwrap();
+        other_run.wait().unwrap();
+        assert!(EmbeddedLane::open(&config).is_ok(), "the lease of a run that is gone was not taken over");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A run that ended on an error (a damaged database, a lost lease) printed the error
+    /// alone, not what it had done.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_run_that_fails_says_what_it_did_before_the_error() {
+        let dir = std::env::temp_dir().join(format!("paceline-failed-run-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let text = "[api]\nbase_url = \"http://127.0.0.1:9\"\n[quota]\ntiers = [\"10/s\"]\n[backend]\nkind = \"embedded\"\npath = \"lane.db\"\n";
+        let config = Config::parse(text, &dir, &|_| None).unwrap();
+        let lane = EmbeddedLane::open(&config).unwrap();
+        lane.store.acquire_lease("someone-else", Duration::from_secs(60), SystemClock.now()).await.unwrap();
+
+        let Err(failed) = lane.run(true, Some(Duration::from_secs(5)), false).await else { panic!("ran under another's lease") };
+        let text = format!("{failed:#}");
+        assert!(text.starts_with("the run stopped on an error after 0 hand-off(s): 0 call(s) made"), "{text}");
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     /// Jobs that reached the queue another way (as a producer on SQS would) with a valid

@@ -73,7 +73,7 @@ impl EnqueueArgs {
     /// Bad config, unreadable input, a failed send, or rejected lines (after the good
     /// ones were sent).
     pub async fn run(self) -> anyhow::Result<()> {
-        let lane = self.lane.open().await?;
+        let lane = self.lane.open_to_enqueue().await?;
         let config = lane.config.as_ref();
         let (jobs, errors) = match self.file.as_deref() {
             None => parse_lines(std::io::stdin().lock().lines(), config),

@@ -11,7 +11,7 @@ use paceline_shared::outcome::{OutcomeRecord, StatusFilter};
 use paceline_shared::time::{system_now, UnixMillis};
 
 use crate::commands::ConfigArg;
-use crate::lane::{load_config_for_operations, open_store};
+use crate::lane::{load_config_for_operations, open_store, IfMissing};
 
 /// How often `--follow` looks for new records.
 const FOLLOW_EVERY: Duration = Duration::from_millis(500);
@@ -57,7 +57,7 @@ impl ResultsArgs {
         if matches!(config.backend, paceline_shared::config::Backend::Aws(_)) {
             bail!("on AWS, outcome records go to the worker's results destination (the stack's ResultsQueueUrl): read them there, as the README shows");
         }
-        let store = open_store(&config)?;
+        let store = open_store(&config, IfMissing::Refuse)?;
         let mut query = OutcomeQuery { job_id: self.job_id.clone(), since: self.since, status: self.status, after_row: 0, limit: PAGE };
         let mut shown = 0_usize;
         if !self.json {

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use rusqlite::{params, Connection, OptionalExtension};
+use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 
 use crate::adaptive::ProviderReading;
 use crate::breaker::{failure_bucket_end, Circuit, FAILURE_BUCKET_PREFIX, FAILURE_BUCKET_TTL};
@@ -107,6 +107,8 @@ pub struct EmbeddedStore {
     outcome_retention: Duration,
     /// When outcome records were last swept.
     last_outcome_sweep: AtomicU64,
+    /// The file, named in errors (none in memory).
+    path: Option<std::path::PathBuf>,
 }
 
 /// Runs store work that may wait on SQLite's lock: on a multi-threaded runtime through
@@ -125,6 +127,16 @@ fn fatal(e: impl std::fmt::Display) -> PortError {
 }
 
 fn sql_err(e: rusqlite::Error) -> PortError {
+    // A damaged header or WAL can also surface as a mismatched text encoding: this
+    // store attaches no databases, so the main file's own header is what changed.
+    if matches!(e.sqlite_error_code(), Some(rusqlite::ErrorCode::DatabaseCorrupt | rusqlite::ErrorCode::NotADatabase))
+        || e.to_string().contains("text encoding")
+    {
+        return fatal(format!(
+            "the database file (or its -wal file) is damaged: {e}; check it with `sqlite3 FILE 'PRAGMA integrity_check'` \
+             or restore it from a backup"
+        ));
+    }
     match e.sqlite_error_code() {
         Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) => PortError::Transient(format!(
             "the database was locked for over {} s by another process (a DB browser, the sqlite3 shell, a backup?); retrying ({e})",
@@ -143,17 +155,37 @@ fn to_u64(v: i64) -> u64 {
 }
 
 impl EmbeddedStore {
-    /// Opens (creating if needed) the database at `path`.
+    /// Opens (creating if needed) the database at `path`, as a run or an enqueue does.
     ///
     /// # Errors
-    /// `Fatal` naming the path when it cannot be opened or initialised.
+    /// `Fatal` naming the path when it cannot be opened or initialised, has more than
+    /// one hard link, or holds another application's tables.
     pub fn open(path: &Path, clock: Arc<dyn Clock>) -> PortResult<Self> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| fatal(format!("cannot create {}: {e}", dir.display())))?;
         }
-        let conn = Connection::open(path).map_err(|e| fatal(format!("cannot open {}: {e}", path.display())))?;
+        Self::open_with(path, clock, OpenFlags::default())
+    }
+
+    /// Opens the database at `path` only if it exists, as commands that inspect or
+    /// repair a lane do: a mistyped path is an error, not a new empty lane.
+    ///
+    /// # Errors
+    /// `Fatal` when there is no file at `path`, and as [`EmbeddedStore::open`].
+    pub fn open_existing(path: &Path, clock: Arc<dyn Clock>) -> PortResult<Self> {
+        if !path.try_exists().unwrap_or(true) {
+            return Err(fatal(format!("no database at {}: nothing was enqueued or run with this config yet (is [backend] path right?)", path.display())));
+        }
+        Self::open_with(path, clock, OpenFlags::default().difference(OpenFlags::SQLITE_OPEN_CREATE))
+    }
+
+    fn open_with(path: &Path, clock: Arc<dyn Clock>, flags: OpenFlags) -> PortResult<Self> {
+        refuse_extra_links(path)?;
+        let conn = Connection::open_with_flags(path, flags).map_err(|e| fatal(format!("cannot open {}: {e}", path.display())))?;
+        refuse_foreign_schema(&conn).map_err(|e| fatal(format!("{} {e}", path.display())))?;
         // Initialising writes (schema, WAL): a read-only file fails here, named.
-        Self::init(conn, clock).map_err(|e| fatal(format!("cannot use {}: {e}", path.display())))
+        let store = Self::init(conn, clock).map_err(|e| fatal(format!("cannot use {}: {e}", path.display())))?;
+        Ok(Self { path: Some(path.to_owned()), ..store })
     }
 
     /// A private in-memory database, for tests.
@@ -177,7 +209,7 @@ impl EmbeddedStore {
             conn.pragma_update(None, "user_version", SCHEMA_VERSION).map_err(fatal)?;
         }
         let retention = crate::outcome::OutcomeSettings::default().retention;
-        Ok(Self { conn: Mutex::new(conn), clock, outcome_retention: retention, last_outcome_sweep: AtomicU64::new(0) })
+        Ok(Self { conn: Mutex::new(conn), clock, outcome_retention: retention, last_outcome_sweep: AtomicU64::new(0), path: None })
     }
 
     /// The same store keeping outcome records for `retention`.
@@ -186,12 +218,22 @@ impl EmbeddedStore {
         Self { outcome_retention: retention, ..self }
     }
 
+    /// Runs store work through [`blocking`], naming the database file in a fatal error.
+    fn on_db<T>(&self, work: impl FnOnce() -> PortResult<T>) -> PortResult<T> {
+        blocking(work).map_err(|e| match (e, &self.path) {
+            (PortError::Fatal(what), Some(path)) => {
+                PortError::Fatal(format!("embedded store {}: {}", path.display(), what.strip_prefix("embedded store: ").unwrap_or(&what)))
+            }
+            (e, _) => e,
+        })
+    }
+
     fn conn(&self) -> MutexGuard<'_, Connection> {
         self.conn.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn get_kv<T: serde::de::DeserializeOwned>(&self, key: &str) -> PortResult<Option<T>> {
-        blocking(|| Self::read_kv(&self.conn(), key))
+        self.on_db(|| Self::read_kv(&self.conn(), key))
     }
 
     fn read_kv<T: serde::de::DeserializeOwned>(conn: &Connection, key: &str) -> PortResult<Option<T>> {
@@ -220,7 +262,7 @@ impl EmbeddedStore {
     }
 
     fn try_receive(&self, max: usize, visibility: Duration) -> PortResult<Vec<QueuedMessage>> {
-        blocking(|| {
+        self.on_db(|| {
             let now = self.clock.now();
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
@@ -259,7 +301,7 @@ impl EmbeddedStore {
 
     /// Up to `limit` dead letters after row `after`, with their row numbers.
     fn dead_letter_rows(&self, after: i64, limit: i64) -> PortResult<Vec<(i64, DeadLetter)>> {
-        blocking(|| {
+        self.on_db(|| {
             let conn = self.conn();
             let mut select = conn
                 .prepare("SELECT seq, message_id, body, attempt, reason, dead_at FROM dead_letters WHERE seq > ?1 ORDER BY seq LIMIT ?2")
@@ -278,13 +320,21 @@ impl EmbeddedStore {
         })
     }
 
+    /// The lease as recorded, whether or not it has expired.
+    ///
+    /// # Errors
+    /// `Fatal` on a database failure.
+    pub fn recorded_lease(&self) -> PortResult<Option<Lease>> {
+        self.get_kv("lease_holder")
+    }
+
     /// Takes the lease whoever holds it. Only for a caller that knows no other process
     /// can (it holds the database's file lock, see [`lock_exclusive`]).
     ///
     /// # Errors
     /// `Fatal` on a database failure.
     pub fn clear_lease(&self) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             self.conn().execute("DELETE FROM kv WHERE key = 'lease_holder'", []).map_err(sql_err)?;
             Ok(())
         })
@@ -294,7 +344,7 @@ impl EmbeddedStore {
     /// from: after a crash either the message is back on the queue (not handed off) or
     /// the invocation is re-queued, never both.
     fn record_invocation(&self, payload: &WorkerPayload, from_receipt: Option<&str>) -> PortResult<i64> {
-        blocking(|| {
+        self.on_db(|| {
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
             tx.execute("INSERT INTO invocations (payload, created_at) VALUES (?1, ?2)", params![payload.to_json(), to_i64(self.clock.now().0)])
@@ -309,7 +359,7 @@ impl EmbeddedStore {
     }
 
     fn finish_invocation(&self, seq: i64) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             self.conn().execute("DELETE FROM invocations WHERE seq = ?1", [seq]).map_err(sql_err)?;
             Ok(())
         })
@@ -325,7 +375,7 @@ impl EmbeddedStore {
     /// # Errors
     /// `Fatal` on a database failure.
     pub fn recover_after_crash(&self) -> PortResult<(usize, usize)> {
-        blocking(|| {
+        self.on_db(|| {
             let now = to_i64(self.clock.now().0);
             let released = self
                 .conn()
@@ -339,7 +389,7 @@ impl EmbeddedStore {
     /// Puts the job of one invocation (or of all, with `None`) back on the queue, to be
     /// paced again, and forgets health checks. Returns how many jobs.
     fn requeue_invocations(&self, only: Option<i64>) -> PortResult<usize> {
-        blocking(|| {
+        self.on_db(|| {
             let now = to_i64(self.clock.now().0);
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
@@ -371,6 +421,49 @@ fn insert_message(conn: &Connection, body: &str, attempt: u32, visible_at: i64) 
     Ok(())
 }
 
+/// Refuses a database file with more than one hard link: SQLite names the WAL and the
+/// lock after the path, so each name would get its own (SQLite's documented way to
+/// corrupt a database) and two runs could share one lane.
+fn refuse_extra_links(path: &Path) -> PortResult<()> {
+    use std::os::unix::fs::MetadataExt;
+    match std::fs::metadata(path) {
+        Ok(meta) if meta.nlink() > 1 => Err(fatal(format!(
+            "{} has {} hard links: each name would get its own WAL and lock, and two runs could share the lane; \
+             keep one name (find the others with `find / -samefile {}`) and remove the rest",
+            path.display(),
+            meta.nlink(),
+            path.display()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The tables Paceline's first schema (`user_version` 0) has.
+const SCHEMA_1_TABLES: [&str; 7] = ["messages", "dead_letters", "kv", "usage", "call_slots", "invocations", "sqlite_sequence"];
+
+/// Refuses a non-empty file of another application before anything is written to it
+/// (the schema, the switch to WAL): one without a version holding tables other than
+/// Paceline's first schema's, or a `messages` table that is not Paceline's.
+fn refuse_foreign_schema(conn: &Connection) -> Result<(), String> {
+    let version: u32 = conn.query_row("PRAGMA user_version", [], |r| r.get(0)).map_err(|e| format!("cannot be read: {e}"))?;
+    if version > 0 {
+        return Ok(());
+    }
+    let mut tables = conn.prepare("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name").map_err(|e| e.to_string())?;
+    let tables: Vec<String> = tables.query_map([], |r| r.get(0)).map_err(|e| e.to_string())?.collect::<Result<_, _>>().map_err(|e| e.to_string())?;
+    let mut columns = conn.prepare("SELECT name FROM pragma_table_info('messages')").map_err(|e| e.to_string())?;
+    let columns: Vec<String> = columns.query_map([], |r| r.get(0)).map_err(|e| e.to_string())?.collect::<Result<_, _>>().map_err(|e| e.to_string())?;
+    let paceline_messages = ["message_id", "body", "attempt", "visible_at", "receipt"].iter().all(|c| columns.iter().any(|have| have == c));
+    let foreign: Vec<&str> = tables.iter().map(String::as_str).filter(|t| !SCHEMA_1_TABLES.contains(t)).collect();
+    if tables.is_empty() || (foreign.is_empty() && paceline_messages) {
+        return Ok(());
+    }
+    Err(format!(
+        "is not a Paceline database (it holds {}); it was left unchanged: point [backend] path at a new file",
+        if foreign.is_empty() { "a `messages` table of another shape".to_owned() } else { format!("tables {}", foreign.join(", ")) }
+    ))
+}
+
 /// The database's real path: symlinks and `..` resolved, so that two spellings of one
 /// file are one lane. A file not created yet is named under its folder's real path.
 ///
@@ -387,13 +480,16 @@ pub fn canonical_db_path(db_path: &Path) -> PortResult<std::path::PathBuf> {
 }
 
 /// Takes an exclusive lock on a file beside the database (its real path, however it
-/// is spelled), held as long as the returned handle lives: proof that no other
+/// is spelled, with `.lock` added: `lane.db.lock`), held as long as the returned handle lives: proof that no other
 /// `paceline run` uses it. The OS drops the lock when the process dies, however it dies.
 ///
 /// # Errors
 /// `Conflict` when another process holds it; `Fatal` when the file cannot be opened.
 pub fn lock_exclusive(db_path: &Path) -> PortResult<std::fs::File> {
-    let lock_path = canonical_db_path(db_path)?.with_extension("lock");
+    refuse_extra_links(db_path)?;
+    let mut lock_path = canonical_db_path(db_path)?.into_os_string();
+    lock_path.push(".lock");
+    let lock_path = std::path::PathBuf::from(lock_path);
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -424,7 +520,7 @@ impl JobQueue for EmbeddedStore {
     }
 
     async fn delete(&self, receipts: &[String]) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             let conn = self.conn();
             for receipt in receipts {
                 conn.execute("DELETE FROM messages WHERE receipt = ?1", [receipt]).map_err(sql_err)?;
@@ -434,7 +530,7 @@ impl JobQueue for EmbeddedStore {
     }
 
     async fn release(&self, receipts: &[String]) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             let now = to_i64(self.clock.now().0);
             let conn = self.conn();
             for receipt in receipts {
@@ -445,7 +541,7 @@ impl JobQueue for EmbeddedStore {
     }
 
     async fn send(&self, messages: &[OutgoingMessage]) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             let now = self.clock.now();
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
@@ -457,7 +553,7 @@ impl JobQueue for EmbeddedStore {
     }
 
     async fn dead_letter(&self, message_id: &str, body: &str, attempt: u32, reason: &DeadLetterReason) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             let reason = serde_json::to_string(reason).map_err(fatal)?;
             self.conn()
                 .execute(
@@ -470,7 +566,7 @@ impl JobQueue for EmbeddedStore {
     }
 
     async fn depth(&self) -> PortResult<QueueDepth> {
-        blocking(|| {
+        self.on_db(|| {
             let now = to_i64(self.clock.now().0);
             let conn = self.conn();
             let count = |sql: &str, p: &[&dyn rusqlite::ToSql]| conn.query_row(sql, p, |r| r.get::<_, i64>(0)).map(to_u64).map_err(sql_err);
@@ -525,7 +621,7 @@ impl DeadLetterQueues for EmbeddedStore {
     }
 
     async fn remove(&self, source: DlqSource, handles: &[String]) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             only_jobs_dlq(source)?;
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
@@ -544,7 +640,7 @@ impl DeadLetterQueues for EmbeddedStore {
     /// Exactly once: the copies are enqueued and the dead letters removed in one
     /// transaction.
     async fn redrive(&self, records: &[DeadLetterRecord], keep_attempts: bool) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             let messages = redrive_messages(records, keep_attempts)?;
             for r in records {
                 only_jobs_dlq(r.source)?;
@@ -569,7 +665,7 @@ impl StateStore for EmbeddedStore {
     // Each lease operation reads and writes in one transaction, under the one connection
     // lock: no other call sees or changes the lease between its check and its write.
     async fn acquire_lease(&self, holder: &str, ttl: Duration, now: UnixMillis) -> PortResult<Lease> {
-        blocking(|| {
+        self.on_db(|| {
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
             if let Some(current) = Self::read_kv::<Lease>(&tx, "lease_holder")?.filter(|lease| lease.expires_at > now) {
@@ -585,7 +681,7 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn renew_lease(&self, lease: &Lease, ttl: Duration, now: UnixMillis) -> PortResult<Lease> {
-        blocking(|| {
+        self.on_db(|| {
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
             match Self::read_kv::<Lease>(&tx, "lease_holder")? {
@@ -601,7 +697,7 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn release_lease(&self, lease: &Lease) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             let conn = self.conn();
             if Self::read_kv::<Lease>(&conn, "lease_holder")?.is_some_and(|c| c.epoch == lease.epoch) {
                 conn.execute("DELETE FROM kv WHERE key = 'lease_holder'", []).map_err(sql_err)?;
@@ -611,11 +707,11 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn lease(&self) -> PortResult<Option<Lease>> {
-        self.get_kv("lease_holder")
+        self.recorded_lease()
     }
 
     async fn load_usage(&self, keys: &[String]) -> PortResult<Vec<u64>> {
-        blocking(|| {
+        self.on_db(|| {
             let conn = self.conn();
             keys.iter()
                 .map(|k| {
@@ -629,7 +725,7 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn add_usage(&self, deltas: &[(String, i64)]) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
             for (key, delta) in deltas {
@@ -648,7 +744,7 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn save_pacer(&self, lease: &Lease, snapshot: &PacerSnapshot) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             let conn = self.conn();
             let current: Option<Lease> = Self::read_kv(&conn, "lease_holder")?;
             if current.is_none_or(|c| c.epoch != lease.epoch || c.holder != lease.holder) {
@@ -663,7 +759,7 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn swap_circuit(&self, expected_epoch: u64, next: &Circuit) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
             let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = 'circuit'", [], |r| r.get(0)).optional().map_err(sql_err)?;
@@ -681,7 +777,7 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn extend_cool_down(&self, until: UnixMillis) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
             let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = 'cool_down'", [], |r| r.get(0)).optional().map_err(sql_err)?;
@@ -692,7 +788,7 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn clear_cool_down(&self) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             self.conn().execute("DELETE FROM kv WHERE key IN ('cool_down', 'provider_reading')", []).map_err(sql_err)?;
             Ok(())
         })
@@ -703,7 +799,7 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn record_provider_reading(&self, reading: &ProviderReading) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
             let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = 'provider_reading'", [], |r| r.get(0)).optional().map_err(sql_err)?;
@@ -716,7 +812,7 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn claim_call(&self, key: &str, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<CallClaim> {
-        blocking(|| {
+        self.on_db(|| {
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
             let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = ?1", [key], |r| r.get(0)).optional().map_err(sql_err)?;
@@ -733,7 +829,7 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn finish_call(&self, key: &str, keep_until: UnixMillis) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             let conn = self.conn();
             let now = self.clock.now();
             // Done records past their keep are swept as new ones come (DynamoDB's TTL on AWS).
@@ -747,7 +843,7 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn release_call(&self, key: &str, holder: &str) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             let conn = self.conn();
             conn.execute(
                 "DELETE FROM kv WHERE key = ?1 AND json_extract(value, '$.holder') = ?2 AND json_extract(value, '$.state') = 'calling'",
@@ -759,14 +855,14 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn forget_call(&self, key: &str) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             self.conn().execute("DELETE FROM kv WHERE key = ?1 AND key LIKE 'call#%'", [key]).map_err(sql_err)?;
             Ok(())
         })
     }
 
     async fn take_call_slot(&self, capacity: u32, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<Option<u32>> {
-        blocking(|| {
+        self.on_db(|| {
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
             let taken: Vec<u32> = tx
@@ -782,7 +878,7 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn release_call_slot(&self, index: u32, holder: &str) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             self.conn()
                 .execute("UPDATE call_slots SET holder = NULL, expires_at = 0 WHERE idx = ?1 AND holder = ?2", params![index, holder])
                 .map_err(sql_err)?;
@@ -791,7 +887,7 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn call_slots_in_use(&self, capacity: u32, now: UnixMillis) -> PortResult<u32> {
-        blocking(|| {
+        self.on_db(|| {
             self.conn()
                 .query_row(
                     "SELECT COUNT(*) FROM call_slots WHERE idx < ?1 AND holder IS NOT NULL AND expires_at > ?2",
@@ -1022,6 +1118,104 @@ mod tests {
         assert!(matches!(lock_exclusive(&dir.join("alias.db")), Err(PortError::Conflict(_))), "a symlink got past the lock");
         assert!(matches!(lock_exclusive(&dir.join("sub/../lane.db")), Err(PortError::Conflict(_))), "a `..` spelling got past the lock");
         drop(held);
+    }
+
+    fn temp_dir(what: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("paceline-{what}-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// `lane.db` and `lane.sqlite` in one folder shared `lane.lock`, and a database
+    /// named `x.lock` was its own lock file.
+    #[test]
+    fn databases_differing_only_in_extension_have_their_own_locks() {
+        let dir = temp_dir("lock");
+        let _db = lock_exclusive(&dir.join("lane.db")).unwrap();
+        let _sqlite = lock_exclusive(&dir.join("lane.sqlite")).expect("an unrelated lane was refused as in use");
+        let db_named_lock = dir.join("x.lock");
+        std::fs::write(&db_named_lock, b"").unwrap();
+        let _x = lock_exclusive(&db_named_lock).unwrap();
+        assert_eq!(std::fs::read(&db_named_lock).unwrap(), b"", "the database is not its own lock file");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// `ln lane.db hard.db` gave a second run its own lock and its own WAL on the same
+    /// database: 30 of 50 jobs called twice.
+    #[test]
+    fn a_database_with_a_second_hard_link_is_refused_by_name_and_link_count() {
+        let dir = temp_dir("hardlink");
+        let clock = Arc::new(ManualClock::new(UnixMillis(0)));
+        drop(EmbeddedStore::open(&dir.join("lane.db"), clock.clone()).unwrap());
+        std::fs::hard_link(dir.join("lane.db"), dir.join("hard.db")).unwrap();
+        for name in ["lane.db", "hard.db"] {
+            let Err(refused) = EmbeddedStore::open(&dir.join(name), clock.clone()) else { panic!("{name} opened with two links") };
+            let text = refused.to_string();
+            assert!(text.contains(name) && text.contains("2 hard links"), "{text}");
+            assert!(matches!(lock_exclusive(&dir.join(name)), Err(PortError::Fatal(_))), "{name} was locked with two links");
+        }
+        std::fs::remove_file(dir.join("hard.db")).unwrap();
+        assert!(EmbeddedStore::open(&dir.join("lane.db"), clock).is_ok(), "one link again: it opens");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Opening another application's SQLite file added 8 tables and switched it to WAL;
+    /// one with its own `messages` table was taken for Paceline's first schema.
+    #[test]
+    fn another_applications_sqlite_file_is_refused_and_left_unchanged() {
+        let dir = temp_dir("foreign");
+        let clock = Arc::new(ManualClock::new(UnixMillis(0)));
+        let schemas = [
+            ("crm.db", "CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT); INSERT INTO customers (name) VALUES ('ada');"),
+            ("chat.db", "CREATE TABLE messages (id INTEGER PRIMARY KEY, text TEXT); INSERT INTO messages (text) VALUES ('hi');"),
+        ];
+        for (name, schema) in schemas {
+            let path = dir.join(name);
+            Connection::open(&path).unwrap().execute_batch(schema).unwrap();
+            let before = std::fs::read(&path).unwrap();
+            let Err(refused) = EmbeddedStore::open(&path, clock.clone()) else { panic!("{name} was opened as a lane") };
+            let text = refused.to_string();
+            assert!(text.contains(name) && text.contains("not a Paceline database"), "{text}");
+            assert_eq!(std::fs::read(&path).unwrap(), before, "{name} was changed");
+            assert!(!dir.join(format!("{name}-wal")).exists(), "{name} was switched to WAL");
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A damaged database ended a run with SQLite's words alone ("attached databases
+    /// must use the same text encoding as main database"), naming neither the damage nor
+    /// the file.
+    #[tokio::test]
+    async fn a_damaged_database_is_called_damaged_with_its_file_named() {
+        let dir = temp_dir("damaged");
+        let path = dir.join("lane.db");
+        let clock = Arc::new(ManualClock::new(UnixMillis(0)));
+        let store = EmbeddedStore::open(&path, clock.clone()).unwrap();
+        let jobs: Vec<OutgoingMessage> = (0..200).map(|n| msg(&format!(r#"{{"id":"j{n}","request":{{"method":"GET","path":"/{n}"}}}}"#), 0)).collect();
+        store.send(&jobs).await.unwrap();
+        drop(store);
+        // Every page but the first (the header and the schema) overwritten.
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[4096..].fill(0xA5);
+        std::fs::write(&path, bytes).unwrap();
+
+        let store = EmbeddedStore::open(&path, clock).unwrap();
+        let Err(failed) = store.depth().await else { panic!("a damaged table was read") };
+        let text = failed.to_string();
+        assert!(text.contains(&path.display().to_string()) && text.contains("damaged"), "{text}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A mistyped `path` in an operator command created an empty database and reported
+    /// an empty queue.
+    #[test]
+    fn opening_an_existing_lane_creates_no_file_where_there_is_none() {
+        let dir = temp_dir("missing");
+        let path = dir.join("typo.db");
+        let Err(refused) = EmbeddedStore::open_existing(&path, Arc::new(ManualClock::new(UnixMillis(0)))) else { panic!("a missing file was opened") };
+        assert!(refused.to_string().contains("no database at"), "{refused}");
+        assert!(!path.exists(), "the file was created");
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[tokio::test]

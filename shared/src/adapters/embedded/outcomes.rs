@@ -7,7 +7,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use rusqlite::params;
 
-use super::{blocking, fatal, sql_err, to_i64, EmbeddedStore};
+use super::{fatal, sql_err, to_i64, EmbeddedStore};
 use crate::outcome::{Ending, OutcomeRecord, StatusFilter};
 use crate::ports::{OutcomeSink, PortResult};
 use crate::time::UnixMillis;
@@ -40,7 +40,7 @@ impl EmbeddedStore {
     /// # Errors
     /// `Fatal` when the database cannot be read or holds an unreadable record.
     pub fn outcomes(&self, query: &OutcomeQuery) -> PortResult<Vec<KeptOutcome>> {
-        blocking(|| {
+        self.on_db(|| {
             let (class_from, ending) = match query.status {
                 None => (None, None),
                 Some(StatusFilter::Class(class)) => (Some(i64::from(class) * 100), None),
@@ -83,7 +83,7 @@ impl EmbeddedStore {
 #[async_trait]
 impl OutcomeSink for EmbeddedStore {
     async fn record_outcome(&self, record: &OutcomeRecord) -> PortResult<()> {
-        blocking(|| {
+        self.on_db(|| {
             let now = self.clock.now();
             let text = serde_json::to_string(record).map_err(fatal)?;
             let conn = self.conn();
