@@ -102,9 +102,14 @@ pub struct CircuitConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RetryConfig {
-    /// Calls per job at most; a job that failed this often goes to the DLQ.
+    /// Failed calls per job at most; a job that failed this often goes to the DLQ. A
+    /// 429 is "not now", not a failure: it does not count here.
     #[serde(default = "defaults::max_attempts")]
     pub max_attempts: u32,
+    /// Calls per job the API may answer 429 before it goes to the DLQ: a generous bound
+    /// that only a quota configured well above the API's reaches.
+    #[serde(default = "defaults::max_rate_limited")]
+    pub max_rate_limited: u32,
     /// Cool-down after a 429 that says nothing of when to come back.
     #[serde(deserialize_with = "duration", default = "defaults::default_cool_down")]
     pub default_cool_down: Duration,
@@ -266,6 +271,9 @@ pub(crate) mod defaults {
     pub fn max_attempts() -> u32 {
         5
     }
+    pub fn max_rate_limited() -> u32 {
+        100
+    }
     pub fn default_cool_down() -> Duration {
         Duration::from_secs(1)
     }
@@ -368,6 +376,7 @@ impl Default for RetryConfig {
     fn default() -> Self {
         Self {
             max_attempts: defaults::max_attempts(),
+            max_rate_limited: defaults::max_rate_limited(),
             default_cool_down: defaults::default_cool_down(),
             max_cool_down: defaults::max_cool_down(),
             backoff_base: defaults::backoff_base(),
@@ -438,6 +447,9 @@ impl RetryConfig {
     pub fn check(&self) -> Result<(), Invalid> {
         if self.max_attempts == 0 {
             return Err(Invalid { field: "max_attempts", problem: "must be at least 1".into() });
+        }
+        if self.max_rate_limited == 0 {
+            return Err(Invalid { field: "max_rate_limited", problem: "must be at least 1".into() });
         }
         at_least("max_cool_down", self.max_cool_down, Duration::from_secs(1))
     }

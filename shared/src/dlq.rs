@@ -58,7 +58,9 @@ pub struct DeadLetterRecord {
     /// job to redrive (a health check, an unreadable Lambda record).
     #[serde(skip)]
     pub job_body: Option<String>,
-    /// Tries before it was dead-lettered.
+    /// The attempt it was dead-lettered at, counted from 0 (its message's attempt: what a
+    /// redrive keeping attempts starts from). [`DeadLetterRecord::calls_made`] is what
+    /// operators are shown.
     pub attempt: u32,
     /// `http_404`, `attempts_exhausted:http_503`, `malformed`, `worker:retries_exhausted`...
     pub cause: String,
@@ -73,6 +75,16 @@ pub struct DeadLetterRecord {
 }
 
 impl DeadLetterRecord {
+    /// The calls made for the job, as its outcome record's `attempts` and the worker's
+    /// "gave up after" count them: its attempts before the last, and the last one's call
+    /// when an answer ended it (`http_404`, `attempts_exhausted:...`); a job dead-lettered
+    /// before its call (`malformed`, `never_fits`) or by the worker's DLQ made no more.
+    #[must_use]
+    pub fn calls_made(&self) -> u32 {
+        let last_called = self.source == DlqSource::Jobs && (self.cause.starts_with("http_") || self.cause.starts_with("attempts_exhausted"));
+        self.attempt + u32::from(last_called)
+    }
+
     /// The same record with the job's outcome record.
     #[must_use]
     pub fn with_outcome(self, outcome: Option<OutcomeRecord>) -> Self {
@@ -332,6 +344,17 @@ mod tests {
         assert_eq!((groups[0].cause.as_str(), groups[0].count, groups[0].first_seen, groups[0].last_seen), ("http_404", 3, UnixMillis(1), UnixMillis(3)));
         assert_eq!(groups[0].example, "d3");
         assert_eq!((groups[1].cause.as_str(), groups[1].count), ("http_500", 1));
+    }
+
+    /// A job dead-lettered "gave up after 5 attempts" showed 4 in the DLQ's attempts
+    /// column (its 0-based attempt).
+    #[test]
+    fn the_dlq_shows_the_calls_made_as_the_detail_and_the_outcome_record_count_them() {
+        let record = |cause: &str, attempt| jobs_record("h".into(), "m".into(), "{}".into(), attempt, cause.into(), String::new(), UnixMillis(0));
+        assert_eq!(record("attempts_exhausted:http_429", 4).calls_made(), 5, "the fifth call was the last");
+        assert_eq!(record("http_404", 0).calls_made(), 1);
+        assert_eq!(record("never_fits: cost 20", 0).calls_made(), 0, "dead-lettered before its call");
+        assert_eq!(record("malformed", 2).calls_made(), 2);
     }
 
     #[test]

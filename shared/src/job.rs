@@ -141,6 +141,15 @@ pub struct Job {
     /// queue at its first dispatch, and kept across re-queues (the outcome's `enqueued`).
     #[serde(default, with = "crate::time::rfc3339::option", skip_serializing_if = "Option::is_none")]
     pub enqueued_at: Option<UnixMillis>,
+    /// Calls of this job the API answered 429, kept across re-queues: they are not
+    /// failures (`retry.max_attempts` counts the others), only `retry.max_rate_limited`
+    /// bounds them. Reset with the attempts by a redrive.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub rate_limited: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Why a message is not a job. The text names the field and the problem.
@@ -173,6 +182,8 @@ struct RawJob {
     fire_and_forget: bool,
     #[serde(default, with = "crate::time::rfc3339::option")]
     enqueued_at: Option<UnixMillis>,
+    #[serde(default)]
+    rate_limited: u32,
 }
 
 /// Headers that belong to the connection and its framing, not to an API call: neither a
@@ -222,7 +233,15 @@ impl Job {
             None => 1,
             Some(v) => v.as_u64().filter(|c| *c >= 1).ok_or_else(|| JobError::Cost(v.to_string()))?,
         };
-        Ok(Self { id, request, cost, metadata: raw.metadata, fire_and_forget: raw.fire_and_forget, enqueued_at: raw.enqueued_at })
+        Ok(Self {
+            id,
+            request,
+            cost,
+            metadata: raw.metadata,
+            fire_and_forget: raw.fire_and_forget,
+            enqueued_at: raw.enqueued_at,
+            rate_limited: raw.rate_limited,
+        })
     }
 
     /// The job as JSON, id included: what is re-queued.

@@ -164,17 +164,16 @@ impl<'a> Env<'a> {
         Ok(config)
     }
 
-    /// `PACELINE_MAX_ATTEMPTS`, `PACELINE_DEFAULT_COOL_DOWN`, `PACELINE_MAX_COOL_DOWN`,
+    /// `PACELINE_MAX_ATTEMPTS`, `PACELINE_MAX_RATE_LIMITED`, `PACELINE_DEFAULT_COOL_DOWN`, `PACELINE_MAX_COOL_DOWN`,
     /// `PACELINE_BACKOFF_BASE`, `PACELINE_BACKOFF_MAX`.
     ///
     /// # Errors
     /// Names the variable and the problem.
     pub fn retry(&self) -> Result<RetryConfig, String> {
-        let max_attempts = self.parsed("PACELINE_MAX_ATTEMPTS", defaults::max_attempts(), |t| {
-            t.parse::<u32>().ok().filter(|n| *n >= 1).ok_or_else(|| format!("`{t}` is not a whole number of at least 1"))
-        })?;
+        let at_least_one = |t: &str| t.parse::<u32>().ok().filter(|n| *n >= 1).ok_or_else(|| format!("`{t}` is not a whole number of at least 1"));
         let config = RetryConfig {
-            max_attempts,
+            max_attempts: self.parsed("PACELINE_MAX_ATTEMPTS", defaults::max_attempts(), at_least_one)?,
+            max_rate_limited: self.parsed("PACELINE_MAX_RATE_LIMITED", defaults::max_rate_limited(), at_least_one)?,
             default_cool_down: self.duration("PACELINE_DEFAULT_COOL_DOWN", defaults::default_cool_down())?,
             max_cool_down: self.duration("PACELINE_MAX_COOL_DOWN", defaults::max_cool_down())?,
             backoff_base: self.duration("PACELINE_BACKOFF_BASE", defaults::backoff_base())?,

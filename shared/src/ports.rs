@@ -213,10 +213,23 @@ pub fn redrive_messages(records: &[DeadLetterRecord], keep_attempts: bool) -> Po
     records
         .iter()
         .map(|r| match &r.job_body {
-            Some(body) => Ok(OutgoingMessage { body: body.clone(), attempt: if keep_attempts { r.attempt } else { 0 }, delay: Duration::ZERO, dedup_id: None }),
+            Some(body) if keep_attempts => Ok(OutgoingMessage { body: body.clone(), attempt: r.attempt, delay: Duration::ZERO, dedup_id: None }),
+            Some(body) => Ok(OutgoingMessage { body: without_rate_limited_count(body), attempt: 0, delay: Duration::ZERO, dedup_id: None }),
             None => Err(PortError::Fatal(format!("dead letter {} ({}) holds no job to redrive", r.message_id, r.cause))),
         })
         .collect()
+}
+
+/// A job body whose count of 429 answers starts again, as its attempts do in a redrive
+/// that resets them (any other body as it is).
+fn without_rate_limited_count(body: &str) -> String {
+    match serde_json::from_str::<serde_json::Value>(body) {
+        Ok(serde_json::Value::Object(mut job)) if job.contains_key("rate_limited") => {
+            job.remove("rate_limited");
+            serde_json::Value::Object(job).to_string()
+        }
+        _ => body.to_owned(),
+    }
 }
 
 /// The pacer state a run leaves for the next.
@@ -525,4 +538,20 @@ pub trait OutcomeSink: Send + Sync {
     /// # Errors
     /// When it cannot be written: the worker fails the payload, which is retried.
     async fn record_outcome(&self, record: &OutcomeRecord) -> PortResult<()>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_redrive_that_resets_attempts_resets_the_count_of_429s_too_and_one_that_keeps_them_keeps_it() {
+        let body = r#"{"id":"j","request":{"method":"GET","path":"/x"},"rate_limited":40}"#;
+        let record = crate::dlq::jobs_record("h".into(), "m".into(), body.into(), 44, "attempts_exhausted:http_503".into(), String::new(), UnixMillis(0));
+        let reset = redrive_messages(std::slice::from_ref(&record), false).unwrap();
+        let job = crate::job::Job::parse(&reset[0].body).unwrap();
+        assert_eq!((reset[0].attempt, job.rate_limited, job.id.as_str()), (0, 0, "j"));
+        let kept = redrive_messages(&[record], true).unwrap();
+        assert_eq!((kept[0].attempt, kept[0].body.as_str()), (44, body));
+    }
 }

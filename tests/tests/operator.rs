@@ -227,7 +227,7 @@ async fn after_an_outage_dlq_summary_groups_causes_and_redrive_moves_exactly_tho
     let listed: BTreeSet<&str> = listed.as_array().unwrap().iter().map(|r| r["job_id"].as_str().unwrap()).collect();
     assert_eq!(listed, ids("gone", 10).iter().map(String::as_str).collect());
     let shown = stdout(&cli(&config, &["dlq", "show", "down-0007"]).await);
-    assert!(shown.contains("attempts_exhausted:http_503") && shown.contains("gave up after 1 attempts; last: HTTP 503"), "{shown}");
+    assert!(shown.contains("attempts_exhausted:http_503") && shown.contains("gave up after 1 failed calls; last: HTTP 503"), "{shown}");
 
     let refused = cli(&config, &["dlq", "redrive"]).await;
     assert!(!refused.status.success() && stderr(&refused).contains("--all"), "{}", stderr(&refused));

@@ -198,6 +198,7 @@ mod tests {
     const NOW: UnixMillis = UnixMillis(1_795_824_000_000); // Sat, 28 Nov 2026 00:00:00 GMT
     const DEFAULT: &RetryConfig = &RetryConfig {
         max_attempts: 5,
+        max_rate_limited: 100,
         default_cool_down: Duration::from_secs(1),
         max_cool_down: Duration::from_secs(3600),
         backoff_base: Duration::from_secs(1),

@@ -411,8 +411,7 @@ impl Worker {
             Outcome::Success { .. } => self.keep_outcome(job, Ending::Succeeded, attempted, None).await,
             Outcome::RateLimited { until } => {
                 self.store.extend_cool_down(*until).await?;
-                // The cool-down holds the whole lane: the job may go as soon as it ends.
-                self.retry_later(job, attempt, "HTTP 429", failure, std::time::Duration::ZERO, attempted).await
+                self.retry_after_429(job, attempt, failure, attempted).await
             }
             Outcome::Outage { reason } => {
                 if self.failure_trips(trip, called_at).await? {
@@ -422,7 +421,7 @@ impl Worker {
                     info!(%reason, "API failure under the threshold; this job alone is retried");
                 }
                 let delay = retry_delay(job.id.as_str(), attempt + 1, self.retry.backoff_base, self.retry.backoff_max);
-                self.retry_later(job, attempt, reason, failure, delay, attempted).await
+                self.retry_after_failure(job, attempt, reason, failure, delay, attempted).await
             }
             Outcome::Rejected { status } => {
                 self.dead_letter(job, attempt, DeadLetterCause::Rejected { status: *status }, format!("the API answered HTTP {status}"), attempted).await
@@ -565,8 +564,8 @@ impl Worker {
     }
 
     /// Re-queues the job with one more attempt after `delay`, or dead-letters it if that
-    /// was the last.
-    async fn retry_later(
+    /// was its `retry.max_attempts`th failed call (429s are not failures).
+    async fn retry_after_failure(
         &self,
         job: &Job,
         attempt: u32,
@@ -575,13 +574,45 @@ impl Worker {
         delay: std::time::Duration,
         attempted: &Attempted<'_>,
     ) -> PortResult<Option<OutcomeRecord>> {
-        let tries = attempt + 1;
-        if tries >= self.retry.max_attempts {
-            let detail = format!("gave up after {tries} attempts; last: {reason}");
+        let failed = (attempt + 1).saturating_sub(job.rate_limited);
+        if failed >= self.retry.max_attempts {
+            let answered_429 = match job.rate_limited {
+                0 => String::new(),
+                n => format!(" (and {n} answered 429)"),
+            };
+            let detail = format!("gave up after {failed} failed calls{answered_429}; last: {reason}");
             let cause = DeadLetterCause::AttemptsExhausted { last_failure: Some(failure) };
             return self.dead_letter(job, attempt, cause, detail, attempted).await;
         }
-        self.queue.send(&[OutgoingMessage { body: job.to_json(), attempt: tries, delay, dedup_id: None }]).await?;
+        self.requeue_called(job, attempt, delay, reason, attempted).await
+    }
+
+    /// Re-queues a job the API answered 429 ("not now": its attempts toward
+    /// `retry.max_attempts` are untouched), or dead-letters it at `retry.max_rate_limited`
+    /// such answers. The cool-down holds the whole lane, so it may go as soon as it ends.
+    async fn retry_after_429(&self, job: &Job, attempt: u32, failure: String, attempted: &Attempted<'_>) -> PortResult<Option<OutcomeRecord>> {
+        let job = Job { rate_limited: job.rate_limited + 1, ..job.clone() };
+        if job.rate_limited >= self.retry.max_rate_limited {
+            let detail = format!(
+                "gave up after the API answered 429 to {} calls (retry.max_rate_limited): the configured quota is likely above the API's",
+                job.rate_limited
+            );
+            let cause = DeadLetterCause::AttemptsExhausted { last_failure: Some(failure) };
+            return self.dead_letter(&job, attempt, cause, detail, attempted).await;
+        }
+        self.requeue_called(&job, attempt, std::time::Duration::ZERO, "HTTP 429", attempted).await
+    }
+
+    /// Puts a job whose call was made back on the queue as its next attempt, after `delay`.
+    async fn requeue_called(
+        &self,
+        job: &Job,
+        attempt: u32,
+        delay: std::time::Duration,
+        reason: &str,
+        attempted: &Attempted<'_>,
+    ) -> PortResult<Option<OutcomeRecord>> {
+        self.queue.send(&[OutgoingMessage { body: job.to_json(), attempt: attempt + 1, delay, dedup_id: None }]).await?;
         WorkerStats::bump(&self.stats.requeued);
         self.keep_outcome(job, Ending::Retrying, attempted, Some(format!("retrying after {reason}"))).await
     }

@@ -174,6 +174,55 @@ async fn rate_limit_sets_the_cool_down_and_requeues_without_opening_the_circuit(
     assert!(store.circuit().await.unwrap().is_closed());
 }
 
+/// The next delivery of the one job on the queue, as the orchestrator hands it off.
+async fn next_delivery(store: &EmbeddedStore) -> (Job, u32) {
+    let got = store.receive(1, Duration::from_secs(1), Duration::from_secs(30)).await.unwrap();
+    store.delete(&[got[0].receipt.clone()]).await.unwrap();
+    (Job::parse(&got[0].body).unwrap(), got[0].attempt)
+}
+
+fn delivery(job: Job, attempt: u32) -> WorkerPayload {
+    WorkerPayload::Job { job, attempt, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None, report_limits: false }
+}
+
+/// With the configured quota above the API's, jobs were dead-lettered as
+/// `attempts_exhausted:http_429` after `max_attempts` answers of 429: "not now" was
+/// counted as "failed".
+#[tokio::test]
+async fn answers_of_429_do_not_count_toward_max_attempts_only_toward_their_own_bound() {
+    let (base, _) = scripted_api().await;
+    let (worker, store) = new_worker(&base);
+    let worker = Worker { retry: RetryConfig { backoff_max: Duration::from_millis(20), ..worker.retry }, ..worker };
+    let mut payload = job_to(429);
+    for _ in 0..2 * worker.retry.max_attempts {
+        worker.handle(payload).await.unwrap();
+        let (job, attempt) = next_delivery(&store).await;
+        payload = delivery(job, attempt);
+    }
+    assert!(store.dead_letters().unwrap().is_empty(), "answers of 429 exhausted the attempts");
+    let WorkerPayload::Job { mut job, mut attempt, .. } = payload else { unreachable!() };
+    assert_eq!((job.rate_limited, attempt), (6, 6), "each 429 is counted apart, and each call is an attempt of its own");
+
+    job.request.path = "/status/500".into();
+    for _ in 1..worker.retry.max_attempts {
+        worker.handle(delivery(job, attempt)).await.unwrap();
+        (job, attempt) = next_delivery(&store).await;
+    }
+    worker.handle(delivery(job, attempt)).await.unwrap();
+    let dead = store.dead_letters().unwrap();
+    assert_eq!(dead.len(), 1, "the third failed call is the last");
+    assert_eq!(dead[0].reason.detail, "gave up after 3 failed calls (and 6 answered 429); last: HTTP 500");
+
+    let bounded = Worker { retry: RetryConfig { max_rate_limited: 2, ..worker.retry }, ..worker };
+    let other = Job::parse(r#"{"id":"other","request":{"method":"GET","path":"/status/429"}}"#).unwrap();
+    bounded.handle(delivery(other, 0)).await.unwrap();
+    let (job, attempt) = next_delivery(&store).await;
+    bounded.handle(delivery(job, attempt)).await.unwrap();
+    let dead = store.dead_letters().unwrap();
+    assert_eq!(dead[1].reason.cause.label(), "attempts_exhausted:http_429");
+    assert!(dead[1].reason.detail.contains("answered 429 to 2 calls (retry.max_rate_limited)"), "{}", dead[1].reason.detail);
+}
+
 #[tokio::test]
 async fn failures_under_the_threshold_retry_their_job_alone_after_a_back_off_and_the_threshold_opens_the_circuit() {
     let (base, _) = scripted_api().await;
@@ -225,7 +274,7 @@ async fn other_client_errors_and_exhausted_attempts_are_dead_lettered() {
     let dead = store.dead_letters().unwrap();
     let causes: Vec<String> = dead.iter().map(|d| d.reason.cause.label()).collect();
     assert_eq!(causes, vec!["http_404", "attempts_exhausted:http_500"]);
-    assert!(dead[1].reason.detail.contains("3 attempts") && dead[1].reason.detail.contains("HTTP 500"), "{}", dead[1].reason.detail);
+    assert!(dead[1].reason.detail.contains("3 failed calls") && dead[1].reason.detail.contains("HTTP 500"), "{}", dead[1].reason.detail);
     assert!(requeued(&store).await.is_empty());
 }
 

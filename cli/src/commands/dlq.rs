@@ -211,13 +211,13 @@ async fn collect(queues: &dyn DeadLetterQueues, select: &Selection, hold: Durati
 
 /// Dead letters as a table, a row each (text cut to the terminal's width).
 fn records_table(records: &[DeadLetterRecord]) -> comfy_table::Table {
-    let mut table = text_table(&["dlq", "dead since", "cause", "attempt", "job", "id", "detail"], &[3]);
+    let mut table = text_table(&["dlq", "dead since", "cause", "calls", "job", "id", "detail"], &[3]);
     for record in records {
         table.add_row(one_line_row(vec![
             record.source.to_string(),
             record.dead_at.to_rfc3339(),
             record.cause.clone(),
-            record.attempt.to_string(),
+            record.calls_made().to_string(),
             record.job_id.clone().unwrap_or_else(|| "-".into()),
             record.message_id.clone(),
             record.detail.clone(),
@@ -253,7 +253,7 @@ async fn show(queues: &dyn DeadLetterQueues, id: &str, hold: Duration, json: boo
     println!("job id:     {}", record.job_id.as_deref().unwrap_or("-"));
     println!("cause:      {}", record.cause);
     println!("detail:     {}", record.detail);
-    println!("attempt:    {}", record.attempt);
+    println!("calls:      {}", record.calls_made());
     println!("dead since: {}", record.dead_at.to_rfc3339());
     let body =
         serde_json::from_str::<serde_json::Value>(&record.raw).map_or_else(|_| record.raw.clone(), |v| serde_json::to_string_pretty(&v).unwrap_or_default());
