@@ -1199,7 +1199,7 @@ impl<'a> DrainState<'a> {
     pub fn close_report(&mut self, now: UnixMillis) {
         let calendar_used = self.pacer.usage(self.quota(), now);
         self.report.tiers = self.meter.report(self.quota(), &calendar_used);
-        self.report.paced_ms = self.meter.paced_ms;
+        self.report.paced_ms = u64::try_from(self.meter.paced_for().as_millis()).unwrap_or(u64::MAX);
         self.report.paced_by = self.meter.paced_by().map(|i| self.quota().tiers()[i]);
         self.report.ended_at = now;
         if let Some(reason) = &self.stop {

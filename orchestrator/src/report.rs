@@ -50,10 +50,11 @@ pub struct TierReport {
     /// Most units in any single window of the tier (rolling tiers) or in the run
     /// (calendar tiers): the busiest window's fill is `peak_window` of the tier's limit.
     pub peak_window: u64,
-    /// Rolling tiers: the achieved rate while work waited for the pacer, as a share of
-    /// the tier's rate over at least one of its windows (a minute tier filled at the
-    /// second tier's pace for 10 s is not "600% used"). Calendar tiers: the share of the
-    /// current day or month used.
+    /// Rolling tiers: the units dispatched in the paced stretch (from the first dispatch
+    /// that waited for the pacer to the last) as a share of the most the tier admits in
+    /// a stretch that long, its limit for each window begun: at most 100% unless a
+    /// window was over (a minute tier filled at the second tier's pace for 10 s is 100%,
+    /// not "600%"). Calendar tiers: the share of the current day or month used.
     #[serde(serialize_with = "paceline_shared::figures::six_digits")]
     pub utilization: f64,
 }
@@ -69,7 +70,7 @@ pub struct RunReport {
     pub dead_lettered: u64,
     /// Messages received but not dispatched, made visible again at the end.
     pub released: u64,
-    /// Time with a job in hand, circuit closed, waiting only for the pacer.
+    /// The paced stretch: from the first dispatch that waited for the pacer to the last.
     pub paced_ms: u64,
     /// The tier that held jobs back longest: the one that set the pace (none when
     /// nothing waited for a tier).
@@ -107,10 +108,12 @@ impl RunReport {
 pub(crate) struct TierMeter {
     peaks: Vec<WindowPeak>,
     units: Vec<u64>,
-    /// Time spent waiting for the pacer with a job in hand, and the units dispatched
-    /// after such a wait: their ratio is the achieved rate while the quota was the limit.
-    pub(crate) paced_ms: u64,
-    paced_units: u64,
+    /// Units dispatched so far, all tiers alike.
+    dispatched_units: u64,
+    /// The paced stretch: from the first dispatch that waited for the pacer (and the
+    /// units dispatched before it) to the last one (and the units dispatched by then).
+    first_paced: Option<(UnixMillis, u64)>,
+    last_paced: Option<(UnixMillis, u64)>,
     /// Per tier, the time jobs waited because of it.
     held_ms: Vec<u64>,
 }
@@ -129,25 +132,35 @@ impl TierMeter {
                 })
                 .collect(),
             units: vec![0; quota.tiers().len()],
-            paced_ms: 0,
-            paced_units: 0,
+            dispatched_units: 0,
+            first_paced: None,
+            last_paced: None,
             held_ms: vec![0; quota.tiers().len()],
         }
     }
 
     /// Records a dispatch at `at` that waited `paced` for the pacer, last held by `held`.
     pub(crate) fn record(&mut self, at: UnixMillis, cost: u64, paced: Duration, held: Option<Hold>) {
+        let before = self.dispatched_units;
+        self.dispatched_units += cost;
         if !paced.is_zero() {
-            let paced_ms = u64::try_from(paced.as_millis()).unwrap_or(u64::MAX);
-            self.paced_ms += paced_ms;
-            self.paced_units += cost;
+            self.first_paced.get_or_insert((at, before));
+            self.last_paced = Some((at, self.dispatched_units));
             if let Some(Hold::Tier(index)) = held {
-                self.held_ms[index] += paced_ms;
+                self.held_ms[index] += u64::try_from(paced.as_millis()).unwrap_or(u64::MAX);
             }
         }
         for (peak, units) in self.peaks.iter_mut().zip(&mut self.units) {
             peak.push(at, cost);
             *units += cost;
+        }
+    }
+
+    /// How long jobs waited for the pacer in all (the paced stretch, end to end).
+    pub(crate) fn paced_for(&self) -> Duration {
+        match (self.first_paced, self.last_paced) {
+            (Some((from, _)), Some((to, _))) => to.since(from),
+            _ => Duration::ZERO,
         }
     }
 
@@ -157,20 +170,24 @@ impl TierMeter {
         (*held > 0).then_some(index)
     }
 
+    /// A rolling tier's share of the paced stretch: the units dispatched in it against
+    /// the most the tier admits in a stretch that long (its limit per window begun, so
+    /// no run that keeps every window within the limit shows over 100%).
+    fn paced_share(&self, tier: &Tier) -> f64 {
+        let (Some((from, units_before)), Some((to, units_by_end))) = (self.first_paced, self.last_paced) else { return 0.0 };
+        let window_ms = u64::try_from(tier.nominal_window().as_millis()).unwrap_or(u64::MAX).max(1);
+        let windows_begun = to.since(from).as_millis() as u64 / window_ms + 1;
+        (units_by_end - units_before) as f64 / (tier.limit.saturating_mul(windows_begun)) as f64
+    }
+
     pub(crate) fn report(&self, quota: &Quota, calendar_used: &[u64]) -> Vec<TierReport> {
         quota
             .tiers()
             .iter()
             .enumerate()
             .map(|(i, tier)| {
-                let utilization = if tier.is_calendar() {
-                    calendar_used.get(i).copied().unwrap_or(0) as f64 / tier.limit as f64
-                } else if self.paced_ms == 0 {
-                    0.0
-                } else {
-                    let over_ms = self.paced_ms.max(u64::try_from(tier.nominal_window().as_millis()).unwrap_or(u64::MAX));
-                    self.paced_units as f64 / (tier.rate_per_second() * over_ms as f64 / 1000.0)
-                };
+                let utilization =
+                    if tier.is_calendar() { calendar_used.get(i).copied().unwrap_or(0) as f64 / tier.limit as f64 } else { self.paced_share(tier) };
                 TierReport { tier: *tier, units: self.units[i], peak_window: self.peaks[i].peak(), utilization }
             })
             .collect()

@@ -265,7 +265,11 @@ impl Quota {
                     }
                 }
             };
-            if tier_ready > ready {
+            // Tiers ready at the same moment both hold the job; it is named for the
+            // slower one (a long window's log replays the short tier's spacing, but it
+            // is the long window whose budget ran out).
+            let slower_than_holder = matches!(by, Some(Hold::Tier(held)) if tier.rate_per_second() < self.tiers()[held].rate_per_second());
+            if tier_ready > ready || (tier_ready == ready && tier_ready > now && slower_than_holder) {
                 ready = tier_ready;
                 by = Some(Hold::Tier(index));
             }

@@ -111,6 +111,22 @@ async fn the_report_names_the_tier_that_set_the_pace_and_a_long_tiers_share_over
     assert!((minute.utilization - 20.0 / 20.0).abs() < 0.01, "20 paced units in one minute: {}", minute.utilization);
 }
 
+/// Draining 150 jobs under `10/s + 50/10s`, the summary said the 10/s tier set the pace
+/// and the 50/10s tier was used at 119.9%, while the 10 s tier held the backlog for 20
+/// of the 25 s (after its first 50, every wait ends when both tiers allow a call).
+#[tokio::test(start_paused = true)]
+async fn the_report_names_the_tier_that_held_jobs_back_longest_and_no_tier_over_100_percent() {
+    let lane = lane(&["10/s", "50/10s"], 0);
+    enqueue(&lane, (0..150).map(|i| job(&format!("j{i}")))).await;
+    let report = lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    assert_eq!(offsets(&lane)[48..52], [4_800, 4_900, 10_000, 10_100]);
+    assert_eq!(report.paced_by.map(|t| t.to_string()).as_deref(), Some("50/10s"));
+    let shares: Vec<f64> = report.tiers.iter().map(|t| t.utilization).collect();
+    assert!(shares.iter().all(|s| *s <= 1.0), "{shares:?}");
+    // 149 paced units in 24.8 s: 250 admitted by 10/s, 150 by 50/10s.
+    assert!((shares[0] - 149.0 / 250.0).abs() < 1e-9 && (shares[1] - 149.0 / 150.0).abs() < 1e-9, "{shares:?}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_smooth_tier_paces_at_its_own_rate_with_the_margin() {
     let lane = lane(&["10/s", "300/min smooth"], 10);
