@@ -361,6 +361,35 @@ mod tests {
         assert_eq!(store.outcomes(&all).unwrap().len(), 2, "the job that fit succeeded and has its record too");
     }
 
+    /// With `max_body = "64MiB"`, three 10 MB bodies made 27 hand-offs, 27 missed slots
+    /// and no call in 30 s: the hand-off's own work (the payload written to the store)
+    /// took longer than the lead, every time. In real time, on a 2-core machine.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn jobs_with_bodies_of_megabytes_are_called_not_missed_for_ever() {
+        let text = "[api]\nbase_url = \"https://api.example.com\"\nmax_body = \"64MiB\"\n[quota]\ntiers = [\"10/s\"]\n";
+        let config = Config::parse(text, Path::new("."), &|_| None).unwrap();
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap());
+        let body = "x".repeat(10 << 20);
+        let jobs: Vec<OutgoingMessage> = (0..3)
+            .map(|n| format!(r#"{{"id":"big{n}","request":{{"method":"POST","path":"/upload","body":"{body}"}}}}"#))
+            .map(|body| OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None })
+            .collect();
+        store.send(&jobs).await.unwrap();
+        let api = Arc::new(InstantApi::new(clock.clone()));
+        let stats = Arc::new(WorkerStats::default());
+        let worker = embedded_worker(&config, &store, api.clone(), clock.clone(), stats.clone());
+        let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), Arc::new(worker)));
+        let orchestrator = embedded_orchestrator(&config, &store, invoker.clone(), clock.clone());
+        let opts = RunOptions { holder: "test".into(), deadline: clock.now().plus(Duration::from_secs(20)), drain: true, stop: None };
+        let report = orchestrator.run(&opts).await.unwrap();
+        while invoker.in_flight() > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(report.stop, paceline_orchestrator::StopReason::Drained, "missed slots: {}", WorkerStats::get(&stats.missed_slots));
+        assert_eq!(api.calls().len(), 3);
+    }
+
     /// Opening a lane cleared whatever lease was recorded without checking it: a second
     /// run that got past the file lock (through a hard link) took over a live one's lane.
     #[tokio::test]

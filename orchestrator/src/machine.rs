@@ -55,18 +55,6 @@ const RENEW_BACKOFF: Backoff = Backoff::new(Duration::from_secs(1), Duration::fr
 /// Units reserved at a time when no rolling tier sets a pace.
 const RESERVATION_WITHOUT_PACE: u64 = 10;
 
-/// The upload rate a call's body is assumed to leave at: a call is paced on its arrival
-/// at the provider, not on its send, so the pacer counts a large body's call that much
-/// after its slot (1 MiB: 105 ms; measured on loopback: 5 to 83 ms late) and the next
-/// call keeps its distance from the arrival.
-const UPLOAD_BYTES_PER_SECOND: u64 = 10_000_000;
-
-/// How much later than its slot a job's call may arrive because of its body's size.
-fn upload_allowance(job: &Job) -> Duration {
-    let bytes = job.request.body.as_ref().map_or(0, |body| body.len() as u64);
-    Duration::from_millis(bytes * 1_000 / UPLOAD_BYTES_PER_SECOND)
-}
-
 /// The circuit is re-read at most this often (see `DrainState::refresh_interval`).
 const FASTEST_REFRESH: Duration = Duration::from_millis(200);
 
@@ -652,7 +640,11 @@ impl<'a> DrainState<'a> {
             return self.sleep_until(self.hand_off_time(frees, now));
         }
         let cost = job.cost;
-        let (slot, decision) = self.decide(cost, now);
+        // A large payload takes a while to hand off (and a worker that started late for
+        // this job before shows how long): it is handed off that much earlier, so the
+        // hand-off's own work never eats the margin its worker has to start.
+        let extra_lead = if self.lead().is_zero() { Duration::ZERO } else { job.extra_lead() };
+        let (slot, decision) = self.decide(cost, now.plus(extra_lead));
         match decision {
             Decision::Never { tier } => {
                 let in_hand = self.buffer.pop_front().expect("the message in hand");
@@ -662,7 +654,7 @@ impl<'a> DrainState<'a> {
             }
             Decision::WaitUntil { at, by } => {
                 self.note_hold(at, by);
-                self.sleep_until(self.hand_off_time(at, now))
+                self.sleep_until(self.hand_off_time(at.minus(extra_lead), now))
             }
             Decision::Allow => {
                 let needed = self.reservations_needed(cost, slot);
@@ -674,7 +666,7 @@ impl<'a> DrainState<'a> {
                 let enqueued = *job.enqueued_at.get_or_insert(message.enqueued_at);
                 self.report.longest_wait_ms = self.report.longest_wait_ms.max(slot.since(enqueued).as_millis() as u64);
                 let paced = slot.since(self.last_dispatch.unwrap_or(since).max(since));
-                self.commit(cost, slot, upload_allowance(&job), paced);
+                self.commit(cost, slot, job.request.upload_allowance(), paced);
                 debug!(job_id = %job.id, attempt = message.attempt, cost, "dispatching");
                 let trip = Some(self.trip_rule(slot));
                 self.space_by_share(cost, slot);

@@ -177,7 +177,7 @@ impl ApiConfig {
     #[must_use]
     pub fn request_limits(&self) -> RequestLimits {
         let configured = self.headers.iter().map(|(name, _)| name.to_ascii_lowercase());
-        RequestLimits { lane_headers: configured.chain(self.idempotency_header.clone()).collect(), max_body: self.max_body }
+        RequestLimits { lane_headers: configured.chain(self.idempotency_header.clone()).collect(), max_body: self.max_body, timeout: self.timeout }
     }
 }
 
@@ -202,12 +202,14 @@ pub(crate) fn check_idempotency_header(name: Option<String>, headers: &[(String,
 
 /// A lane's rules for a job's request: its configured headers always win (a job may not
 /// set one: no producer can replace the lane's credential), and its body is at most
-/// `api.max_body` bytes. Checked at enqueue and by the worker before any call.
+/// `api.max_body` bytes and can be sent within `api.timeout`. Checked at enqueue and by
+/// the worker before any call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestLimits {
     /// Names of the configured headers, lower-cased.
     lane_headers: Vec<String>,
     max_body: usize,
+    timeout: Duration,
 }
 
 impl RequestLimits {
@@ -219,6 +221,13 @@ impl RequestLimits {
         }
         match request.body.as_ref() {
             Some(body) if body.len() > self.max_body => Err(format!("request.body: {} bytes, over api.max_body ({} bytes)", body.len(), self.max_body)),
+            Some(body) if request.upload_allowance() >= self.timeout => Err(format!(
+                "request.body: {} bytes take about {:.1} s to send (at the assumed {} MB/s), not within api.timeout ({} s): the call could never finish",
+                body.len(),
+                request.upload_allowance().as_secs_f64(),
+                crate::job::UPLOAD_BYTES_PER_SECOND / 1_000_000,
+                self.timeout.as_secs_f64()
+            )),
             _ => Ok(()),
         }
     }

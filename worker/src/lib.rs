@@ -655,17 +655,18 @@ impl Worker {
         }
     }
 
-    /// Waits for the payload's slot, if it has one. `false` when the slot was missed.
-    async fn wait_for_slot(&self, slot: Option<CallSlot>) -> bool {
-        let Some(slot) = slot else { return true };
+    /// Waits for the payload's slot, if it has one. `Err(late)` when the slot was missed
+    /// by `late`.
+    async fn wait_for_slot(&self, slot: Option<CallSlot>) -> Result<(), std::time::Duration> {
+        let Some(slot) = slot else { return Ok(()) };
         self.clock.sleep_until(slot.not_before).await;
         let now = self.clock.now();
         if now > slot.call_by {
             WorkerStats::bump(&self.stats.missed_slots);
             warn!(late_ms = now.since(slot.call_by).as_millis(), "started after its slot; not calling");
-            return false;
+            return Err(now.since(slot.call_by));
         }
-        true
+        Ok(())
     }
 
     /// Puts a job that made no call back on the queue after `delay`; the attempt does not
@@ -711,15 +712,15 @@ impl WorkerHandler for Worker {
                     self.release_call(record.as_deref(), &holder).await?;
                     return self.turned_away(&job, attempt).await;
                 };
-                if self.wait_for_slot(slot).await {
-                    let slotted = slot.map_or(dispatched_at, |slot| slot.not_before);
-                    self.run_job(&job, JobCall { attempt, circuit_epoch, trip, report_limits, record, dispatched_at, slotted }, held).await
-                } else {
+                if let Err(late) = self.wait_for_slot(slot).await {
                     self.release_call_slot(held).await;
                     self.release_call(record.as_deref(), &holder).await?;
-                    self.requeue_unattempted(&job, attempt, std::time::Duration::ZERO).await?;
-                    Ok(None)
+                    // Handed off earlier next time by as much: it does not miss for ever.
+                    self.requeue_unattempted(&job.started_late_by(late), attempt, std::time::Duration::ZERO).await?;
+                    return Ok(None);
                 }
+                let slotted = slot.map_or(dispatched_at, |slot| slot.not_before);
+                self.run_job(&job, JobCall { attempt, circuit_epoch, trip, report_limits, record, dispatched_at, slotted }, held).await
             }
             WorkerPayload::HealthCheck { circuit_epoch, slot, sent_at } => {
                 // A health check that is missed or finds no call slot is simply not made:
@@ -729,7 +730,7 @@ impl WorkerHandler for Worker {
                     info!("every call slot is held; no health check this time");
                     return Ok(None);
                 };
-                if self.wait_for_slot(slot).await {
+                if self.wait_for_slot(slot).await.is_ok() {
                     self.run_health_check(circuit_epoch, held).await?;
                 } else {
                     self.release_call_slot(held).await;

@@ -140,6 +140,19 @@ mod tests {
         assert!(errors[1].starts_with("line 2: request.headers: `x-lane`"), "{}", errors[1]);
     }
 
+    /// A body `max_body` allows but that takes longer to send than `api.timeout` lets a
+    /// call take was enqueued, and could only ever time out.
+    #[test]
+    fn a_body_that_cannot_be_sent_within_the_timeout_is_refused_with_its_reason() {
+        let text = "[api]\nbase_url = \"https://api.example.com\"\nmax_body = \"64MiB\"\ntimeout = \"2s\"\n[quota]\ntiers = [\"1/s\"]\n";
+        let config = paceline_shared::config::Config::parse(text, std::path::Path::new("."), &|_| None).unwrap();
+        let job = |mb: usize| format!("{{\"request\":{{\"method\":\"POST\",\"path\":\"/a\",\"body\":\"{}\"}}}}\n", "x".repeat(mb << 20));
+        let (jobs, errors) = parse_lines(std::io::Cursor::new(format!("{}{}", job(30), job(10))).lines(), Some(&config));
+        assert_eq!(jobs.len(), 1, "10 MiB go in about 1 s");
+        assert!(errors[0].starts_with("line 1: request.body: 31457282 bytes take about 3.1 s to send"), "{}", errors[0]);
+        assert!(errors[0].contains("not within api.timeout (2 s)"), "{}", errors[0]);
+    }
+
     #[test]
     fn a_job_whose_cost_a_tier_can_never_hold_is_refused_with_its_line_number() {
         let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"10/s\", \"5/min burst=3\"]\n";

@@ -431,6 +431,30 @@ async fn dispatching_ahead_one_wake_up_hands_off_several_milliseconds_of_slots()
     assert!(wake_ups <= 11, "60 slots handed off on {wake_ups} wake-ups");
 }
 
+/// A 10 MB body's hand-off (its payload written to the store) took longer than the lead,
+/// and its worker missed the slot every time: a large job, or one whose worker started
+/// late before, is handed off earlier by that much, for the same slots.
+#[tokio::test(start_paused = true)]
+async fn a_large_or_late_job_is_handed_off_earlier_for_the_same_slot() {
+    let lane = lane_with_settings(&["1/s"], 20, |settings| settings.orchestrator.dispatch_ahead = Some(Duration::from_millis(300)));
+    let large = format!(r#"{{"id":"large","request":{{"method":"POST","path":"/a","body":"{}"}}}}"#, "x".repeat(2_000_000 - 2));
+    let late = r#"{"id":"late","request":{"method":"GET","path":"/b"},"late_start_ms":250}"#.to_owned();
+    enqueue(&lane, [job("j0"), large, late]).await;
+    lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    let hand_offs: Vec<(u64, u64)> = lane
+        .invoker
+        .accepted()
+        .iter()
+        .map(|(t, p)| match p {
+            WorkerPayload::Job { slot: Some(slot), .. } => (t.0 - T0.0, slot.not_before.0 - T0.0),
+            other => panic!("expected a job with a slot, got {other:?}"),
+        })
+        .collect();
+    // 2 MB take 100 ms to hand off; the large call arrives 200 ms after its slot (its
+    // upload), and the next keeps its distance from that arrival.
+    assert_eq!(hand_offs, vec![(0, 300), (1_018 - 100, 1_320), (2_238 - 250, 2_540)]);
+}
+
 #[tokio::test(start_paused = true)]
 async fn without_dispatch_ahead_payloads_carry_no_slot() {
     let lane = lane(&["5/s"], 0);
