@@ -11,6 +11,7 @@ use paceline_orchestrator::{Orchestrator, RunOptions, RunReport, Settings};
 use paceline_shared::adapters::embedded::{canonical_db_path, lock_exclusive, EmbeddedInvoker, EmbeddedStore};
 use paceline_shared::breaker::Circuit;
 use paceline_shared::config::{Backend, Config, WorkerHost};
+use paceline_shared::pacer::MissedSlots;
 use paceline_shared::ports::{Invoker, JobQueue, StateStore, WorkerHandler};
 use paceline_shared::time::{Clock, SystemClock, UnixMillis};
 use paceline_worker::{Api, ApiClient, CallRecords, CallSlots, Worker, WorkerStats};
@@ -141,9 +142,11 @@ impl EmbeddedLane {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let worker_stats = Arc::new(WorkerStats::default());
         let api = Arc::new(ApiClient::new(&config.api)?.keeping_bodies(config.outcomes.body_cap()));
-        let worker: Arc<dyn WorkerHandler> = Arc::new(embedded_worker(config, &store, api, clock.clone(), worker_stats.clone()));
+        // The slots workers start too late for go back to the orchestrator's pacer.
+        let missed = Arc::new(MissedSlots::default());
+        let worker: Arc<dyn WorkerHandler> = Arc::new(embedded_worker(config, &store, api, clock.clone(), worker_stats.clone(), &missed));
         let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), worker));
-        let orchestrator = embedded_orchestrator(config, &store, invoker, clock);
+        let orchestrator = embedded_orchestrator(config, &store, invoker, clock, &missed);
         let settle_for = config.api.timeout + orchestrator.settings().dispatch_ahead() + Duration::from_secs(1);
         Ok(Self { store, orchestrator, worker_stats, settle_for, _lock: lock })
     }
@@ -241,21 +244,36 @@ impl EmbeddedLane {
 }
 
 /// The worker of an embedded lane: calls `api`, keeps its queue, records and outcomes in
-/// `store`.
-fn embedded_worker(config: &Config, store: &Arc<EmbeddedStore>, api: Arc<dyn Api>, clock: Arc<dyn Clock>, stats: Arc<WorkerStats>) -> Worker {
+/// `store`, and reports the slots it makes no call at to `missed`.
+fn embedded_worker(
+    config: &Config,
+    store: &Arc<EmbeddedStore>,
+    api: Arc<dyn Api>,
+    clock: Arc<dyn Clock>,
+    stats: Arc<WorkerStats>,
+    missed: &Arc<MissedSlots>,
+) -> Worker {
     Worker::new(api, store.clone(), store.clone(), clock, config.retry, config.api.health_check.clone())
         .with_stats(stats)
         .with_call_slots(CallSlots::for_api(config.quota.max_in_flight(), config.api.timeout))
         .with_api_timeout(config.api.timeout)
         .with_call_records(CallRecords::AheadOfSlot)
         .with_outcomes(config.outcomes.clone(), Some(store.clone()))
+        .with_missed_slots(missed.clone())
 }
 
 /// The orchestrator of an embedded lane: its queue and state in `store`, handing off
-/// through `invoker`.
-fn embedded_orchestrator(config: &Config, store: &Arc<EmbeddedStore>, invoker: Arc<dyn Invoker>, clock: Arc<dyn Clock>) -> Orchestrator {
+/// through `invoker`, giving back to its pacer the slots workers report to `missed`.
+fn embedded_orchestrator(
+    config: &Config,
+    store: &Arc<EmbeddedStore>,
+    invoker: Arc<dyn Invoker>,
+    clock: Arc<dyn Clock>,
+    missed: &Arc<MissedSlots>,
+) -> Orchestrator {
     Orchestrator::new(store.clone(), store.clone(), invoker, clock, Settings::from_config(config, WorkerHost::InProcess))
         .with_outcomes(config.outcomes.clone(), store.clone())
+        .with_missed_slots(missed.clone())
 }
 
 /// How often the circuit's state is read for the run's timeline: a state that lasts
@@ -318,9 +336,10 @@ mod tests {
         let jobs: Vec<OutgoingMessage> = bodies.into_iter().map(|body| OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
         store.send(&jobs).await.unwrap();
         let api = Arc::new(InstantApi::new(clock.clone()));
-        let worker = embedded_worker(&config, &store, api.clone(), clock.clone(), Arc::default());
+        let missed = Arc::new(MissedSlots::default());
+        let worker = embedded_worker(&config, &store, api.clone(), clock.clone(), Arc::default(), &missed);
         let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), handler(worker)));
-        let orchestrator = embedded_orchestrator(&config, &store, invoker.clone(), clock.clone());
+        let orchestrator = embedded_orchestrator(&config, &store, invoker.clone(), clock.clone(), &missed);
         let opts = RunOptions { holder: "test".into(), deadline: clock.now().plus(Duration::from_secs(60)), drain: true, stop: None };
         orchestrator.run(&opts).await.unwrap();
         while invoker.in_flight() > 0 {
@@ -378,9 +397,10 @@ mod tests {
         store.send(&jobs).await.unwrap();
         let api = Arc::new(InstantApi::new(clock.clone()));
         let stats = Arc::new(WorkerStats::default());
-        let worker = embedded_worker(&config, &store, api.clone(), clock.clone(), stats.clone());
+        let missed = Arc::new(MissedSlots::default());
+        let worker = embedded_worker(&config, &store, api.clone(), clock.clone(), stats.clone(), &missed);
         let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), Arc::new(worker)));
-        let orchestrator = embedded_orchestrator(&config, &store, invoker.clone(), clock.clone());
+        let orchestrator = embedded_orchestrator(&config, &store, invoker.clone(), clock.clone(), &missed);
         let opts = RunOptions { holder: "test".into(), deadline: clock.now().plus(Duration::from_secs(20)), drain: true, stop: None };
         let report = orchestrator.run(&opts).await.unwrap();
         while invoker.in_flight() > 0 {

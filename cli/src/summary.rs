@@ -68,6 +68,9 @@ pub struct Summary {
     pub stop: StopReason,
     pub seconds: f64,
     pub dispatched: u64,
+    /// Calls made for jobs (health checks apart): hand-offs whose worker missed its slot
+    /// made none.
+    pub called: u64,
     pub health_checks: u64,
     pub succeeded: u64,
     pub requeued: u64,
@@ -104,6 +107,7 @@ impl Summary {
             stop: r.stop.clone(),
             seconds: r.ended_at.since(r.started_at).as_secs_f64(),
             dispatched: r.dispatched,
+            called: WorkerStats::get(&w.calls),
             health_checks: r.health_checks,
             succeeded: WorkerStats::get(&w.succeeded),
             requeued: WorkerStats::get(&w.requeued),
@@ -165,10 +169,11 @@ impl Summary {
         };
         let mut out = format!("run ended after {:.1} s: {why}\n", self.seconds);
         out += &format!("  dispatched     {:>7}   (+ {} health checks)\n", self.dispatched, self.health_checks);
+        out += &format!("  called         {:>7}\n", self.called);
         out += &format!("  succeeded      {:>7}\n", self.succeeded);
         out += &format!("  re-queued      {:>7}\n", self.requeued);
         if self.missed_slots > 0 {
-            out += &format!("    {} of them started after their slot (a busy machine) and made no call\n", self.missed_slots);
+            out += &format!("    {} of them started after their slot (a busy machine) and made no call; the slots went back to the pacer\n", self.missed_slots);
         }
         out += &format!("  answered 429   {:>7}   (each one means the configured quota is above the API's)\n", self.rate_limited);
         out += &format!("  dead-lettered  {:>7}   ({} in the DLQ in all)\n", self.dead_lettered, self.dead_letters_total);
@@ -217,6 +222,7 @@ mod tests {
             succeeded: 0,
             requeued: 0,
             missed_slots: 0,
+            called: 0,
             rate_limited: 0,
             dead_lettered: 0,
             dead_letters_total: 0,

@@ -206,6 +206,7 @@ mod tests {
             slowest_rate: None,
             tiers: vec![tier("10/s", 1.0), tier("1000/day", 0.5)],
             longest_wait_ms: 95_400,
+            slots_given_back: 0,
         };
         let records = metrics_records(&report, true, "sms");
         let record = &records[0];

@@ -31,6 +31,7 @@ use std::time::Duration;
 use paceline_shared::config::{CircuitConfig, Config, OrchestratorConfig, WorkerHost};
 use paceline_shared::job::{DeadLetterReason, Job, JobId};
 use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, OutcomeTimes};
+use paceline_shared::pacer::MissedSlots;
 use paceline_shared::ports::{load_calendar_usage, Invoker, JobQueue, OutcomeSink, PortError, PortResult, QueuedMessage, StateStore, CALL_SLOTS_FULL_KEY};
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, UnixMillis};
@@ -134,12 +135,21 @@ pub struct Orchestrator {
     settings: Settings,
     progress: Arc<Progress>,
     outcomes: Option<KeptOutcomes>,
+    /// Where workers in this process say which slots they made no call at.
+    missed_slots: Option<Arc<MissedSlots>>,
 }
 
 impl Orchestrator {
     #[must_use]
     pub fn new(queue: Arc<dyn JobQueue>, store: Arc<dyn StateStore>, invoker: Arc<dyn Invoker>, clock: Arc<dyn Clock>, settings: Settings) -> Self {
-        Self { queue, store, invoker, clock, settings, progress: Arc::default(), outcomes: None }
+        Self { queue, store, invoker, clock, settings, progress: Arc::default(), outcomes: None, missed_slots: None }
+    }
+
+    /// The same orchestrator giving back to its pacer the slots its workers (in this
+    /// process, sharing `missed`) started too late to call at.
+    #[must_use]
+    pub fn with_missed_slots(self, missed: Arc<MissedSlots>) -> Self {
+        Self { missed_slots: Some(missed), ..self }
     }
 
     /// The same orchestrator giving the jobs it dead-letters itself (a cost no tier can
@@ -282,6 +292,9 @@ impl Executor<'_> {
             }
             while let Some(done) = self.background.try_join_next() {
                 self.state.on_event(joined(done)?, self.o.clock.now())?;
+            }
+            if let Some(missed) = self.o.missed_slots.as_ref().map(|slots| slots.take()).filter(|m| !m.is_empty()) {
+                self.state.on_event(Event::SlotsMissed(missed), self.o.clock.now())?;
             }
             match self.state.next_action(self.o.clock.now()) {
                 Action::Stop => return Ok(()),

@@ -13,7 +13,7 @@ use std::time::Duration;
 use paceline_shared::adaptive::{AdaptiveRate, EffectiveRate, ProviderReading, RateReason};
 use paceline_shared::breaker::{self, Circuit, CircuitStatus, TripRule};
 use paceline_shared::job::{CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
-use paceline_shared::pacer::{Decision, Hold, PacerState};
+use paceline_shared::pacer::{Decision, Hold, MissedSlot, PacerState};
 use paceline_shared::ports::{Lease, PacerSnapshot, PortError, PortResult, QueuedMessage};
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{UnixMillis, COARSE_WAKE_SLACK};
@@ -137,6 +137,8 @@ pub(crate) enum Event {
     HealthChecked(PortResult<()>),
     /// `true` when nothing is left on the queue or in flight anywhere.
     DrainChecked(PortResult<bool>),
+    /// Workers in this process started too late for these slots and made no call.
+    SlotsMissed(Vec<MissedSlot>),
     /// The operator asked the run to stop.
     StopRequested,
 }
@@ -902,6 +904,12 @@ impl<'a> DrainState<'a> {
                 self.queue_seen_empty = false;
                 Ok(())
             }
+            Event::SlotsMissed(missed) => {
+                for slot in missed {
+                    self.give_back(slot);
+                }
+                Ok(())
+            }
             Event::StopRequested => {
                 self.stop.get_or_insert(StopReason::Stopped);
                 Ok(())
@@ -1172,6 +1180,20 @@ impl<'a> DrainState<'a> {
         }
         self.meter.record(now, cost, paced, self.last_hold.take());
         self.last_dispatch = Some(now);
+    }
+
+    /// Gives back a slot whose worker made no call: to the pacer (the pace takes it up
+    /// again), to the calendar units reserved, and to the report's figures.
+    fn give_back(&mut self, missed: MissedSlot) {
+        let quota = self.quota();
+        self.pacer.give_back(quota, missed.arrival, missed.cost);
+        for tier in quota.tiers().iter().filter(|t| t.is_calendar()) {
+            if let Some(reserved) = self.reserved.get_mut(&tier.usage_key(quota.zone(), missed.slot)) {
+                *reserved += missed.cost;
+            }
+        }
+        self.meter.give_back(missed.slot, missed.cost);
+        self.report.slots_given_back += 1;
     }
 
     /// What is left to settle at the end: deletes not yet sent, messages still in hand,

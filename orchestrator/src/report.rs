@@ -82,6 +82,9 @@ pub struct RunReport {
     /// The longest a job handed off in the run had waited since it was first enqueued
     /// (to its slot): the backlog's age as the run found it.
     pub longest_wait_ms: u64,
+    /// Slots handed off whose worker started too late to call (a busy machine), given
+    /// back to the pacer: the tiers' figures count calls, not these.
+    pub slots_given_back: u64,
 }
 
 impl RunReport {
@@ -100,6 +103,7 @@ impl RunReport {
             slowest_rate: None,
             tiers: Vec::new(),
             longest_wait_ms: 0,
+            slots_given_back: 0,
         }
     }
 }
@@ -116,6 +120,8 @@ pub(crate) struct TierMeter {
     last_paced: Option<(UnixMillis, u64)>,
     /// Per tier, the time jobs waited because of it.
     held_ms: Vec<u64>,
+    /// Units of slots given back (no call made) within the paced stretch.
+    given_back_paced: u64,
 }
 
 impl TierMeter {
@@ -136,6 +142,21 @@ impl TierMeter {
             first_paced: None,
             last_paced: None,
             held_ms: vec![0; quota.tiers().len()],
+            given_back_paced: 0,
+        }
+    }
+
+    /// Takes back the dispatch of `cost` units at `slot` whose worker made no call: the
+    /// figures count calls, never slots.
+    pub(crate) fn give_back(&mut self, slot: UnixMillis, cost: u64) {
+        for (peak, units) in self.peaks.iter_mut().zip(&mut self.units) {
+            peak.remove(slot, cost);
+            *units = units.saturating_sub(cost);
+        }
+        if let (Some((from, _)), Some((to, _))) = (self.first_paced, self.last_paced) {
+            if (from..=to).contains(&slot) {
+                self.given_back_paced += cost;
+            }
         }
     }
 
@@ -177,7 +198,7 @@ impl TierMeter {
         let (Some((from, units_before)), Some((to, units_by_end))) = (self.first_paced, self.last_paced) else { return 0.0 };
         let window_ms = u64::try_from(tier.nominal_window().as_millis()).unwrap_or(u64::MAX).max(1);
         let windows_begun = to.since(from).as_millis() as u64 / window_ms + 1;
-        (units_by_end - units_before) as f64 / (tier.limit.saturating_mul(windows_begun)) as f64
+        (units_by_end - units_before).saturating_sub(self.given_back_paced) as f64 / (tier.limit.saturating_mul(windows_begun)) as f64
     }
 
     pub(crate) fn report(&self, quota: &Quota, calendar_used: &[u64]) -> Vec<TierReport> {

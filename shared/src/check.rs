@@ -216,6 +216,16 @@ impl WindowPeak {
         }
     }
 
+    /// Takes back `cost` units that arrived at `at` (a slot that made no call), if they
+    /// are still in the window: later windows count without them.
+    pub fn remove(&mut self, at: UnixMillis, cost: u64) {
+        if let Some((_, units)) = self.arrivals.iter_mut().rev().find(|(t, _)| *t == at.0) {
+            let taken = cost.min(*units);
+            *units -= taken;
+            self.units -= taken;
+        }
+    }
+
     /// Where the busiest window first occurred: it starts at this instant (and ends
     /// before `start + window`). Any window of the length is some fixed-window
     /// alignment's window, so this also names the worst alignment: `start % window`.

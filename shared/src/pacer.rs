@@ -47,6 +47,35 @@ pub enum Hold {
     CoolDown,
 }
 
+/// A slot its worker started too late to use: no call was made, so its units go back to
+/// the pacer (see [`PacerState::give_back`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MissedSlot {
+    /// The slot, as the worker got it.
+    pub slot: UnixMillis,
+    /// When the pacer counted the call's arrival: the slot and the body's upload time.
+    pub arrival: UnixMillis,
+    pub cost: u64,
+}
+
+/// Missed slots on their way from the workers of one process to its orchestrator, which
+/// gives them back at once (across processes, as on Lambda, a missed slot is lost: rare
+/// with its longer lead).
+#[derive(Debug, Default)]
+pub struct MissedSlots(std::sync::Mutex<Vec<MissedSlot>>);
+
+impl MissedSlots {
+    pub fn push(&self, missed: MissedSlot) {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(missed);
+    }
+
+    /// The slots missed since the last call, oldest first.
+    #[must_use]
+    pub fn take(&self) -> Vec<MissedSlot> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+}
+
 /// The rules the pacer applies to one rolling tier.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Rules {
@@ -141,6 +170,20 @@ impl SlidingWindowLog {
             }
         }
         None
+    }
+
+    /// Takes back `cost` units recorded at `at` (a slot that made no call), as far as the
+    /// log still holds them.
+    pub fn remove(&mut self, at: UnixMillis, cost: u64) {
+        let bucket = at.0 - at.0 % self.bucket_ms;
+        if let Some(index) = self.entries.iter().rposition(|(b, _)| *b == bucket) {
+            let taken = cost.min(self.entries[index].1);
+            self.entries[index].1 -= taken;
+            self.units -= taken;
+            if self.entries[index].1 == 0 {
+                self.entries.remove(index);
+            }
+        }
     }
 
     /// Records `cost` units at `now` and forgets what has left the window.
@@ -402,6 +445,29 @@ impl PacerState {
                         tier_state.calendar = CalendarState { window_start: start, used: 0 };
                     }
                     tier_state.calendar.used += cost;
+                }
+            }
+        }
+    }
+
+    /// Gives back a slot no call was made at (its worker started too late): the units
+    /// committed at `at` leave every tier's count, and the schedule of an evenly spaced
+    /// tier moves back by them, so the pace takes them up again within a window. The
+    /// nominal gap after the last call stays: a strict leaky bucket never sees two calls
+    /// too close.
+    pub fn give_back(&mut self, quota: &Quota, at: UnixMillis, cost: u64) {
+        for (tier, tier_state) in quota.tiers().iter().zip(&mut self.tiers) {
+            match &mut tier_state.rolling {
+                Some(rolling) => {
+                    let step = u128::from(quota.effective_window_ms(tier)) * u128::from(cost);
+                    rolling.tat_scaled = rolling.tat_scaled.saturating_sub(step);
+                    rolling.log.remove(at, cost);
+                }
+                None => {
+                    let (start, _) = tier.window_at(quota.zone(), at);
+                    if tier_state.calendar.window_start == start {
+                        tier_state.calendar.used = tier_state.calendar.used.saturating_sub(cost);
+                    }
                 }
             }
         }
@@ -733,6 +799,35 @@ mod tests {
         Ok(sent)
     }
 
+    /// As [`drive`] with a backlog, but the worker of every `miss_every`th dispatch starts
+    /// too late and makes no call; its slot is given back once the pacer next decides.
+    /// Returns the calls made.
+    fn drive_missing(q: &Quota, costs: &[u64], gaps: &[u64], start: u64, miss_every: usize) -> Result<Vec<(UnixMillis, u64)>, TestCaseError> {
+        let mut state = PacerState::new(q);
+        let mut now = UnixMillis(start);
+        let (mut calls, mut missed) = (Vec::new(), Vec::new());
+        for (i, gap) in gaps.iter().cycle().take(600).enumerate() {
+            for (at, cost) in missed.drain(..) {
+                state.give_back(q, at, cost);
+            }
+            let cost = costs[i % costs.len()];
+            match q.decide(&state, cost, now) {
+                Decision::Allow => {
+                    state.commit(q, cost, now);
+                    if i % miss_every == 0 {
+                        missed.push((now, cost));
+                    } else {
+                        calls.push((now, cost));
+                    }
+                    now = now.plus(Duration::from_millis(*gap));
+                }
+                Decision::WaitUntil { at, .. } => now = at,
+                Decision::Never { tier } => prop_assert!(cost > tier.max_cost()),
+            }
+        }
+        Ok(calls)
+    }
+
     /// Checks every tier as its provider would count it: a `burst` tier as a bucket, any
     /// other rolling tier as a sliding window, a calendar tier per day.
     fn check_every_tier(q: &Quota, sent: &[(UnixMillis, u64)]) -> Result<(), TestCaseError> {
@@ -779,6 +874,27 @@ mod tests {
             let Some(q) = quota_of(&tiers, margin) else { return Ok(()) };
             let sent = drive(&q, &costs, &gaps, start, backlog, late_ms)?;
             check_every_tier(&q, &sent)?;
+        }
+
+        /// Slots given back because their worker made no call never let the calls made
+        /// overfill a window of any tier, nor come closer than a strict leaky bucket at
+        /// the shortest tier's rate allows.
+        #[test]
+        fn slots_given_back_never_let_a_window_hold_more_calls_than_its_limit(
+            tiers in proptest::collection::vec(tier_strategy(), 1..4),
+            costs in proptest::collection::vec(1u64..4, 1..20),
+            gaps in proptest::collection::vec(0u64..700, 1..50),
+            margin in 0u64..20,
+            miss_every in 2usize..8,
+        ) {
+            let Some(q) = quota_of(&tiers, margin) else { return Ok(()) };
+            let calls = drive_missing(&q, &costs, &gaps, 1_795_800_000_000, miss_every)?;
+            check_every_tier(&q, &calls)?;
+            let Some(spacing) = q.spacing_tier().map(|i| q.tiers()[i]) else { return Ok(()) };
+            let (Period::Rolling(window), Spread::Window | Spread::Smooth) = (spacing.period, spacing.spread) else { return Ok(()) };
+            let mut bucket = StrictBucketLimiter::new(1, spacing.limit, window);
+            let refused = calls.iter().find(|(t, c)| !bucket.try_admit(*t, *c));
+            prop_assert!(refused.is_none(), "{spacing}: refused {refused:?}");
         }
 
         /// Unless it has a `burst`, the shortest rolling tier spaces calls so that a

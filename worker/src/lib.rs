@@ -37,6 +37,7 @@ use paceline_shared::breaker::{retry_delay, Circuit, Refusal, TripRule};
 use paceline_shared::config::RetryConfig;
 use paceline_shared::job::{ApiRequest, CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
 use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, OutcomeTimes};
+use paceline_shared::pacer::{MissedSlot, MissedSlots};
 use paceline_shared::ports::{
     call_record_key, CallClaim, JobQueue, OutcomeSink, OutgoingMessage, PortError, PortResult, StateStore, WorkerHandler, CALL_SLOTS_FULL_KEY,
 };
@@ -253,6 +254,9 @@ pub struct Worker {
     outcome_sink: Option<Arc<dyn OutcomeSink>>,
     /// How long writing what an answer calls for is retried (see [`SETTLE_RETRY_FOR`]).
     settle_retry_for: std::time::Duration,
+    /// Where a slot this worker made no call at is reported, when the orchestrator runs
+    /// in this process and can give it back to its pacer.
+    missed_slots: Option<Arc<MissedSlots>>,
 }
 
 /// Which payloads claim their call record before calling.
@@ -291,6 +295,7 @@ impl Worker {
             outcomes: OutcomeSettings::default(),
             outcome_sink: None,
             settle_retry_for: SETTLE_RETRY_FOR,
+            missed_slots: None,
         }
     }
 
@@ -317,6 +322,13 @@ impl Worker {
     #[must_use]
     pub fn with_call_slots(self, call_slots: Option<CallSlots>) -> Self {
         Self { call_slots, ..self }
+    }
+
+    /// The same worker reporting the slots it makes no call at to `missed` (shared with
+    /// an orchestrator in this process, which gives them back to its pacer).
+    #[must_use]
+    pub fn with_missed_slots(self, missed: Arc<MissedSlots>) -> Self {
+        Self { missed_slots: Some(missed), ..self }
     }
 
     /// What this worker counted.
@@ -713,6 +725,9 @@ impl WorkerHandler for Worker {
                     return self.turned_away(&job, attempt).await;
                 };
                 if let Err(late) = self.wait_for_slot(slot).await {
+                    if let (Some(missed), Some(slot)) = (&self.missed_slots, slot) {
+                        missed.push(MissedSlot { slot: slot.not_before, arrival: slot.not_before.plus(job.request.upload_allowance()), cost: job.cost });
+                    }
                     self.release_call_slot(held).await;
                     self.release_call(record.as_deref(), &holder).await?;
                     // Handed off earlier next time by as much: it does not miss for ever.

@@ -77,6 +77,7 @@ fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
         outcomes: OutcomeSettings::default(),
         outcome_sink: Some(store.clone()),
         settle_retry_for: SETTLE_RETRY_FOR,
+        missed_slots: None,
     };
     (worker, store)
 }
