@@ -12,10 +12,14 @@
 //! - **Provider budget.** Any other reading (a longer window, a calendar quota, a quota
 //!   the configuration does not name): when less remains than we would spend before the
 //!   reset, what remains is spread evenly until the reset.
-//! - **Back-off.** Our pacing never exceeds the configured tiers, so a 429 means the
-//!   provider counts calls we do not see: the rate is cut to [`CUT`] of itself (at most
-//!   once per [`CUT_SPACING`]) and grows back by [`RECOVERY_PER_SECOND`] of the pace
-//!   each second (AIMD).
+//! - **Back-off.** Our pacing never exceeds the configured tiers, so repeated 429s mean
+//!   the provider counts calls we do not see: the rate is cut to [`CUT`] of itself (at
+//!   most once per [`CUT_SPACING`]) and grows back by [`RECOVERY_PER_SECOND`] of the pace
+//!   each second (AIMD). A lone 429 (none in the [`LONE_429_MEMORY`] before it) is
+//!   jitter at a window's edge (a call made on its slot that reached the provider a few
+//!   milliseconds late), not a foreign client: it cuts nothing, so the pace is whole
+//!   again once the cool-down it asked for is over, and a window of the longest tier
+//!   later the sliding windows no longer remember it.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -45,6 +49,8 @@ pub const READING_LIFETIME: Duration = Duration::from_secs(30);
 /// Cuts after 429s are at least this far apart: the 429s of calls already on their way
 /// when the rate was cut are not new news.
 pub const CUT_SPACING: Duration = Duration::from_secs(2);
+/// A 429 with none in this long before it is taken for jitter, not a cause to cut.
+pub const LONE_429_MEMORY: Duration = Duration::from_secs(60);
 /// Others' use up to this share of the limit (and at least a unit) is taken for the
 /// calls on their way when the provider counted, not for other clients.
 const NOISE: f64 = 0.02;
@@ -192,6 +198,8 @@ pub struct AdaptiveRate {
     shared: Option<Shared>,
     budget: Option<Budget>,
     backoff: Option<Backoff>,
+    /// The last 429, for telling a lone one from a run of them.
+    last_rate_limited: Option<UnixMillis>,
     last_reading: UnixMillis,
     /// Our calls are known from this instant (the run's start): a reading whose window
     /// begins earlier cannot tell ours from others'.
@@ -210,6 +218,7 @@ impl AdaptiveRate {
             shared: None,
             budget: None,
             backoff: None,
+            last_rate_limited: None,
             last_reading: UnixMillis(0),
             known_since,
         }
@@ -298,10 +307,16 @@ impl AdaptiveRate {
         self.shared = None;
         self.budget = None;
         self.backoff = None;
+        self.last_rate_limited = None;
     }
 
-    /// The provider answered 429 at `now`.
+    /// The provider answered 429 at `now`: a lone one is jitter, more cut the rate.
     pub fn on_rate_limited(&mut self, now: UnixMillis) {
+        let lone = self.last_rate_limited.is_none_or(|last| now >= last.plus(LONE_429_MEMORY));
+        self.last_rate_limited = Some(now);
+        if lone {
+            return;
+        }
         if self.backoff.is_some_and(|b| now < b.at.plus(CUT_SPACING)) {
             return;
         }
@@ -476,8 +491,9 @@ mod tests {
     }
 
     #[test]
-    fn a_429_cuts_the_rate_which_then_grows_back_additively_never_past_the_pace() {
+    fn a_429_after_another_cuts_the_rate_which_then_grows_back_additively_never_past_the_pace() {
         let mut rate = AdaptiveRate::new(&quota(&["100/s"]), T0);
+        rate.on_rate_limited(T0.minus(std::time::Duration::from_millis(500)));
         rate.on_rate_limited(at(0));
         assert!((rate.rate(at(0)).per_second - 70.0).abs() < 1e-9);
         assert_eq!(rate.rate(at(0)).reason, RateReason::BackingOff { since: at(0) });
@@ -490,6 +506,23 @@ mod tests {
         // Grown back past the pace: the configured pace again.
         assert_eq!(rate.rate(at(12_000)).per_second, 100.0);
         assert_eq!(rate.rate(at(12_000)).reason, RateReason::Configured);
+    }
+
+    /// Under `10/s + 50/10s`, one 429 for a call made on its slot (it reached a strict
+    /// sliding-window API 11 ms late) cut the rate to 70%, and the sliding windows
+    /// carried that slow stretch into every later one: 30.2 s for a 25 s drain.
+    #[test]
+    fn a_lone_429_is_jitter_and_cuts_nothing_while_one_soon_after_another_cuts() {
+        let mut rate = AdaptiveRate::new(&quota(&["10/s", "50/10s"]), T0);
+        rate.on_rate_limited(at(5_000));
+        assert_eq!(rate.rate(at(5_000)).reason, RateReason::Configured, "a lone 429 cut the pace");
+        rate.on_rate_limited(at(5_000 + 61_000));
+        assert_eq!(rate.rate(at(66_000)).reason, RateReason::Configured, "a minute apart, each is lone");
+        rate.on_rate_limited(at(66_500));
+        assert_eq!(rate.rate(at(66_500)).reason, RateReason::BackingOff { since: at(66_500) }, "sustained refusals still cut");
+        rate.forget_readings();
+        rate.on_rate_limited(at(67_000));
+        assert_eq!(rate.rate(at(67_000)).reason, RateReason::Configured, "an operator's reset forgets the 429s too");
     }
 
     #[test]
