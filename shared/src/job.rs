@@ -193,7 +193,14 @@ pub enum JobError {
     HeaderInvalid(String),
     #[error("cost must be a whole number of at least 1, got {0}")]
     Cost(String),
+    #[error("metadata: {0} bytes of JSON, over the {MAX_METADATA} an outcome record carries (it must fit an SQS message beside the answer)")]
+    Metadata(usize),
 }
+
+/// The most bytes of JSON a job's `metadata` may hold: it is copied into the job's
+/// outcome record, which on AWS travels in one SQS message (256 KiB) beside up to
+/// 192 KiB of the answer's body.
+pub const MAX_METADATA: usize = 16 * 1024;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -285,6 +292,9 @@ impl Job {
         request.method = parse_method(&request.method)?;
         check_path(&request.path)?;
         check_headers(&request.headers)?;
+        if let Some(size) = raw.metadata.as_ref().map(|m| m.to_string().len()).filter(|size| *size > MAX_METADATA) {
+            return Err(JobError::Metadata(size));
+        }
         let cost = match raw.cost {
             None => 1,
             Some(v) => v.as_u64().filter(|c| *c >= 1).ok_or_else(|| JobError::Cost(v.to_string()))?,
@@ -529,6 +539,17 @@ pub struct DeadLetterReason {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A 3 MB `metadata` was accepted and copied into the outcome record, which on AWS
+    /// must fit one SQS message.
+    #[test]
+    fn metadata_over_its_bound_is_refused_naming_its_size() {
+        let job = |bytes: usize| format!(r#"{{"id":"m","request":{{"method":"GET","path":"/"}},"metadata":{{"note":"{}"}}}}"#, "x".repeat(bytes));
+        assert!(Job::parse(&job(MAX_METADATA - 20)).is_ok());
+        let refused = Job::parse(&job(3_000_000)).unwrap_err();
+        assert_eq!(refused, JobError::Metadata(3_000_011));
+        assert!(refused.to_string().starts_with("metadata: 3000011 bytes of JSON, over the 16384"), "{refused}");
+    }
 
     /// A job whose worker missed its slot went back with nothing learned, and missed
     /// again, for ever.

@@ -42,8 +42,13 @@ pub enum Outcome {
 /// Epoch values above this are absolute times in seconds, not deltas (year 2001+).
 const EPOCH_SECONDS_FLOOR: u64 = 1_000_000_000;
 
+/// The shortest cool-down a 429 imposes: one asking for none (`Retry-After: 0`) in a
+/// storm of them would otherwise have every job call again at once, at full pace.
+pub const MIN_COOL_DOWN: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Classifies `result` observed at `now`. A 429 naming no time cools down for
-/// `retry.default_cool_down`; none cools down longer than `retry.max_cool_down`.
+/// `retry.default_cool_down`; none cools down for less than [`MIN_COOL_DOWN`] or longer
+/// than `retry.max_cool_down`.
 #[must_use]
 pub fn classify(result: &CallResult, now: UnixMillis, retry: &RetryConfig) -> Outcome {
     match result {
@@ -52,7 +57,7 @@ pub fn classify(result: &CallResult, now: UnixMillis, retry: &RetryConfig) -> Ou
         CallResult::Response { status, .. } if (200..300).contains(status) => Outcome::Success { status: *status },
         CallResult::Response { status: 429, headers, .. } => {
             let asked = cool_down_until(headers, now).unwrap_or_else(|| now.plus(retry.default_cool_down));
-            Outcome::RateLimited { until: asked.min(now.plus(retry.max_cool_down)) }
+            Outcome::RateLimited { until: asked.max(now.plus(MIN_COOL_DOWN)).min(now.plus(retry.max_cool_down)) }
         }
         CallResult::Response { status: 501, .. } => Outcome::Rejected { status: 501 },
         CallResult::Response { status, .. } if *status >= 500 => Outcome::Outage { reason: format!("HTTP {status}") },
@@ -228,6 +233,16 @@ mod tests {
         assert_eq!(classify(&response(501, &[]), NOW, DEFAULT), Outcome::Rejected { status: 501 });
     }
 
+    /// A 429 storm with `Retry-After: 0` dead-lettered every job in about 1.5 s: each
+    /// answer let the whole lane call again at once.
+    #[test]
+    fn a_429_asking_for_no_wait_still_cools_down_for_the_minimum() {
+        let floor = Outcome::RateLimited { until: NOW.plus(MIN_COOL_DOWN) };
+        assert_eq!(until(&[("Retry-After", "0")]), floor);
+        assert_eq!(until(&[("RateLimit", "limit=10, remaining=0, reset=0")]), floor);
+        assert_eq!(until(&[("X-RateLimit-Reset", "1795823990")]), floor, "a reset already past");
+    }
+
     #[test]
     fn a_far_future_retry_after_is_capped_at_max_cool_down() {
         let hour = Outcome::RateLimited { until: NOW.plus(Duration::from_secs(3600)) };
@@ -253,9 +268,10 @@ mod tests {
         assert_eq!(until(&[("X-RateLimit-Reset", "1795824005")]), at(5_000));
         assert_eq!(until(&[("X-RateLimit-Reset", "1795824000750")]), at(750));
         assert_eq!(until(&[("X-RateLimit-Reset", "9")]), at(9_000));
-        // Retry-After wins over the others; a date in the past means now.
+        // Retry-After wins over the others; a date in the past means now, and now the
+        // shortest cool-down.
         assert_eq!(until(&[("X-RateLimit-Reset", "9"), ("Retry-After", "2")]), at(2_000));
-        assert_eq!(until(&[("Retry-After", "Fri, 27 Nov 2026 00:00:00 GMT")]), at(0));
+        assert_eq!(until(&[("Retry-After", "Fri, 27 Nov 2026 00:00:00 GMT")]), at(100));
         assert_eq!(until(&[("Retry-After", "soon")]), at(1_000));
     }
 
