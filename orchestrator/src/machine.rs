@@ -396,7 +396,7 @@ impl<'a> DrainState<'a> {
             self.pacer = PacerState::restored(quota, &snapshot.state);
             // A hold left by an earlier run is at most one window of the longest tier
             // (older versions saved the provider's cool-down in it: never past that).
-            self.pacer.set_hold_until(self.pacer.hold_until().min(now.plus(quota.longest_window())));
+            self.pacer.set_hold_until(self.pacer.hold_until().min(now.plus(self.pacer.longest_window(quota))));
             if !snapshot.at_exit {
                 warn!("the last run did not stop cleanly: holding dispatch for one window of the longest tier");
                 self.pacer.hold_after_unclean_stop(quota, now);
@@ -447,6 +447,7 @@ impl<'a> DrainState<'a> {
         if cleared {
             info!("the provider's readings and cool-down were cleared: the configured pace again");
             self.adaptive.forget_readings();
+            self.pacer.forget_jitter(self.quota());
             self.spaced_until = UnixMillis(0);
         }
         self.reading_seen = reading.is_some();
@@ -456,6 +457,9 @@ impl<'a> DrainState<'a> {
         }
         if self.cool_down_seen.is_some_and(|seen| cool_down > seen) {
             self.adaptive.on_rate_limited(now);
+            if let Some(margin) = self.pacer.learn_jitter(self.quota()) {
+                info!(safety_margin_ms = margin.as_millis(), "a 429: the provider saw calls closer than they were sent; widening the windows' margin");
+            }
         }
         self.cool_down_seen = Some(cool_down);
         let rate = self.adaptive.rate(now);

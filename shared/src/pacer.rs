@@ -238,7 +238,17 @@ pub struct PacerState {
     tiers: Vec<TierState>,
     /// No dispatch before this instant (a provider's cool-down, or this lane's own hold).
     hold_until: UnixMillis,
+    /// Added to every rolling window beyond the quota's `safety_margin`: what 429s showed
+    /// of the network's jitter (see [`PacerState::learn_jitter`]).
+    #[serde(default)]
+    learned_margin_ms: u64,
 }
+
+/// The most margin 429s can teach the pacer: 100 ms, and never more than a twentieth of
+/// the shortest rolling window (a 5% slower pace at worst).
+const MAX_LEARNED_MARGIN: Duration = Duration::from_millis(100);
+/// A 429 widens the margin by at least this much.
+const MIN_MARGIN_STEP: Duration = Duration::from_millis(5);
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
@@ -291,7 +301,7 @@ impl Quota {
                         // bucket has room for it (for a heavy job, room for all of it
                         // up to the bucket's size).
                         let room = u128::from(tolerance + 1 - cost.min(tolerance + 1));
-                        let ready_scaled = rolling.tat_scaled.saturating_sub(room * u128::from(self.effective_window_ms(tier)));
+                        let ready_scaled = rolling.tat_scaled.saturating_sub(room * u128::from(state.window_ms(self, tier)));
                         let ready_scaled = if tolerance == 0 { ready_scaled.max(rolling.spaced_until_scaled) } else { ready_scaled };
                         UnixMillis(u64::try_from(ready_scaled.div_ceil(u128::from(tier.limit))).unwrap_or(u64::MAX))
                     });
@@ -374,7 +384,7 @@ impl PacerState {
                 calendar: CalendarState::default(),
             })
             .collect();
-        Self { tiers, hold_until: UnixMillis(0) }
+        Self { tiers, hold_until: UnixMillis(0), learned_margin_ms: 0 }
     }
 
     /// Takes the rolling-tier state and cool-down from a snapshot of an earlier run,
@@ -382,6 +392,8 @@ impl PacerState {
     #[must_use]
     pub fn restored(quota: &Quota, snapshot: &PacerState) -> Self {
         let mut state = Self::new(quota);
+        // The margin the last run learned carries over, and with it the windows' lengths.
+        state.set_learned_margin(quota, snapshot.learned_margin_ms);
         for tier_state in &mut state.tiers {
             // A tier whose spread changed keeps its state: the spacing and the window
             // log mean the same whatever the rules applied to them.
@@ -404,16 +416,72 @@ impl PacerState {
     /// dispatches are unknown: hold every dispatch for one full window of the longest
     /// rolling tier, after which nothing it did can share a window with what we do.
     pub fn hold_after_unclean_stop(&mut self, quota: &Quota, now: UnixMillis) {
-        self.hold_until = self.hold_until.max(now.plus(quota.longest_window()));
+        self.hold_until = self.hold_until.max(now.plus(self.longest_window(quota)));
+    }
+
+    /// One window of the longest rolling tier, with the margin as configured and learned.
+    #[must_use]
+    pub fn longest_window(&self, quota: &Quota) -> Duration {
+        Duration::from_millis(quota.tiers().iter().map(|t| self.window_ms(quota, t)).max().unwrap_or(0))
+    }
+
+    /// The length the pacer gives `tier`'s window: its own, the configured margin and what
+    /// 429s taught (zero for a calendar tier).
+    fn window_ms(&self, quota: &Quota, tier: &Tier) -> u64 {
+        match tier.period {
+            Period::Rolling(_) => quota.effective_window_ms(tier) + self.learned_margin_ms,
+            Period::Day | Period::Month => 0,
+        }
+    }
+
+    /// The margin added to rolling windows now: the configured one and what 429s taught.
+    #[must_use]
+    pub fn safety_margin(&self, quota: &Quota) -> Duration {
+        quota.safety_margin() + Duration::from_millis(self.learned_margin_ms)
+    }
+
+    /// The provider refused a call although no window of ours was over: it saw our calls
+    /// closer together than we sent them (network jitter at a window's edge, larger than
+    /// the margin). Widens the margin every rolling window gets, doubling it (by at least
+    /// 5 ms) up to 100 ms or a twentieth of the shortest rolling window, whichever is
+    /// less. Returns the new margin if it grew.
+    pub fn learn_jitter(&mut self, quota: &Quota) -> Option<Duration> {
+        let shortest = quota.tiers().iter().filter_map(|t| match t.period {
+            Period::Rolling(d) => Some(d),
+            Period::Day | Period::Month => None,
+        });
+        let configured = millis(quota.safety_margin());
+        let cap = millis(shortest.min()? / 20).min(millis(MAX_LEARNED_MARGIN)).max(configured);
+        let margin = configured + self.learned_margin_ms;
+        let grown = (margin * 2).max(margin + millis(MIN_MARGIN_STEP)).min(cap);
+        (grown > margin).then(|| {
+            self.set_learned_margin(quota, grown - configured);
+            Duration::from_millis(grown)
+        })
+    }
+
+    /// Goes back to the configured margin (an operator's `paceline rate reset`).
+    pub fn forget_jitter(&mut self, quota: &Quota) {
+        self.set_learned_margin(quota, 0);
+    }
+
+    fn set_learned_margin(&mut self, quota: &Quota, learned_ms: u64) {
+        self.learned_margin_ms = learned_ms;
+        for (tier, tier_state) in quota.tiers().iter().zip(&mut self.tiers) {
+            if let Some(rolling) = &mut tier_state.rolling {
+                rolling.log.window_ms = quota.effective_window_ms(tier) + learned_ms;
+            }
+        }
     }
 
     /// Records a dispatch of `cost` units at `now`. Call only after [`Decision::Allow`].
     pub fn commit(&mut self, quota: &Quota, cost: u64, now: UnixMillis) {
+        let learned_margin_ms = self.learned_margin_ms;
         for (index, (tier, tier_state)) in quota.tiers().iter().zip(&mut self.tiers).enumerate() {
             match &mut tier_state.rolling {
                 Some(rolling) => {
                     let limit = u128::from(tier.limit);
-                    let step = u128::from(quota.effective_window_ms(tier)) * u128::from(cost);
+                    let step = u128::from(quota.effective_window_ms(tier) + learned_margin_ms) * u128::from(cost);
                     let now_scaled = u128::from(now.0) * limit;
                     let base = if quota.rules(index, tier).gcra_tolerance == Some(0) {
                         // A dispatch a little after its slot (rounding to the millisecond,
@@ -456,10 +524,11 @@ impl PacerState {
     /// nominal gap after the last call stays: a strict leaky bucket never sees two calls
     /// too close.
     pub fn give_back(&mut self, quota: &Quota, at: UnixMillis, cost: u64) {
+        let learned_margin_ms = self.learned_margin_ms;
         for (tier, tier_state) in quota.tiers().iter().zip(&mut self.tiers) {
             match &mut tier_state.rolling {
                 Some(rolling) => {
-                    let step = u128::from(quota.effective_window_ms(tier)) * u128::from(cost);
+                    let step = u128::from(quota.effective_window_ms(tier) + learned_margin_ms) * u128::from(cost);
                     rolling.tat_scaled = rolling.tat_scaled.saturating_sub(step);
                     rolling.log.remove(at, cost);
                 }
@@ -726,6 +795,31 @@ mod tests {
         let changed = quota(&["2/s"], 0);
         let other = PacerState::restored(&changed, &snapshot);
         assert_eq!(changed.decide(&other, 1, UnixMillis(10_400)), Decision::Allow);
+    }
+
+    /// Under `10/s + 50/10s` a call made on its slot reached a strict sliding-window API
+    /// 11 ms late, past the 10 ms margin, and was refused: a 429 says the jitter is
+    /// larger than the margin, so every rolling window grows by what it taught, the
+    /// next run keeps it and an operator's reset forgets it.
+    #[test]
+    fn a_429_widens_every_rolling_window_up_to_a_twentieth_of_the_shortest() {
+        let q = quota(&["10/s", "50/10s", "1000/day"], 10);
+        let mut state = PacerState::new(&q);
+        let grown: Vec<_> = std::iter::from_fn(|| state.learn_jitter(&q)).map(|m| m.as_millis()).collect();
+        assert_eq!(grown, vec![20, 40, 50], "doubling up to 1 s / 20");
+        assert_eq!(state.longest_window(&q), Duration::from_millis(10_050));
+        state.commit(&q, 1, UnixMillis(0));
+        assert_eq!(q.decide(&state, 1, UnixMillis(0)), Decision::WaitUntil { at: UnixMillis(105), by: Hold::Tier(0) });
+        assert_eq!(state.frees_at(1, UnixMillis(0)), Some(UnixMillis(10_050)), "the long window's log is wider too");
+        let next_run = PacerState::restored(&q, &serde_json::from_str(&serde_json::to_string(&state).unwrap()).unwrap());
+        assert_eq!(next_run.safety_margin(&q), Duration::from_millis(50));
+        assert_eq!(q.decide(&next_run, 1, UnixMillis(0)), Decision::WaitUntil { at: UnixMillis(105), by: Hold::Tier(0) });
+        state.forget_jitter(&q);
+        assert_eq!(state.safety_margin(&q), Duration::from_millis(10));
+        state.commit(&q, 1, UnixMillis(105));
+        assert_eq!(q.decide(&state, 1, UnixMillis(105)), Decision::WaitUntil { at: UnixMillis(206), by: Hold::Tier(0) }, "101 ms apart again");
+        let tiny = quota(&["1/10ms"], 0);
+        assert_eq!(PacerState::new(&tiny).learn_jitter(&tiny), None, "a 10 ms window cannot take a 5 ms step");
     }
 
     #[test]

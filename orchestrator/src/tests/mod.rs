@@ -654,3 +654,29 @@ async fn an_operator_s_clear_ends_a_rate_the_provider_s_reading_set() {
     assert!(sent.iter().all(|t| *t <= 1_000 || *t >= 3_000), "{sent:?}");
     assert!(*sent.last().unwrap() < 6_000, "the configured pace after the clear: {sent:?}");
 }
+
+/// Under `10/s + 50/10s` one 429 for a call made on its slot (jitter at a window's
+/// edge) cut the rate to 70% and the sliding windows carried the slow stretch into every
+/// later one: 30.2 s for a 25 s drain. Now the pace is whole again once the cool-down is
+/// over, and the windows' margin grows by what the 429 showed.
+#[tokio::test(start_paused = true)]
+async fn a_lone_429_widens_the_margin_and_the_pace_recovers_within_a_window_of_the_longest_tier() {
+    let lane = lane(&["10/s", "50/10s"], 10);
+    enqueue(&lane, (0..150).map(|i| job(&format!("j{i}")))).await;
+    let store = lane.store.clone();
+    let refused = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(2_050)).await;
+        store.extend_cool_down(T0.plus(Duration::from_millis(2_550))).await.unwrap();
+    });
+    let report = lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    refused.await.unwrap();
+    assert_eq!((report.dispatched, report.stop), (150, StopReason::Drained));
+    let sent = offsets(&lane);
+    assert_eq!(sent[..3], [0, 101, 202], "the configured margin until the 429");
+    let after: Vec<u64> = sent.iter().copied().filter(|t| (4_000..5_000).contains(t)).collect();
+    assert!(after.len() >= 9 && after.windows(2).all(|w| w[1] - w[0] == 102), "the margin doubled to 20 ms: {after:?}");
+    // Without a cut the 150 calls take three 10 s windows and what the cool-down and the
+    // wider margin cost (a 429 that cut the rate took 30.2 s).
+    assert!(*sent.last().unwrap() < 26_000, "{:?}", &sent[140..]);
+    assert_eq!(report.slowest_rate, None, "a lone 429 cuts no rate");
+}
