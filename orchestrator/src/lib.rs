@@ -21,25 +21,26 @@
 
 #[cfg(feature = "lambda")]
 pub mod lambda;
-mod machine;
+mod lane;
 mod report;
+mod settings;
+mod stack;
 mod timers;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use paceline_shared::config::{CircuitConfig, Config, OrchestratorConfig, WorkerHost};
 use paceline_shared::job::{DeadLetterReason, Job, JobId};
 use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, OutcomeTimes};
 use paceline_shared::pacer::MissedSlots;
 use paceline_shared::ports::{load_calendar_usage, Invoker, JobQueue, OutcomeSink, PortError, PortResult, QueuedMessage, StateStore, CALL_SLOTS_FULL_KEY};
-use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, UnixMillis};
 use tokio::task::{JoinError, JoinSet};
 use tracing::{info, warn};
 
-use machine::{Action, CallSlotsRead, DrainState, Event, SharedState, DELETE_BATCH};
 pub use report::{Progress, RunReport, StopReason, TierReport};
+pub use settings::{RunError, Settings};
+use stack::{Action, CallSlotsRead, Event, SharedState, StackMachine, DELETE_BATCH};
 
 /// How long before the next scheduled kick a run stops dispatching (time to settle its
 /// last hand-offs, flush and give the lease up).
@@ -61,39 +62,6 @@ pub fn handover_deadline(deadline: UnixMillis, tick: UnixMillis, every: Duration
     last_kick.minus(HANDOVER).plus(margin).min(deadline)
 }
 
-/// Why a run could not go on.
-#[derive(Debug, thiserror::Error)]
-pub enum RunError {
-    #[error("another orchestrator holds the lease: {0}")]
-    LeaseHeld(String),
-    #[error(transparent)]
-    Port(#[from] PortError),
-}
-
-/// The settings the loop needs.
-#[derive(Clone, Debug)]
-pub struct Settings {
-    pub quota: Quota,
-    pub orchestrator: OrchestratorConfig,
-    pub circuit: CircuitConfig,
-    /// Where the workers run (it sets the default `dispatch_ahead`).
-    pub workers: WorkerHost,
-}
-
-impl Settings {
-    /// The loop's settings from a lane's configuration file, for workers in `workers`.
-    #[must_use]
-    pub fn from_config(config: &Config, workers: WorkerHost) -> Self {
-        Self { quota: config.quota.clone(), orchestrator: config.orchestrator, circuit: config.circuit, workers }
-    }
-
-    /// How long before its slot each job is handed off.
-    #[must_use]
-    pub fn dispatch_ahead(&self) -> Duration {
-        self.orchestrator.dispatch_ahead(self.workers)
-    }
-}
-
 /// One run's options.
 #[derive(Clone, Debug)]
 pub struct RunOptions {
@@ -105,18 +73,6 @@ pub struct RunOptions {
     pub drain: bool,
     /// Ends the run early (Ctrl-C) when it turns `true`.
     pub stop: Option<tokio::sync::watch::Receiver<bool>>,
-}
-
-impl RunError {
-    /// Whether a later run may succeed where this one failed: the lease was held, or the
-    /// store, queue or invoker met a passing fault. Not: a missing resource or permission.
-    #[must_use]
-    pub fn is_retryable(&self) -> bool {
-        match self {
-            Self::LeaseHeld(_) => true,
-            Self::Port(e) => e.is_retryable(),
-        }
-    }
 }
 
 /// Where the outcome records of the jobs the orchestrator dead-letters go, and what
@@ -228,7 +184,7 @@ impl Orchestrator {
         info!(epoch = lease.epoch, "lease taken");
         let mut run = Executor {
             o: self,
-            state: DrainState::new(&self.settings, &self.progress, lease, started, opts.deadline, opts.drain),
+            state: StackMachine::new(&self.settings, &self.progress, lease, started, opts.deadline, opts.drain),
             background: JoinSet::new(),
             stop: opts.stop.clone(),
         };
@@ -246,7 +202,7 @@ impl Orchestrator {
 /// that none of their latencies delays the next slot (pacing is about frequency).
 struct Executor<'a> {
     o: &'a Orchestrator,
-    state: DrainState<'a>,
+    state: StackMachine<'a>,
     background: JoinSet<Event>,
     stop: Option<tokio::sync::watch::Receiver<bool>>,
 }
@@ -256,10 +212,10 @@ impl Executor<'_> {
         let (store, now) = (self.o.store.as_ref(), self.o.clock.now());
         let snapshot = store.load_pacer().await?;
         let used = load_calendar_usage(store, &self.o.settings.quota, now).await?;
-        self.state.hydrate(snapshot, &used, now);
+        self.state.lane.hydrate(snapshot, &used, now);
         // From here until a clean exit, the stored snapshot says "a run is under way",
         // so a crash at any point is recognised by the next run.
-        match store.save_pacer(self.state.lease(), &self.state.snapshot(false)).await {
+        match store.save_pacer(self.state.lease(), &self.state.lane.snapshot(false)).await {
             // Lost already: the first renewal says so and the run stops.
             Ok(()) | Err(PortError::Conflict(_)) => {}
             Err(e) => return Err(e.into()),
@@ -413,7 +369,7 @@ impl Executor<'_> {
             self.state.report.released += in_hand.len() as u64;
         }
         let returned = if unspent.is_empty() { Ok(()) } else { o.store.add_usage(&unspent).await };
-        let flushed = match o.store.save_pacer(self.state.lease(), &self.state.snapshot(true)).await {
+        let flushed = match o.store.save_pacer(self.state.lease(), &self.state.lane.snapshot(true)).await {
             // A lost lease: the new holder's snapshot wins.
             Ok(()) | Err(PortError::Conflict(_)) => Ok(()),
             Err(e) => Err(e),
@@ -447,7 +403,7 @@ fn joined(done: Result<Event, JoinError>) -> Result<Event, RunError> {
 mod tests;
 
 /// Dispatching at the slot needs a precise wake-up; dispatching ahead, a coarse one
-/// does (see `DrainState::decide`).
+/// does (see `LaneMachine::decide` in `lane.rs`).
 async fn sleep_for_slot(clock: &dyn Clock, wake: UnixMillis, precise: bool) {
     if precise {
         clock.sleep_until(wake).await;

@@ -1,19 +1,23 @@
-//! The drain loop's named deadlines in one table (quinn-proto's `TimerTable` is the
-//! model), and the one back-off every retry in the loop uses.
+//! The drain loop's named deadlines in tables (quinn-proto's `TimerTable` is the
+//! model: one for the stack, one for each lane), and the one back-off every retry in
+//! the loop uses.
 
+use std::marker::PhantomData;
 use std::time::Duration;
 
+use paceline_shared::ports::PortError;
 use paceline_shared::time::UnixMillis;
+use tracing::warn;
 
-/// Every deadline the drain loop keeps. A timer is either armed (at an instant) or not.
+use crate::settings::RunError;
+
+/// The stack's deadlines (each lane keeps its own: see `lane::LaneTimer`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Timer {
     /// The lease's next renewal (a third of its TTL after the last, sooner after a failure).
     Renew,
     /// Until when the lease is ours as this process sees it: no hand-off at or after it.
     LeaseExpiry,
-    /// The next re-read of the circuit and the provider's cool-down.
-    Refresh,
     /// The next write of the pacer snapshot (and of the deletes waiting).
     Flush,
     /// No receive before this (after a receive failed).
@@ -23,62 +27,70 @@ pub(crate) enum Timer {
     Prefetch,
     /// No hand-off before this (after the invoker refused one).
     InvokeHold,
-    /// No reservation (so no dispatch that needs one) before this, after one failed.
-    Reserve,
-    /// The next health check, while the circuit is open.
-    HealthCheck,
     /// The run stops dispatching: its deadline less the margin.
     Stop,
 }
 
 impl Timer {
-    const ALL: [Timer; 10] = [
-        Timer::Renew,
-        Timer::LeaseExpiry,
-        Timer::Refresh,
-        Timer::Flush,
-        Timer::Receive,
-        Timer::Prefetch,
-        Timer::InvokeHold,
-        Timer::Reserve,
-        Timer::HealthCheck,
-        Timer::Stop,
-    ];
-    const COUNT: usize = Self::ALL.len();
+    pub(crate) const COUNT: usize = 7;
 }
 
-/// When each [`Timer`] fires, if it is armed.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct TimerTable {
-    at: [Option<UnixMillis>; Timer::COUNT],
+impl From<Timer> for usize {
+    fn from(timer: Timer) -> usize {
+        timer as usize
+    }
 }
 
-impl TimerTable {
-    pub fn set(&mut self, timer: Timer, at: UnixMillis) {
-        self.at[timer as usize] = Some(at);
+/// When each timer of a kind `T` (an enum of `N` variants) fires, if it is armed.
+#[derive(Clone, Debug)]
+pub(crate) struct TimerTable<T, const N: usize> {
+    at: [Option<UnixMillis>; N],
+    kind: PhantomData<T>,
+}
+
+impl<T, const N: usize> Default for TimerTable<T, N> {
+    fn default() -> Self {
+        Self { at: [None; N], kind: PhantomData }
+    }
+}
+
+impl<T: Into<usize>, const N: usize> TimerTable<T, N> {
+    pub fn set(&mut self, timer: T, at: UnixMillis) {
+        self.at[timer.into()] = Some(at);
     }
 
-    pub fn stop(&mut self, timer: Timer) {
-        self.at[timer as usize] = None;
+    pub fn stop(&mut self, timer: T) {
+        self.at[timer.into()] = None;
     }
 
-    pub fn get(&self, timer: Timer) -> Option<UnixMillis> {
-        self.at[timer as usize]
+    pub fn get(&self, timer: T) -> Option<UnixMillis> {
+        self.at[timer.into()]
     }
 
     /// Whether `timer` is armed and its instant has come.
-    pub fn is_expired(&self, timer: Timer, now: UnixMillis) -> bool {
+    pub fn is_expired(&self, timer: T, now: UnixMillis) -> bool {
         self.get(timer).is_some_and(|at| at <= now)
     }
 
     /// Whether `timer` is armed for later than `now` (a hold still in force).
-    pub fn is_pending(&self, timer: Timer, now: UnixMillis) -> bool {
+    pub fn is_pending(&self, timer: T, now: UnixMillis) -> bool {
         self.get(timer).is_some_and(|at| at > now)
     }
 
     /// The earliest armed timer's instant: the loop never sleeps past it.
     pub fn next_timeout(&self) -> Option<UnixMillis> {
         self.at.iter().flatten().copied().min()
+    }
+}
+
+/// Lets a passing fault (throttling, a blip) through with a warning; anything else is
+/// the run's error.
+pub(crate) fn passing(e: PortError, what: &str) -> Result<(), RunError> {
+    if e.is_retryable() {
+        warn!(error = %e, "{what}; trying again shortly");
+        Ok(())
+    } else {
+        Err(e.into())
     }
 }
 
@@ -114,7 +126,7 @@ mod tests {
 
     #[test]
     fn the_next_timeout_is_the_earliest_armed_timer() {
-        let mut timers = TimerTable::default();
+        let mut timers = TimerTable::<Timer, { Timer::COUNT }>::default();
         assert_eq!(timers.next_timeout(), None);
         timers.set(Timer::Stop, UnixMillis(9_000));
         timers.set(Timer::Flush, UnixMillis(5_000));

@@ -1,0 +1,878 @@
+//! One lane's half of a run, pure: its pacer, circuit, ramp, adaptive rate, spacing,
+//! calendar reservations, call slots, the jobs it holds and its own timers. A lane
+//! answers what it would do next at `now` ([`LaneMachine::next_dispatch`],
+//! [`LaneMachine::next_health_check`]) and takes what came of it; the stack
+//! (`stack.rs`) owns it, with the lease, the receives and the deletes, and never looks
+//! inside. A lane never knows whether another lane exists.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::Duration;
+
+use paceline_shared::adaptive::{AdaptiveRate, EffectiveRate, ProviderReading, RateReason};
+use paceline_shared::breaker::{self, Circuit, CircuitStatus, TripRule};
+use paceline_shared::job::{CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
+use paceline_shared::pacer::{Decision, Hold, MissedSlot, PacerState};
+use paceline_shared::ports::{PacerSnapshot, PortError, PortResult, QueuedMessage};
+use paceline_shared::quota::Quota;
+use paceline_shared::time::{UnixMillis, COARSE_WAKE_SLACK};
+use tracing::{debug, info, warn};
+
+use crate::report::TierMeter;
+use crate::report::TierReport;
+use crate::settings::{RunError, Settings};
+use crate::timers::{passing, Backoff, TimerTable};
+
+/// Dispatching ahead, the slots that fall within this much after the next one are
+/// handed off on the same wake-up: each worker waits for its own slot, so a hand-off a
+/// few milliseconds earlier costs no precision, and at 1,000 jobs/s the loop wakes
+/// about once per 6 jobs instead of once per job or two (the wake-up, not the decision,
+/// is most of an in-process job's CPU).
+const HAND_OFF_BATCH: Duration = Duration::from_millis(5);
+/// Retries of a store call that met a passing fault.
+pub(crate) const PORT_BACKOFF: Backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(8));
+/// Units reserved at a time when no rolling tier sets a pace.
+const RESERVATION_WITHOUT_PACE: u64 = 10;
+/// The circuit is re-read at most this often (see `LaneMachine::refresh_interval`).
+const FASTEST_REFRESH: Duration = Duration::from_millis(200);
+/// The orchestrator asks one call's worker this often to record the provider's
+/// rate-limit headers (a write to the store each time).
+const PROVIDER_READING_EVERY: Duration = Duration::from_secs(1);
+
+/// A lane's own deadlines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LaneTimer {
+    /// The next re-read of the circuit and the provider's cool-down.
+    Refresh,
+    /// No reservation (so no dispatch that needs one) before this, after one failed.
+    Reserve,
+    /// The next health check, while the circuit is open.
+    HealthCheck,
+}
+
+impl LaneTimer {
+    pub(crate) const COUNT: usize = 3;
+}
+
+impl From<LaneTimer> for usize {
+    fn from(timer: LaneTimer) -> usize {
+        timer as usize
+    }
+}
+
+/// A message taken off the queue, parsed once, with when it came into hand.
+pub(crate) struct InHand {
+    message: QueuedMessage,
+    job: Result<Job, String>,
+    since: UnixMillis,
+}
+
+/// A message being handed off (its job travels in the payload), with when it came into
+/// hand: what goes back in hand if the hand-off is refused.
+pub(crate) struct HandOff {
+    pub message: QueuedMessage,
+    since: UnixMillis,
+}
+
+/// What a lane would do next.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum LaneStep {
+    /// Nothing before this instant (its slot, its spacing, a call slot, a health check).
+    WaitUntil(UnixMillis),
+    /// Reserve these calendar units before the next call spends them.
+    Reserve(Vec<(String, u64)>),
+    /// Move this message to the jobs DLQ with its reason; its job where it parsed.
+    DeadLetter(QueuedMessage, DeadLetterReason, Option<Box<Job>>),
+    /// Hand this job to a worker.
+    Dispatch(HandOff, WorkerPayload),
+    /// Hand this health check to a worker.
+    HealthCheck(WorkerPayload),
+}
+
+/// A ramp from a share of the pace up to all of it (see `breaker::ramp_fraction`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Ramp {
+    started: UnixMillis,
+}
+
+/// What a refresh reads: the circuit, the provider's cool-down and latest rate-limit
+/// reading, and, under a cap on calls in flight, how many call slots are held.
+pub(crate) struct SharedState {
+    pub circuit: Circuit,
+    pub cool_down: UnixMillis,
+    pub provider_reading: Option<ProviderReading>,
+    pub call_slots: Option<CallSlotsRead>,
+}
+
+/// The call slots as read: how many are held, and how many calls so far were not made
+/// because none was free.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CallSlotsRead {
+    pub in_use: u32,
+    pub full_so_far: u64,
+}
+
+/// The orchestrator's model of the calls in flight under `quota.max_in_flight`: each
+/// call handed off holds a call slot from its pacer slot for about `hold` (the API's
+/// answer time). The model says when a slot frees, so the next job can be handed off
+/// ahead of it. Every re-read of the slots corrects it: the calls turned away since
+/// (workers that found every slot held re-queue their job without a call) are taken out,
+/// and `hold` is moved just enough that the calls the model has running are the ones the
+/// read saw held (the `in_use`-th latest call still running, the next one done). The
+/// workers' own slots are the guarantee: one that finds none free makes no call.
+#[derive(Debug)]
+struct CallSlotModel {
+    /// Pacer slots of the calls handed off, oldest first (the last minute's).
+    slots: VecDeque<UnixMillis>,
+    hold: Duration,
+    /// Calls not made for want of a slot, as last read (`None` before the first read).
+    full_so_far: Option<u64>,
+}
+
+impl CallSlotModel {
+    /// The answer time assumed before any re-read.
+    const FIRST_HOLD: Duration = Duration::from_secs(1);
+    /// The model forgets calls handed off longer ago than this.
+    const MEMORY: Duration = Duration::from_secs(60);
+
+    /// A re-read at `now` found `read`.
+    fn saw(&mut self, read: CallSlotsRead, now: UnixMillis) {
+        let turned_away = self.full_so_far.map_or(0, |before| read.full_so_far.saturating_sub(before));
+        self.full_so_far = Some(read.full_so_far);
+        for _ in 0..turned_away {
+            // The latest calls that started went away without a slot.
+            match self.slots.iter().rposition(|slot| *slot <= now) {
+                Some(index) => drop(self.slots.remove(index)),
+                None => break,
+            }
+        }
+        while self.slots.front().is_some_and(|slot| slot.plus(Self::MEMORY) < now) {
+            self.slots.pop_front();
+        }
+        let started: Vec<Duration> = self.slots.iter().rev().filter(|slot| **slot <= now).map(|slot| now.since(*slot)).collect();
+        let held = usize::try_from(read.in_use).unwrap_or(usize::MAX);
+        // The `held`-th latest call still runs: the hold is longer than its age...
+        if let Some(running) = held.checked_sub(1).and_then(|k| started.get(k)) {
+            self.hold = self.hold.max(*running + Duration::from_millis(1));
+        }
+        // ...and the next one is done: the hold is no longer than its age.
+        if let Some(done) = started.get(held) {
+            self.hold = self.hold.min((*done).max(Duration::from_millis(1)));
+        }
+    }
+
+    /// With `capacity` slots: `None` if a call may start at `slot`, or when the model
+    /// expects one to free.
+    fn full_until(&self, capacity: u32, slot: UnixMillis) -> Option<UnixMillis> {
+        let running = || self.slots.iter().filter(|s| s.plus(self.hold) > slot);
+        let over = running().count().checked_sub(usize::try_from(capacity).unwrap_or(usize::MAX))?;
+        running().nth(over).map(|oldest| oldest.plus(self.hold))
+    }
+}
+
+impl Default for CallSlotModel {
+    fn default() -> Self {
+        Self { slots: VecDeque::new(), hold: Self::FIRST_HOLD, full_so_far: None }
+    }
+}
+
+/// What a lane adds to the run's report.
+#[derive(Debug, Default)]
+pub(crate) struct LaneFigures {
+    /// The longest a job waited from enqueue to its slot.
+    pub longest_wait_ms: u64,
+    /// The slowest the provider's answers made the lane go.
+    pub slowest_rate: Option<EffectiveRate>,
+    /// Slots given back because their worker made no call.
+    pub slots_given_back: u64,
+}
+
+/// One lane's state in a run, and the decisions it makes.
+pub(crate) struct LaneMachine<'a> {
+    settings: &'a Settings,
+    pacer: PacerState,
+    /// The hold this lane set itself (after an unclean stop); the provider's cool-down is
+    /// added to it on every refresh, never saved with the pacer.
+    own_hold: UnixMillis,
+    circuit: Circuit,
+    buffer: VecDeque<InHand>,
+    /// Calendar units reserved in the store and not yet spent, by usage key.
+    reserved: BTreeMap<String, u64>,
+    timers: TimerTable<LaneTimer, { LaneTimer::COUNT }>,
+    refresh_backoff: Backoff,
+    reserve_backoff: Backoff,
+    /// A health check is being handed off.
+    health_check_in_flight: bool,
+    last_health_check: Option<UnixMillis>,
+    last_dispatch: Option<UnixMillis>,
+    /// What last held the job in hand back (for the report's pace-setting tier).
+    last_hold: Option<Hold>,
+    /// Jobs flow at a ramping share of the pace (half-open, or a first run's warm-up).
+    ramp: Option<Ramp>,
+    /// How fast the provider's answers say the lane may go, below the configured pace.
+    adaptive: AdaptiveRate,
+    /// The adaptive rate as of the last refresh (saved with the pacer, for `status`).
+    effective_rate: Option<EffectiveRate>,
+    /// The cool-down as last read (`None` before the first read): a later one means a 429.
+    cool_down_seen: Option<UnixMillis>,
+    /// The last read found a provider reading in the store (one gone since was cleared).
+    reading_seen: bool,
+    /// The slot of the last call whose worker was asked for the provider's headers.
+    reading_asked_for: Option<UnixMillis>,
+    /// While jobs go at a share of the pace (a ramp, an adaptive rate), no job is handed
+    /// off for a slot before this: `spaced_exact_ms` rounded up.
+    spaced_until: UnixMillis,
+    spaced_exact_ms: f64,
+    /// A swap of the circuit is under way.
+    swapping_circuit: bool,
+    call_slots: CallSlotModel,
+    exhausted_logged_until: UnixMillis,
+    meter: TierMeter,
+    pub figures: LaneFigures,
+}
+
+impl<'a> LaneMachine<'a> {
+    /// The lane's state at the start of a run at `started`.
+    pub fn new(settings: &'a Settings, started: UnixMillis) -> Self {
+        let mut timers = TimerTable::default();
+        timers.set(LaneTimer::Refresh, started.plus(settings.orchestrator.state_refresh));
+        Self {
+            settings,
+            pacer: PacerState::new(&settings.quota),
+            own_hold: UnixMillis(0),
+            circuit: Circuit::default(),
+            buffer: VecDeque::new(),
+            reserved: BTreeMap::new(),
+            timers,
+            refresh_backoff: PORT_BACKOFF,
+            reserve_backoff: PORT_BACKOFF,
+            health_check_in_flight: false,
+            last_health_check: None,
+            last_dispatch: None,
+            last_hold: None,
+            ramp: None,
+            adaptive: AdaptiveRate::new(&settings.quota, started),
+            effective_rate: None,
+            cool_down_seen: None,
+            reading_seen: false,
+            reading_asked_for: None,
+            spaced_until: UnixMillis(0),
+            spaced_exact_ms: 0.0,
+            swapping_circuit: false,
+            call_slots: CallSlotModel::default(),
+            exhausted_logged_until: UnixMillis(0),
+            meter: TierMeter::new(&settings.quota),
+            figures: LaneFigures::default(),
+        }
+    }
+
+    pub fn quota(&self) -> &'a Quota {
+        &self.settings.quota
+    }
+
+    /// How far ahead of its slot a job is handed off.
+    fn lead(&self) -> Duration {
+        self.settings.dispatch_ahead()
+    }
+
+    pub fn circuit(&self) -> &Circuit {
+        &self.circuit
+    }
+
+    /// The lane's timers, for the stack's timeout.
+    pub fn next_timeout(&self) -> Option<UnixMillis> {
+        self.timers.next_timeout()
+    }
+
+    /// Whether a re-read of the lane's shared state is due at `now` (the timer stops
+    /// until the read comes back).
+    pub fn refresh_due(&mut self, now: UnixMillis) -> bool {
+        let due = self.timers.is_expired(LaneTimer::Refresh, now);
+        if due {
+            self.timers.stop(LaneTimer::Refresh);
+        }
+        due
+    }
+
+    /// A reservation hold that is over at `now` is stopped: nothing to wake for.
+    pub fn expire_holds(&mut self, now: UnixMillis) {
+        if self.timers.is_expired(LaneTimer::Reserve, now) {
+            self.timers.stop(LaneTimer::Reserve);
+        }
+    }
+
+    /// Until when no dispatch may go after a failed reservation, if that hold is in force.
+    pub fn held_until(&self, now: UnixMillis) -> Option<UnixMillis> {
+        self.timers.get(LaneTimer::Reserve).filter(|at| *at > now)
+    }
+
+    pub fn has_jobs_in_hand(&self) -> bool {
+        !self.buffer.is_empty()
+    }
+
+    pub fn jobs_in_hand(&self) -> usize {
+        self.buffer.len()
+    }
+
+    pub fn health_check_in_flight(&self) -> bool {
+        self.health_check_in_flight
+    }
+
+    /// The jobs' pace in units per second at the configured rates.
+    pub fn pace_per_second(&self) -> f64 {
+        self.quota().pace_per_second()
+    }
+
+    /// Starts from the last run's snapshot (if any) and the calendar usage in the store.
+    pub fn hydrate(&mut self, snapshot: Option<PacerSnapshot>, calendar_used: &[u64], now: UnixMillis) {
+        let quota = self.quota();
+        if snapshot.is_none() && self.settings.circuit.warm_up {
+            info!("the lane's first run: warming up from a share of the pace");
+            self.ramp = Some(Ramp { started: now });
+        }
+        if let Some(snapshot) = snapshot {
+            if let Some(last) = &snapshot.effective_rate {
+                self.adaptive.resume(last);
+            }
+            self.pacer = PacerState::restored(quota, &snapshot.state);
+            // A hold left by an earlier run is at most one window of the longest tier
+            // (older versions saved the provider's cool-down in it: never past that).
+            self.pacer.set_hold_until(self.pacer.hold_until().min(now.plus(self.pacer.longest_window(quota))));
+            if !snapshot.at_exit {
+                warn!("the last run did not stop cleanly: holding dispatch for one window of the longest tier");
+                self.pacer.hold_after_unclean_stop(quota, now);
+            }
+        }
+        self.own_hold = self.pacer.hold_until();
+        for (index, tier) in quota.tiers().iter().enumerate() {
+            if tier.is_calendar() {
+                self.pacer.set_calendar_used(quota, index, calendar_used[index], now);
+            }
+        }
+    }
+
+    /// The pacer snapshot to save: this lane's own hold, not the provider's cool-down.
+    pub fn snapshot(&self, at_exit: bool) -> PacerSnapshot {
+        let mut state = self.pacer.clone();
+        state.set_hold_until(self.own_hold);
+        PacerSnapshot { state, at_exit, effective_rate: self.effective_rate.clone() }
+    }
+
+    /// Applies a fresh read of the circuit, the provider's cool-down and reading, and the
+    /// call slots.
+    pub fn apply_shared_state(&mut self, shared: SharedState, now: UnixMillis) {
+        let SharedState { circuit, cool_down, provider_reading, call_slots } = shared;
+        if let Some(read) = call_slots {
+            self.call_slots.saw(read, now);
+        }
+        self.adapt_rate(provider_reading, cool_down, now);
+        if circuit.status != self.circuit.status || circuit.epoch != self.circuit.epoch {
+            info!(status = %circuit.status, epoch = circuit.epoch, reason = %circuit.reason, "circuit");
+        }
+        self.set_circuit(circuit, now);
+        // Not `max` with the last value: an operator may have cleared the cool-down.
+        self.pacer.set_hold_until(self.own_hold.max(cool_down));
+        self.timers.set(LaneTimer::Refresh, now.plus(self.refresh_interval()));
+    }
+
+    /// A refresh came back: applies it, or retries after a back-off.
+    ///
+    /// # Errors
+    /// A fatal port error.
+    pub fn on_refreshed(&mut self, result: PortResult<SharedState>, now: UnixMillis) -> Result<(), RunError> {
+        match result {
+            Ok(shared) => {
+                self.refresh_backoff.succeeded();
+                self.apply_shared_state(shared, now);
+                Ok(())
+            }
+            Err(e) => self.retry_later(e, LaneTimer::Refresh, now, "could not re-read the circuit"),
+        }
+    }
+
+    /// Feeds the adaptive rate what the provider said: its latest reading, and a 429
+    /// when the cool-down moved later since the last read (a worker met one).
+    ///
+    /// An operator's clear (`paceline circuit close`, `paceline rate reset`) forgets the
+    /// stored reading and ends the cool-down: a reading gone, or a cool-down earlier than
+    /// the one seen, makes the lane forget what readings and 429s said and go at the
+    /// configured pace again.
+    fn adapt_rate(&mut self, reading: Option<ProviderReading>, cool_down: UnixMillis, now: UnixMillis) {
+        let cleared = self.cool_down_seen.is_some_and(|seen| cool_down < seen) || (reading.is_none() && self.reading_seen);
+        if cleared {
+            info!("the provider's readings and cool-down were cleared: the configured pace again");
+            self.adaptive.forget_readings();
+            self.pacer.forget_jitter(self.quota());
+            self.spaced_until = UnixMillis(0);
+        }
+        self.reading_seen = reading.is_some();
+        if let Some(reading) = reading {
+            let usage = self.pacer.usage(self.quota(), reading.at);
+            self.adaptive.on_reading(&reading, |tier| usage.get(tier).copied().unwrap_or(0));
+        }
+        if self.cool_down_seen.is_some_and(|seen| cool_down > seen) {
+            self.adaptive.on_rate_limited(now);
+            if let Some(margin) = self.pacer.learn_jitter(self.quota()) {
+                info!(safety_margin_ms = margin.as_millis(), "a 429: the provider saw calls closer than they were sent; widening the windows' margin");
+            }
+        }
+        self.cool_down_seen = Some(cool_down);
+        let rate = self.adaptive.rate(now);
+        let (share_before, reason_before) = self.effective_rate.as_ref().map_or((1.0, &RateReason::Configured), |r| (r.share(), &r.reason));
+        if std::mem::discriminant(reason_before) != std::mem::discriminant(&rate.reason) || (share_before - rate.share()).abs() > 0.1 {
+            info!(per_second = rate.per_second, configured = rate.configured_per_second, reason = %rate.reason, "effective rate");
+        }
+        if rate.share() < 1.0 && self.figures.slowest_rate.as_ref().is_none_or(|slowest| rate.per_second < slowest.per_second) {
+            self.figures.slowest_rate = Some(rate.clone());
+        }
+        self.effective_rate = Some(rate);
+    }
+
+    /// How long until the circuit is re-read: `state_refresh`, or, while jobs are in
+    /// hand at a pace that would send more than the breaker's `minimum_calls` in that
+    /// time, the time those calls take (at least [`FASTEST_REFRESH`]): a circuit a worker
+    /// opened stops dispatch before many more calls go.
+    fn refresh_interval(&self) -> Duration {
+        let base = self.settings.orchestrator.state_refresh;
+        let pace = self.quota().pace_per_second() * self.pace_share(self.last_dispatch.unwrap_or_default());
+        if self.buffer.is_empty() || self.circuit.status == CircuitStatus::Open || !pace.is_finite() || pace <= 0.0 {
+            return base;
+        }
+        if self.quota().max_in_flight().is_some() {
+            // Freed call slots are seen as soon as a re-read allows.
+            return FASTEST_REFRESH.min(base);
+        }
+        Duration::from_secs_f64(self.settings.circuit.minimum_calls as f64 / pace).clamp(FASTEST_REFRESH.min(base), base)
+    }
+
+    /// Takes `circuit` as the current state: health checks while open, a ramp while
+    /// half-open.
+    fn set_circuit(&mut self, circuit: Circuit, now: UnixMillis) {
+        let cfg = &self.settings.circuit;
+        match circuit.next_health_check(self.health_check_from(&circuit, now), cfg.health_check_interval, cfg.max_break) {
+            Some(due) => self.timers.set(LaneTimer::HealthCheck, due),
+            None => self.timers.stop(LaneTimer::HealthCheck),
+        }
+        match circuit.status {
+            CircuitStatus::HalfOpen if self.ramp.is_none_or(|ramp| ramp.started < circuit.since) => {
+                self.ramp = Some(Ramp { started: circuit.since });
+            }
+            CircuitStatus::Open => self.ramp = None,
+            _ => {}
+        }
+        self.circuit = circuit;
+    }
+
+    /// From when the next health check of `circuit`'s schedule may go: after the last one
+    /// this run sent in its open period, or (none sent yet) from `now`.
+    fn health_check_from(&self, circuit: &Circuit, now: UnixMillis) -> UnixMillis {
+        self.last_health_check.filter(|sent| *sent >= circuit.since).map_or(now, |sent| sent.plus(Duration::from_millis(1)))
+    }
+
+    /// The share of the pace a ramp allows at `now` (1 without a ramp).
+    fn ramp_share(&self, now: UnixMillis) -> f64 {
+        let cfg = &self.settings.circuit;
+        self.ramp.map_or(1.0, |ramp| breaker::ramp_fraction(now.since(ramp.started), cfg.ramp_start, cfg.ramp_step))
+    }
+
+    /// The share of the pace jobs may use at `now`: below 1 while a ramp is under way or
+    /// the provider's answers call for less.
+    fn pace_share(&self, now: UnixMillis) -> f64 {
+        self.ramp_share(now) * self.adaptive.rate(now).share()
+    }
+
+    /// A ramp that reached the full pace ends; a half-open circuit then closes: the swap
+    /// to write, if one is due (`(expected_epoch, next)`).
+    pub fn end_finished_ramp(&mut self, now: UnixMillis) -> Option<(u64, Circuit)> {
+        if self.ramp.is_none() || self.ramp_share(now) < 1.0 {
+            return None;
+        }
+        if self.circuit.status != CircuitStatus::HalfOpen {
+            self.ramp = None;
+            return None;
+        }
+        if self.swapping_circuit {
+            return None;
+        }
+        let next = self.circuit.close(self.circuit.epoch, "the ramp reached the full pace", now).ok()?;
+        self.swapping_circuit = true;
+        Some((self.circuit.epoch, next))
+    }
+
+    /// A swap of the circuit came back.
+    ///
+    /// # Errors
+    /// A fatal port error.
+    pub fn on_circuit_swapped(&mut self, next: Circuit, result: PortResult<()>, now: UnixMillis) -> Result<(), RunError> {
+        self.swapping_circuit = false;
+        match result {
+            Ok(()) => {
+                info!(status = %next.status, epoch = next.epoch, reason = %next.reason, "circuit");
+                self.ramp = None;
+                self.set_circuit(next, now);
+                Ok(())
+            }
+            // Someone else moved it (a worker tripped it again): read it anew.
+            Err(PortError::Conflict(_)) => {
+                self.timers.set(LaneTimer::Refresh, now);
+                Ok(())
+            }
+            Err(e) => self.retry_later(e, LaneTimer::Refresh, now, "could not close the circuit"),
+        }
+    }
+
+    /// The front message, if it did not parse: to the DLQ as malformed.
+    pub fn take_malformed(&mut self) -> Option<LaneStep> {
+        let why = self.buffer.front()?.job.as_ref().err()?.clone();
+        let in_hand = self.buffer.pop_front().expect("the message in hand");
+        Some(LaneStep::DeadLetter(in_hand.message, DeadLetterReason { cause: DeadLetterCause::Malformed, detail: why, outcome: None }, None))
+    }
+
+    /// The front job's next step at `now` (the front job parsed: see
+    /// [`Self::take_malformed`]): wait for its spacing, a call slot or its pacer slot,
+    /// reserve calendar units, dead-letter it if it can never fit, or hand it off.
+    pub fn next_dispatch(&mut self, now: UnixMillis) -> LaneStep {
+        if self.spaced_until > self.slot_at(now).plus(self.taken_early()) {
+            return LaneStep::WaitUntil(self.hand_off_time(self.spaced_until, now));
+        }
+        if let Some(frees) = self.call_slots_full_until(self.slot_at(now)) {
+            return LaneStep::WaitUntil(self.hand_off_time(frees, now));
+        }
+        let job = self.buffer.front().and_then(|front| front.job.as_ref().ok()).expect("a parsed job in hand");
+        let cost = job.cost;
+        // A large payload takes a while to hand off (and a worker that started late for
+        // this job before shows how long): it is handed off that much earlier, so the
+        // hand-off's own work never eats the margin its worker has to start.
+        let extra_lead = if self.lead().is_zero() { Duration::ZERO } else { job.extra_lead() };
+        let (slot, decision) = self.decide(cost, now.plus(extra_lead));
+        match decision {
+            Decision::Never { tier } => {
+                let in_hand = self.buffer.pop_front().expect("the message in hand");
+                let detail = format!("cost {cost} exceeds the whole {tier} tier");
+                let job = in_hand.job.ok().map(Box::new);
+                LaneStep::DeadLetter(in_hand.message, DeadLetterReason { cause: DeadLetterCause::NeverFits, detail, outcome: None }, job)
+            }
+            Decision::WaitUntil { at, by } => {
+                self.note_hold(at, by);
+                LaneStep::WaitUntil(self.hand_off_time(at.minus(extra_lead), now))
+            }
+            Decision::Allow => {
+                let needed = self.reservations_needed(cost, slot);
+                if !needed.is_empty() {
+                    return LaneStep::Reserve(needed);
+                }
+                let InHand { message, job, since } = self.buffer.pop_front().expect("the message in hand");
+                let mut job = job.expect("parsed: checked above");
+                let enqueued = *job.enqueued_at.get_or_insert(message.enqueued_at);
+                self.figures.longest_wait_ms = self.figures.longest_wait_ms.max(slot.since(enqueued).as_millis() as u64);
+                let paced = slot.since(self.last_dispatch.unwrap_or(since).max(since));
+                self.commit(cost, slot, job.request.upload_allowance(), paced);
+                debug!(job_id = %job.id, attempt = message.attempt, cost, "dispatching");
+                let trip = Some(self.trip_rule(slot));
+                self.space_by_share(cost, slot);
+                self.note_call_pending(slot);
+                self.adaptive.record_call(slot, cost);
+                let payload = WorkerPayload::Job {
+                    job,
+                    attempt: message.attempt,
+                    circuit_epoch: self.circuit.epoch,
+                    dispatched_at: now,
+                    slot: self.call_slot(slot),
+                    trip,
+                    report_limits: self.ask_for_reading(slot),
+                };
+                LaneStep::Dispatch(HandOff { message, since }, payload)
+            }
+        }
+    }
+
+    /// While the circuit is open: the health check's next step at `now`: wait until it is
+    /// due or its slot comes, reserve calendar units for it, or send it.
+    pub fn next_health_check(&mut self, now: UnixMillis) -> LaneStep {
+        if let Some(due) = self.timers.get(LaneTimer::HealthCheck) {
+            if now < due {
+                return LaneStep::WaitUntil(due);
+            }
+            self.timers.stop(LaneTimer::HealthCheck); // due until one goes: nothing to wake for
+        }
+        let slot = self.slot_at(now);
+        match self.quota().decide(&self.pacer, 1, slot) {
+            Decision::Allow => {
+                let needed = self.reservations_needed(1, slot);
+                if !needed.is_empty() {
+                    return LaneStep::Reserve(needed);
+                }
+                // The slot is spent whatever the answer: a refused invoke may still have run.
+                self.commit(1, slot, Duration::ZERO, Duration::ZERO);
+                self.last_health_check = Some(now);
+                self.note_call_pending(slot);
+                self.health_check_in_flight = true;
+                LaneStep::HealthCheck(WorkerPayload::HealthCheck { circuit_epoch: self.circuit.epoch, sent_at: now, slot: self.call_slot(slot) })
+            }
+            Decision::WaitUntil { at, .. } => LaneStep::WaitUntil(at.minus(self.lead()).max(now.plus(Duration::from_millis(1)))),
+            Decision::Never { .. } => unreachable!("a 1-unit health check fits every tier"),
+        }
+    }
+
+    /// A health check's hand-off came back at `now`: accepted (`true`), the next is
+    /// scheduled an interval on.
+    pub fn on_health_check_handed_off(&mut self, accepted: bool, now: UnixMillis) {
+        self.health_check_in_flight = false;
+        if accepted {
+            info!(epoch = self.circuit.epoch, "health check sent");
+            let cfg = &self.settings.circuit;
+            if let Some(due) = self.circuit.next_health_check(self.health_check_from(&self.circuit, now), cfg.health_check_interval, cfg.max_break) {
+                self.timers.set(LaneTimer::HealthCheck, due);
+            }
+        }
+    }
+
+    /// Under a cap on calls in flight: until when the modelled calls fill it at `slot`.
+    fn call_slots_full_until(&self, slot: UnixMillis) -> Option<UnixMillis> {
+        self.call_slots.full_until(self.quota().max_in_flight()?, slot)
+    }
+
+    /// Under a cap on calls in flight: a call handed off for `slot` will hold a call slot.
+    fn note_call_pending(&mut self, slot: UnixMillis) {
+        if self.quota().max_in_flight().is_some() {
+            self.call_slots.slots.push_back(slot);
+        }
+    }
+
+    /// When failures open the circuit, at the pace jobs go at `slot`.
+    fn trip_rule(&self, slot: UnixMillis) -> TripRule {
+        TripRule::at_pace(&self.settings.circuit.trip_settings(), self.quota().pace_per_second() * self.pace_share(slot))
+    }
+
+    /// At a share of the pace, the next job waits the pace's interval divided by it. The
+    /// spacing is kept to the fraction of a millisecond and rounded up to the slot
+    /// (truncated, 67/s went at 71/s; rounded up each time, at 66.7/s).
+    ///
+    /// A provider's budget (a share down to 0, nothing left until its reset) spaces no
+    /// further than the reset: the rate is recomputed from there, so a share of 0 pauses
+    /// the lane until the reset instead of for good.
+    fn space_by_share(&mut self, cost: u64, slot: UnixMillis) {
+        let share = self.pace_share(slot);
+        let pace = self.quota().pace_per_second();
+        if pace.is_finite() && share < 1.0 {
+            let on_time = slot <= self.spaced_until;
+            let from = if on_time { self.spaced_exact_ms } else { slot.0 as f64 };
+            let mut next = from + cost as f64 * 1000.0 / (pace * share);
+            if let RateReason::ProviderBudget { resets_at, .. } = self.adaptive.rate(slot).reason {
+                next = next.min(resets_at.0.max(slot.0) as f64);
+            }
+            self.spaced_exact_ms = next;
+            self.spaced_until = UnixMillis(next.ceil() as u64);
+        }
+    }
+
+    /// Whether the call at `slot` should record the provider's rate-limit headers: one
+    /// every [`PROVIDER_READING_EVERY`].
+    fn ask_for_reading(&mut self, slot: UnixMillis) -> bool {
+        let due = self.reading_asked_for.is_none_or(|asked| slot >= asked.plus(PROVIDER_READING_EVERY));
+        if due {
+            self.reading_asked_for = Some(slot);
+        }
+        due
+    }
+
+    /// With nothing in hand at `now`: how many jobs to receive (at most `max`), so that
+    /// no more come in than the pacer can let go before `horizon`; or, when none could
+    /// go, until when there is no point in receiving (`None`: nothing to wait for).
+    pub fn receive_room(&mut self, now: UnixMillis, horizon: UnixMillis, max: usize) -> Result<usize, Option<UnixMillis>> {
+        let (slot, decision) = self.decide(1, now);
+        let room = self.quota().capacity_until(&self.pacer, slot, horizon, max);
+        if room > 0 {
+            return Ok(room);
+        }
+        match decision {
+            Decision::WaitUntil { at, by } => {
+                self.note_hold(at, by);
+                Err(Some(self.hand_off_time(at, now)))
+            }
+            _ => Err(None),
+        }
+    }
+
+    /// How many unit-cost jobs the pacer lets go from `now`'s slot until `horizon`
+    /// (capped at `max`): a prefetch receives no more than that.
+    pub fn capacity_until(&self, now: UnixMillis, horizon: UnixMillis, max: usize) -> usize {
+        self.quota().capacity_until(&self.pacer, self.slot_at(now), horizon, max)
+    }
+
+    /// Takes received messages into hand at `now`, parsed once; with jobs in hand the
+    /// circuit is re-read as often as their pace needs.
+    pub fn take_in(&mut self, received: Vec<QueuedMessage>, now: UnixMillis) {
+        self.buffer.extend(received.into_iter().map(|message| InHand { job: Job::parse(&message.body).map_err(|e| e.to_string()), message, since: now }));
+        let sooner = now.plus(self.refresh_interval());
+        if self.timers.get(LaneTimer::Refresh).is_some_and(|due| due > sooner) {
+            self.timers.set(LaneTimer::Refresh, sooner);
+        }
+    }
+
+    /// A refused hand-off's job goes back in hand, first.
+    pub fn hand_back(&mut self, hand_off: HandOff, job: Job) {
+        self.buffer.push_front(InHand { message: hand_off.message, job: Ok(job), since: hand_off.since });
+    }
+
+    /// Gives up every message in hand (to be made visible again): their receipts.
+    pub fn release_all(&mut self) -> Vec<String> {
+        self.buffer.drain(..).map(|held| held.message.receipt).collect()
+    }
+
+    /// Calendar units were reserved (or not).
+    ///
+    /// # Errors
+    /// A fatal port error.
+    pub fn on_reserved(&mut self, needed: Vec<(String, u64)>, result: PortResult<()>, now: UnixMillis) -> Result<(), RunError> {
+        match result {
+            Ok(()) => {
+                self.reserve_backoff.succeeded();
+                for (key, units) in needed {
+                    *self.reserved.entry(key).or_default() += units;
+                }
+                Ok(())
+            }
+            Err(e) => self.retry_later(e, LaneTimer::Reserve, now, "could not reserve calendar units; nothing is dispatched meanwhile"),
+        }
+    }
+
+    /// A passing fault arms `timer` for the next try after its back-off; anything else
+    /// ends the run.
+    fn retry_later(&mut self, e: PortError, timer: LaneTimer, now: UnixMillis, what: &str) -> Result<(), RunError> {
+        passing(e, what)?;
+        let backoff = match timer {
+            LaneTimer::Refresh => &mut self.refresh_backoff,
+            LaneTimer::Reserve => &mut self.reserve_backoff,
+            LaneTimer::HealthCheck => unreachable!("{timer:?} is not a retry"),
+        };
+        self.timers.set(timer, now.plus(backoff.failed()));
+        Ok(())
+    }
+
+    /// The pacer slot a hand-off made at `now` takes.
+    fn slot_at(&self, now: UnixMillis) -> UnixMillis {
+        now.plus(self.lead())
+    }
+
+    /// How far after `now + lead` a slot may be and still be taken at `now`. Dispatching
+    /// ahead: [`COARSE_WAKE_SLACK`], so the loop wakes coarsely, without a precise timer,
+    /// and a late wake-up never pushes a slot back, plus [`HAND_OFF_BATCH`], so one
+    /// wake-up hands off several slots. Dispatching at the slot: the slack alone (a
+    /// share's spacing may put the slot that much after `now`).
+    fn taken_early(&self) -> Duration {
+        if self.lead().is_zero() {
+            COARSE_WAKE_SLACK
+        } else {
+            COARSE_WAKE_SLACK + HAND_OFF_BATCH
+        }
+    }
+
+    /// Decides the slot of a job handed off at `now`. Dispatching ahead, a slot up to
+    /// [`Self::taken_early`] after `now + lead` is taken at once (handed off that much
+    /// earlier). Dispatching at the slot, the slot is `now` (or the share's spacing, up to
+    /// the slack later).
+    fn decide(&self, cost: u64, now: UnixMillis) -> (UnixMillis, Decision) {
+        // Never before the spacing of a share of the pace (the loop woke within the slack).
+        let slot = self.slot_at(now).max(self.spaced_until);
+        match self.quota().decide(&self.pacer, cost, slot) {
+            Decision::WaitUntil { at, .. } if !self.lead().is_zero() && at <= self.slot_at(now).plus(self.taken_early()) => {
+                (at, self.quota().decide(&self.pacer, cost, at))
+            }
+            decision => (slot, decision),
+        }
+    }
+
+    /// When to wake, at `now`, to hand off a job whose slot is `at`: never `now` itself, so
+    /// a wait always lets time pass.
+    fn hand_off_time(&self, at: UnixMillis, now: UnixMillis) -> UnixMillis {
+        let wake = if self.lead().is_zero() { at } else { at.minus(self.lead()).minus(COARSE_WAKE_SLACK) };
+        wake.max(now.plus(Duration::from_millis(1)))
+    }
+
+    /// The slot as the worker gets it: none when dispatching at the slot. Half the safety
+    /// margin may go to a late start, the other half to network jitter.
+    fn call_slot(&self, slot: UnixMillis) -> Option<CallSlot> {
+        (!self.lead().is_zero()).then(|| CallSlot { not_before: slot, call_by: slot.plus(self.quota().safety_margin() / 2) })
+    }
+
+    /// The pacer holds the job in hand until `at` because of `by`: the report counts the
+    /// wait against `by`, and an exhausted calendar tier is logged once per reset.
+    fn note_hold(&mut self, at: UnixMillis, by: Hold) {
+        self.last_hold = Some(by);
+        if let Hold::Tier(i) = by {
+            let tier = self.quota().tiers()[i];
+            if tier.is_calendar() && at > self.exhausted_logged_until {
+                warn!(tier = %tier, resets_at = %at, "quota exhausted: no dispatch until it resets");
+                self.exhausted_logged_until = at;
+            }
+        }
+    }
+
+    /// Calendar units to reserve before `cost` units may be spent at `slot`: for each
+    /// calendar tier whose reservation does not cover them, a block of what the pace
+    /// uses in a flush interval, no more than the tier has left and no less than needed.
+    fn reservations_needed(&self, cost: u64, slot: UnixMillis) -> Vec<(String, u64)> {
+        let quota = self.quota();
+        let mut needed = Vec::new();
+        for (index, tier) in quota.tiers().iter().enumerate().filter(|(_, t)| t.is_calendar()) {
+            let key = tier.usage_key(quota.zone(), slot);
+            let have = self.reserved.get(&key).copied().unwrap_or(0);
+            if have >= cost {
+                continue; // the common case, on every dispatch: no work beyond the lookup
+            }
+            let rate = quota.pace_per_second();
+            let block =
+                if rate.is_finite() { (rate * self.settings.orchestrator.flush_interval.as_secs_f64()).ceil() as u64 } else { RESERVATION_WITHOUT_PACE };
+            let left = tier.limit.saturating_sub(self.pacer.usage(quota, slot)[index]).saturating_sub(have);
+            needed.push((key, block.min(left).max(cost - have)));
+        }
+        needed
+    }
+
+    /// Spends `cost` units at `now`, counted by rolling tiers as arriving up to `upload`
+    /// later (a large body), so that the next call keeps its distance from the arrival.
+    fn commit(&mut self, cost: u64, now: UnixMillis, upload: Duration, paced: Duration) {
+        let quota = self.quota();
+        self.pacer.commit(quota, cost, now.plus(upload));
+        for tier in quota.tiers().iter().filter(|t| t.is_calendar()) {
+            if let Some(reserved) = self.reserved.get_mut(&tier.usage_key(quota.zone(), now)) {
+                *reserved = reserved.saturating_sub(cost);
+            }
+        }
+        self.meter.record(now, cost, paced, self.last_hold.take());
+        self.last_dispatch = Some(now);
+    }
+
+    /// Gives back a slot whose worker made no call: to the pacer (the pace takes it up
+    /// again), to the calendar units reserved, and to the report's figures.
+    pub fn give_back(&mut self, missed: MissedSlot) {
+        let quota = self.quota();
+        self.pacer.give_back(quota, missed.arrival, missed.cost);
+        for tier in quota.tiers().iter().filter(|t| t.is_calendar()) {
+            if let Some(reserved) = self.reserved.get_mut(&tier.usage_key(quota.zone(), missed.slot)) {
+                *reserved += missed.cost;
+            }
+        }
+        self.meter.give_back(missed.slot, missed.cost);
+        self.figures.slots_given_back += 1;
+    }
+
+    /// What is left to settle at the end: the messages still in hand, and the reserved
+    /// units not spent (as negative deltas).
+    pub fn leftovers(&mut self) -> (Vec<String>, Vec<(String, i64)>) {
+        let in_hand = self.release_all();
+        let unspent = std::mem::take(&mut self.reserved)
+            .into_iter()
+            .filter(|(_, units)| *units > 0)
+            .map(|(key, units)| (key, -i64::try_from(units).unwrap_or(i64::MAX)))
+            .collect();
+        (in_hand, unspent)
+    }
+
+    /// The lane's tier figures at `now`: each tier's report, how long the pacer held
+    /// jobs, and the tier that held them longest.
+    pub fn tier_figures(&self, now: UnixMillis) -> (Vec<TierReport>, Duration, Option<paceline_shared::quota::Tier>) {
+        let calendar_used = self.pacer.usage(self.quota(), now);
+        (self.meter.report(self.quota(), &calendar_used), self.meter.paced_for(), self.meter.paced_by().map(|i| self.quota().tiers()[i]))
+    }
+}

@@ -1,0 +1,682 @@
+//! The drain loop's decision step for a stack, pure: [`StackMachine::next_action`] says
+//! what to do at `now` (renew, flush, receive, delete, dead-letter, release, or what its
+//! lane asks: refresh, reserve, dispatch, health check; sleep, stop) and
+//! [`StackMachine::on_event`] takes what came of it. No port is called and no time
+//! passes here; the executor in `lib.rs` performs the actions.
+//!
+//! The stack owns what a deployment has once (the lease, the run's timers, receives and
+//! prefetch, deletes, dead letters, what is in flight, the report) and the lane it paces
+//! (`lane.rs`: pacer, circuit, ramp, adaptive rate, reservations, the jobs in hand). The
+//! lane's circuit is what the dispatch decision matches on: closed, jobs flow; open,
+//! messages in hand are released and a health check goes every interval.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use paceline_shared::breaker::{Circuit, CircuitStatus};
+use paceline_shared::job::{DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
+use paceline_shared::pacer::MissedSlot;
+use paceline_shared::ports::{Lease, PacerSnapshot, PortError, PortResult, QueuedMessage};
+use paceline_shared::time::UnixMillis;
+use tracing::warn;
+
+pub(crate) use crate::lane::{CallSlotsRead, HandOff, SharedState};
+use crate::lane::{LaneMachine, LaneStep};
+use crate::report::{Progress, RunReport, StopReason};
+use crate::settings::{RunError, Settings};
+use crate::timers::{passing, Backoff, Timer, TimerTable};
+
+/// Longest long poll (SQS allows 20 s).
+const MAX_POLL: Duration = Duration::from_secs(20);
+/// A draining run's long poll: short, so it notices soon that nothing is left.
+const DRAIN_POLL: Duration = Duration::from_millis(500);
+/// Messages one receive returns at most (SQS batch size).
+pub(crate) const RECEIVE_BATCH: usize = 10;
+/// Prefetch receives under way at once at most: with 10 ms per receive, enough for
+/// 4,000 jobs/s.
+const MAX_RECEIVES_IN_FLIGHT: usize = 4;
+/// After a prefetch found nothing, the next waits this long: an idle queue is not
+/// polled in a loop.
+const PREFETCH_PAUSE: Duration = Duration::from_secs(1);
+/// Receipts deleted in one call at most (SQS batch size).
+pub(crate) const DELETE_BATCH: usize = 10;
+/// Hand-offs awaiting their answer at once at most. Invokes are pipelined so that the
+/// invoke's own latency never delays the next slot: pacing is about frequency.
+const MAX_INVOKES_IN_FLIGHT: usize = 256;
+/// Retries of a refused hand-off: quick, since slots are waiting.
+const INVOKE_BACKOFF: Backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(5));
+/// Lease renewals retry at most a second apart: the lease runs out otherwise.
+const RENEW_BACKOFF: Backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(1));
+
+/// The part of the lease's time-to-live this process does not count on (clock drift,
+/// a renewal that lands late): the lease is taken as lost a fifth of the TTL early.
+pub(crate) fn lease_valid_for(ttl: Duration) -> Duration {
+    ttl - ttl / 5
+}
+
+/// What the executor is to do next. (Moved once per decision; boxing the hand-off would
+/// only add an allocation per job.)
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Action {
+    /// Renew the lease (await it).
+    Renew(Lease),
+    /// Re-read the circuit and the provider's cool-down (await it).
+    Refresh,
+    /// Write this circuit if the stored one is still at `expected_epoch` (await it): the
+    /// ramp after a half-open reached the full pace and closes it.
+    SwapCircuit { expected_epoch: u64, next: Circuit },
+    /// Save the pacer snapshot while the lease is ours (await it).
+    Flush(Lease, PacerSnapshot),
+    /// Add these calendar units to the store before they are spent (await it).
+    Reserve(Vec<(String, u64)>),
+    /// Move a message to the jobs DLQ with its reason (await it); its job where it parsed
+    /// (for the job's outcome record).
+    DeadLetter(QueuedMessage, DeadLetterReason, Option<Box<Job>>),
+    /// Make these received messages visible again (await it).
+    Release(Vec<String>),
+    /// Receive up to `max` messages, waiting up to `wait` for the first (background):
+    /// a long poll when the loop ran dry, a prefetch (no wait) while jobs are in hand.
+    Receive { max: usize, wait: Duration, long_poll: bool },
+    /// Delete these handed-off or dead-lettered messages (background).
+    Delete(Vec<String>),
+    /// Hand a job to a worker (background).
+    Dispatch(HandOff, WorkerPayload),
+    /// Hand a health check to a worker (background).
+    HealthCheck(WorkerPayload),
+    /// Nothing left here: ask whether anything is left anywhere (drain mode; await it).
+    CheckDrained,
+    /// Wait until `until` or the first event that comes back, whichever is first.
+    /// `precise`: at the millisecond (dispatching at the slot) or coarsely.
+    Sleep { until: UnixMillis, precise: bool },
+    /// Stop dispatching and finish the run (the reason is in the report).
+    Stop,
+}
+
+/// What came of an action.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Event {
+    Renewed(PortResult<Lease>),
+    Refreshed(PortResult<SharedState>),
+    CircuitSwapped(Circuit, PortResult<()>),
+    Flushed(PortResult<()>),
+    Reserved(Vec<(String, u64)>, PortResult<()>),
+    DeadLettered(QueuedMessage, PortResult<()>),
+    Released(usize, PortResult<()>),
+    /// A receive returned, after `took`; `long_poll` when it was allowed to wait.
+    Received {
+        result: PortResult<Vec<QueuedMessage>>,
+        took: Duration,
+        long_poll: bool,
+    },
+    Deleted(Vec<String>, PortResult<()>),
+    HandedOff(HandOff, WorkerPayload, PortResult<()>),
+    HealthChecked(PortResult<()>),
+    /// `true` when nothing is left on the queue or in flight anywhere.
+    DrainChecked(PortResult<bool>),
+    /// Workers in this process started too late for these slots and made no call.
+    SlotsMissed(Vec<MissedSlot>),
+    /// The operator asked the run to stop.
+    StopRequested,
+}
+
+/// What is under way in the background (a lane's health check is its own to count).
+#[derive(Debug, Default)]
+struct InFlight {
+    hand_offs: usize,
+    receives: usize,
+    deletes: usize,
+}
+
+impl InFlight {
+    fn any(&self) -> bool {
+        self.hand_offs > 0 || self.receives > 0 || self.deletes > 0
+    }
+}
+
+/// Retries of each kind, backing off independently.
+struct Backoffs {
+    renew: Backoff,
+    flush: Backoff,
+    receive: Backoff,
+    invoke: Backoff,
+}
+
+/// The state of one run of a stack, and the decisions it makes.
+pub(crate) struct StackMachine<'a> {
+    settings: &'a Settings,
+    progress: &'a Progress,
+    drain: bool,
+    lease: Lease,
+    /// When the renewal under way was sent: the renewed lease counts from then.
+    renew_sent_at: UnixMillis,
+    /// The lane this stack paces.
+    pub lane: LaneMachine<'a>,
+    pending_deletes: Vec<String>,
+    /// Messages to dead-letter whose reason came back from a hand-off.
+    to_dead_letter: VecDeque<(QueuedMessage, DeadLetterReason, Option<Box<Job>>)>,
+    timers: TimerTable<Timer, { Timer::COUNT }>,
+    backoffs: Backoffs,
+    in_flight: InFlight,
+    /// How long a receive takes, smoothed: the prefetch keeps that much work in hand.
+    receive_latency: Duration,
+    /// Draining: the last long poll found the queue empty.
+    queue_seen_empty: bool,
+    stop: Option<StopReason>,
+    pub report: RunReport,
+}
+
+impl<'a> StackMachine<'a> {
+    /// The state of a run that took `lease` at `started`, until `deadline`.
+    pub fn new(settings: &'a Settings, progress: &'a Progress, lease: Lease, started: UnixMillis, deadline: UnixMillis, drain: bool) -> Self {
+        let cfg = &settings.orchestrator;
+        let mut timers = TimerTable::default();
+        timers.set(Timer::Renew, started.plus(cfg.lease_ttl / 3));
+        timers.set(Timer::LeaseExpiry, started.plus(lease_valid_for(cfg.lease_ttl)));
+        timers.set(Timer::Flush, started.plus(cfg.flush_interval));
+        timers.set(Timer::Stop, deadline.minus(cfg.deadline_margin));
+        Self {
+            settings,
+            progress,
+            drain,
+            lease,
+            renew_sent_at: started,
+            lane: LaneMachine::new(settings, started),
+            pending_deletes: Vec::new(),
+            to_dead_letter: VecDeque::new(),
+            timers,
+            backoffs: Backoffs { renew: RENEW_BACKOFF, flush: crate::lane::PORT_BACKOFF, receive: crate::lane::PORT_BACKOFF, invoke: INVOKE_BACKOFF },
+            in_flight: InFlight::default(),
+            receive_latency: Duration::ZERO,
+            queue_seen_empty: false,
+            stop: None,
+            report: RunReport::starting_at(started),
+        }
+    }
+
+    /// How far ahead of its slot a job is handed off.
+    fn lead(&self) -> Duration {
+        self.settings.dispatch_ahead()
+    }
+
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// Applies a fresh read of the lane's shared state.
+    pub fn apply_shared_state(&mut self, shared: SharedState, now: UnixMillis) {
+        self.lane.apply_shared_state(shared, now);
+        self.progress.circuit_open.store(!self.lane.circuit().is_closed(), Ordering::Relaxed);
+    }
+
+    /// What to do at `now`.
+    pub fn next_action(&mut self, now: UnixMillis) -> Action {
+        if self.stop.is_some() {
+            return Action::Stop;
+        }
+        for hold in [Timer::InvokeHold, Timer::Receive, Timer::Prefetch] {
+            if self.timers.is_expired(hold, now) {
+                self.timers.stop(hold); // over: nothing to wake for
+            }
+        }
+        self.lane.expire_holds(now);
+        if self.timers.is_expired(Timer::Stop, now) {
+            return self.stop_with(StopReason::Deadline);
+        }
+        if let Some((message, reason, job)) = self.to_dead_letter.pop_front() {
+            return Action::DeadLetter(message, reason, job);
+        }
+        if self.timers.is_expired(Timer::Renew, now) {
+            self.timers.stop(Timer::Renew);
+            self.renew_sent_at = now;
+            return Action::Renew(self.lease.clone());
+        }
+        if self.lane.refresh_due(now) {
+            return Action::Refresh;
+        }
+        let flush_due = self.timers.is_expired(Timer::Flush, now);
+        if self.pending_deletes.len() >= DELETE_BATCH || (flush_due && !self.pending_deletes.is_empty()) {
+            return self.delete_batch();
+        }
+        if flush_due {
+            self.timers.stop(Timer::Flush);
+            return Action::Flush(self.lease.clone(), self.lane.snapshot(false));
+        }
+        if self.timers.is_expired(Timer::LeaseExpiry, now) {
+            warn!(valid_until = ?self.timers.get(Timer::LeaseExpiry), "the lease ran out before a renewal came through: dispatching stops now");
+            return self.stop_with(StopReason::LeaseLost);
+        }
+        if let Some((expected_epoch, next)) = self.lane.end_finished_ramp(now) {
+            return Action::SwapCircuit { expected_epoch, next };
+        }
+        match self.lane.circuit().status {
+            CircuitStatus::Closed | CircuitStatus::HalfOpen => self.while_closed(now),
+            CircuitStatus::Open => self.while_open(now),
+        }
+    }
+
+    fn stop_with(&mut self, reason: StopReason) -> Action {
+        self.stop = Some(reason);
+        Action::Stop
+    }
+
+    fn delete_batch(&mut self) -> Action {
+        self.in_flight.deletes += 1;
+        Action::Delete(self.pending_deletes.drain(..self.pending_deletes.len().min(DELETE_BATCH)).collect())
+    }
+
+    /// Until when no hand-off may go (after a refused hand-off or a failed reservation),
+    /// if such a hold is in force at `now`.
+    fn dispatch_held_until(&self, now: UnixMillis) -> Option<UnixMillis> {
+        self.timers.get(Timer::InvokeHold).filter(|at| *at > now).max(self.lane.held_until(now))
+    }
+
+    /// Sleeps until `t`, or sooner if a timer fires first.
+    fn sleep_until(&self, t: UnixMillis) -> Action {
+        let timeouts = [self.timers.next_timeout(), self.lane.next_timeout()];
+        let until = timeouts.into_iter().flatten().fold(t, UnixMillis::min);
+        Action::Sleep { until, precise: self.lead().is_zero() }
+    }
+
+    /// Sleeps until something comes back or a timer fires.
+    fn await_event(&self) -> Action {
+        self.sleep_until(UnixMillis(u64::MAX))
+    }
+
+    /// What the lane asks for, as the executor's action.
+    fn act_for_lane(&mut self, step: LaneStep) -> Action {
+        match step {
+            LaneStep::WaitUntil(at) => self.sleep_until(at),
+            LaneStep::Reserve(needed) => Action::Reserve(needed),
+            LaneStep::DeadLetter(message, reason, job) => Action::DeadLetter(message, reason, job),
+            LaneStep::Dispatch(hand_off, payload) => {
+                self.in_flight.hand_offs += 1;
+                Action::Dispatch(hand_off, payload)
+            }
+            LaneStep::HealthCheck(payload) => Action::HealthCheck(payload),
+        }
+    }
+
+    /// Jobs flow: prefetch, dead-letter what cannot go, wait for the slot, dispatch.
+    fn while_closed(&mut self, now: UnixMillis) -> Action {
+        if !self.lane.has_jobs_in_hand() {
+            return self.when_nothing_in_hand(now);
+        }
+        if let Some(prefetch) = self.prefetch(now) {
+            return prefetch;
+        }
+        if let Some(malformed) = self.lane.take_malformed() {
+            return self.act_for_lane(malformed);
+        }
+        if let Some(until) = self.dispatch_held_until(now) {
+            return self.sleep_until(until);
+        }
+        if self.in_flight.hand_offs >= MAX_INVOKES_IN_FLIGHT {
+            return self.await_event();
+        }
+        let step = self.lane.next_dispatch(now);
+        self.act_for_lane(step)
+    }
+
+    /// Nothing in hand: wait for a receive under way, find out whether a draining run is
+    /// done, or receive (a long poll) no more than the quota can use before the
+    /// visibility timeout.
+    fn when_nothing_in_hand(&mut self, now: UnixMillis) -> Action {
+        if self.in_flight.receives > 0 {
+            return self.await_event();
+        }
+        if self.drain && self.queue_seen_empty {
+            if !self.pending_deletes.is_empty() {
+                return self.delete_batch();
+            }
+            // Our own answered hand-offs still count as in flight until deleted.
+            if self.in_flight.any() || self.lane.health_check_in_flight() {
+                return self.await_event();
+            }
+            return Action::CheckDrained;
+        }
+        if self.timers.is_pending(Timer::Receive, now) {
+            return self.sleep_until(self.timers.get(Timer::Receive).expect("a pending timer"));
+        }
+        let max = match self.lane.receive_room(now, self.receive_horizon(now), RECEIVE_BATCH) {
+            Ok(max) => max,
+            Err(Some(wake)) => return self.sleep_until(wake),
+            Err(None) => return self.await_event(),
+        };
+        let poll = if self.drain { DRAIN_POLL } else { MAX_POLL };
+        let until_timer = [self.timers.next_timeout(), self.lane.next_timeout()].into_iter().flatten().min().map_or(poll, |t| t.since(now));
+        self.in_flight.receives += 1;
+        Action::Receive { max, wait: poll.min(until_timer), long_poll: true }
+    }
+
+    /// While the circuit is open: hold no messages, send a health check when due.
+    fn while_open(&mut self, now: UnixMillis) -> Action {
+        if self.lane.has_jobs_in_hand() {
+            return Action::Release(self.lane.release_all());
+        }
+        if self.lane.health_check_in_flight() {
+            return self.await_event();
+        }
+        if let Some(until) = self.dispatch_held_until(now) {
+            return self.sleep_until(until);
+        }
+        let step = self.lane.next_health_check(now);
+        self.act_for_lane(step)
+    }
+
+    /// Takes what came of an action at `now`.
+    ///
+    /// # Errors
+    /// A fatal port error: the run ends (and releases what it holds).
+    pub fn on_event(&mut self, event: Event, now: UnixMillis) -> Result<(), RunError> {
+        match event {
+            Event::Renewed(result) => self.on_renewed(result, now),
+            Event::Refreshed(result) => {
+                let refreshed = result.is_ok();
+                self.lane.on_refreshed(result, now)?;
+                if refreshed {
+                    self.progress.circuit_open.store(!self.lane.circuit().is_closed(), Ordering::Relaxed);
+                }
+                Ok(())
+            }
+            Event::CircuitSwapped(next, result) => self.lane.on_circuit_swapped(next, result, now),
+            Event::Flushed(Ok(()) | Err(PortError::Conflict(_))) => {
+                // A lost lease: the next renewal says so; the new holder's snapshot wins.
+                self.backoffs.flush.succeeded();
+                self.timers.set(Timer::Flush, now.plus(self.settings.orchestrator.flush_interval));
+                Ok(())
+            }
+            Event::Flushed(Err(e)) => self.retry_later(e, Timer::Flush, now, "could not save the pacer snapshot"),
+            Event::Reserved(needed, result) => self.lane.on_reserved(needed, result, now),
+            Event::DeadLettered(message, result) => self.on_dead_lettered(message, result),
+            Event::Released(count, Ok(())) => {
+                self.report.released += count as u64;
+                Ok(())
+            }
+            Event::Released(_, Err(e)) => {
+                passing(e, "could not release messages; they come back after their visibility timeout")?;
+                Ok(())
+            }
+            Event::Received { result, took, long_poll } => self.on_received(result, took, long_poll, now),
+            Event::Deleted(receipts, result) => {
+                self.in_flight.deletes -= 1;
+                if let Err(e) = result {
+                    passing(e, "delete failed; trying again with the next batch")?;
+                    self.pending_deletes.extend(receipts);
+                }
+                Ok(())
+            }
+            Event::HandedOff(in_hand, payload, result) => self.on_handed_off(in_hand, payload, result, now),
+            Event::HealthChecked(result) => {
+                self.lane.on_health_check_handed_off(result.is_ok(), now);
+                match result {
+                    Ok(()) => {
+                        self.backoffs.invoke.succeeded();
+                        self.report.health_checks += 1;
+                        Progress::bump(&self.progress.health_checks);
+                        Ok(())
+                    }
+                    Err(e) => self.retry_later(e, Timer::InvokeHold, now, "health check refused; trying again"),
+                }
+            }
+            Event::DrainChecked(Ok(true)) => {
+                self.stop = Some(StopReason::Drained);
+                Ok(())
+            }
+            Event::DrainChecked(result) => {
+                if let Err(e) = result {
+                    passing(e, "could not read the queue's depth")?;
+                }
+                self.queue_seen_empty = false;
+                Ok(())
+            }
+            Event::SlotsMissed(missed) => {
+                for slot in missed {
+                    self.lane.give_back(slot);
+                }
+                Ok(())
+            }
+            Event::StopRequested => {
+                self.stop.get_or_insert(StopReason::Stopped);
+                Ok(())
+            }
+        }
+    }
+
+    fn on_renewed(&mut self, result: PortResult<Lease>, now: UnixMillis) -> Result<(), RunError> {
+        let ttl = self.settings.orchestrator.lease_ttl;
+        match result {
+            Ok(lease) => {
+                self.backoffs.renew.succeeded();
+                self.lease = lease;
+                self.timers.set(Timer::Renew, self.renew_sent_at.plus(ttl / 3));
+                self.timers.set(Timer::LeaseExpiry, self.renew_sent_at.plus(lease_valid_for(ttl)));
+                Ok(())
+            }
+            Err(PortError::Conflict(why)) => {
+                warn!(%why, "lease lost: dispatching stops now");
+                self.stop = Some(StopReason::LeaseLost);
+                Ok(())
+            }
+            Err(e) => self.retry_later(e, Timer::Renew, now, "could not renew the lease"),
+        }
+    }
+
+    fn on_dead_lettered(&mut self, message: QueuedMessage, result: PortResult<()>) -> Result<(), RunError> {
+        match result {
+            Ok(()) => {
+                self.pending_deletes.push(message.receipt);
+                self.report.dead_lettered += 1;
+                Progress::bump(&self.progress.dead_lettered);
+            }
+            Err(PortError::TooLarge(why)) => {
+                // The DLQ cannot take it with its reason: leave it hidden on the queue,
+                // whose redrive policy moves it to the DLQ after its last receive.
+                warn!(message_id = %message.message_id, %why, "too large to dead-letter with a reason; the queue's redrive policy will move it");
+            }
+            Err(e) => {
+                // Left hidden: it comes back after its visibility timeout and is tried again.
+                passing(e, "could not dead-letter a message; it is tried again when it is visible again")?;
+            }
+        }
+        Ok(())
+    }
+
+    fn on_received(&mut self, result: PortResult<Vec<QueuedMessage>>, took: Duration, long_poll: bool, now: UnixMillis) -> Result<(), RunError> {
+        self.in_flight.receives -= 1;
+        if !long_poll {
+            // An exponential average (weight 1/8), as TCP smooths round-trip times.
+            self.receive_latency = if self.receive_latency.is_zero() { took } else { (self.receive_latency * 7 + took) / 8 };
+        }
+        match result {
+            Ok(received) if received.is_empty() => {
+                if long_poll {
+                    self.queue_seen_empty = true;
+                } else {
+                    self.timers.set(Timer::Prefetch, now.plus(PREFETCH_PAUSE));
+                }
+            }
+            Ok(received) => {
+                self.backoffs.receive.succeeded();
+                self.queue_seen_empty = false;
+                self.lane.take_in(received, now);
+            }
+            Err(e) => self.retry_later(e, Timer::Receive, now, "receive failed")?,
+        }
+        Ok(())
+    }
+
+    /// Acts on a hand-off's answer: delete the message, dead-letter it (over the
+    /// invoker's size limit), or put it back in hand and hold dispatch for a back-off.
+    /// A refused hand-off's slot stays spent: it may still have run.
+    fn on_handed_off(&mut self, hand_off: HandOff, payload: WorkerPayload, result: PortResult<()>, now: UnixMillis) -> Result<(), RunError> {
+        self.in_flight.hand_offs -= 1;
+        match result {
+            Ok(()) => {
+                self.backoffs.invoke.succeeded();
+                self.pending_deletes.push(hand_off.message.receipt);
+                self.report.dispatched += 1;
+                Progress::bump(&self.progress.dispatched);
+                Ok(())
+            }
+            Err(PortError::TooLarge(why)) => {
+                let detail = format!("the worker payload is over the invoker's limit: {why}");
+                let job = match payload {
+                    WorkerPayload::Job { job, .. } => Some(Box::new(job)),
+                    WorkerPayload::HealthCheck { .. } => None,
+                };
+                self.to_dead_letter.push_back((hand_off.message, DeadLetterReason { cause: DeadLetterCause::Malformed, detail, outcome: None }, job));
+                Ok(())
+            }
+            Err(e) => {
+                let WorkerPayload::Job { job, .. } = payload else { unreachable!("a hand-off carries a job") };
+                warn!(error = %e, message_id = %hand_off.message.message_id, "hand-off refused; the job goes again after a back-off");
+                self.lane.hand_back(hand_off, job);
+                self.retry_later(e, Timer::InvokeHold, now, "hand-off refused")
+            }
+        }
+    }
+
+    /// A passing fault arms `timer` for the next try after its back-off; anything else
+    /// ends the run.
+    fn retry_later(&mut self, e: PortError, timer: Timer, now: UnixMillis, what: &str) -> Result<(), RunError> {
+        passing(e, what)?;
+        let backoff = match timer {
+            Timer::Renew => &mut self.backoffs.renew,
+            Timer::Flush => &mut self.backoffs.flush,
+            Timer::Receive => &mut self.backoffs.receive,
+            Timer::InvokeHold => &mut self.backoffs.invoke,
+            Timer::LeaseExpiry | Timer::Prefetch | Timer::Stop => unreachable!("{timer:?} is not a retry"),
+        };
+        self.timers.set(timer, now.plus(backoff.failed()));
+        Ok(())
+    }
+
+    /// A receive in the background while the jobs in hand are paced, so the queue's
+    /// latency never leaves a slot unused: enough receives under way for what the pace
+    /// uses meanwhile, no more than the quota can use before the visibility timeout, and
+    /// a short poll (the loop long-polls when it runs dry).
+    fn prefetch(&mut self, now: UnixMillis) -> Option<Action> {
+        if self.in_flight.receives >= MAX_RECEIVES_IN_FLIGHT || self.timers.is_pending(Timer::Receive, now) || self.timers.is_pending(Timer::Prefetch, now) {
+            return None;
+        }
+        let coming = self.lane.jobs_in_hand() + RECEIVE_BATCH * self.in_flight.receives;
+        if coming >= self.prefetch_target() {
+            return None;
+        }
+        let capacity = self.lane.capacity_until(now, self.receive_horizon(now), coming + RECEIVE_BATCH).saturating_sub(coming);
+        if capacity == 0 {
+            return None;
+        }
+        self.in_flight.receives += 1;
+        Some(Action::Receive { max: capacity, wait: Duration::ZERO, long_poll: false })
+    }
+
+    /// Jobs to have in hand or on their way: what the pace uses during two receives, and
+    /// at least one batch.
+    fn prefetch_target(&self) -> usize {
+        let meanwhile = self.lane.pace_per_second() * (self.receive_latency * 2).as_secs_f64();
+        let most = RECEIVE_BATCH * MAX_RECEIVES_IN_FLIGHT;
+        if meanwhile >= most as f64 {
+            most
+        } else {
+            (meanwhile.ceil() as usize).max(RECEIVE_BATCH)
+        }
+    }
+
+    /// Jobs received at `now` must be dispatched by this slot (before their visibility
+    /// timeout, with a fifth of it to spare), and no later than the run's end.
+    fn receive_horizon(&self, now: UnixMillis) -> UnixMillis {
+        let visibility = self.settings.orchestrator.visibility_timeout;
+        let stop_at = self.timers.get(Timer::Stop).unwrap_or(UnixMillis(u64::MAX));
+        now.plus(visibility).minus(visibility / 5).min(stop_at).plus(self.lead())
+    }
+
+    /// What is left to settle at the end: deletes not yet sent, messages still in hand,
+    /// and the reserved units not spent (as negative deltas).
+    pub fn leftovers(&mut self) -> (Vec<String>, Vec<String>, Vec<(String, i64)>) {
+        let deletes = std::mem::take(&mut self.pending_deletes);
+        let (in_hand, unspent) = self.lane.leftovers();
+        (deletes, in_hand, unspent)
+    }
+
+    /// Closes the report at `now`.
+    pub fn close_report(&mut self, now: UnixMillis) {
+        let (tiers, paced_for, paced_by) = self.lane.tier_figures(now);
+        self.report.tiers = tiers;
+        self.report.paced_ms = u64::try_from(paced_for.as_millis()).unwrap_or(u64::MAX);
+        self.report.paced_by = paced_by;
+        let figures = &self.lane.figures;
+        self.report.longest_wait_ms = figures.longest_wait_ms;
+        self.report.slowest_rate.clone_from(&figures.slowest_rate);
+        self.report.slots_given_back = figures.slots_given_back;
+        self.report.ended_at = now;
+        if let Some(reason) = &self.stop {
+            self.report.stop = reason.clone();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use paceline_shared::config::{CircuitConfig, OrchestratorConfig, WorkerHost};
+    use paceline_shared::quota::{chrono_tz, Quota};
+
+    const T0: UnixMillis = UnixMillis(1_795_824_000_000);
+
+    fn settings() -> Settings {
+        let quota = Quota::new(vec!["5/s".parse().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
+        Settings {
+            quota,
+            orchestrator: OrchestratorConfig { dispatch_ahead: Some(Duration::ZERO), ..OrchestratorConfig::default() },
+            circuit: CircuitConfig { health_check_interval: Duration::from_secs(2), ..CircuitConfig::default() },
+            workers: WorkerHost::InProcess,
+        }
+    }
+
+    /// Asks for the next action at `now` and checks that a sleep lets time pass: a sleep
+    /// that ends at or before `now` would spin the loop without ever yielding to the
+    /// work it waits for (under paused time, forever).
+    fn next(state: &mut StackMachine<'_>, now: UnixMillis) -> Action {
+        let action = state.next_action(now);
+        if let Action::Sleep { until, .. } = action {
+            assert!(until > now, "a sleep until {until} at {now} does not let time pass");
+        }
+        action
+    }
+
+    /// The next action at `now` past housekeeping (a flush or refresh due), each answered
+    /// at once as done.
+    fn next_past_housekeeping(state: &mut StackMachine<'_>, now: UnixMillis) -> Action {
+        loop {
+            match next(state, now) {
+                Action::Flush(..) => state.on_event(Event::Flushed(Ok(())), now).unwrap(),
+                Action::Refresh => {
+                    let shared = SharedState { circuit: state.lane.circuit().clone(), cool_down: UnixMillis(0), provider_reading: None, call_slots: None };
+                    state.on_event(Event::Refreshed(Ok(shared)), now).unwrap();
+                }
+                action => return action,
+            }
+        }
+    }
+
+    #[test]
+    fn an_open_circuit_sends_one_health_check_at_a_time_and_every_sleep_lets_time_pass() {
+        let (settings, progress) = (settings(), Progress::default());
+        let lease = Lease { holder: "test".into(), epoch: 1, expires_at: T0.plus(Duration::from_secs(30)) };
+        let mut state = StackMachine::new(&settings, &progress, lease, T0, T0.plus(Duration::from_secs(60)), false);
+        let open = Circuit::default().open(0, "HTTP 503", T0).unwrap();
+        state.apply_shared_state(SharedState { circuit: open, cool_down: UnixMillis(0), provider_reading: None, call_slots: None }, T0);
+        assert!(matches!(next(&mut state, T0), Action::Sleep { until, .. } if until == T0.plus(Duration::from_secs(1))), "the refresh comes first");
+        let due = T0.plus(Duration::from_secs(2));
+        assert!(matches!(next_past_housekeeping(&mut state, due), Action::HealthCheck(_)));
+        assert!(matches!(next_past_housekeeping(&mut state, due), Action::Sleep { .. }), "one check at a time");
+        let answered = due.plus(Duration::from_millis(20));
+        state.on_event(Event::HealthChecked(Ok(())), answered).unwrap();
+        assert!(
+            matches!(next_past_housekeeping(&mut state, answered), Action::Sleep { until, .. } if until == T0.plus(Duration::from_secs(3))),
+            "the next check is an interval later; the next refresh comes first"
+        );
+    }
+}
