@@ -12,6 +12,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::breaker::TripRule;
+use crate::lane::{LaneId, LaneIdError};
 use crate::time::UnixMillis;
 
 /// Version of the worker payload format this build writes. Version 2 carries the job as
@@ -130,6 +131,9 @@ impl<'de> Deserialize<'de> for Body {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Job {
     pub id: JobId,
+    /// The lane whose quota the call spends (absent: the default lane).
+    #[serde(default, skip_serializing_if = "LaneId::is_default")]
+    pub lane: LaneId,
     pub request: ApiRequest,
     /// Quota units this call spends (default 1).
     pub cost: u64,
@@ -193,6 +197,8 @@ pub enum JobError {
     HeaderInvalid(String),
     #[error("cost must be a whole number of at least 1, got {0}")]
     Cost(String),
+    #[error("lane: {0}")]
+    Lane(#[from] LaneIdError),
     #[error("metadata: {0} bytes of JSON, over the {MAX_METADATA} an outcome record carries (it must fit an SQS message beside the answer)")]
     Metadata(usize),
 }
@@ -206,6 +212,7 @@ pub const MAX_METADATA: usize = 16 * 1024;
 #[serde(deny_unknown_fields)]
 struct RawJob {
     id: Option<String>,
+    lane: Option<String>,
     request: ApiRequest,
     cost: Option<serde_json::Value>,
     metadata: Option<serde_json::Value>,
@@ -283,11 +290,21 @@ impl Job {
     /// # Errors
     /// [`JobError`] naming the first thing wrong.
     pub fn parse(text: &str) -> Result<Self, JobError> {
+        Self::parse_in_lane(text, &LaneId::default())
+    }
+
+    /// Parses and validates a job message; one that names no lane goes in `lane`
+    /// (`paceline enqueue --lane`).
+    ///
+    /// # Errors
+    /// [`JobError`] naming the first thing wrong.
+    pub fn parse_in_lane(text: &str, lane: &LaneId) -> Result<Self, JobError> {
         let raw: RawJob = serde_json::from_str(text).map_err(|e| JobError::Json(e.to_string()))?;
         let id = match raw.id {
             Some(id) => JobId::parse(&id)?,
             None => JobId::generate(),
         };
+        let lane = raw.lane.as_deref().map_or_else(|| Ok(lane.clone()), LaneId::parse)?;
         let mut request = raw.request;
         request.method = parse_method(&request.method)?;
         check_path(&request.path)?;
@@ -301,6 +318,7 @@ impl Job {
         };
         Ok(Self {
             id,
+            lane,
             request,
             cost,
             metadata: raw.metadata,
@@ -539,6 +557,19 @@ pub struct DeadLetterReason {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_job_names_its_lane_or_goes_in_the_default_one_and_a_bad_lane_is_refused_by_name() {
+        let parse = |lane: &str| Job::parse(&format!(r#"{{"id":"l"{lane},"request":{{"method":"GET","path":"/"}}}}"#));
+        let acme = parse(r#","lane":"acme""#).unwrap();
+        assert_eq!(acme.lane.as_str(), "acme");
+        assert_eq!(Job::parse(&acme.to_json()).unwrap().lane, acme.lane, "the lane travels with the job");
+        let default = parse("").unwrap();
+        assert!(default.lane.is_default());
+        assert!(!default.to_json().contains("lane"), "a single-lane job's JSON is as before");
+        assert_eq!(parse(r#","lane":"a b""#).unwrap_err().to_string(), "lane: lane id \"a b\" has ' ': only A-Za-z0-9._:- are allowed");
+        assert_eq!(parse(r#","lane":"tiers""#).unwrap_err(), JobError::Lane(LaneIdError::Reserved("tiers".into())));
+    }
 
     /// A 3 MB `metadata` was accepted and copied into the outcome record, which on AWS
     /// must fit one SQS message.

@@ -10,6 +10,7 @@ pub mod dlq;
 pub mod figures;
 pub mod job;
 pub mod lambda_env;
+pub mod lane;
 pub mod metrics;
 pub mod outcome;
 pub mod pacer;

@@ -9,6 +9,7 @@ use base64::Engine;
 use serde::{Deserialize, Serialize};
 
 use crate::job::{DeadLetterReason, Job, JobId};
+use crate::lane::LaneId;
 use crate::time::{rfc3339, UnixMillis};
 
 /// The record's schema version (`v`).
@@ -82,6 +83,9 @@ impl CappedBody {
 pub struct OutcomeRecord {
     pub v: u32,
     pub job_id: String,
+    /// The job's lane (absent: the default lane).
+    #[serde(default, skip_serializing_if = "LaneId::is_default")]
+    pub lane: LaneId,
     pub outcome: Ending,
     /// The HTTP status; `null` when no answer came (a timeout, a dead connection, a
     /// request that could not be sent).
@@ -132,6 +136,7 @@ impl OutcomeRecord {
         Self {
             v: OUTCOME_VERSION,
             job_id: job.id.as_str().to_owned(),
+            lane: job.lane.clone(),
             outcome,
             status: answer.status,
             headers,
@@ -152,6 +157,7 @@ impl OutcomeRecord {
         Self {
             v: OUTCOME_VERSION,
             job_id: job_id.as_str().to_owned(),
+            lane: LaneId::default(),
             outcome: Ending::DeadLettered,
             status: None,
             headers: BTreeMap::new(),

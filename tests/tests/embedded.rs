@@ -554,3 +554,29 @@ fn a_reader_that_goes_away_ends_a_command_quietly() {
     assert_ne!(output.status.code(), Some(101), "{stderr}");
     assert!(stderr.is_empty(), "nothing said on a closed pipe: {stderr}");
 }
+
+/// A job names its lane (or `enqueue --lane` names it), and the lane travels with the
+/// job through the run into its outcome record, where `results --lane` finds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_s_lane_reaches_its_outcome_record_and_results_filter_by_it() {
+    let _alone = one_lane_at_a_time().await;
+    let api = api(&["20/s"], None).await;
+    let dir = lane_dir("lanes");
+    let config = write_config(&dir, &api.base_url, &["20/s"], "");
+    let config = config.to_str().unwrap();
+    let input =
+        format!("{}{{\"id\":\"gold-1\",\"lane\":\"gold\",\"request\":{{\"method\":\"GET\",\"path\":\"/items/gold-1\"}}}}\n", job_lines(&ids("acme", 3)));
+    let enqueued = paceline(&["enqueue", "--config", config, "--lane", "acme", "-"], &input).await;
+    assert!(enqueued.status.success(), "{}", String::from_utf8_lossy(&enqueued.stderr));
+    let refused = paceline(&["enqueue", "--config", config, "--lane", "no lane", "-"], &input).await;
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("has ' ': only A-Za-z0-9._:- are allowed"), "{refused:?}");
+    let run = paceline(&["run", "--config", config, "--drain", "--json"], "").await;
+    assert_eq!(json_of(&run)["succeeded"], 4);
+    let results = paceline(&["results", "--config", config, "--lane", "acme", "--json"], "").await;
+    let records: Vec<serde_json::Value> = String::from_utf8_lossy(&results.stdout).lines().map(|line| serde_json::from_str(line).unwrap()).collect();
+    let lanes: BTreeSet<(String, String)> =
+        records.iter().map(|r| (r["job_id"].as_str().unwrap().to_owned(), r["lane"].as_str().unwrap().to_owned())).collect();
+    assert_eq!(lanes, ids("acme", 3).into_iter().map(|id| (id, "acme".to_owned())).collect());
+    let gold = paceline(&["results", "--config", config, "--lane", "gold", "--json"], "").await;
+    assert!(String::from_utf8_lossy(&gold.stdout).contains("\"job_id\":\"gold-1\""));
+}

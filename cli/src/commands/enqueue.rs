@@ -8,6 +8,7 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use paceline_shared::config::{Config, RequestLimits};
 use paceline_shared::job::Job;
+use paceline_shared::lane::LaneId;
 use paceline_shared::ports::OutgoingMessage;
 
 use crate::access::LaneArgs;
@@ -19,6 +20,9 @@ pub struct EnqueueArgs {
     pub lane: LaneArgs,
     /// File of JSON lines; `-` or nothing reads standard input.
     pub file: Option<PathBuf>,
+    /// The lane of the jobs whose line names none (a line's own `"lane"` wins).
+    #[arg(long = "lane", value_name = "ID", env = "PACELINE_JOB_LANE")]
+    pub into_lane: Option<LaneId>,
     /// Print what was enqueued as JSON: the job ids (generated ones too, to find their
     /// outcomes by) and the rejected lines.
     #[arg(long)]
@@ -47,7 +51,7 @@ fn check_for_lane(job: &Job, config: &Config, limits: &RequestLimits) -> Result<
 /// The good jobs and the numbered complaints about the bad lines; with the lane's
 /// configuration, a job it forbids ([`check_for_lane`]) is a bad line too.
 #[must_use]
-pub fn parse_lines(lines: impl Iterator<Item = std::io::Result<String>>, lane: Option<&Config>) -> (Vec<Job>, Vec<String>) {
+pub fn parse_lines(lines: impl Iterator<Item = std::io::Result<String>>, lane: Option<&Config>, into_lane: &LaneId) -> (Vec<Job>, Vec<String>) {
     let limits = lane.map(|config| config.api.request_limits());
     let mut jobs = Vec::new();
     let mut errors = Vec::new();
@@ -55,7 +59,7 @@ pub fn parse_lines(lines: impl Iterator<Item = std::io::Result<String>>, lane: O
         let number = index + 1;
         match line {
             Ok(line) if line.trim().is_empty() => {}
-            Ok(line) => match Job::parse(&line).map_err(|e| e.to_string()).and_then(|job| match (lane, &limits) {
+            Ok(line) => match Job::parse_in_lane(&line, into_lane).map_err(|e| e.to_string()).and_then(|job| match (lane, &limits) {
                 (Some(config), Some(limits)) => check_for_lane(&job, config, limits).map(|()| job),
                 _ => Ok(job),
             }) {
@@ -75,12 +79,13 @@ impl EnqueueArgs {
     pub async fn run(self) -> anyhow::Result<()> {
         let lane = self.lane.open_to_enqueue().await?;
         let config = lane.config.as_ref();
+        let into_lane = self.into_lane.unwrap_or_default();
         let (jobs, errors) = match self.file.as_deref() {
-            None => parse_lines(std::io::stdin().lock().lines(), config),
-            Some(path) if path.as_os_str() == "-" => parse_lines(std::io::stdin().lock().lines(), config),
+            None => parse_lines(std::io::stdin().lock().lines(), config, &into_lane),
+            Some(path) if path.as_os_str() == "-" => parse_lines(std::io::stdin().lock().lines(), config, &into_lane),
             Some(path) => {
                 let file = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
-                parse_lines(std::io::BufReader::new(file).lines(), config)
+                parse_lines(std::io::BufReader::new(file).lines(), config, &into_lane)
             }
         };
         if !self.json {
@@ -120,7 +125,7 @@ mod tests {
     #[test]
     fn bad_lines_are_numbered_and_do_not_stop_the_rest() {
         let input = "{\"request\":{\"method\":\"GET\",\"path\":\"/a\"}}\n\nnot json\n{\"request\":{\"method\":\"GET\",\"path\":\"http://x/\"}}\n{\"id\":\"z\",\"request\":{\"method\":\"GET\",\"path\":\"/b\"}}\n";
-        let (jobs, errors) = parse_lines(std::io::Cursor::new(input).lines(), None);
+        let (jobs, errors) = parse_lines(std::io::Cursor::new(input).lines(), None, &LaneId::default());
         assert_eq!(jobs.len(), 2);
         assert_eq!(jobs[1].id.as_str(), "z");
         assert_eq!(errors.len(), 2);
@@ -129,12 +134,21 @@ mod tests {
     }
 
     #[test]
+    fn lines_without_a_lane_go_in_the_lane_given_and_a_bad_lane_is_refused_with_its_line_number() {
+        let input = "{\"id\":\"a\",\"request\":{\"method\":\"GET\",\"path\":\"/a\"}}\n{\"id\":\"b\",\"lane\":\"gold\",\"request\":{\"method\":\"GET\",\"path\":\"/b\"}}\n{\"id\":\"c\",\"lane\":\"no/slash\",\"request\":{\"method\":\"GET\",\"path\":\"/c\"}}\n";
+        let (jobs, errors) = parse_lines(std::io::Cursor::new(input).lines(), None, &"acme".parse().unwrap());
+        let lanes: Vec<(&str, &str)> = jobs.iter().map(|job| (job.id.as_str(), job.lane.as_str())).collect();
+        assert_eq!(lanes, vec![("a", "acme"), ("b", "gold")]);
+        assert_eq!(errors, vec!["line 3: lane: lane id \"no/slash\" has '/': only A-Za-z0-9._:- are allowed".to_owned()]);
+    }
+
+    #[test]
     fn bodies_over_max_body_and_lane_headers_are_refused_with_their_line_numbers() {
         let text = "[api]\nbase_url = \"https://api.example.com\"\nmax_body = 64\nheaders = { X-Lane = { value = \"k\" } }\n[quota]\ntiers = [\"1/s\"]\n";
         let config = paceline_shared::config::Config::parse(text, std::path::Path::new("."), &|_| None).unwrap();
         let big = format!("{{\"request\":{{\"method\":\"POST\",\"path\":\"/a\",\"body\":\"{}\"}}}}", "x".repeat(100));
         let input = format!("{big}\n{{\"request\":{{\"method\":\"GET\",\"path\":\"/a\",\"headers\":{{\"x-lane\":\"forged\"}}}}}}\n{{\"request\":{{\"method\":\"GET\",\"path\":\"/a\"}}}}\n");
-        let (jobs, errors) = parse_lines(std::io::Cursor::new(input).lines(), Some(&config));
+        let (jobs, errors) = parse_lines(std::io::Cursor::new(input).lines(), Some(&config), &LaneId::default());
         assert_eq!(jobs.len(), 1);
         assert!(errors[0].starts_with("line 1: request.body: 102 bytes, over api.max_body (64 bytes)"), "{}", errors[0]);
         assert!(errors[1].starts_with("line 2: request.headers: `x-lane`"), "{}", errors[1]);
@@ -147,7 +161,7 @@ mod tests {
         let text = "[api]\nbase_url = \"https://api.example.com\"\nmax_body = \"64MiB\"\ntimeout = \"2s\"\n[quota]\ntiers = [\"1/s\"]\n";
         let config = paceline_shared::config::Config::parse(text, std::path::Path::new("."), &|_| None).unwrap();
         let job = |mb: usize| format!("{{\"request\":{{\"method\":\"POST\",\"path\":\"/a\",\"body\":\"{}\"}}}}\n", "x".repeat(mb << 20));
-        let (jobs, errors) = parse_lines(std::io::Cursor::new(format!("{}{}", job(30), job(10))).lines(), Some(&config));
+        let (jobs, errors) = parse_lines(std::io::Cursor::new(format!("{}{}", job(30), job(10))).lines(), Some(&config), &LaneId::default());
         assert_eq!(jobs.len(), 1, "10 MiB go in about 1 s");
         assert!(errors[0].starts_with("line 1: request.body: 31457282 bytes take about 3.1 s to send"), "{}", errors[0]);
         assert!(errors[0].contains("not within api.timeout (2 s)"), "{}", errors[0]);
@@ -158,7 +172,7 @@ mod tests {
         let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"10/s\", \"5/min burst=3\"]\n";
         let config = paceline_shared::config::Config::parse(text, std::path::Path::new("."), &|_| None).unwrap();
         let input = "{\"id\":\"a\",\"request\":{\"method\":\"GET\",\"path\":\"/a\"},\"cost\":3}\n{\"id\":\"b\",\"request\":{\"method\":\"GET\",\"path\":\"/b\"},\"cost\":4}\n";
-        let (jobs, errors) = parse_lines(std::io::Cursor::new(input).lines(), Some(&config));
+        let (jobs, errors) = parse_lines(std::io::Cursor::new(input).lines(), Some(&config), &LaneId::default());
         assert_eq!(jobs.iter().map(|job| job.id.as_str()).collect::<Vec<_>>(), vec!["a"]);
         assert_eq!(errors, vec!["line 2: cost 4 exceeds the whole 5/min burst=3 tier: it could never be called".to_owned()]);
     }

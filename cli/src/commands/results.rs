@@ -1,5 +1,5 @@
 //! `paceline results`: the outcome records of an embedded lane's jobs (the API's status,
-//! chosen headers and body, attempts, times), filtered by job, time and status; as a
+//! chosen headers and body, attempts, times), filtered by job, lane, time and status; as a
 //! table or JSON lines, and followed as new ones arrive. On AWS the records go to the
 //! results destination instead (the README shows how to read the results queue).
 
@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::bail;
 use paceline_shared::adapters::embedded::OutcomeQuery;
+use paceline_shared::lane::LaneId;
 use paceline_shared::outcome::{OutcomeRecord, StatusFilter};
 use paceline_shared::time::{system_now, UnixMillis};
 
@@ -36,6 +37,9 @@ pub struct ResultsArgs {
     /// ago (10m, 2h).
     #[arg(long, value_parser = parse_since)]
     pub since: Option<UnixMillis>,
+    /// Only the records of this lane's jobs (`default`: jobs that name no lane).
+    #[arg(long, value_name = "ID")]
+    pub lane: Option<LaneId>,
     /// Only these: an HTTP status class (2xx, 4xx, 5xx) or dead-lettered jobs (dead).
     #[arg(long)]
     pub status: Option<StatusFilter>,
@@ -58,7 +62,8 @@ impl ResultsArgs {
             bail!("on AWS, outcome records go to the worker's results destination (the stack's ResultsQueueUrl): read them there, as the README shows");
         }
         let store = open_store(&config, IfMissing::Refuse)?;
-        let mut query = OutcomeQuery { job_id: self.job_id.clone(), since: self.since, status: self.status, after_row: 0, limit: PAGE };
+        let mut query =
+            OutcomeQuery { job_id: self.job_id.clone(), lane: self.lane.clone(), since: self.since, status: self.status, after_row: 0, limit: PAGE };
         let mut shown = 0_usize;
         if !self.json {
             println!("{}", header());

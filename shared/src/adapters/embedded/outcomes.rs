@@ -8,6 +8,7 @@ use async_trait::async_trait;
 use rusqlite::params;
 
 use super::{fatal, sql_err, to_i64, EmbeddedStore};
+use crate::lane::LaneId;
 use crate::outcome::{Ending, OutcomeRecord, StatusFilter};
 use crate::ports::{OutcomeSink, PortResult};
 use crate::time::UnixMillis;
@@ -19,6 +20,7 @@ const SWEEP_EVERY: Duration = Duration::from_secs(60);
 #[derive(Clone, Debug, Default)]
 pub struct OutcomeQuery {
     pub job_id: Option<String>,
+    pub lane: Option<LaneId>,
     /// Recorded at or after this time.
     pub since: Option<UnixMillis>,
     pub status: Option<StatusFilter>,
@@ -51,13 +53,17 @@ impl EmbeddedStore {
                 .prepare_cached(
                     "SELECT seq, record FROM outcomes WHERE seq > ?1 AND recorded_at >= ?2 AND (?3 IS NULL OR job_id = ?3)
                      AND (?4 IS NULL OR outcome = ?4) AND (?5 IS NULL OR status BETWEEN ?5 AND ?5 + 99)
+                     AND (?7 IS NULL OR coalesce(json_extract(record, '$.lane'), ?8) = ?7)
                      ORDER BY seq LIMIT ?6",
                 )
                 .map_err(sql_err)?;
             let since = to_i64(query.since.unwrap_or_default().0);
             let limit = i64::try_from(query.limit).unwrap_or(i64::MAX);
+            let lane = query.lane.as_ref().map(LaneId::as_str);
             let rows = select
-                .query_map(params![query.after_row, since, query.job_id, ending, class_from, limit], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))
+                .query_map(params![query.after_row, since, query.job_id, ending, class_from, limit, lane, LaneId::DEFAULT_NAME], |r| {
+                    Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?))
+                })
                 .map_err(sql_err)?;
             rows.map(|row| {
                 let (row, text) = row.map_err(sql_err)?;
@@ -108,7 +114,11 @@ mod tests {
     use crate::time::ManualClock;
 
     fn record(id: &str, ending: Ending, status: Option<u16>, attempts: u32) -> OutcomeRecord {
-        let job = Job::parse(&format!(r#"{{"id":"{id}","request":{{"method":"GET","path":"/"}}}}"#)).unwrap();
+        record_in("default", id, ending, status, attempts)
+    }
+
+    fn record_in(lane: &str, id: &str, ending: Ending, status: Option<u16>, attempts: u32) -> OutcomeRecord {
+        let job = Job::parse(&format!(r#"{{"id":"{id}","lane":"{lane}","request":{{"method":"GET","path":"/"}}}}"#)).unwrap();
         OutcomeRecord::new(&job, ending, attempts, &Answer { status, ..Answer::default() }, &[], OutcomeTimes::default())
     }
 
@@ -118,6 +128,19 @@ mod tests {
 
     fn ids(kept: &[KeptOutcome]) -> Vec<&str> {
         kept.iter().map(|k| k.record.job_id.as_str()).collect()
+    }
+
+    #[tokio::test]
+    async fn records_carry_their_lane_and_are_filtered_by_it_the_default_lane_included() {
+        let store = EmbeddedStore::in_memory(Arc::new(ManualClock::new(UnixMillis(1_000_000)))).unwrap();
+        store.record_outcome(&record("a", Ending::Succeeded, Some(200), 1)).await.unwrap();
+        store.record_outcome(&record_in("acme", "b", Ending::Succeeded, Some(200), 1)).await.unwrap();
+        store.record_outcome(&record_in("gold", "c", Ending::Succeeded, Some(200), 1)).await.unwrap();
+        let q = |lane: &str| OutcomeQuery { lane: Some(lane.parse().unwrap()), ..all() };
+        assert_eq!(ids(&store.outcomes(&q("acme")).unwrap()), ["b"]);
+        assert_eq!(ids(&store.outcomes(&q("default")).unwrap()), ["a"]);
+        assert_eq!(store.outcomes(&q("gold")).unwrap()[0].record.lane.as_str(), "gold");
+        assert_eq!(ids(&store.outcomes(&all()).unwrap()), ["a", "b", "c"]);
     }
 
     #[tokio::test]

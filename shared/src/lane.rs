@@ -1,0 +1,134 @@
+//! Lane ids: a lane is one quota's worth of work in a stack (a tenant calling with its
+//! own key, or one API). A job names its lane; a stack with one lane has only
+//! [`LaneId::DEFAULT`], as governor's unkeyed limiter is its keyed one with a unit key.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// Why a lane id is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LaneIdError {
+    #[error("lane id is empty: give 1 to {MAX_LEN} characters of A-Za-z0-9._:-")]
+    Empty,
+    #[error("lane id is {0} characters long, over the {MAX_LEN} allowed")]
+    TooLong(usize),
+    #[error("lane id {id:?} has {found:?}: only A-Za-z0-9._:- are allowed")]
+    Character { id: String, found: char },
+    #[error("lane id {0:?} is the name of a [lanes] setting, so it cannot name a lane")]
+    Reserved(String),
+}
+
+/// The longest lane id, in characters.
+pub const MAX_LEN: usize = 64;
+
+/// The names of the `[lanes]` table's own settings: a lane cannot take one of them,
+/// since `[lanes.NAME]` would be read as the setting.
+pub const RESERVED: &[&str] = &["tiers", "weight", "max_in_flight", "headers", "base_url", "on_429", "ordering"];
+
+/// A lane's id: 1 to 64 characters of `A-Za-z0-9._:-`, not a `[lanes]` setting's name.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct LaneId(String);
+
+impl LaneId {
+    /// The lane of a job that names none, and the only lane of a stack without `[lanes]`.
+    pub const DEFAULT_NAME: &'static str = "default";
+
+    /// The default lane.
+    #[must_use]
+    pub fn default_lane() -> Self {
+        Self(Self::DEFAULT_NAME.to_owned())
+    }
+
+    /// Parses a lane id.
+    ///
+    /// # Errors
+    /// [`LaneIdError`] naming what is wrong.
+    pub fn parse(text: &str) -> Result<Self, LaneIdError> {
+        if text.is_empty() {
+            return Err(LaneIdError::Empty);
+        }
+        let length = text.chars().count();
+        if length > MAX_LEN {
+            return Err(LaneIdError::TooLong(length));
+        }
+        if let Some(found) = text.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-'))) {
+            return Err(LaneIdError::Character { id: text.chars().take(MAX_LEN).collect(), found });
+        }
+        if RESERVED.contains(&text) {
+            return Err(LaneIdError::Reserved(text.to_owned()));
+        }
+        Ok(Self(text.to_owned()))
+    }
+
+    #[must_use]
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    #[must_use]
+    pub fn is_default(&self) -> bool {
+        self.0 == Self::DEFAULT_NAME
+    }
+}
+
+impl Default for LaneId {
+    fn default() -> Self {
+        Self::default_lane()
+    }
+}
+
+impl TryFrom<String> for LaneId {
+    type Error = LaneIdError;
+
+    fn try_from(text: String) -> Result<Self, LaneIdError> {
+        Self::parse(&text)
+    }
+}
+
+impl From<LaneId> for String {
+    fn from(lane: LaneId) -> String {
+        lane.0
+    }
+}
+
+impl std::str::FromStr for LaneId {
+    type Err = LaneIdError;
+
+    fn from_str(text: &str) -> Result<Self, LaneIdError> {
+        Self::parse(text)
+    }
+}
+
+impl fmt::Display for LaneId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lane_id_is_1_to_64_characters_of_a_small_alphabet_and_not_a_setting_s_name() {
+        for good in ["acme", "tenant-42", "eu.shop_7:live", "default", &"x".repeat(64)] {
+            assert_eq!(LaneId::parse(good).map(|lane| lane.to_string()), Ok(good.to_owned()));
+        }
+        assert_eq!(LaneId::parse(""), Err(LaneIdError::Empty));
+        assert_eq!(LaneId::parse(&"x".repeat(65)), Err(LaneIdError::TooLong(65)));
+        assert_eq!(LaneId::parse("ac me"), Err(LaneIdError::Character { id: "ac me".into(), found: ' ' }));
+        assert_eq!(LaneId::parse("é"), Err(LaneIdError::Character { id: "é".into(), found: 'é' }));
+        assert_eq!(LaneId::parse("weight"), Err(LaneIdError::Reserved("weight".into())));
+        assert_eq!(LaneId::parse("a/b").unwrap_err().to_string(), "lane id \"a/b\" has '/': only A-Za-z0-9._:- are allowed");
+    }
+
+    #[test]
+    fn a_lane_id_reads_and_writes_as_a_json_string_and_is_checked_when_read() {
+        let lane: LaneId = serde_json::from_str("\"acme\"").unwrap();
+        assert_eq!(serde_json::to_string(&lane).unwrap(), "\"acme\"");
+        assert!(serde_json::from_str::<LaneId>("\"no spaces\"").is_err());
+        assert!(LaneId::default().is_default());
+    }
+}
