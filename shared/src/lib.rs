@@ -16,6 +16,7 @@ pub mod outcome;
 pub mod pacer;
 pub mod ports;
 pub mod quota;
+pub mod retry;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testing;
 pub mod time;

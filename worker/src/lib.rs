@@ -41,6 +41,7 @@ use paceline_shared::pacer::{MissedSlot, MissedSlots};
 use paceline_shared::ports::{
     call_record_key, CallClaim, JobQueue, OutcomeSink, OutgoingMessage, PortError, PortResult, StateStore, WorkerHandler, CALL_SLOTS_FULL_KEY,
 };
+use paceline_shared::retry;
 use paceline_shared::time::{Clock, UnixMillis};
 use serde::Serialize;
 use tracing::{info, warn};
@@ -216,13 +217,11 @@ struct Answered<'a> {
     attempted: Attempted<'a>,
 }
 
-/// Writing what an answer calls for is retried this long while the store is busy, the
-/// first retry after [`SETTLE_FIRST_WAIT`], doubling up to [`SETTLE_MAX_WAIT`]. Past it
-/// the payload fails and is run again (Lambda's retry, or the embedded invoker's
-/// re-queue): the call may repeat then, at least once being all that is left.
+/// Writing what an answer calls for is retried this long while the store is busy (see
+/// [`retry::while_busy`]). Past it the payload fails and is run again (Lambda's retry,
+/// or the embedded invoker's re-queue): the call may repeat then, at least once being
+/// all that is left.
 const SETTLE_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(120);
-const SETTLE_FIRST_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
-const SETTLE_MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A call record is kept this long after its answer: a repeated delivery within it does
 /// not call again.
@@ -399,18 +398,8 @@ impl Worker {
         // that is busy for a while (another process holding SQLite's lock), since a
         // payload that failed now would run again and call the API a second time.
         let answered = Answered { attempt, circuit_epoch, trip, called_at, failure: failure_label(&result), attempted };
-        let give_up_at = now.plus(self.settle_retry_for);
-        let mut wait = SETTLE_FIRST_WAIT;
-        loop {
-            match self.settle(job, &outcome, &answered).await {
-                Err(e) if e.is_retryable() && self.clock.now() < give_up_at => {
-                    warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "could not write what the answer calls for; retrying");
-                    self.clock.sleep_until(self.clock.now().plus(wait)).await;
-                    wait = (wait * 2).min(SETTLE_MAX_WAIT);
-                }
-                settled => return settled,
-            }
-        }
+        let give_up_at = Some(now.plus(self.settle_retry_for));
+        retry::while_busy(self.clock.as_ref(), give_up_at, "could not write what the answer calls for", || self.settle(job, &outcome, &answered)).await
     }
 
     /// Does what `outcome`, the answer to the job's call, calls for: keep its outcome;

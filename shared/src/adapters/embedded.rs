@@ -26,6 +26,7 @@ use crate::ports::{
     redrive_messages, CallClaim, DeadLetter, DeadLetterQueues, Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth,
     QueuedMessage, StateStore, WorkerHandler,
 };
+use crate::retry;
 use crate::time::{Clock, UnixMillis};
 
 mod outcomes;
@@ -79,11 +80,6 @@ CREATE TABLE IF NOT EXISTS invocations (
     created_at INTEGER NOT NULL
 );
 ";
-
-/// A hand-off whose settle met a busy store tries again after this, doubling up to
-/// [`SETTLE_MAX_WAIT`].
-const SETTLE_FIRST_WAIT: Duration = Duration::from_millis(100);
-const SETTLE_MAX_WAIT: Duration = Duration::from_secs(5);
 
 /// How long a call waits for another process's lock before it fails as `Transient`.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -929,24 +925,14 @@ impl Invoker for EmbeddedInvoker {
             // Settled it must be: a hand-off left recorded counts as in flight (a drain
             // would wait for it for ever) and runs again at the next start. A busy store
             // (another process holding the lock) is waited out.
-            let mut wait = SETTLE_FIRST_WAIT;
-            loop {
-                let settled = match &handled {
+            let settle = || {
+                std::future::ready(match &handled {
                     Ok(_) => store.finish_invocation(seq),
                     Err(_) => store.requeue_invocations(Some(seq)).map(|_| ()),
-                };
-                match settled {
-                    Err(e) if e.is_retryable() => {
-                        tracing::warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "could not settle an invocation; retrying");
-                        store.clock.sleep_until(store.clock.now().plus(wait)).await;
-                        wait = (wait * 2).min(SETTLE_MAX_WAIT);
-                    }
-                    Err(e) => {
-                        tracing::error!(error = %e, "could not settle an invocation; it will be re-queued on restart");
-                        break;
-                    }
-                    Ok(()) => break,
-                }
+                })
+            };
+            if let Err(e) = retry::while_busy(store.clock.as_ref(), None, "could not settle an invocation", settle).await {
+                tracing::error!(error = %e, "could not settle an invocation; it will be re-queued on restart");
             }
             in_flight.fetch_sub(1, Ordering::SeqCst);
         });
