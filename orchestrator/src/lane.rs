@@ -398,6 +398,11 @@ impl<'a> LaneMachine<'a> {
     /// configured pace again.
     fn adapt_rate(&mut self, reading: Option<ProviderReading>, cool_down: UnixMillis, now: UnixMillis) {
         let cleared = self.cool_down_seen.is_some_and(|seen| cool_down < seen) || (reading.is_none() && self.reading_seen);
+        // A margin an earlier run learned from a 429 whose cool-down is no longer stored:
+        // an operator cleared it between the runs.
+        if self.cool_down_seen.is_none() && cool_down == UnixMillis(0) {
+            self.pacer.forget_jitter(self.quota());
+        }
         if cleared {
             info!("the provider's readings and cool-down were cleared: the configured pace again");
             self.adaptive.forget_readings();
@@ -409,10 +414,12 @@ impl<'a> LaneMachine<'a> {
             let usage = self.pacer.usage(self.quota(), reading.at);
             self.adaptive.on_reading(&reading, |tier| usage.get(tier).copied().unwrap_or(0));
         }
-        if self.cool_down_seen.is_some_and(|seen| cool_down > seen) {
-            self.adaptive.on_rate_limited(now);
+        // A lone 429 is jitter at a window's edge: the provider saw two calls closer
+        // together than they were sent, so the windows' margin grows. More 429s are
+        // someone else's calls: the adaptive rate cuts, the margin stays.
+        if self.cool_down_seen.is_some_and(|seen| cool_down > seen) && self.adaptive.on_rate_limited(now) {
             if let Some(margin) = self.pacer.learn_jitter(self.quota()) {
-                info!(safety_margin_ms = margin.as_millis(), "a 429: the provider saw calls closer than they were sent; widening the windows' margin");
+                info!(safety_margin_ms = margin.as_millis(), "a lone 429: the provider saw calls closer than they were sent; widening the windows' margin");
             }
         }
         self.cool_down_seen = Some(cool_down);

@@ -311,18 +311,20 @@ impl AdaptiveRate {
     }
 
     /// The provider answered 429 at `now`: a lone one is jitter, more cut the rate.
-    pub fn on_rate_limited(&mut self, now: UnixMillis) {
+    /// Returns whether it was taken for jitter (the pacer's margin may then grow).
+    pub fn on_rate_limited(&mut self, now: UnixMillis) -> bool {
         let lone = self.last_rate_limited.is_none_or(|last| now >= last.plus(LONE_429_MEMORY));
         self.last_rate_limited = Some(now);
         if lone {
-            return;
+            return true;
         }
         if self.backoff.is_some_and(|b| now < b.at.plus(CUT_SPACING)) {
-            return;
+            return false;
         }
         let current = self.rate(now).per_second;
         let rate = if current.is_finite() { (current * CUT).max(self.floor()) } else { current };
         self.backoff = Some(Backoff { rate, at: now });
+        false
     }
 
     /// The rate at `now`, and why.
@@ -514,14 +516,14 @@ mod tests {
     #[test]
     fn a_lone_429_is_jitter_and_cuts_nothing_while_one_soon_after_another_cuts() {
         let mut rate = AdaptiveRate::new(&quota(&["10/s", "50/10s"]), T0);
-        rate.on_rate_limited(at(5_000));
+        assert!(rate.on_rate_limited(at(5_000)), "taken for jitter");
         assert_eq!(rate.rate(at(5_000)).reason, RateReason::Configured, "a lone 429 cut the pace");
-        rate.on_rate_limited(at(5_000 + 61_000));
+        assert!(rate.on_rate_limited(at(5_000 + 61_000)));
         assert_eq!(rate.rate(at(66_000)).reason, RateReason::Configured, "a minute apart, each is lone");
-        rate.on_rate_limited(at(66_500));
+        assert!(!rate.on_rate_limited(at(66_500)), "not jitter: someone else's calls");
         assert_eq!(rate.rate(at(66_500)).reason, RateReason::BackingOff { since: at(66_500) }, "sustained refusals still cut");
         rate.forget_readings();
-        rate.on_rate_limited(at(67_000));
+        assert!(rate.on_rate_limited(at(67_000)));
         assert_eq!(rate.rate(at(67_000)).reason, RateReason::Configured, "an operator's reset forgets the 429s too");
     }
 

@@ -150,6 +150,12 @@ async fn a_quota_shared_with_other_clients_slows_to_what_they_leave() {
     let per_second = status["effective_rate"]["per_second"].as_f64().unwrap();
     assert!((4.0..=7.0).contains(&per_second), "{status}");
     assert_eq!(status["provider_reading"]["limit"], 10, "{status}");
+    // A 429 widens the windows' margin (25 ms configured, up to 1 s / 20 = 50 ms), and
+    // the next run and `status` see it.
+    let margin = &status["safety_margin"];
+    assert_eq!(margin["configured_ms"], 25, "{status}");
+    assert_eq!(margin["in_use_ms"].as_u64().unwrap() > 25, log.quota_rejections > 0, "{status} after {} refused", log.quota_rejections);
+    assert!(margin["in_use_ms"].as_u64().unwrap() <= 50, "{status}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

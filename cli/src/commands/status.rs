@@ -87,8 +87,18 @@ struct Status {
     effective_rate: Option<RateStatus>,
     provider_reading: Option<ReadingStatus>,
     tiers: Vec<TierUsage>,
+    /// The margin added to rolling windows: as configured, and as 429s widened it.
+    safety_margin: Option<MarginStatus>,
     /// Seconds the waiting jobs take at the quota (one unit each), when the quota is known.
     drain_estimate_seconds: Option<u64>,
+}
+
+/// The safety margin as `status` shows it.
+#[derive(Serialize)]
+struct MarginStatus {
+    configured_ms: u64,
+    /// What the pacer adds now (more than configured after 429s showed more jitter).
+    in_use_ms: u64,
 }
 
 /// The circuit as `status --json` shows it (times in RFC 3339).
@@ -129,7 +139,9 @@ impl StatusArgs {
         let worker_dead = if lane.queues.sources().contains(&DlqSource::Worker) { Some(lane.queues.count(DlqSource::Worker).await?) } else { None };
         let mut tiers = Vec::new();
         let mut drain_estimate_seconds = None;
+        let mut safety_margin = None;
         let snapshot = lane.state.load_pacer().await?;
+        let cool_down = lane.state.cool_down().await?;
         let provider_reading = lane.state.provider_reading().await?;
         // A budget the provider set ends at its reset, or when an operator forgot its reading.
         let in_force = |rate: &EffectiveRate| match rate.reason {
@@ -147,6 +159,10 @@ impl StatusArgs {
             let calendar_used = load_calendar_usage(lane.state.as_ref(), quota, now).await?;
             let pacer = snapshot.map(|snapshot| PacerState::restored(quota, &snapshot.state));
             let rolling_used = pacer.as_ref().map(|pacer| pacer.usage(quota, now));
+            // A run forgets a learned margin whose 429's cool-down an operator cleared.
+            let learned = pacer.as_ref().filter(|_| cool_down > UnixMillis(0));
+            let in_use = learned.map_or(quota.safety_margin(), |pacer| pacer.safety_margin(quota));
+            safety_margin = Some(MarginStatus { configured_ms: millis(quota.safety_margin()), in_use_ms: millis(in_use) });
             for (index, (tier, used)) in quota.tiers().iter().zip(&calendar_used).enumerate() {
                 let usage = if tier.is_calendar() {
                     TierUsage {
@@ -170,7 +186,6 @@ impl StatusArgs {
             let waiting = queue.visible + queue.not_visible;
             drain_estimate_seconds = Some(quota.drain_estimate(waiting, &calendar_used, now).as_secs());
         }
-        let cool_down = lane.state.cool_down().await?;
         // Nothing is dispatched before the cool-down ends.
         let drain_estimate_seconds = drain_estimate_seconds.map(|seconds| seconds + cool_down.since(now).as_secs());
         let status = Status {
@@ -182,6 +197,7 @@ impl StatusArgs {
             effective_rate,
             provider_reading: provider_reading.map(ReadingStatus::from),
             tiers,
+            safety_margin,
             drain_estimate_seconds,
         };
         if self.json {
@@ -223,6 +239,12 @@ fn print_status(status: &Status, now: UnixMillis) {
         let window = r.window_seconds.map_or(String::new(), |w| format!(" per {w} s"));
         println!("the provider said at {}: {} of {}{window} left, resets at {}", r.read_at, r.remaining, r.limit, r.resets_at);
     }
+    if let Some(margin) = status.safety_margin.as_ref().filter(|m| m.in_use_ms > m.configured_ms) {
+        println!(
+            "safety margin: {} ms, widened from the configured {} ms by 429s that showed more network jitter (`paceline rate reset` restores it)",
+            margin.in_use_ms, margin.configured_ms
+        );
+    }
     for t in &status.tiers {
         match (t.used, &t.resets_at, &t.next_unit_frees_at) {
             (Some(used), Some(reset), _) => println!("tier {}: {used}/{} used, resets at {reset}", t.tier, t.limit),
@@ -236,4 +258,8 @@ fn print_status(status: &Status, now: UnixMillis) {
         Some(seconds) => println!("backlog drains in about {} at the quota", humantime::format_duration(Duration::from_secs(seconds))),
         None => {}
     }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }

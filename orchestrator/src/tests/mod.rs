@@ -680,3 +680,32 @@ async fn a_lone_429_widens_the_margin_and_the_pace_recovers_within_a_window_of_t
     assert!(*sent.last().unwrap() < 26_000, "{:?}", &sent[140..]);
     assert_eq!(report.slowest_rate, None, "a lone 429 cuts no rate");
 }
+
+/// Enqueues four jobs and drains them in a run that starts now.
+async fn next_run_of_four(lane: &Lane, prefix: &str) {
+    enqueue(lane, (0..4).map(|i| job(&format!("{prefix}{i}")))).await;
+    let at = lane.clock.now();
+    lane.orchestrator.run(&RunOptions { deadline: at.plus(Duration::from_secs(60)), ..opts(true, Duration::ZERO) }).await.unwrap();
+}
+
+/// The margin a 429 taught is saved with the pacer: the next run keeps it, unless an
+/// operator's `paceline rate reset` (or `circuit close`) cleared the 429's cool-down
+/// between the runs.
+#[tokio::test(start_paused = true)]
+async fn the_next_run_keeps_a_learned_margin_until_an_operator_clears_it() {
+    let lane = lane(&["10/s"], 10);
+    enqueue(&lane, (0..30).map(|i| job(&format!("a{i}")))).await;
+    let store = lane.store.clone();
+    let refused = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(1_050)).await;
+        store.extend_cool_down(T0.plus(Duration::from_millis(1_200))).await.unwrap();
+    });
+    lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    refused.await.unwrap();
+    let gaps = |lane: &Lane, from: usize| offsets(lane)[from..].windows(2).map(|w| w[1] - w[0]).collect::<Vec<_>>();
+    next_run_of_four(&lane, "b").await;
+    assert_eq!(gaps(&lane, 30), [102, 102, 102], "the learned 20 ms margin carried over");
+    lane.store.clear_cool_down().await.unwrap();
+    next_run_of_four(&lane, "c").await;
+    assert_eq!(gaps(&lane, 34), [101, 101, 101], "the configured 10 ms after the operator's clear");
+}
