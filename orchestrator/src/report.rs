@@ -8,7 +8,7 @@ use std::time::Duration;
 use paceline_shared::adaptive::EffectiveRate;
 use paceline_shared::check::WindowPeak;
 use paceline_shared::pacer::Hold;
-use paceline_shared::quota::{Period, Quota, Tier};
+use paceline_shared::quota::{Period, Quota, Spread, Tier};
 use paceline_shared::time::UnixMillis;
 use serde::Serialize;
 
@@ -52,8 +52,9 @@ pub struct TierReport {
     pub peak_window: u64,
     /// Rolling tiers: the units dispatched in the paced stretch (from the first dispatch
     /// that waited for the pacer to the last) as a share of the most the tier admits in
-    /// a stretch that long, its limit for each window begun: at most 100% unless a
-    /// window was over (a minute tier filled at the second tier's pace for 10 s is 100%,
+    /// a stretch that long (one unit per interval for an evenly spaced tier, its limit
+    /// for each window begun for a sliding window): at most 100% unless the tier was
+    /// broken (a minute tier filled at the second tier's pace for 10 s is 100%,
     /// not "600%"). Calendar tiers: the share of the current day or month used.
     #[serde(serialize_with = "paceline_shared::figures::six_digits")]
     pub utilization: f64,
@@ -192,13 +193,12 @@ impl TierMeter {
     }
 
     /// A rolling tier's share of the paced stretch: the units dispatched in it against
-    /// the most the tier admits in a stretch that long (its limit per window begun, so
-    /// no run that keeps every window within the limit shows over 100%).
-    fn paced_share(&self, tier: &Tier) -> f64 {
+    /// the most the tier admits in a stretch that long, so that no run keeping the tier
+    /// shows over 100% (see [`most_admitted`]).
+    fn paced_share(&self, tier: &Tier, evenly_spaced: bool) -> f64 {
         let (Some((from, units_before)), Some((to, units_by_end))) = (self.first_paced, self.last_paced) else { return 0.0 };
-        let window_ms = u64::try_from(tier.nominal_window().as_millis()).unwrap_or(u64::MAX).max(1);
-        let windows_begun = to.since(from).as_millis() as u64 / window_ms + 1;
-        (units_by_end - units_before).saturating_sub(self.given_back_paced) as f64 / (tier.limit.saturating_mul(windows_begun)) as f64
+        let most = most_admitted(tier, evenly_spaced, to.since(from));
+        (units_by_end - units_before).saturating_sub(self.given_back_paced) as f64 / most as f64
     }
 
     pub(crate) fn report(&self, quota: &Quota, calendar_used: &[u64]) -> Vec<TierReport> {
@@ -207,10 +207,50 @@ impl TierMeter {
             .iter()
             .enumerate()
             .map(|(i, tier)| {
-                let utilization =
-                    if tier.is_calendar() { calendar_used.get(i).copied().unwrap_or(0) as f64 / tier.limit as f64 } else { self.paced_share(tier) };
+                let evenly_spaced = tier.spread == Spread::Smooth || (tier.spread == Spread::Window && quota.spacing_tier() == Some(i));
+                let utilization = if tier.is_calendar() {
+                    calendar_used.get(i).copied().unwrap_or(0) as f64 / tier.limit as f64
+                } else {
+                    self.paced_share(tier, evenly_spaced)
+                };
                 TierReport { tier: *tier, units: self.units[i], peak_window: self.peaks[i].peak(), utilization }
             })
             .collect()
+    }
+}
+
+/// The most units rolling `tier` admits from one instant to another `stretch` later, both
+/// included: its limit for each window begun as a sliding window; one unit every
+/// `window / limit` (and one at the start) for an evenly spaced tier, which also keeps
+/// the window's rule; a `burst=N` bucket's N at the start, then its rate.
+fn most_admitted(tier: &Tier, evenly_spaced: bool, stretch: Duration) -> u64 {
+    let window_ms = u128::from(u64::try_from(tier.nominal_window().as_millis()).unwrap_or(u64::MAX).max(1));
+    let stretch_ms = stretch.as_millis();
+    let saturating = |n: u128| u64::try_from(n).unwrap_or(u64::MAX);
+    let by_window = tier.limit.saturating_mul(saturating(stretch_ms / window_ms + 1));
+    let spaced = saturating(stretch_ms * u128::from(tier.limit) / window_ms);
+    match tier.spread {
+        Spread::Burst(bucket) => bucket.saturating_add(spaced),
+        _ if evenly_spaced => spaced.saturating_add(1).min(by_window),
+        _ => by_window,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 200 calls at 20/s with a 25 ms margin span 10.2 s: counted against 20 for each of
+    /// the 11 seconds begun, the summary said 90.9% of a tier the pacer spaced evenly.
+    #[test]
+    fn an_evenly_spaced_tier_admits_one_call_per_interval_a_sliding_window_its_limit_per_window_begun() {
+        let tier = |text: &str| text.parse::<Tier>().unwrap();
+        let ms = Duration::from_millis;
+        assert_eq!(most_admitted(&tier("20/s"), true, ms(10_198)), 203 + 1);
+        assert_eq!(most_admitted(&tier("20/s"), false, ms(10_198)), 220);
+        assert_eq!(most_admitted(&tier("50/10s"), false, ms(24_800)), 150);
+        assert_eq!(most_admitted(&tier("1/s"), true, ms(4_000)), 5);
+        assert_eq!(most_admitted(&tier("10/s"), true, ms(0)), 1);
+        assert_eq!(most_admitted(&tier("2/s burst=40"), false, ms(1_000)), 42);
     }
 }

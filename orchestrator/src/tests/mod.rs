@@ -123,8 +123,8 @@ async fn the_report_names_the_tier_that_held_jobs_back_longest_and_no_tier_over_
     assert_eq!(report.paced_by.map(|t| t.to_string()).as_deref(), Some("50/10s"));
     let shares: Vec<f64> = report.tiers.iter().map(|t| t.utilization).collect();
     assert!(shares.iter().all(|s| *s <= 1.0), "{shares:?}");
-    // 149 paced units in 24.8 s: 250 admitted by 10/s, 150 by 50/10s.
-    assert!((shares[0] - 149.0 / 250.0).abs() < 1e-9 && (shares[1] - 149.0 / 150.0).abs() < 1e-9, "{shares:?}");
+    // 149 paced units in 24.8 s: 249 admitted by 10/s (one every 100 ms), 150 by 50/10s.
+    assert!((shares[0] - 149.0 / 249.0).abs() < 1e-9 && (shares[1] - 149.0 / 150.0).abs() < 1e-9, "{shares:?}");
 }
 
 #[tokio::test(start_paused = true)]
