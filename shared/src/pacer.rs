@@ -272,14 +272,6 @@ impl Quota {
         }
     }
 
-    /// One window of the longest rolling tier, safety margin included (zero without
-    /// rolling tiers): after it, nothing dispatched before can share a window with what
-    /// is dispatched next.
-    #[must_use]
-    pub fn longest_window(&self) -> Duration {
-        Duration::from_millis(self.tiers().iter().map(|t| self.effective_window_ms(t)).max().unwrap_or(0))
-    }
-
     /// Whether a job of `cost` units may go at `now`.
     #[must_use]
     pub fn decide(&self, state: &PacerState, cost: u64, now: UnixMillis) -> Decision {
@@ -419,7 +411,9 @@ impl PacerState {
         self.hold_until = self.hold_until.max(now.plus(self.longest_window(quota)));
     }
 
-    /// One window of the longest rolling tier, with the margin as configured and learned.
+    /// One window of the longest rolling tier, with the margin as configured and learned
+    /// (zero without rolling tiers): after it, nothing dispatched before can share a
+    /// window with what is dispatched next.
     #[must_use]
     pub fn longest_window(&self, quota: &Quota) -> Duration {
         Duration::from_millis(quota.tiers().iter().map(|t| self.window_ms(quota, t)).max().unwrap_or(0))
