@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::job::{JobId, WorkerPayload};
+use crate::lane::LaneId;
 use crate::outcome::OutcomeRecord;
 use crate::time::UnixMillis;
 
@@ -54,6 +55,9 @@ pub struct DeadLetterRecord {
     pub message_id: String,
     /// The job's id, when the record holds a readable job.
     pub job_id: Option<String>,
+    /// The lane the job was for (the default lane when it names none).
+    #[serde(skip_serializing_if = "LaneId::is_default")]
+    pub lane: LaneId,
     /// The job message a redrive puts back on the jobs queue; `None` when there is no
     /// job to redrive (a health check, an unreadable Lambda record).
     #[serde(skip)]
@@ -118,13 +122,15 @@ pub struct DeadLetterFilter {
     pub older_than: Option<Duration>,
     /// Dead-lettered at most this long ago.
     pub newer_than: Option<Duration>,
+    /// Only this lane's jobs.
+    pub lane: Option<LaneId>,
 }
 
 impl DeadLetterFilter {
     /// Whether the filter narrows anything down.
     #[must_use]
     pub fn is_everything(&self) -> bool {
-        self.causes.is_empty() && self.ids.is_empty() && self.older_than.is_none() && self.newer_than.is_none()
+        self.causes.is_empty() && self.ids.is_empty() && self.older_than.is_none() && self.newer_than.is_none() && self.lane.is_none()
     }
 
     #[must_use]
@@ -134,6 +140,7 @@ impl DeadLetterFilter {
             && (self.ids.is_empty() || self.ids.iter().any(|id| *id == record.message_id || Some(id) == record.job_id.as_ref()))
             && self.older_than.is_none_or(|d| age >= d)
             && self.newer_than.is_none_or(|d| age <= d)
+            && self.lane.as_ref().is_none_or(|lane| *lane == record.lane)
     }
 }
 
@@ -257,11 +264,11 @@ pub fn worker_record(handle: String, message_id: String, body: String, received_
         Ok(f) => (f.cause, f.detail, f.failed_at.unwrap_or(received_at), f.payload),
         Err(problem) => ("worker:unreadable".to_owned(), problem, received_at, None),
     };
-    let (job_id, job_body, attempt) = match payload {
-        Some(WorkerPayload::Job { job, attempt, .. }) => (Some(job.id.as_str().to_owned()), Some(job.to_json()), attempt),
-        _ => (None, None, 0),
+    let (job_id, lane, job_body, attempt) = match payload {
+        Some(WorkerPayload::Job { job, attempt, .. }) => (Some(job.id.as_str().to_owned()), job.lane.clone(), Some(job.to_json()), attempt),
+        _ => (None, LaneId::default(), None, 0),
     };
-    DeadLetterRecord { source: DlqSource::Worker, handle, message_id, job_id, job_body, attempt, cause, detail, dead_at, raw: body, outcome: None }
+    DeadLetterRecord { source: DlqSource::Worker, handle, message_id, job_id, lane, job_body, attempt, cause, detail, dead_at, raw: body, outcome: None }
 }
 
 /// A jobs-DLQ record from its stored body and reason.
@@ -273,6 +280,7 @@ pub fn jobs_record(handle: String, message_id: String, body: String, attempt: u3
         handle,
         message_id,
         job_id,
+        lane: LaneId::named_in(&body),
         job_body: Some(body.clone()),
         attempt,
         cause,
@@ -330,6 +338,17 @@ mod tests {
         let f = DeadLetterFilter { ids: vec!["j".into()], ..DeadLetterFilter::default() };
         assert!(f.matches(&old, now) && f.matches(&new, now));
         assert!(DeadLetterFilter::default().is_everything());
+    }
+
+    #[test]
+    fn dead_letters_carry_their_job_s_lane_and_filter_by_it() {
+        let now = UnixMillis(100_000);
+        let acme = jobs_record("h".into(), "m-1".into(), r#"{"id":"a","lane":"acme","request":1}"#.into(), 0, "malformed".into(), String::new(), now);
+        let plain = record("http_404", 95_000);
+        assert_eq!((acme.lane.as_str(), plain.lane.as_str()), ("acme", "default"), "a malformed job keeps its lane too");
+        let only = |lane: &str| DeadLetterFilter { lane: Some(lane.parse().unwrap()), ..DeadLetterFilter::default() };
+        assert!(only("acme").matches(&acme, now) && !only("acme").matches(&plain, now));
+        assert!(only("default").matches(&plain, now) && !only("acme").is_everything());
     }
 
     #[test]

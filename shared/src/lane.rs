@@ -62,6 +62,15 @@ impl LaneId {
         Ok(Self(text.to_owned()))
     }
 
+    /// The lane a message's JSON names, whether or not the rest of it is a valid job
+    /// (the default lane when it names none or a bad one): a dead letter is listed
+    /// under the lane its job was for.
+    #[must_use]
+    pub fn named_in(body: &str) -> Self {
+        let value: Option<serde_json::Value> = serde_json::from_str(body).ok();
+        value.as_ref().and_then(|v| v.get("lane")?.as_str()).and_then(|text| Self::parse(text).ok()).unwrap_or_default()
+    }
+
     #[must_use]
     pub fn as_str(&self) -> &str {
         &self.0
@@ -130,5 +139,13 @@ mod tests {
         assert_eq!(serde_json::to_string(&lane).unwrap(), "\"acme\"");
         assert!(serde_json::from_str::<LaneId>("\"no spaces\"").is_err());
         assert!(LaneId::default().is_default());
+    }
+
+    #[test]
+    fn the_lane_a_message_names_is_read_even_from_a_bad_job_and_is_default_otherwise() {
+        assert_eq!(LaneId::named_in(r#"{"lane":"acme","request":1}"#).as_str(), "acme");
+        assert!(LaneId::named_in(r#"{"id":"x"}"#).is_default());
+        assert!(LaneId::named_in(r#"{"lane":"a b"}"#).is_default());
+        assert!(LaneId::named_in("not json").is_default());
     }
 }

@@ -570,19 +570,24 @@ async fn a_job_s_lane_reaches_its_outcome_record_and_results_filter_by_it() {
     let dir = lane_dir("lanes");
     let config = write_config(&dir, &api.base_url, &["20/s"], "");
     let config = config.to_str().unwrap();
-    let input =
-        format!("{}{{\"id\":\"gold-1\",\"lane\":\"gold\",\"request\":{{\"method\":\"GET\",\"path\":\"/items/gold-1\"}}}}\n", job_lines(&ids("acme", 3)));
+    let gold = |id: &str, path: &str| format!("{{\"id\":\"{id}\",\"lane\":\"gold\",\"request\":{{\"method\":\"GET\",\"path\":\"{path}\"}}}}\n");
+    let input = format!("{}{}{}", job_lines(&ids("acme", 3)), gold("gold-1", "/items/gold-1"), gold("gold-gone", "/missing/gold-gone"));
     let enqueued = paceline(&["enqueue", "--config", config, "--lane", "acme", "-"], &input).await;
     assert!(enqueued.status.success(), "{}", String::from_utf8_lossy(&enqueued.stderr));
     let refused = paceline(&["enqueue", "--config", config, "--lane", "no lane", "-"], &input).await;
     assert!(String::from_utf8_lossy(&refused.stderr).contains("has ' ': only A-Za-z0-9._:- are allowed"), "{refused:?}");
     let run = paceline(&["run", "--config", config, "--drain", "--json"], "").await;
-    assert_eq!(json_of(&run)["succeeded"], 4);
+    assert_eq!((json_of(&run)["succeeded"].as_u64(), json_of(&run)["dead_lettered"].as_u64()), (Some(4), Some(1)));
     let results = paceline(&["results", "--config", config, "--lane", "acme", "--json"], "").await;
     let records: Vec<serde_json::Value> = String::from_utf8_lossy(&results.stdout).lines().map(|line| serde_json::from_str(line).unwrap()).collect();
     let lanes: BTreeSet<(String, String)> =
         records.iter().map(|r| (r["job_id"].as_str().unwrap().to_owned(), r["lane"].as_str().unwrap().to_owned())).collect();
     assert_eq!(lanes, ids("acme", 3).into_iter().map(|id| (id, "acme".to_owned())).collect());
-    let gold = paceline(&["results", "--config", config, "--lane", "gold", "--json"], "").await;
-    assert!(String::from_utf8_lossy(&gold.stdout).contains("\"job_id\":\"gold-1\""));
+    let gold_results = paceline(&["results", "--config", config, "--lane", "gold", "--json"], "").await;
+    assert!(String::from_utf8_lossy(&gold_results.stdout).contains("\"job_id\":\"gold-1\""));
+    // The job the API answered 404 is dead-lettered under its lane.
+    let gold_dead = json_of(&paceline(&["dlq", "list", "--config", config, "--lane", "gold", "--json"], "").await).to_string();
+    assert!(gold_dead.contains("\"job_id\":\"gold-gone\"") && gold_dead.contains("\"lane\":\"gold\""), "{gold_dead}");
+    let acme_dead = json_of(&paceline(&["dlq", "list", "--config", config, "--lane", "acme", "--json"], "").await).to_string();
+    assert!(!acme_dead.contains("gold-gone"), "{acme_dead}");
 }

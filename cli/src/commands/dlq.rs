@@ -8,6 +8,7 @@ use anyhow::bail;
 use clap::Subcommand;
 use indicatif::{ProgressBar, ProgressStyle};
 use paceline_shared::dlq::{CauseSummary, DeadLetterFilter, DeadLetterRecord, DlqSource};
+use paceline_shared::lane::LaneId;
 use paceline_shared::ports::{forget_calls, DeadLetterQueues};
 use paceline_shared::time::system_now;
 use paceline_sim::report::{one_line_row, text_table};
@@ -104,6 +105,9 @@ pub struct Selection {
     /// Only those dead-lettered at most this long ago.
     #[arg(long, value_parser = humantime::parse_duration)]
     pub newer_than: Option<Duration>,
+    /// Only the dead letters of this lane's jobs (`default`: jobs that name no lane).
+    #[arg(long, value_name = "ID")]
+    pub lane: Option<LaneId>,
 }
 
 /// Which dead letters a redrive or purge acts on: a selection, or every one with `--all`.
@@ -118,7 +122,7 @@ pub struct RemovalTarget {
 
 impl Selection {
     fn filter(&self) -> DeadLetterFilter {
-        DeadLetterFilter { causes: self.cause.clone(), ids: self.id.clone(), older_than: self.older_than, newer_than: self.newer_than }
+        DeadLetterFilter { causes: self.cause.clone(), ids: self.id.clone(), older_than: self.older_than, newer_than: self.newer_than, lane: self.lane.clone() }
     }
 
     fn sources(&self, queues: &dyn DeadLetterQueues) -> anyhow::Result<Vec<DlqSource>> {
