@@ -11,7 +11,7 @@ use paceline_shared::adapters::aws::{load_sdk_config_with, AwsAdapters, AwsNames
 use paceline_shared::config::{AwsBackend, Backend, Config};
 use paceline_shared::ports::{DeadLetterQueues, StateStore};
 
-use crate::lane::{load_config_for_operations, open_store, IfMissing};
+use crate::stack::{load_config_for_operations, open_store, IfMissing};
 
 /// Where the lane is: `--config`, and AWS names that override it.
 #[derive(Debug, Clone, Default, clap::Args)]

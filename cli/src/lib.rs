@@ -6,5 +6,5 @@ pub mod access;
 pub mod commands;
 pub mod dlq_scan;
 pub mod fake_api;
-pub mod lane;
+pub mod stack;
 pub mod summary;

@@ -11,7 +11,7 @@ use paceline_sim::report::text_table;
 use paceline_worker::WorkerStats;
 use serde::Serialize;
 
-use crate::lane::LaneOutcome;
+use crate::stack::LaneOutcome;
 
 #[derive(Debug, Serialize)]
 pub struct TierLine {

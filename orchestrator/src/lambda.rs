@@ -58,7 +58,7 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
     let settings = Settings { quota: env.quota()?, orchestrator: env.orchestrator()?, circuit: env.circuit()?, workers: WorkerHost::Lambda };
     let aws = AwsAdapters::new(sdk, &names, lambda_endpoint);
     let orchestrator = Orchestrator::new(Arc::new(aws.queue), Arc::new(aws.store), Arc::new(aws.invoker), Arc::new(SystemClock), settings);
-    Ok(OrchestratorFunction::new(orchestrator, env.optional("PACELINE_LANE").unwrap_or_else(|| "paceline".into())))
+    Ok(OrchestratorFunction::new(orchestrator, env.stack_name()))
 }
 
 /// Handles one kick. Not an error (the invocation succeeds, saying why it did nothing

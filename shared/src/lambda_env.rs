@@ -80,6 +80,23 @@ impl<'a> Env<'a> {
         (self.get)(name).filter(|v| !v.trim().is_empty())
     }
 
+    /// The stack's name, the `Lane` dimension of the functions' metrics:
+    /// `PACELINE_STACK`, or the older `PACELINE_LANE` (deprecated: a lane is now one
+    /// quota within a stack), or `paceline`.
+    #[must_use]
+    pub fn stack_name(&self) -> String {
+        if let Some(name) = self.optional("PACELINE_STACK") {
+            return name;
+        }
+        match self.optional("PACELINE_LANE") {
+            Some(name) => {
+                tracing::warn!("PACELINE_LANE is deprecated: set PACELINE_STACK (a lane is now one quota within a stack)");
+                name
+            }
+            None => "paceline".to_owned(),
+        }
+    }
+
     fn parsed<T>(&self, name: &str, default: T, parse: impl Fn(&str) -> Result<T, String>) -> Result<T, String> {
         match (self.get)(name).filter(|v| !v.trim().is_empty()) {
             None => Ok(default),
@@ -238,6 +255,13 @@ mod tests {
     fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
         let map: BTreeMap<String, String> = pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
         move |k| map.get(k).cloned()
+    }
+
+    #[test]
+    fn the_stack_is_named_by_paceline_stack_or_the_deprecated_paceline_lane() {
+        assert_eq!(Env::new(&env_of(&[("PACELINE_STACK", "orders"), ("PACELINE_LANE", "old")])).stack_name(), "orders");
+        assert_eq!(Env::new(&env_of(&[("PACELINE_LANE", "old")])).stack_name(), "old");
+        assert_eq!(Env::new(&env_of(&[])).stack_name(), "paceline");
     }
 
     #[test]

@@ -15,6 +15,6 @@ async fn main() -> Result<(), lambda_runtime::Error> {
     let secrets = cold_start(lambda::fetch_secrets(&Env::new(&from_process), &sdk).await).await?;
     let get = |name: &str| secrets.get(name).map(|s| s.expose_secret().to_owned()).or_else(|| std::env::var(name).ok());
     let worker = cold_start(lambda::from_env(&Env::new(&get), &sdk)).await?;
-    let lane = Env::new(&get).optional("PACELINE_LANE").unwrap_or_else(|| "paceline".into());
+    let lane = Env::new(&get).stack_name();
     lambda_runtime::run(service_fn(|event: LambdaEvent<serde_json::Value>| lambda::handle(event, &worker, &lane))).await
 }

@@ -15,7 +15,7 @@ use paceline_shared::quota::{Period, Tier};
 use serde::Serialize;
 
 use crate::fake_api::{FakeApi, FakeApiLog, FakeApiSpec};
-use crate::lane::{load_config, EmbeddedLane};
+use crate::stack::{load_config, EmbeddedStack};
 use crate::summary::Summary;
 use paceline_sim::report::text_table;
 
@@ -153,7 +153,7 @@ impl DemoArgs {
         let dir = self.dir.clone().unwrap_or_else(|| std::env::temp_dir().join(format!("paceline-demo-{}", std::process::id())));
         let config_path = write_config(&dir, &api.base_url)?;
         let config = load_config(&config_path)?;
-        let lane = EmbeddedLane::open(&config)?;
+        let lane = EmbeddedStack::open(&config)?;
         let bodies = demo_jobs(self.jobs);
         let messages: Vec<OutgoingMessage> =
             bodies.iter().map(|b| OutgoingMessage { body: b.clone(), attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();

@@ -12,7 +12,7 @@ use paceline_shared::outcome::{OutcomeRecord, StatusFilter};
 use paceline_shared::time::{system_now, UnixMillis};
 
 use crate::commands::ConfigArg;
-use crate::lane::{load_config_for_operations, open_store, IfMissing};
+use crate::stack::{load_config_for_operations, open_store, IfMissing};
 
 /// How often `--follow` looks for new records.
 const FOLLOW_EVERY: Duration = Duration::from_millis(500);

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::commands::ConfigArg;
-use crate::lane::{load_config, EmbeddedLane};
+use crate::stack::{load_config, EmbeddedStack};
 use crate::summary::Summary;
 
 /// Run the lane: pace jobs from the queue to the API until stopped.
@@ -27,7 +27,7 @@ impl RunArgs {
     /// Bad config, a held database, or a failed run.
     pub async fn run(self) -> anyhow::Result<()> {
         let config = load_config(&self.config.config)?;
-        let lane = EmbeddedLane::open(&config)?;
+        let lane = EmbeddedStack::open(&config)?;
         let outcome = lane.run(self.drain, self.for_at_most, !self.json).await?;
         let summary = Summary::new(&outcome);
         if self.json {

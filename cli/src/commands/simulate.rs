@@ -16,7 +16,7 @@ use paceline_sim::report::{render, render_comparison};
 use paceline_sim::{little_law_concurrency, plot, simulate, Dispatcher, Plan, SimReport};
 
 use crate::commands::ConfigArg;
-use crate::lane::load_config_for_operations;
+use crate::stack::load_config_for_operations;
 
 /// The exit code of a simulation in which the provider refused calls over quota.
 pub const EXIT_OVER_QUOTA: u8 = 3;

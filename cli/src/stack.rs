@@ -1,4 +1,4 @@
-//! Builds a lane on the embedded backend from a config file: store, worker, in-process
+//! Builds a stack on the embedded backend from a config file: store, worker, in-process
 //! invoker and orchestrator, all sharing one clock. Also runs it with a progress bar.
 
 use std::path::{Path, PathBuf};
@@ -70,8 +70,8 @@ pub fn open_store(config: &Config, if_missing: IfMissing) -> anyhow::Result<Arc<
     Ok(Arc::new(store.with_context(|| format!("opening {}", path.display()))?))
 }
 
-/// A lane ready to run in this process.
-pub struct EmbeddedLane {
+/// A stack ready to run in this process (its lanes share one quota today).
+pub struct EmbeddedStack {
     pub store: Arc<EmbeddedStore>,
     pub orchestrator: Orchestrator,
     pub worker_stats: Arc<WorkerStats>,
@@ -107,7 +107,7 @@ pub struct LaneOutcome {
     pub circuit_changes: Vec<Circuit>,
 }
 
-impl EmbeddedLane {
+impl EmbeddedStack {
     /// Takes the database's lock, recovers what a killed run left, and wires the lane.
     ///
     /// # Errors
@@ -423,11 +423,11 @@ mod tests {
         store.acquire_lease(&run_holder(other_run.id()), Duration::from_secs(60), SystemClock.now()).await.unwrap();
         drop(store);
 
-        let Err(refused) = EmbeddedLane::open(&config) else { panic!("a live run's lease was cleared") };
+        let Err(refused) = EmbeddedStack::open(&config) else { panic!("a live run's lease was cleared") };
         assert!(refused.to_string().contains(&format!("in use by paceline-run-{}", other_run.id())), "{refused}");
         other_run.kill().unwrap();
         other_run.wait().unwrap();
-        assert!(EmbeddedLane::open(&config).is_ok(), "the lease of a run that is gone was not taken over");
+        assert!(EmbeddedStack::open(&config).is_ok(), "the lease of a run that is gone was not taken over");
         std::fs::remove_dir_all(dir).unwrap();
     }
 
@@ -439,7 +439,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let text = "[api]\nbase_url = \"http://127.0.0.1:9\"\n[quota]\ntiers = [\"10/s\"]\n[backend]\nkind = \"embedded\"\npath = \"lane.db\"\n";
         let config = Config::parse(text, &dir, &|_| None).unwrap();
-        let lane = EmbeddedLane::open(&config).unwrap();
+        let lane = EmbeddedStack::open(&config).unwrap();
         lane.store.acquire_lease("someone-else", Duration::from_secs(60), SystemClock.now()).await.unwrap();
 
         let Err(failed) = lane.run(true, Some(Duration::from_secs(5)), false).await else { panic!("ran under another's lease") };
