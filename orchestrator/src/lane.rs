@@ -20,7 +20,7 @@ use tracing::{debug, info, warn};
 use crate::report::TierMeter;
 use crate::report::TierReport;
 use crate::settings::{RunError, Settings};
-use crate::timers::{passing, Backoff, TimerTable};
+use crate::timers::{passing, timer_kind, Backoff, TimerTable};
 
 /// Dispatching ahead, the slots that fall within this much after the next one are
 /// handed off on the same wake-up: each worker waits for its own slot, so a hand-off a
@@ -38,24 +38,15 @@ const FASTEST_REFRESH: Duration = Duration::from_millis(200);
 /// rate-limit headers (a write to the store each time).
 const PROVIDER_READING_EVERY: Duration = Duration::from_secs(1);
 
-/// A lane's own deadlines.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum LaneTimer {
-    /// The next re-read of the circuit and the provider's cool-down.
-    Refresh,
-    /// No reservation (so no dispatch that needs one) before this, after one failed.
-    Reserve,
-    /// The next health check, while the circuit is open.
-    HealthCheck,
-}
-
-impl LaneTimer {
-    pub(crate) const COUNT: usize = 3;
-}
-
-impl From<LaneTimer> for usize {
-    fn from(timer: LaneTimer) -> usize {
-        timer as usize
+timer_kind! {
+    /// A lane's own deadlines.
+    pub(crate) enum LaneTimer {
+        /// The next re-read of the circuit and the provider's cool-down.
+        Refresh,
+        /// No reservation (so no dispatch that needs one) before this, after one failed.
+        Reserve,
+        /// The next health check, while the circuit is open.
+        HealthCheck,
     }
 }
 
@@ -360,6 +351,7 @@ impl<'a> LaneMachine<'a> {
     /// Applies a fresh read of the circuit, the provider's cool-down and reading, and the
     /// call slots.
     pub fn apply_shared_state(&mut self, shared: SharedState, now: UnixMillis) {
+        self.refresh_backoff.succeeded();
         let SharedState { circuit, cool_down, provider_reading, call_slots } = shared;
         if let Some(read) = call_slots {
             self.call_slots.saw(read, now);
@@ -374,19 +366,12 @@ impl<'a> LaneMachine<'a> {
         self.timers.set(LaneTimer::Refresh, now.plus(self.refresh_interval()));
     }
 
-    /// A refresh came back: applies it, or retries after a back-off.
+    /// A refresh failed: it is tried again after a back-off.
     ///
     /// # Errors
     /// A fatal port error.
-    pub fn on_refreshed(&mut self, result: PortResult<SharedState>, now: UnixMillis) -> Result<(), RunError> {
-        match result {
-            Ok(shared) => {
-                self.refresh_backoff.succeeded();
-                self.apply_shared_state(shared, now);
-                Ok(())
-            }
-            Err(e) => self.retry_later(e, LaneTimer::Refresh, now, "could not re-read the circuit"),
-        }
+    pub fn on_refresh_failed(&mut self, e: PortError, now: UnixMillis) -> Result<(), RunError> {
+        self.retry_later(e, LaneTimer::Refresh, now, "could not re-read the circuit")
     }
 
     /// Feeds the adaptive rate what the provider said: its latest reading, and a 429

@@ -371,14 +371,11 @@ impl<'a> StackMachine<'a> {
     pub fn on_event(&mut self, event: Event, now: UnixMillis) -> Result<(), RunError> {
         match event {
             Event::Renewed(result) => self.on_renewed(result, now),
-            Event::Refreshed(result) => {
-                let refreshed = result.is_ok();
-                self.lane.on_refreshed(result, now)?;
-                if refreshed {
-                    self.progress.circuit_open.store(!self.lane.circuit().is_closed(), Ordering::Relaxed);
-                }
+            Event::Refreshed(Ok(shared)) => {
+                self.apply_shared_state(shared, now);
                 Ok(())
             }
+            Event::Refreshed(Err(e)) => self.lane.on_refresh_failed(e, now),
             Event::CircuitSwapped(next, result) => self.lane.on_circuit_swapped(next, result, now),
             Event::Flushed(Ok(()) | Err(PortError::Conflict(_))) => {
                 // A lost lease: the next renewal says so; the new holder's snapshot wins.

@@ -11,33 +11,47 @@ use tracing::warn;
 
 use crate::settings::RunError;
 
-/// The stack's deadlines (each lane keeps its own: see `lane::LaneTimer`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Timer {
-    /// The lease's next renewal (a third of its TTL after the last, sooner after a failure).
-    Renew,
-    /// Until when the lease is ours as this process sees it: no hand-off at or after it.
-    LeaseExpiry,
-    /// The next write of the pacer snapshot (and of the deletes waiting).
-    Flush,
-    /// No receive before this (after a receive failed).
-    Receive,
-    /// No prefetch before this (after one found the queue empty): an idle queue is not
-    /// polled in a loop. A long poll, when nothing is in hand, does not wait for it.
-    Prefetch,
-    /// No hand-off before this (after the invoker refused one).
-    InvokeHold,
-    /// The run stops dispatching: its deadline less the margin.
-    Stop,
-}
+/// Declares a kind of timer: a fieldless enum whose variants index a [`TimerTable`],
+/// with `COUNT`, the number of its variants (the table's size), derived from the list.
+macro_rules! timer_kind {
+    ($(#[$meta:meta])* $vis:vis enum $name:ident { $($(#[$variant_meta:meta])* $variant:ident,)+ }) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        $vis enum $name {
+            $($(#[$variant_meta])* $variant,)+
+        }
 
-impl Timer {
-    pub(crate) const COUNT: usize = 7;
-}
+        impl $name {
+            pub(crate) const COUNT: usize = [$($name::$variant),+].len();
+        }
 
-impl From<Timer> for usize {
-    fn from(timer: Timer) -> usize {
-        timer as usize
+        impl From<$name> for usize {
+            fn from(timer: $name) -> usize {
+                timer as usize
+            }
+        }
+    };
+}
+pub(crate) use timer_kind;
+
+timer_kind! {
+    /// The stack's deadlines (each lane keeps its own: see `lane::LaneTimer`).
+    pub(crate) enum Timer {
+        /// The lease's next renewal (a third of its TTL after the last, sooner after a failure).
+        Renew,
+        /// Until when the lease is ours as this process sees it: no hand-off at or after it.
+        LeaseExpiry,
+        /// The next write of the pacer snapshot (and of the deletes waiting).
+        Flush,
+        /// No receive before this (after a receive failed).
+        Receive,
+        /// No prefetch before this (after one found the queue empty): an idle queue is not
+        /// polled in a loop. A long poll, when nothing is in hand, does not wait for it.
+        Prefetch,
+        /// No hand-off before this (after the invoker refused one).
+        InvokeHold,
+        /// The run stops dispatching: its deadline less the margin.
+        Stop,
     }
 }
 
