@@ -9,6 +9,7 @@ pub mod config;
 pub mod dlq;
 pub mod figures;
 pub mod job;
+pub mod keys;
 pub mod lambda_env;
 pub mod lane;
 pub mod metrics;

@@ -22,6 +22,7 @@ use crate::adaptive::ProviderReading;
 use crate::breaker::{failure_bucket_end, Circuit, FAILURE_BUCKET_PREFIX, FAILURE_BUCKET_TTL};
 use crate::dlq::{jobs_record, DeadLetterRecord, DlqSource};
 use crate::job::{DeadLetterReason, WorkerPayload};
+use crate::keys::StoreScope;
 use crate::ports::{
     redrive_messages, CallClaim, DeadLetter, DeadLetterQueues, Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth,
     QueuedMessage, StateStore, WorkerHandler,
@@ -34,9 +35,15 @@ mod outcomes;
 pub use outcomes::{KeptOutcome, OutcomeQuery};
 
 /// The schema's version, kept in SQLite's `user_version`. 1: the first (unversioned,
-/// `user_version` 0 in its files); 2: outcome records. [`SCHEMA`] creates what is missing,
-/// so opening a file of an older version migrates it; a newer version is refused.
-pub const SCHEMA_VERSION: u32 = 2;
+/// `user_version` 0 in its files); 2: outcome records; 3: call slots by scope (lane).
+/// [`SCHEMA`] creates what is missing, so opening a file of an older version migrates it
+/// (after [`BEFORE_SCHEMA_3`]); a newer version is refused.
+pub const SCHEMA_VERSION: u32 = 3;
+
+/// Run on a file older than schema 3 before [`SCHEMA`]: its call slots table has no scope
+/// column. Call slots are held only while a call runs, so the table is made anew: at
+/// most the slots of calls under way are forgotten (they expire within a timeout anyway).
+const BEFORE_SCHEMA_3: &str = "DROP TABLE IF EXISTS call_slots;";
 
 const SCHEMA: &str = "
 PRAGMA journal_mode = WAL;
@@ -62,7 +69,13 @@ CREATE TABLE IF NOT EXISTS dead_letters (
 );
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS usage (key TEXT PRIMARY KEY, used INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS call_slots (idx INTEGER PRIMARY KEY, holder TEXT, expires_at INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS call_slots (
+    scope TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    holder TEXT,
+    expires_at INTEGER NOT NULL,
+    PRIMARY KEY (scope, idx)
+);
 CREATE TABLE IF NOT EXISTS outcomes (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     job_id TEXT NOT NULL,
@@ -96,15 +109,21 @@ struct CallRecord {
 }
 
 /// The embedded store: queue, DLQ and state in one SQLite database.
+///
+/// A store keeps one scope's state ([`EmbeddedStore::scoped`]: a lane's, or the stack's);
+/// the queue, the DLQ, the lease and the outcome records are the whole file's.
 pub struct EmbeddedStore {
-    conn: Mutex<Connection>,
+    conn: Arc<Mutex<Connection>>,
     clock: Arc<dyn Clock>,
     /// How long outcome records are kept (`[outcomes] retention`).
     outcome_retention: Duration,
     /// When outcome records were last swept.
-    last_outcome_sweep: AtomicU64,
+    last_outcome_sweep: Arc<AtomicU64>,
     /// The file, named in errors (none in memory).
     path: Option<std::path::PathBuf>,
+    /// Whose state this store reads and writes, and its keys' prefix.
+    scope: StoreScope,
+    prefix: String,
 }
 
 /// Runs store work that may wait on SQLite's lock: on a multi-threaded runtime through
@@ -200,12 +219,50 @@ impl EmbeddedStore {
                 "the database has schema version {version}, written by a newer paceline; this one knows up to {SCHEMA_VERSION} (upgrade paceline)"
             )));
         }
+        if version < 3 {
+            conn.execute_batch(BEFORE_SCHEMA_3).map_err(fatal)?;
+        }
         conn.execute_batch(SCHEMA).map_err(fatal)?;
         if version < SCHEMA_VERSION {
             conn.pragma_update(None, "user_version", SCHEMA_VERSION).map_err(fatal)?;
         }
         let retention = crate::outcome::OutcomeSettings::default().retention;
-        Ok(Self { conn: Mutex::new(conn), clock, outcome_retention: retention, last_outcome_sweep: AtomicU64::new(0), path: None })
+        Ok(Self {
+            conn: Arc::new(Mutex::new(conn)),
+            clock,
+            outcome_retention: retention,
+            last_outcome_sweep: Arc::new(AtomicU64::new(0)),
+            path: None,
+            scope: StoreScope::default_lane(),
+            prefix: String::new(),
+        })
+    }
+
+    /// The same database, reading and writing `scope`'s state (a lane's pacer, circuit,
+    /// cool-down, counters, call records and slots, or the stack's); the queue, the
+    /// lease and the outcome records are shared.
+    #[must_use]
+    pub fn scoped(&self, scope: &StoreScope) -> Self {
+        Self {
+            conn: Arc::clone(&self.conn),
+            clock: Arc::clone(&self.clock),
+            outcome_retention: self.outcome_retention,
+            last_outcome_sweep: Arc::clone(&self.last_outcome_sweep),
+            path: self.path.clone(),
+            prefix: scope.prefix(),
+            scope: scope.clone(),
+        }
+    }
+
+    /// Whose state this store holds.
+    #[must_use]
+    pub fn scope(&self) -> &StoreScope {
+        &self.scope
+    }
+
+    /// `name` under this store's scope.
+    fn key(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
     }
 
     /// The same store keeping outcome records for `retention`.
@@ -239,13 +296,15 @@ impl EmbeddedStore {
 
     /// Deletes the failure buckets that ended [`FAILURE_BUCKET_TTL`] before `now` (what
     /// DynamoDB's TTL does for the AWS store).
-    fn sweep_failure_buckets(conn: &Connection, now: UnixMillis) -> PortResult<()> {
+    fn sweep_failure_buckets(&self, conn: &Connection, now: UnixMillis) -> PortResult<()> {
+        // GLOB, not LIKE: a lane id may hold `_`, LIKE's wildcard, and never `*?[`.
         let keys: Vec<String> = conn
-            .prepare("SELECT key FROM usage WHERE key LIKE 'failures#%'")
-            .and_then(|mut statement| statement.query_map([], |row| row.get(0))?.collect())
+            .prepare("SELECT key FROM usage WHERE key GLOB ?1")
+            .and_then(|mut statement| statement.query_map([self.key(&format!("{FAILURE_BUCKET_PREFIX}*"))], |row| row.get(0))?.collect())
             .map_err(sql_err)?;
         let horizon = now.minus(FAILURE_BUCKET_TTL);
-        for key in keys.iter().filter(|key| failure_bucket_end(key).is_some_and(|end| end < horizon)) {
+        let ended = |key: &String| self.scope.name_of(key).and_then(failure_bucket_end).is_some_and(|end| end < horizon);
+        for key in keys.iter().filter(|key| ended(key)) {
             conn.execute("DELETE FROM usage WHERE key = ?1", [key]).map_err(sql_err)?;
         }
         Ok(())
@@ -377,7 +436,10 @@ impl EmbeddedStore {
                 .conn()
                 .execute("UPDATE messages SET visible_at = ?1, receipt = NULL WHERE receipt IS NOT NULL AND visible_at > ?1", [now])
                 .map_err(sql_err)?;
-            self.conn().execute("DELETE FROM kv WHERE key LIKE 'call#%' AND json_extract(value, '$.state') = 'calling'", []).map_err(sql_err)?;
+            // Every lane's claims: the default lane's `call#..`, another's `lane#ID#call#..`.
+            self.conn()
+                .execute("DELETE FROM kv WHERE (key GLOB 'call#*' OR key GLOB 'lane#*#call#*') AND json_extract(value, '$.state') = 'calling'", [])
+                .map_err(sql_err)?;
             Ok((released, self.requeue_invocations(None)?))
         })
     }
@@ -711,7 +773,7 @@ impl StateStore for EmbeddedStore {
             let conn = self.conn();
             keys.iter()
                 .map(|k| {
-                    conn.query_row("SELECT used FROM usage WHERE key = ?1", [k], |r| r.get::<_, i64>(0))
+                    conn.query_row("SELECT used FROM usage WHERE key = ?1", [self.key(k)], |r| r.get::<_, i64>(0))
                         .optional()
                         .map(|v| v.map_or(0, to_u64))
                         .map_err(sql_err)
@@ -725,18 +787,18 @@ impl StateStore for EmbeddedStore {
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
             for (key, delta) in deltas {
-                tx.execute("INSERT INTO usage (key, used) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET used = used + ?2", params![key, delta])
+                tx.execute("INSERT INTO usage (key, used) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET used = used + ?2", params![self.key(key), delta])
                     .map_err(sql_err)?;
             }
             if deltas.iter().any(|(key, _)| key.starts_with(FAILURE_BUCKET_PREFIX)) {
-                Self::sweep_failure_buckets(&tx, self.clock.now())?;
+                self.sweep_failure_buckets(&tx, self.clock.now())?;
             }
             tx.commit().map_err(sql_err)
         })
     }
 
     async fn load_pacer(&self) -> PortResult<Option<PacerSnapshot>> {
-        self.get_kv("pacer")
+        self.get_kv(&self.key("pacer"))
     }
 
     async fn save_pacer(&self, lease: &Lease, snapshot: &PacerSnapshot) -> PortResult<()> {
@@ -746,62 +808,65 @@ impl StateStore for EmbeddedStore {
             if current.is_none_or(|c| c.epoch != lease.epoch || c.holder != lease.holder) {
                 return Err(PortError::Conflict(format!("lease epoch {} was lost", lease.epoch)));
             }
-            Self::put_kv(&conn, "pacer", snapshot)
+            Self::put_kv(&conn, &self.key("pacer"), snapshot)
         })
     }
 
     async fn circuit(&self) -> PortResult<Circuit> {
-        Ok(self.get_kv("circuit")?.unwrap_or_default())
+        Ok(self.get_kv(&self.key("circuit"))?.unwrap_or_default())
     }
 
     async fn swap_circuit(&self, expected_epoch: u64, next: &Circuit) -> PortResult<()> {
         self.on_db(|| {
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
-            let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = 'circuit'", [], |r| r.get(0)).optional().map_err(sql_err)?;
+            let stored: Option<String> =
+                tx.query_row("SELECT value FROM kv WHERE key = ?1", [self.key("circuit")], |r| r.get(0)).optional().map_err(sql_err)?;
             let current: Circuit = stored.and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
             if current.epoch != expected_epoch {
                 return Err(PortError::Conflict(format!("circuit is at epoch {}, not {expected_epoch}", current.epoch)));
             }
-            Self::put_kv(&tx, "circuit", next)?;
+            Self::put_kv(&tx, &self.key("circuit"), next)?;
             tx.commit().map_err(sql_err)
         })
     }
 
     async fn cool_down(&self) -> PortResult<UnixMillis> {
-        Ok(self.get_kv("cool_down")?.unwrap_or_default())
+        Ok(self.get_kv(&self.key("cool_down"))?.unwrap_or_default())
     }
 
     async fn extend_cool_down(&self, until: UnixMillis) -> PortResult<()> {
         self.on_db(|| {
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
-            let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = 'cool_down'", [], |r| r.get(0)).optional().map_err(sql_err)?;
+            let stored: Option<String> =
+                tx.query_row("SELECT value FROM kv WHERE key = ?1", [self.key("cool_down")], |r| r.get(0)).optional().map_err(sql_err)?;
             let current: UnixMillis = stored.and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
-            Self::put_kv(&tx, "cool_down", &current.max(until))?;
+            Self::put_kv(&tx, &self.key("cool_down"), &current.max(until))?;
             tx.commit().map_err(sql_err)
         })
     }
 
     async fn clear_cool_down(&self) -> PortResult<()> {
         self.on_db(|| {
-            self.conn().execute("DELETE FROM kv WHERE key IN ('cool_down', 'provider_reading')", []).map_err(sql_err)?;
+            self.conn().execute("DELETE FROM kv WHERE key IN (?1, ?2)", [self.key("cool_down"), self.key("provider_reading")]).map_err(sql_err)?;
             Ok(())
         })
     }
 
     async fn provider_reading(&self) -> PortResult<Option<ProviderReading>> {
-        self.get_kv("provider_reading")
+        self.get_kv(&self.key("provider_reading"))
     }
 
     async fn record_provider_reading(&self, reading: &ProviderReading) -> PortResult<()> {
         self.on_db(|| {
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
-            let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = 'provider_reading'", [], |r| r.get(0)).optional().map_err(sql_err)?;
+            let stored: Option<String> =
+                tx.query_row("SELECT value FROM kv WHERE key = ?1", [self.key("provider_reading")], |r| r.get(0)).optional().map_err(sql_err)?;
             let current: Option<ProviderReading> = stored.and_then(|t| serde_json::from_str(&t).ok());
             if current.is_none_or(|current| current.at < reading.at) {
-                Self::put_kv(&tx, "provider_reading", reading)?;
+                Self::put_kv(&tx, &self.key("provider_reading"), reading)?;
             }
             tx.commit().map_err(sql_err)
         })
@@ -811,14 +876,15 @@ impl StateStore for EmbeddedStore {
         self.on_db(|| {
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
-            let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = ?1", [key], |r| r.get(0)).optional().map_err(sql_err)?;
+            let key = self.key(key);
+            let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = ?1", [&key], |r| r.get(0)).optional().map_err(sql_err)?;
             let current: Option<CallRecord> = stored.and_then(|t| serde_json::from_str(&t).ok());
             match current {
                 Some(record) if record.state == CallClaim::Done => return Ok(CallClaim::Done),
                 Some(record) if record.expires_at > now => return Ok(CallClaim::Calling),
                 _ => {}
             }
-            Self::put_kv(&tx, key, &CallRecord { state: CallClaim::Calling, holder: holder.to_owned(), expires_at })?;
+            Self::put_kv(&tx, &key, &CallRecord { state: CallClaim::Calling, holder: holder.to_owned(), expires_at })?;
             tx.commit().map_err(sql_err)?;
             Ok(CallClaim::Taken)
         })
@@ -830,11 +896,11 @@ impl StateStore for EmbeddedStore {
             let now = self.clock.now();
             // Done records past their keep are swept as new ones come (DynamoDB's TTL on AWS).
             conn.execute(
-                "DELETE FROM kv WHERE key LIKE 'call#%' AND json_extract(value, '$.expires_at') < ?1 AND json_extract(value, '$.state') = 'done'",
-                [to_i64(now.0)],
+                "DELETE FROM kv WHERE key GLOB ?2 AND json_extract(value, '$.expires_at') < ?1 AND json_extract(value, '$.state') = 'done'",
+                params![to_i64(now.0), self.key("call#*")],
             )
             .map_err(sql_err)?;
-            Self::put_kv(&conn, key, &CallRecord { state: CallClaim::Done, holder: String::new(), expires_at: keep_until })
+            Self::put_kv(&conn, &self.key(key), &CallRecord { state: CallClaim::Done, holder: String::new(), expires_at: keep_until })
         })
     }
 
@@ -843,7 +909,7 @@ impl StateStore for EmbeddedStore {
             let conn = self.conn();
             conn.execute(
                 "DELETE FROM kv WHERE key = ?1 AND json_extract(value, '$.holder') = ?2 AND json_extract(value, '$.state') = 'calling'",
-                params![key, holder],
+                params![self.key(key), holder],
             )
             .map_err(sql_err)?;
             Ok(())
@@ -852,7 +918,7 @@ impl StateStore for EmbeddedStore {
 
     async fn forget_call(&self, key: &str) -> PortResult<()> {
         self.on_db(|| {
-            self.conn().execute("DELETE FROM kv WHERE key = ?1 AND key LIKE 'call#%'", [key]).map_err(sql_err)?;
+            self.conn().execute("DELETE FROM kv WHERE key = ?1 AND key GLOB ?2", [self.key(key), self.key("call#*")]).map_err(sql_err)?;
             Ok(())
         })
     }
@@ -862,12 +928,15 @@ impl StateStore for EmbeddedStore {
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
             let taken: Vec<u32> = tx
-                .prepare("SELECT idx FROM call_slots WHERE idx < ?1 AND holder IS NOT NULL AND expires_at > ?2")
-                .and_then(|mut statement| statement.query_map(params![capacity, to_i64(now.0)], |row| row.get(0))?.collect())
+                .prepare("SELECT idx FROM call_slots WHERE scope = ?3 AND idx < ?1 AND holder IS NOT NULL AND expires_at > ?2")
+                .and_then(|mut statement| statement.query_map(params![capacity, to_i64(now.0), self.prefix], |row| row.get(0))?.collect())
                 .map_err(sql_err)?;
             let Some(free) = (0..capacity).find(|index| !taken.contains(index)) else { return Ok(None) };
-            tx.execute("INSERT OR REPLACE INTO call_slots (idx, holder, expires_at) VALUES (?1, ?2, ?3)", params![free, holder, to_i64(expires_at.0)])
-                .map_err(sql_err)?;
+            tx.execute(
+                "INSERT OR REPLACE INTO call_slots (scope, idx, holder, expires_at) VALUES (?4, ?1, ?2, ?3)",
+                params![free, holder, to_i64(expires_at.0), self.prefix],
+            )
+            .map_err(sql_err)?;
             tx.commit().map_err(sql_err)?;
             Ok(Some(free))
         })
@@ -876,7 +945,10 @@ impl StateStore for EmbeddedStore {
     async fn release_call_slot(&self, index: u32, holder: &str) -> PortResult<()> {
         self.on_db(|| {
             self.conn()
-                .execute("UPDATE call_slots SET holder = NULL, expires_at = 0 WHERE idx = ?1 AND holder = ?2", params![index, holder])
+                .execute(
+                    "UPDATE call_slots SET holder = NULL, expires_at = 0 WHERE scope = ?3 AND idx = ?1 AND holder = ?2",
+                    params![index, holder, self.prefix],
+                )
                 .map_err(sql_err)?;
             Ok(())
         })
@@ -886,8 +958,8 @@ impl StateStore for EmbeddedStore {
         self.on_db(|| {
             self.conn()
                 .query_row(
-                    "SELECT COUNT(*) FROM call_slots WHERE idx < ?1 AND holder IS NOT NULL AND expires_at > ?2",
-                    params![capacity, to_i64(now.0)],
+                    "SELECT COUNT(*) FROM call_slots WHERE scope = ?3 AND idx < ?1 AND holder IS NOT NULL AND expires_at > ?2",
+                    params![capacity, to_i64(now.0), self.prefix],
                     |row| row.get(0),
                 )
                 .map_err(sql_err)
@@ -1255,6 +1327,44 @@ mod tests {
             let (_, store) = paused_store();
             let quota = crate::quota::Quota::new(vec!["5/s".parse().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
             contract::state_store(store, &quota).await;
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn a_lane_scoped_embedded_store_keeps_the_state_store_contract_too() {
+            let (_, store) = paused_store();
+            let quota = crate::quota::Quota::new(vec!["5/s".parse().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
+            let acme = StoreScope::Lane(crate::lane::LaneId::parse("acme").unwrap());
+            contract::state_store(Arc::new(store.scoped(&acme)), &quota).await;
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn each_lane_s_state_is_apart_from_every_other_lane_s_and_the_default_lane_keeps_the_old_keys() {
+            let (clock, store) = paused_store();
+            let now = clock.now();
+            let lane = |id: &str| store.scoped(&StoreScope::Lane(crate::lane::LaneId::parse(id).unwrap()));
+            let (default, acme, acme_b) = (lane("default"), lane("acme"), lane("acme_b"));
+            let open = Circuit::default().open(0, "HTTP 503", now).unwrap();
+            acme.swap_circuit(0, &open).await.unwrap();
+            acme.extend_cool_down(now.plus(Duration::from_secs(5))).await.unwrap();
+            acme.add_usage(&[("failures#1000#1".to_owned(), 3)]).await.unwrap();
+            assert_eq!(acme.claim_call("call#j1#1", "w1", now, now.plus(Duration::from_secs(30))).await.unwrap(), CallClaim::Taken);
+            assert_eq!(acme.take_call_slot(1, "w1", now, now.plus(Duration::from_secs(30))).await.unwrap(), Some(0));
+            for other in [&default, &acme_b] {
+                assert!(other.circuit().await.unwrap().is_closed(), "{} sees acme's circuit", other.scope());
+                assert_eq!(other.cool_down().await.unwrap(), UnixMillis(0));
+                assert_eq!(other.load_usage(&["failures#1000#1".to_owned()]).await.unwrap(), vec![0]);
+                assert_eq!(other.claim_call("call#j1#1", "w2", now, now.plus(Duration::from_secs(30))).await.unwrap(), CallClaim::Taken);
+                assert_eq!(other.take_call_slot(1, "w2", now, now.plus(Duration::from_secs(30))).await.unwrap(), Some(0), "a slot of its own");
+            }
+            assert_eq!(acme.call_slots_in_use(1, now).await.unwrap(), 1);
+            // The default lane's keys are a stack-without-lanes' keys.
+            default.add_usage(&[("10/day@0".to_owned(), 2)]).await.unwrap();
+            assert_eq!(store.load_usage(&["10/day@0".to_owned()]).await.unwrap(), vec![2]);
+            let stored: Option<Circuit> = store.get_kv("lane#acme#circuit").unwrap();
+            assert!(stored.is_some_and(|c| !c.is_closed()), "acme's circuit is under its lane's key");
+            // A crash drops every lane's claims on calls.
+            store.recover_after_crash().unwrap();
+            assert_eq!(acme.claim_call("call#j1#1", "w3", now, now.plus(Duration::from_secs(30))).await.unwrap(), CallClaim::Taken);
         }
 
         #[tokio::test(start_paused = true)]
