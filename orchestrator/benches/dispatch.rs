@@ -62,9 +62,9 @@ impl JobQueue for Counting<EmbeddedStore> {
         self.count("sqs:DeleteMessageBatch", batches(receipts.len()));
         self.inner.delete(receipts).await
     }
-    async fn release(&self, receipts: &[String]) -> PortResult<()> {
+    async fn release(&self, receipts: &[String], after: Duration) -> PortResult<()> {
         self.count("sqs:ChangeMessageVisibilityBatch", batches(receipts.len()));
-        self.inner.release(receipts).await
+        self.inner.release(receipts, after).await
     }
     async fn send(&self, messages: &[OutgoingMessage]) -> PortResult<()> {
         self.count("sqs:SendMessageBatch", batches(messages.len()));

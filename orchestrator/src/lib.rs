@@ -304,7 +304,7 @@ impl Executor<'_> {
                 }
                 Event::DeadLettered(message, result)
             }
-            Action::Release(receipts) => Event::Released(receipts.len(), in_batches(&receipts, |batch| o.queue.release(batch)).await),
+            Action::Release(receipts) => Event::Released(receipts.len(), in_batches(&receipts, |batch| o.queue.release(batch, Duration::ZERO)).await),
             Action::CheckDrained => Event::DrainChecked(self.nothing_left().await),
             Action::Receive { max, wait, long_poll } => {
                 let (queue, clock, visibility) = (o.queue.clone(), o.clock.clone(), cfg.visibility_timeout);
@@ -364,7 +364,7 @@ impl Executor<'_> {
         }
         let (o, (deletes, in_hand, unspent)) = (self.o, self.state.leftovers());
         let deleted = in_batches(&deletes, |batch| o.queue.delete(batch)).await;
-        let released = in_batches(&in_hand, |batch| o.queue.release(batch)).await;
+        let released = in_batches(&in_hand, |batch| o.queue.release(batch, Duration::ZERO)).await;
         if released.is_ok() {
             self.state.report.released += in_hand.len() as u64;
         }

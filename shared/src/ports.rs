@@ -121,11 +121,11 @@ pub trait JobQueue: Send + Sync {
     /// As for `receive`; a message not deleted comes back after its visibility timeout.
     async fn delete(&self, receipts: &[String]) -> PortResult<()>;
 
-    /// Makes received messages visible again now.
+    /// Makes received messages visible again `after` this long (`Duration::ZERO`: now).
     ///
     /// # Errors
     /// As for `receive`; a message not released comes back after its visibility timeout.
-    async fn release(&self, receipts: &[String]) -> PortResult<()>;
+    async fn release(&self, receipts: &[String], after: Duration) -> PortResult<()>;
 
     /// Puts messages on the queue (at most 10 at a time). All or nothing is not promised:
     /// the error lists nothing, so callers resend the whole batch (jobs carry ids).

@@ -229,13 +229,18 @@ impl JobQueue for SimQueue {
         Ok(())
     }
 
-    async fn release(&self, receipts: &[String]) -> PortResult<()> {
+    async fn release(&self, receipts: &[String], after: Duration) -> PortResult<()> {
         self.world.ledger.count("sqs:ChangeMessageVisibilityBatch", receipts.len().div_ceil(10) as u64);
         self.world.call(Stream::Sqs).await;
+        let now = self.world.clock.now();
         let mut state = lock(&self.state);
         for receipt in Self::receipts(receipts).collect::<Vec<_>>().into_iter().rev() {
             if let Some((message, _)) = state.hidden.remove(&receipt) {
-                state.visible.push_front(message);
+                if after.is_zero() {
+                    state.visible.push_front(message);
+                } else {
+                    state.hidden.insert(receipt, (message, now.plus(after)));
+                }
             }
         }
         drop(state);

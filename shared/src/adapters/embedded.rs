@@ -587,9 +587,9 @@ impl JobQueue for EmbeddedStore {
         })
     }
 
-    async fn release(&self, receipts: &[String]) -> PortResult<()> {
+    async fn release(&self, receipts: &[String], after: Duration) -> PortResult<()> {
         self.on_db(|| {
-            let now = to_i64(self.clock.now().0);
+            let now = to_i64(self.clock.now().plus(after).0);
             let conn = self.conn();
             for receipt in receipts {
                 conn.execute("UPDATE messages SET visible_at = ?1, receipt = NULL WHERE receipt = ?2", params![now, receipt]).map_err(sql_err)?;
@@ -1040,7 +1040,7 @@ mod tests {
         assert_eq!(got.iter().map(|m| (m.body.as_str(), m.attempt)).collect::<Vec<_>>(), vec![("a", 0), ("b", 2)]);
         assert_eq!(q.depth().await.unwrap(), QueueDepth { visible: 1, not_visible: 2, dead: 0 });
         q.delete(&[got[0].receipt.clone()]).await.unwrap();
-        q.release(&[got[1].receipt.clone()]).await.unwrap();
+        q.release(&[got[1].receipt.clone()], Duration::ZERO).await.unwrap();
         let again = q.receive(10, Duration::ZERO, Duration::from_secs(30)).await.unwrap();
         assert_eq!(again.iter().map(|m| m.body.as_str()).collect::<Vec<_>>(), vec!["b", "c"]);
         clock.advance(Duration::from_secs(31));

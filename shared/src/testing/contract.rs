@@ -59,7 +59,7 @@ pub async fn job_queue(queue: &dyn JobQueue, clock: &dyn Clock) {
 
     let receipts = |id: &str| vec![got.iter().find(|m| m.body.contains(&format!(r#""{id}""#))).unwrap().receipt.clone()];
     queue.delete(&receipts("a")).await.unwrap();
-    queue.release(&receipts("b")).await.unwrap();
+    queue.release(&receipts("b"), Duration::ZERO).await.unwrap();
     queue.delete(&["not-a-receipt".to_owned()]).await.expect("an unknown receipt is ignored");
     let again = queue.receive(10, Duration::from_secs(1), visibility).await.unwrap();
     assert_eq!(ids(&again), ["b"], "a released message is visible at once; a deleted one is gone");

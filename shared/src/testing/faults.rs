@@ -110,9 +110,9 @@ impl<T: JobQueue + ?Sized> JobQueue for Faulty<T> {
         self.call(Method::Delete)?;
         self.inner.delete(receipts).await
     }
-    async fn release(&self, receipts: &[String]) -> PortResult<()> {
+    async fn release(&self, receipts: &[String], after: Duration) -> PortResult<()> {
         self.call(Method::Release)?;
-        self.inner.release(receipts).await
+        self.inner.release(receipts, after).await
     }
     async fn send(&self, messages: &[OutgoingMessage]) -> PortResult<()> {
         self.call(Method::Send)?;

@@ -186,8 +186,10 @@ impl JobQueue for SqsQueue {
         self.delete_from(&self.queue_url, receipts).await
     }
 
-    async fn release(&self, receipts: &[String]) -> PortResult<()> {
-        self.change_visibility(&self.queue_url, receipts, 0).await
+    async fn release(&self, receipts: &[String], after: Duration) -> PortResult<()> {
+        // SQS counts visibility in whole seconds: never sooner than asked.
+        let seconds = i32::try_from(after.as_millis().div_ceil(1000)).unwrap_or(i32::MAX);
+        self.change_visibility(&self.queue_url, receipts, seconds).await
     }
 
     async fn send(&self, messages: &[OutgoingMessage]) -> PortResult<()> {

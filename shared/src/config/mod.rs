@@ -13,8 +13,13 @@ use serde::{Deserialize, Deserializer};
 
 use crate::breaker::TripSettings;
 use crate::job::ApiRequest;
+use crate::lane::LaneId;
 use crate::outcome::{OutcomeSettings, RecordOutcomes};
 use crate::quota::{Quota, Tier};
+
+mod lanes;
+
+pub use lanes::{CoolDownScope, LaneSettings, LanesConfig, LANE_PLACEHOLDER};
 
 /// Why the configuration cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -51,6 +56,9 @@ pub struct Config {
     pub orchestrator: OrchestratorConfig,
     pub outcomes: OutcomeSettings,
     pub backend: Backend,
+    /// `[lanes]`: many lanes under `quota`, shared. `None`: one lane, `default`, whose
+    /// quota is `quota`.
+    pub lanes: Option<LanesConfig>,
 }
 
 /// The third-party API.
@@ -577,6 +585,7 @@ struct RawConfig {
     outcomes: RawOutcomes,
     #[serde(default)]
     backend: RawBackend,
+    lanes: Option<toml::Table>,
 }
 
 /// `[outcomes]` as written; defaults from [`OutcomeSettings::default`].
@@ -623,7 +632,7 @@ struct RawApi {
 
 /// Where a header's value comes from: literally, or from an environment variable
 /// (optionally with a prefix such as `Bearer `).
-#[derive(Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields, untagged)]
 pub(crate) enum HeaderSource {
     Value {
@@ -753,6 +762,10 @@ impl Config {
             RawBackend::Embedded { path } => Backend::Embedded { path: base_dir.join(path) },
             RawBackend::Aws(aws) => Backend::Aws(aws),
         };
+        let lanes = raw.lanes.map(|table| LanesConfig::parse(table, &quota, env)).transpose()?;
+        if lanes.is_some() && matches!(backend, Backend::Aws(_)) {
+            return Err(ConfigProblem::at("lanes", "runs on the embedded backend for now: on AWS a stack paces one lane (leave [lanes] out)"));
+        }
         Ok(Self {
             api: ApiConfig { base_url: raw.api.base_url, timeout: raw.api.timeout, headers, health_check, max_body: raw.api.max_body, idempotency_header },
             quota,
@@ -761,7 +774,15 @@ impl Config {
             orchestrator: raw.orchestrator,
             outcomes,
             backend,
+            lanes,
         })
+    }
+
+    /// The quota `lane`'s jobs go under besides the shared one: its own under `[lanes]`,
+    /// or, with one lane, `[quota]`.
+    #[must_use]
+    pub fn lane_quota(&self, lane: &LaneId) -> &Quota {
+        self.lanes.as_ref().map_or(&self.quota, |lanes| &lanes.lane(lane).quota)
     }
 }
 
@@ -816,7 +837,7 @@ mod tests {
         assert_eq!(unset.dispatch_ahead(WorkerHost::Lambda), LAMBDA_DISPATCH_AHEAD);
         let at_slot = parse(&format!("{MINIMAL}[orchestrator]\ndispatch_ahead = \"0s\"\n")).unwrap().orchestrator;
         assert_eq!(at_slot.dispatch_ahead(WorkerHost::Lambda), Duration::ZERO);
-        let template = include_str!("../../infra/template.yaml");
+        let template = include_str!("../../../infra/template.yaml");
         let default = template.split("DispatchAheadMilliseconds:").nth(1).and_then(|rest| rest.split("Default:").nth(1)).and_then(|rest| rest.lines().next());
         assert_eq!(default.map(str::trim), Some(LAMBDA_DISPATCH_AHEAD.as_millis().to_string().as_str()), "the template's default is the same");
     }

@@ -1,0 +1,277 @@
+//! `[lanes]`: the lanes of a stack, each with its own quota under the stack's shared
+//! `[quota]`, a weight for its share, and its own headers (a tenant's key) or base URL
+//! (another API). The table's own keys are every lane's defaults; `[lanes.NAME]`
+//! overrides any of them for one lane. `{lane}` in a header's value or environment
+//! variable name is replaced by the lane id, so a lane nobody configured gets its key
+//! from `KEY_{lane}` like the others.
+
+use std::collections::BTreeMap;
+
+use secrecy::SecretString;
+use serde::Deserialize;
+
+use super::{resolve_headers, ConfigProblem, HeaderSource};
+use crate::lane::{LaneId, RESERVED};
+use crate::quota::{Quota, Tier};
+
+/// What `{lane}` stands for in a header's value or environment variable name.
+pub const LANE_PLACEHOLDER: &str = "{lane}";
+
+/// Which lanes a 429 cools down.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CoolDownScope {
+    /// The lane whose call met it (each tenant has its own quota at the provider).
+    #[default]
+    Lane,
+    /// Every lane (the provider's shared quota is the one refusing).
+    Stack,
+}
+
+/// One lane's settings, as `[lanes]` and `[lanes.NAME]` give them.
+#[derive(Clone, Debug)]
+pub struct LaneSettings {
+    /// The lane's own quota; every lane is also under the stack's `[quota]`.
+    pub quota: Quota,
+    /// The lane's share of the shared quota among lanes with jobs ready, relative to
+    /// the others' (3 takes three times what 1 takes).
+    pub weight: f64,
+    /// Headers added to the `[api]` headers on this lane's calls (same name: this one),
+    /// `{lane}` not yet replaced.
+    headers: Vec<(String, HeaderSource)>,
+    /// This lane's API, if not `[api] base_url`.
+    pub base_url: Option<url::Url>,
+}
+
+impl LaneSettings {
+    /// The lane's headers for `lane`, read from `env` (the `[api]` headers not
+    /// included). `key` names the setting in errors.
+    ///
+    /// # Errors
+    /// A [`ConfigProblem`] naming the header whose environment variable is not set.
+    pub fn headers_for(&self, lane: &LaneId, key: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Vec<(String, SecretString)>, ConfigProblem> {
+        let sources = self.headers.iter().map(|(name, source)| (name.clone(), source.for_lane(lane))).collect();
+        resolve_headers(sources, key, env)
+    }
+
+    /// Whether any header of this lane depends on the lane's id.
+    #[must_use]
+    pub fn headers_name_the_lane(&self) -> bool {
+        self.headers.iter().any(|(_, source)| source.names_the_lane())
+    }
+}
+
+/// `[lanes]` parsed: every lane's defaults and the named lanes' settings.
+#[derive(Clone, Debug)]
+pub struct LanesConfig {
+    /// What a lane not named in `[lanes.NAME]` gets (the default lane included).
+    pub defaults: LaneSettings,
+    /// The named lanes, each with the defaults under its own overrides.
+    pub named: BTreeMap<LaneId, LaneSettings>,
+    /// Which lanes a 429 cools down.
+    pub on_429: CoolDownScope,
+}
+
+impl LanesConfig {
+    /// `lane`'s settings: its own if named, else the defaults.
+    #[must_use]
+    pub fn lane(&self, lane: &LaneId) -> &LaneSettings {
+        self.named.get(lane).unwrap_or(&self.defaults)
+    }
+
+    /// Parses the `[lanes]` table; `shared` is the stack's `[quota]`, whose tiers a lane
+    /// without tiers of its own takes.
+    pub(crate) fn parse(table: toml::Table, shared: &Quota, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, ConfigProblem> {
+        let mut defaults = RawLane::default();
+        let mut on_429 = CoolDownScope::default();
+        let mut overrides = Vec::new();
+        for (key, value) in table {
+            match key.as_str() {
+                "on_429" => on_429 = value.try_into().map_err(|e| ConfigProblem::at("lanes.on_429", format!("{e} (\"lane\" or \"stack\")")))?,
+                "ordering" => return Err(ConfigProblem::at("lanes.ordering", "is not a setting yet: jobs within a lane go in the queue's order")),
+                setting if RESERVED.contains(&setting) => defaults.set(setting, value)?,
+                name => {
+                    let lane = LaneId::parse(name).map_err(|e| ConfigProblem::at(format!("lanes.{name}"), e))?;
+                    let toml::Value::Table(table) = value else {
+                        return Err(ConfigProblem::at(
+                            format!("lanes.{name}"),
+                            format!("is not a [lanes] setting ({}) nor a [lanes.{name}] table", RESERVED.join(", ")),
+                        ));
+                    };
+                    let raw: RawLane = toml::Value::Table(table).try_into().map_err(|e| ConfigProblem::at(format!("lanes.{name}"), e))?;
+                    overrides.push((lane, raw));
+                }
+            }
+        }
+        let defaults_settings = defaults.clone().settings("lanes", shared)?;
+        let mut named = BTreeMap::new();
+        for (lane, raw) in overrides {
+            let settings = raw.over(&defaults).settings(&format!("lanes.{lane}"), shared)?;
+            // A named lane's keys are checked now: a missing one is a config error.
+            settings.headers_for(&lane, &format!("lanes.{lane}.headers"), env)?;
+            named.insert(lane, settings);
+        }
+        if !defaults_settings.headers_name_the_lane() {
+            defaults_settings.headers_for(&LaneId::default_lane(), "lanes.headers", env)?;
+        }
+        Ok(Self { defaults: defaults_settings, named, on_429 })
+    }
+}
+
+impl HeaderSource {
+    /// This source with `{lane}` replaced by `lane`.
+    fn for_lane(&self, lane: &LaneId) -> Self {
+        let fill = |text: &str| text.replace(LANE_PLACEHOLDER, lane.as_str());
+        match self {
+            Self::Value { value } => Self::Value { value: fill(value) },
+            Self::Env { env, prefix } => Self::Env { env: fill(env), prefix: fill(prefix) },
+        }
+    }
+
+    fn names_the_lane(&self) -> bool {
+        match self {
+            Self::Value { value } => value.contains(LANE_PLACEHOLDER),
+            Self::Env { env, prefix } => env.contains(LANE_PLACEHOLDER) || prefix.contains(LANE_PLACEHOLDER),
+        }
+    }
+}
+
+/// A lane's settings as written (every one optional: unset ones come from `[lanes]`).
+#[derive(Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLane {
+    tiers: Option<Vec<Tier>>,
+    weight: Option<f64>,
+    max_in_flight: Option<u32>,
+    headers: Option<BTreeMap<String, HeaderSource>>,
+    base_url: Option<String>,
+}
+
+impl RawLane {
+    /// Sets one of `[lanes]`' own keys.
+    fn set(&mut self, setting: &str, value: toml::Value) -> Result<(), ConfigProblem> {
+        let mut one = toml::Table::new();
+        one.insert(setting.to_owned(), value);
+        let parsed: Self = toml::Value::Table(one).try_into().map_err(|e: toml::de::Error| ConfigProblem::at(format!("lanes.{setting}"), e.message()))?;
+        *self = parsed.over(self);
+        Ok(())
+    }
+
+    /// These settings over `defaults`: what is set here wins.
+    fn over(self, defaults: &Self) -> Self {
+        Self {
+            tiers: self.tiers.or_else(|| defaults.tiers.clone()),
+            weight: self.weight.or(defaults.weight),
+            max_in_flight: self.max_in_flight.or(defaults.max_in_flight),
+            headers: self.headers.or_else(|| defaults.headers.clone()),
+            base_url: self.base_url.or_else(|| defaults.base_url.clone()),
+        }
+    }
+
+    /// The settings, checked; `key` names the table in errors.
+    fn settings(self, key: &str, shared: &Quota) -> Result<LaneSettings, ConfigProblem> {
+        let quota = match self.tiers {
+            Some(tiers) => Quota::new(tiers, shared.zone(), shared.safety_margin()).map_err(|e| ConfigProblem::at(format!("{key}.tiers"), e))?,
+            None => Quota::new(shared.tiers().to_vec(), shared.zone(), shared.safety_margin()).expect("the shared quota's tiers are checked"),
+        };
+        let max_in_flight = super::check_max_in_flight(self.max_in_flight).map_err(|e| ConfigProblem::at(format!("{key}.max_in_flight"), e))?;
+        let weight = self.weight.unwrap_or(1.0);
+        if !(weight.is_finite() && weight > 0.0) {
+            return Err(ConfigProblem::at(format!("{key}.weight"), format!("{weight} is not a weight: give a number over 0 (1 is every lane's share)")));
+        }
+        let headers: Vec<(String, HeaderSource)> = self.headers.unwrap_or_default().into_iter().collect();
+        if let Some((name, _)) = headers.iter().find(|(name, _)| name.contains(LANE_PLACEHOLDER)) {
+            return Err(ConfigProblem::at(format!("{key}.headers.{name}"), "`{lane}` is replaced in a header's value or env name, not in its name"));
+        }
+        let base_url = self.base_url.map(|text| super::parse_base_url(&text)).transpose().map_err(|e| ConfigProblem::at(format!("{key}.base_url"), e))?;
+        Ok(LaneSettings { quota: quota.with_max_in_flight(max_in_flight), weight, headers, base_url })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use secrecy::ExposeSecret;
+
+    use super::*;
+    use crate::config::Config;
+
+    const STACK: &str = "[api]\nbase_url = \"https://api.example.com/v1\"\n[quota]\ntiers = [\"20/s\"]\n";
+
+    fn env(name: &str) -> Option<String> {
+        match name {
+            "KEY_acme" => Some("k-acme".into()),
+            "KEY_gold" => Some("k-gold".into()),
+            _ => None,
+        }
+    }
+
+    fn parse(lanes: &str) -> Result<Config, String> {
+        Config::parse(&format!("{STACK}{lanes}"), Path::new("/stack"), &env).map_err(|problem| problem.to_string())
+    }
+
+    fn lane(id: &str) -> LaneId {
+        LaneId::parse(id).unwrap()
+    }
+
+    #[test]
+    fn lanes_take_the_defaults_under_their_own_overrides_and_fill_in_their_id() {
+        let config = parse(
+            "[lanes]\ntiers = [\"5/s\"]\nheaders = { X-Tenant = { value = \"{lane}\" }, Authorization = { env = \"KEY_{lane}\", prefix = \"Bearer \" } }\n\
+             [lanes.gold]\nweight = 3\ntiers = [\"10/s\", \"1000/day\"]\n[lanes.other-api]\nbase_url = \"https://other.example.com\"\nheaders = {}\n",
+        )
+        .unwrap();
+        let lanes = config.lanes.as_ref().unwrap();
+        assert_eq!(config.quota.tiers().len(), 1, "[quota] is the shared quota");
+        assert_eq!(lanes.lane(&lane("acme")).quota.tiers()[0].to_string(), "5/s");
+        assert_eq!(lanes.lane(&lane("acme")).weight, 1.0);
+        assert_eq!(lanes.lane(&lane("gold")).weight, 3.0);
+        assert_eq!(config.lane_quota(&lane("gold")).tiers().len(), 2);
+        let headers = lanes.lane(&lane("acme")).headers_for(&lane("acme"), "lanes.headers", &env).unwrap();
+        let shown: Vec<(&str, &str)> = headers.iter().map(|(name, value)| (name.as_str(), value.expose_secret())).collect();
+        assert_eq!(shown, [("Authorization", "Bearer k-acme"), ("X-Tenant", "acme")]);
+        let other = lanes.lane(&lane("other-api"));
+        assert_eq!(other.base_url.as_ref().map(url::Url::as_str), Some("https://other.example.com/"));
+        assert_eq!(other.quota.tiers()[0].to_string(), "5/s", "the defaults' tiers");
+        let unknown = lanes.lane(&lane("nobody")).headers_for(&lane("nobody"), "lanes.headers", &env).unwrap_err();
+        assert_eq!(unknown.to_string(), "lanes.headers.Authorization: environment variable KEY_nobody is not set");
+        assert_eq!(lanes.on_429, CoolDownScope::Lane);
+    }
+
+    #[test]
+    fn a_lane_without_tiers_of_its_own_goes_under_the_shared_ones_and_a_stack_without_lanes_is_one_lane() {
+        let config = parse("[lanes]\nweight = 2\non_429 = \"stack\"\n").unwrap();
+        let lanes = config.lanes.as_ref().unwrap();
+        assert_eq!(lanes.lane(&lane("x")).quota.tiers(), config.quota.tiers());
+        assert_eq!(lanes.on_429, CoolDownScope::Stack);
+        let one = parse("").unwrap();
+        assert!(one.lanes.is_none());
+        assert_eq!(one.lane_quota(&LaneId::default_lane()).tiers(), one.quota.tiers());
+    }
+
+    #[test]
+    fn bad_lanes_are_refused_naming_the_key() {
+        for (lanes, expected) in [
+            ("[lanes]\nwieght = 2\n", "lanes.wieght: is not a [lanes] setting"),
+            ("[lanes.\"a b\"]\nweight = 2\n", "lanes.a b: lane id \"a b\" has ' '"),
+            ("[lanes.gold]\nwieght = 2\n", "lanes.gold: unknown field `wieght`"),
+            ("[lanes]\nweight = 0\n", "lanes.weight: 0 is not a weight"),
+            ("[lanes.gold]\nweight = -1\n", "lanes.gold.weight: -1 is not a weight"),
+            ("[lanes.gold]\nbase_url = \"ftp://x.example.com\"\n", "lanes.gold.base_url: "),
+            ("[lanes]\nheaders = { \"X-{lane}\" = { value = \"1\" } }\n", "lanes.headers.X-{lane}: `{lane}` is replaced"),
+            (
+                "[lanes.gold]\nheaders = { Authorization = { env = \"KEY_{lane}x\" } }\n",
+                "lanes.gold.headers.Authorization: environment variable KEY_goldx is not set",
+            ),
+            ("[lanes]\ntiers = [\"5/fortnight\"]\n", "lanes.tiers"),
+            ("[lanes]\non_429 = \"everyone\"\n", "lanes.on_429: "),
+        ] {
+            let problem = parse(lanes).unwrap_err();
+            assert!(problem.starts_with(expected), "{lanes:?}: {problem}");
+        }
+        let aws = "[backend]\nkind = \"aws\"\nqueue_url = \"q\"\ndlq_url = \"d\"\ntable = \"t\"\nworker_function = \"w\"\n[lanes]\n";
+        let problem = parse(aws).unwrap_err();
+        assert!(problem.contains("embedded backend"), "{problem}");
+    }
+}
