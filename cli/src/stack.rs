@@ -7,13 +7,16 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
-use paceline_orchestrator::{Orchestrator, RunOptions, RunReport, Settings};
+use paceline_orchestrator::{Orchestrator, RunOptions, RunReport, ScopedStores, Settings};
 use paceline_shared::adapters::embedded::{canonical_db_path, lock_exclusive, EmbeddedInvoker, EmbeddedStore};
 use paceline_shared::breaker::Circuit;
 use paceline_shared::config::{Backend, Config, WorkerHost};
+use paceline_shared::keys::StoreScope;
+use paceline_shared::lane::LaneId;
 use paceline_shared::pacer::MissedSlots;
 use paceline_shared::ports::{Invoker, JobQueue, StateStore, WorkerHandler};
 use paceline_shared::time::{Clock, SystemClock, UnixMillis};
+use paceline_worker::lanes::LaneWorkers;
 use paceline_worker::{Api, ApiClient, CallRecords, CallSlots, Worker, WorkerStats};
 
 /// Reads the config file, with secrets from the process environment.
@@ -141,12 +144,16 @@ impl EmbeddedStack {
         }
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let worker_stats = Arc::new(WorkerStats::default());
-        let api = Arc::new(ApiClient::new(&config.api)?.keeping_bodies(config.outcomes.body_cap()));
         // The slots workers start too late for go back to the orchestrator's pacer.
         let missed = Arc::new(MissedSlots::default());
-        let worker: Arc<dyn WorkerHandler> = Arc::new(embedded_worker(config, &store, api, clock.clone(), worker_stats.clone(), &missed));
+        let worker: Arc<dyn WorkerHandler> = if config.lanes.is_some() {
+            Arc::new(lane_workers(config, &store, &clock, &worker_stats, &missed))
+        } else {
+            let api = Arc::new(ApiClient::new(&config.api)?.keeping_bodies(config.outcomes.body_cap()));
+            Arc::new(embedded_worker(config, &store, api, clock.clone(), worker_stats.clone(), &missed))
+        };
         let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), worker));
-        let orchestrator = embedded_orchestrator(config, &store, invoker, clock, &missed);
+        let orchestrator = embedded_orchestrator(config, &store, invoker, clock, &missed).with_scoped_stores(Arc::new(EmbeddedScopes(store.clone())));
         let settle_for = config.api.timeout + orchestrator.settings().dispatch_ahead() + Duration::from_secs(1);
         Ok(Self { store, orchestrator, worker_stats, settle_for, _lock: lock })
     }
@@ -260,6 +267,44 @@ fn embedded_worker(
         .with_call_records(CallRecords::AheadOfSlot)
         .with_outcomes(config.outcomes.clone(), Some(store.clone()))
         .with_missed_slots(missed.clone())
+}
+
+/// Each lane's state in its own scope of the embedded store.
+struct EmbeddedScopes(Arc<EmbeddedStore>);
+
+impl ScopedStores for EmbeddedScopes {
+    fn scoped(&self, scope: &StoreScope) -> Arc<dyn StateStore> {
+        Arc::new(self.0.scoped(scope))
+    }
+}
+
+/// The workers of a stack of many lanes: each lane's calls its API (`[api]`, or the
+/// lane's `base_url`) with the `[api]` headers and its own (`{lane}` filled in), keeps
+/// its state in its scope of `store`, and holds its own call slots.
+fn lane_workers(config: &Config, store: &Arc<EmbeddedStore>, clock: &Arc<dyn Clock>, stats: &Arc<WorkerStats>, missed: &Arc<MissedSlots>) -> LaneWorkers {
+    let (config, store, clock, stats, missed) = (config.clone(), store.clone(), clock.clone(), stats.clone(), missed.clone());
+    let queue: Arc<dyn JobQueue> = store.clone();
+    let build = move |lane: &LaneId| -> Result<Worker, String> {
+        let settings = config.lanes.as_ref().expect("[lanes]").lane(lane);
+        let mut api = config.api.clone();
+        let own = settings.headers_for(lane, &format!("lanes.{lane}.headers"), &|name| std::env::var(name).ok()).map_err(|e| e.to_string())?;
+        api.headers.retain(|(name, _)| !own.iter().any(|(mine, _)| mine.eq_ignore_ascii_case(name)));
+        api.headers.extend(own);
+        if let Some(base_url) = &settings.base_url {
+            api.base_url = base_url.clone();
+        }
+        let client = ApiClient::new(&api).map_err(|e| e.to_string())?.keeping_bodies(config.outcomes.body_cap());
+        let scoped = Arc::new(store.scoped(&StoreScope::Lane(lane.clone())));
+        let lane_store: Arc<dyn StateStore> = scoped;
+        Ok(Worker::new(Arc::new(client), store.clone(), lane_store, clock.clone(), config.retry, config.api.health_check.clone())
+            .with_stats(stats.clone())
+            .with_call_slots(CallSlots::for_api(settings.quota.max_in_flight(), config.api.timeout))
+            .with_api_timeout(config.api.timeout)
+            .with_call_records(CallRecords::AheadOfSlot)
+            .with_outcomes(config.outcomes.clone(), Some(store.clone()))
+            .with_missed_slots(missed.clone()))
+    };
+    LaneWorkers::new(Box::new(build), queue)
 }
 
 /// The orchestrator of an embedded lane: its queue and state in `store`, handing off

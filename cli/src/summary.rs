@@ -95,8 +95,28 @@ pub struct Summary {
     pub interrupted: usize,
     /// The tier that held jobs back longest (none when nothing waited for a tier).
     pub paced_by: Option<String>,
+    /// One lane's tiers, or with `[lanes]` the shared ones.
     pub tiers: Vec<TierLine>,
+    /// With `[lanes]`: each lane that had jobs, most calls first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub lanes: Vec<LaneLine>,
 }
+
+/// A lane's line in the summary.
+#[derive(Debug, Serialize)]
+pub struct LaneLine {
+    pub lane: String,
+    pub weight: f64,
+    pub dispatched: u64,
+    /// The longest one of its jobs waited from its enqueue to its slot.
+    #[serde(serialize_with = "paceline_shared::figures::six_digits")]
+    pub longest_wait_seconds: f64,
+    /// Its own tiers' busiest windows, `5/5 of 5/s`.
+    pub busiest: Vec<String>,
+}
+
+/// The summary shows this many lanes; `--json` has them all.
+const LANES_SHOWN: usize = 10;
 
 impl Summary {
     #[must_use]
@@ -131,6 +151,17 @@ impl Summary {
                     limit: t.tier.max_in_one_window(),
                     utilization: t.utilization,
                     calendar: t.tier.is_calendar(),
+                })
+                .collect(),
+            lanes: r
+                .lanes
+                .iter()
+                .map(|lane| LaneLine {
+                    lane: lane.lane.clone(),
+                    weight: lane.weight,
+                    dispatched: lane.dispatched,
+                    longest_wait_seconds: Duration::from_millis(lane.longest_wait_ms).as_secs_f64(),
+                    busiest: lane.tiers.iter().map(|t| format!("{}/{} of {}", t.peak_window, t.tier.max_in_one_window(), t.tier)).collect(),
                 })
                 .collect(),
         }
@@ -189,6 +220,21 @@ impl Summary {
             tiers.add_row(vec![t.tier.clone(), t.units.to_string(), format!("{}/{}", t.peak_window, t.limit), format!("{used}{pace}")]);
         }
         out += &format!("{tiers}\n");
+        if !self.lanes.is_empty() {
+            let heading =
+                if self.lanes.len() > LANES_SHOWN { format!("lanes (the {LANES_SHOWN} with most calls of {})", self.lanes.len()) } else { "lanes".to_owned() };
+            let mut lanes = text_table(&[heading.as_str(), "weight", "calls", "longest wait", "its busiest windows"], &[1, 2, 3]);
+            for lane in self.lanes.iter().take(LANES_SHOWN) {
+                lanes.add_row(vec![
+                    lane.lane.clone(),
+                    lane.weight.to_string(),
+                    lane.dispatched.to_string(),
+                    format!("{:.1} s", lane.longest_wait_seconds),
+                    lane.busiest.join(", "),
+                ]);
+            }
+            out += &format!("{lanes}\n");
+        }
         out
     }
 }
@@ -233,6 +279,7 @@ mod tests {
             interrupted: 0,
             paced_by: None,
             tiers: Vec::new(),
+            lanes: Vec::new(),
         };
         assert_eq!(summary.circuit_story(), "opened at 12.8 s (HTTP 503), half-open at 19.1 s, closed at 27.1 s; dispatch paused for 6.3 s");
         let calm = Summary { circuit_timeline: Vec::new(), ..summary };

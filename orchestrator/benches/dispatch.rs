@@ -206,7 +206,7 @@ async fn lane(tiers: &[&str], jobs: usize, invoke_latency: Duration, receive_lat
     let counting = Arc::new(Counting { inner: store, counts: counts.clone(), clock: clock.clone(), receive_latency });
     let quota = Quota::new(tiers.iter().map(|t| t.parse().unwrap()).collect(), chrono_tz::UTC, Duration::from_millis(10)).unwrap();
     let invoker = Arc::new(CountingInvoker { inner: RecordingInvoker::new(clock.clone()).with_latency(invoke_latency), counts: counts.clone() });
-    let settings = Settings { quota, orchestrator: OrchestratorConfig::default(), circuit: CircuitConfig::default(), workers: WorkerHost::Lambda };
+    let settings = Settings { quota, orchestrator: OrchestratorConfig::default(), circuit: CircuitConfig::default(), workers: WorkerHost::Lambda, lanes: None };
     let orchestrator = Orchestrator::new(counting.clone(), counting, invoker, clock, settings);
     Bench { orchestrator, counts }
 }

@@ -55,7 +55,7 @@ impl OrchestratorFunction {
 /// The first missing or invalid variable, named.
 pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Option<&str>) -> Result<OrchestratorFunction, String> {
     let names = AwsNames::from_env(env, true)?;
-    let settings = Settings { quota: env.quota()?, orchestrator: env.orchestrator()?, circuit: env.circuit()?, workers: WorkerHost::Lambda };
+    let settings = Settings { quota: env.quota()?, orchestrator: env.orchestrator()?, circuit: env.circuit()?, workers: WorkerHost::Lambda, lanes: None };
     let aws = AwsAdapters::new(sdk, &names, lambda_endpoint);
     let orchestrator = Orchestrator::new(Arc::new(aws.queue), Arc::new(aws.store), Arc::new(aws.invoker), Arc::new(SystemClock), settings);
     Ok(OrchestratorFunction::new(orchestrator, env.stack_name()))
@@ -173,7 +173,7 @@ mod tests {
         let store = Arc::new(Faulty::new(Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap())));
         store.fail_next(Method::AcquireLease, 1, error);
         let quota = paceline_shared::quota::Quota::new(vec!["5/s".parse().unwrap()], paceline_shared::quota::chrono_tz::UTC, Duration::ZERO).unwrap();
-        let settings = Settings { quota, orchestrator: Default::default(), circuit: Default::default(), workers: WorkerHost::Lambda };
+        let settings = Settings { quota, orchestrator: Default::default(), circuit: Default::default(), workers: WorkerHost::Lambda, lanes: None };
         let orchestrator = Orchestrator::new(store.clone(), store, Arc::new(RecordingInvoker::new(clock.clone())), clock, settings);
         OrchestratorFunction::new(orchestrator, "sms")
     }
@@ -207,6 +207,7 @@ mod tests {
             tiers: vec![tier("10/s", 1.0), tier("1000/day", 0.5)],
             longest_wait_ms: 95_400,
             slots_given_back: 0,
+            lanes: Vec::new(),
         };
         let records = metrics_records(&report, true, "sms");
         let record = &records[0];

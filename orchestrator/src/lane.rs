@@ -11,6 +11,7 @@ use std::time::Duration;
 use paceline_shared::adaptive::{AdaptiveRate, EffectiveRate, ProviderReading, RateReason};
 use paceline_shared::breaker::{self, Circuit, CircuitStatus, TripRule};
 use paceline_shared::job::{CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
+use paceline_shared::lane::LaneId;
 use paceline_shared::pacer::{Decision, Hold, MissedSlot, PacerState};
 use paceline_shared::ports::{PacerSnapshot, PortError, PortResult, QueuedMessage};
 use paceline_shared::quota::Quota;
@@ -62,6 +63,11 @@ pub(crate) struct InHand {
 pub(crate) struct HandOff {
     pub message: QueuedMessage,
     since: UnixMillis,
+    /// The lane's place in its stack.
+    pub lane: usize,
+    /// The slot and cost it took (what the stack's shared quota commits too).
+    pub slot: UnixMillis,
+    pub cost: u64,
 }
 
 /// What a lane would do next.
@@ -180,6 +186,11 @@ pub(crate) struct LaneFigures {
 /// One lane's state in a run, and the decisions it makes.
 pub(crate) struct LaneMachine<'a> {
     settings: &'a Settings,
+    /// The lane's id and its place in the stack.
+    id: LaneId,
+    index: usize,
+    /// The lane's own quota.
+    quota: &'a Quota,
     pacer: PacerState,
     /// The hold this lane set itself (after an unclean stop); the provider's cool-down is
     /// added to it on every refresh, never saved with the pacer.
@@ -222,13 +233,17 @@ pub(crate) struct LaneMachine<'a> {
 }
 
 impl<'a> LaneMachine<'a> {
-    /// The lane's state at the start of a run at `started`.
-    pub fn new(settings: &'a Settings, started: UnixMillis) -> Self {
+    /// The state at the start of a run at `started` of lane `id`, the stack's `index`-th,
+    /// under `quota`.
+    pub fn new(settings: &'a Settings, id: LaneId, index: usize, quota: &'a Quota, started: UnixMillis) -> Self {
         let mut timers = TimerTable::default();
         timers.set(LaneTimer::Refresh, started.plus(settings.orchestrator.state_refresh));
         Self {
             settings,
-            pacer: PacerState::new(&settings.quota),
+            id,
+            index,
+            quota,
+            pacer: PacerState::new(quota),
             own_hold: UnixMillis(0),
             circuit: Circuit::default(),
             buffer: VecDeque::new(),
@@ -241,7 +256,7 @@ impl<'a> LaneMachine<'a> {
             last_dispatch: None,
             last_hold: None,
             ramp: None,
-            adaptive: AdaptiveRate::new(&settings.quota, started),
+            adaptive: AdaptiveRate::new(quota, started),
             effective_rate: None,
             cool_down_seen: None,
             reading_seen: false,
@@ -251,13 +266,32 @@ impl<'a> LaneMachine<'a> {
             swapping_circuit: false,
             call_slots: CallSlotModel::default(),
             exhausted_logged_until: UnixMillis(0),
-            meter: TierMeter::new(&settings.quota),
+            meter: TierMeter::new(quota),
             figures: LaneFigures::default(),
         }
     }
 
     pub fn quota(&self) -> &'a Quota {
-        &self.settings.quota
+        self.quota
+    }
+
+    pub fn id(&self) -> &LaneId {
+        &self.id
+    }
+
+    /// The cost of the job at the front, if it parsed.
+    pub fn head_cost(&self) -> Option<u64> {
+        self.buffer.front().and_then(|front| front.job.as_ref().ok()).map(|job| job.cost)
+    }
+
+    /// The slot a hand-off made at `now` takes at the earliest (before spacing).
+    pub fn earliest_slot(&self, now: UnixMillis) -> UnixMillis {
+        self.slot_at(now)
+    }
+
+    /// How far after [`Self::earliest_slot`] a slot may be and still be taken at `now`.
+    pub fn slack(&self) -> Duration {
+        self.taken_early()
     }
 
     /// How far ahead of its slot a job is handed off.
@@ -522,7 +556,8 @@ impl<'a> LaneMachine<'a> {
     /// The front job's next step at `now` (the front job parsed: see
     /// [`Self::take_malformed`]): wait for its spacing, a call slot or its pacer slot,
     /// reserve calendar units, dead-letter it if it can never fit, or hand it off.
-    pub fn next_dispatch(&mut self, now: UnixMillis) -> LaneStep {
+    /// `not_before`: no slot before it (what the stack's shared quota allows; 0 with none).
+    pub fn next_dispatch(&mut self, now: UnixMillis, not_before: UnixMillis) -> LaneStep {
         if self.spaced_until > self.slot_at(now).plus(self.taken_early()) {
             return LaneStep::WaitUntil(self.hand_off_time(self.spaced_until, now));
         }
@@ -535,7 +570,7 @@ impl<'a> LaneMachine<'a> {
         // this job before shows how long): it is handed off that much earlier, so the
         // hand-off's own work never eats the margin its worker has to start.
         let extra_lead = if self.lead().is_zero() { Duration::ZERO } else { job.extra_lead() };
-        let (slot, decision) = self.decide(cost, now.plus(extra_lead));
+        let (slot, decision) = self.decide(cost, now.plus(extra_lead), not_before);
         match decision {
             Decision::Never { tier } => {
                 let in_hand = self.buffer.pop_front().expect("the message in hand");
@@ -572,7 +607,7 @@ impl<'a> LaneMachine<'a> {
                     trip,
                     report_limits: self.ask_for_reading(slot),
                 };
-                LaneStep::Dispatch(HandOff { message, since }, payload)
+                LaneStep::Dispatch(HandOff { message, since, lane: self.index, slot, cost }, payload)
             }
         }
     }
@@ -598,7 +633,12 @@ impl<'a> LaneMachine<'a> {
                 self.last_health_check = Some(now);
                 self.note_call_pending(slot);
                 self.health_check_in_flight = true;
-                LaneStep::HealthCheck(WorkerPayload::HealthCheck { circuit_epoch: self.circuit.epoch, sent_at: now, slot: self.call_slot(slot) })
+                LaneStep::HealthCheck(WorkerPayload::HealthCheck {
+                    circuit_epoch: self.circuit.epoch,
+                    sent_at: now,
+                    slot: self.call_slot(slot),
+                    lane: self.id.clone(),
+                })
             }
             Decision::WaitUntil { at, .. } => LaneStep::WaitUntil(at.minus(self.lead()).max(now.plus(Duration::from_millis(1)))),
             Decision::Never { .. } => unreachable!("a 1-unit health check fits every tier"),
@@ -671,7 +711,7 @@ impl<'a> LaneMachine<'a> {
     /// no more come in than the pacer can let go before `horizon`; or, when none could
     /// go, until when there is no point in receiving (`None`: nothing to wait for).
     pub fn receive_room(&mut self, now: UnixMillis, horizon: UnixMillis, max: usize) -> Result<usize, Option<UnixMillis>> {
-        let (slot, decision) = self.decide(1, now);
+        let (slot, decision) = self.decide(1, now, UnixMillis(0));
         let room = self.quota().capacity_until(&self.pacer, slot, horizon, max);
         if room > 0 {
             return Ok(room);
@@ -704,6 +744,12 @@ impl<'a> LaneMachine<'a> {
     /// A refused hand-off's job goes back in hand, first.
     pub fn hand_back(&mut self, hand_off: HandOff, job: Job) {
         self.buffer.push_front(InHand { message: hand_off.message, job: Ok(job), since: hand_off.since });
+    }
+
+    /// Gives up the messages in hand past the first `keep` (to be made visible again
+    /// later): their receipts.
+    pub fn release_past(&mut self, keep: usize) -> Vec<String> {
+        self.buffer.drain(keep.min(self.buffer.len())..).map(|held| held.message.receipt).collect()
     }
 
     /// Gives up every message in hand (to be made visible again): their receipts.
@@ -763,9 +809,9 @@ impl<'a> LaneMachine<'a> {
     /// [`Self::taken_early`] after `now + lead` is taken at once (handed off that much
     /// earlier). Dispatching at the slot, the slot is `now` (or the share's spacing, up to
     /// the slack later).
-    fn decide(&self, cost: u64, now: UnixMillis) -> (UnixMillis, Decision) {
+    fn decide(&self, cost: u64, now: UnixMillis, not_before: UnixMillis) -> (UnixMillis, Decision) {
         // Never before the spacing of a share of the pace (the loop woke within the slack).
-        let slot = self.slot_at(now).max(self.spaced_until);
+        let slot = self.slot_at(now).max(self.spaced_until).max(not_before);
         match self.quota().decide(&self.pacer, cost, slot) {
             Decision::WaitUntil { at, .. } if !self.lead().is_zero() && at <= self.slot_at(now).plus(self.taken_early()) => {
                 (at, self.quota().decide(&self.pacer, cost, at))

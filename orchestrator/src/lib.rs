@@ -23,6 +23,7 @@
 pub mod lambda;
 mod lane;
 mod report;
+mod schedule;
 mod settings;
 mod stack;
 mod timers;
@@ -31,16 +32,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use paceline_shared::job::{DeadLetterReason, Job, JobId};
+use paceline_shared::keys::StoreScope;
 use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, OutcomeTimes};
 use paceline_shared::pacer::MissedSlots;
 use paceline_shared::ports::{load_calendar_usage, Invoker, JobQueue, OutcomeSink, PortError, PortResult, QueuedMessage, StateStore, CALL_SLOTS_FULL_KEY};
+use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, UnixMillis};
 use tokio::task::{JoinError, JoinSet};
 use tracing::{info, warn};
 
-pub use report::{Progress, RunReport, StopReason, TierReport};
+pub use report::{LaneReport, Progress, RunReport, StopReason, TierReport};
 pub use settings::{RunError, Settings};
-use stack::{Action, CallSlotsRead, Event, SharedState, StackMachine, DELETE_BATCH};
+use stack::{Action, CallSlotsRead, Event, LaneStart, SharedState, StackMachine, DELETE_BATCH};
 
 /// How long before the next scheduled kick a run stops dispatching (time to settle its
 /// last hand-offs, flush and give the lease up).
@@ -93,12 +96,35 @@ pub struct Orchestrator {
     outcomes: Option<KeptOutcomes>,
     /// Where workers in this process say which slots they made no call at.
     missed_slots: Option<Arc<MissedSlots>>,
+    /// With `[lanes]`: the store of each lane's state and of the stack's.
+    scoped_stores: Option<Arc<dyn ScopedStores>>,
+}
+
+/// A state store for each scope (a lane's state, the stack's), all in one backend.
+pub trait ScopedStores: Send + Sync {
+    fn scoped(&self, scope: &StoreScope) -> Arc<dyn StateStore>;
 }
 
 impl Orchestrator {
     #[must_use]
     pub fn new(queue: Arc<dyn JobQueue>, store: Arc<dyn StateStore>, invoker: Arc<dyn Invoker>, clock: Arc<dyn Clock>, settings: Settings) -> Self {
-        Self { queue, store, invoker, clock, settings, progress: Arc::default(), outcomes: None, missed_slots: None }
+        Self { queue, store, invoker, clock, settings, progress: Arc::default(), outcomes: None, missed_slots: None, scoped_stores: None }
+    }
+
+    /// The same orchestrator keeping each lane's state and the stack's in `stores` (a
+    /// stack of many lanes needs it; the lease stays in the main store).
+    #[must_use]
+    pub fn with_scoped_stores(self, stores: Arc<dyn ScopedStores>) -> Self {
+        Self { scoped_stores: Some(stores), ..self }
+    }
+
+    /// The store of `scope`'s state: the main store for the default lane of a stack
+    /// without lanes.
+    fn store_for(&self, scope: &StoreScope) -> Arc<dyn StateStore> {
+        match &self.scoped_stores {
+            Some(stores) if self.settings.lanes.is_some() => stores.scoped(scope),
+            _ => self.store.clone(),
+        }
     }
 
     /// The same orchestrator giving back to its pacer the slots its workers (in this
@@ -175,6 +201,9 @@ impl Orchestrator {
     /// [`RunError::Port`] on a fatal adapter error (after releasing what it held).
     #[tracing::instrument(skip_all, fields(holder = %opts.holder))]
     pub async fn run(&self, opts: &RunOptions) -> Result<RunReport, RunError> {
+        if self.settings.lanes.is_some() && self.scoped_stores.is_none() {
+            return Err(RunError::Port(PortError::Fatal("[lanes] needs a state store that keeps lanes apart (the embedded one)".into())));
+        }
         let started = self.clock.now();
         let lease = match self.store.acquire_lease(&opts.holder, self.settings.orchestrator.lease_ttl, started).await {
             Ok(lease) => lease,
@@ -208,30 +237,66 @@ struct Executor<'a> {
 }
 
 impl Executor<'_> {
+    /// Reads where the last run left off: the one lane's state (a stack of many lanes
+    /// reads each lane's when it first has jobs), or the shared quota's.
     async fn hydrate(&mut self) -> Result<(), RunError> {
-        let (store, now) = (self.o.store.as_ref(), self.o.clock.now());
-        let snapshot = store.load_pacer().await?;
-        let used = load_calendar_usage(store, &self.o.settings.quota, now).await?;
-        self.state.lane.hydrate(snapshot, &used, now);
-        // From here until a clean exit, the stored snapshot says "a run is under way",
-        // so a crash at any point is recognised by the next run.
-        match store.save_pacer(self.state.lease(), &self.state.lane.snapshot(false)).await {
-            // Lost already: the first renewal says so and the run stops.
-            Ok(()) | Err(PortError::Conflict(_)) => {}
-            Err(e) => return Err(e.into()),
+        if self.o.settings.lanes.is_some() {
+            let stack = self.o.store_for(&StoreScope::Stack);
+            let snapshot = stack.load_pacer().await?;
+            self.state.hydrate_shared(snapshot, self.o.clock.now());
+            let marker = self.state.snapshots(false).pop().expect("the shared quota's snapshot").1;
+            return self.mark_under_way(stack.as_ref(), &marker).await;
         }
-        let shared = self.read_shared_state().await?;
-        self.state.apply_shared_state(shared, self.o.clock.now());
+        let start = self.read_lane_start(self.o.store.as_ref(), &self.o.settings.quota).await?;
+        let now = self.o.clock.now();
+        self.state.only_lane().hydrate(start.snapshot, &start.calendar_used, now);
+        let marker = self.state.only_lane().snapshot(false);
+        self.mark_under_way(self.o.store.as_ref(), &marker).await?;
+        self.state.apply_shared_state(0, start.shared, self.o.clock.now());
         Ok(())
     }
 
-    /// The circuit and cool-down, and under a cap on calls in flight the call slots held.
-    async fn read_shared_state(&self) -> PortResult<SharedState> {
-        let signals = self.o.store.shared_state().await?;
-        let call_slots = match self.o.settings.quota.max_in_flight() {
+    /// From here until a clean exit, the stored snapshot says "a run is under way", so a
+    /// crash at any point is recognised by the next run.
+    async fn mark_under_way(&self, store: &dyn StateStore, snapshot: &paceline_shared::ports::PacerSnapshot) -> Result<(), RunError> {
+        match store.save_pacer(self.state.lease(), snapshot).await {
+            // Lost already: the first renewal says so and the run stops.
+            Ok(()) | Err(PortError::Conflict(_)) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// A lane's last snapshot and calendar usage in `store`, under `quota`, and its
+    /// shared state.
+    async fn read_lane_start(&self, store: &dyn StateStore, quota: &Quota) -> PortResult<LaneStart> {
+        let snapshot = store.load_pacer().await?;
+        let calendar_used = load_calendar_usage(store, quota, self.o.clock.now()).await?;
+        let shared = self.read_shared_state(store, quota).await?;
+        Ok(LaneStart { snapshot, calendar_used, shared })
+    }
+
+    /// Lane `index`'s first read in a stack of many lanes: what it starts from, and its
+    /// snapshot marked as under way.
+    async fn hydrate_lane(&self, index: usize) -> PortResult<LaneStart> {
+        let (scope, quota) = self.state.lane_scope(index);
+        let store = self.o.store_for(&scope);
+        let start = self.read_lane_start(store.as_ref(), quota).await?;
+        let marker = paceline_shared::ports::PacerSnapshot { state: paceline_shared::pacer::PacerState::new(quota), at_exit: false, effective_rate: None };
+        let marker = start.snapshot.clone().map_or(marker, |last| paceline_shared::ports::PacerSnapshot { at_exit: false, ..last });
+        match store.save_pacer(self.state.lease(), &marker).await {
+            Ok(()) | Err(PortError::Conflict(_)) => Ok(start),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The circuit and cool-down in `store`, and under a cap on calls in flight (in
+    /// `quota`) the call slots held.
+    async fn read_shared_state(&self, store: &dyn StateStore, quota: &Quota) -> PortResult<SharedState> {
+        let signals = store.shared_state().await?;
+        let call_slots = match quota.max_in_flight() {
             Some(capacity) => {
-                let in_use = self.o.store.call_slots_in_use(capacity, self.o.clock.now()).await?;
-                let full = self.o.store.load_usage(&[CALL_SLOTS_FULL_KEY.to_owned()]).await?;
+                let in_use = store.call_slots_in_use(capacity, self.o.clock.now()).await?;
+                let full = store.load_usage(&[CALL_SLOTS_FULL_KEY.to_owned()]).await?;
                 Some(CallSlotsRead { in_use, full_so_far: full.first().copied().unwrap_or(0) })
             }
             None => None,
@@ -280,16 +345,20 @@ impl Executor<'_> {
         let (o, cfg) = (self.o, &self.o.settings.orchestrator);
         let event = match action {
             Action::Renew(lease) => Event::Renewed(o.store.renew_lease(&lease, cfg.lease_ttl, o.clock.now()).await),
-            Action::Refresh => Event::Refreshed(self.read_shared_state().await),
-            Action::SwapCircuit { expected_epoch, next } => {
-                let result = o.store.swap_circuit(expected_epoch, &next).await;
-                Event::CircuitSwapped(next, result)
+            Action::Refresh(lane) => {
+                let (scope, quota) = self.state.lane_scope(lane);
+                Event::Refreshed(lane, self.read_shared_state(o.store_for(&scope).as_ref(), quota).await)
             }
-            Action::Flush(lease, snapshot) => Event::Flushed(o.store.save_pacer(&lease, &snapshot).await),
-            Action::Reserve(needed) => {
+            Action::HydrateLane(lane) => Event::LaneHydrated(lane, self.hydrate_lane(lane).await),
+            Action::SwapCircuit { lane, expected_epoch, next } => {
+                let result = o.store_for(&self.state.lane_scope(lane).0).swap_circuit(expected_epoch, &next).await;
+                Event::CircuitSwapped(lane, next, result)
+            }
+            Action::Flush(lease, snapshots) => Event::Flushed(save_snapshots(o, &lease, &snapshots).await),
+            Action::Reserve(lane, needed) => {
                 let deltas: Vec<(String, i64)> = needed.iter().map(|(key, units)| (key.clone(), i64::try_from(*units).unwrap_or(i64::MAX))).collect();
-                let result = o.store.add_usage(&deltas).await;
-                Event::Reserved(needed, result)
+                let result = o.store_for(&self.state.lane_scope(lane).0).add_usage(&deltas).await;
+                Event::Reserved(lane, needed, result)
             }
             Action::DeadLetter(message, mut reason, job) => {
                 warn!(message_id = %message.message_id, cause = %reason.cause.label(), detail = %reason.detail, "dead-lettered");
@@ -304,7 +373,7 @@ impl Executor<'_> {
                 }
                 Event::DeadLettered(message, result)
             }
-            Action::Release(receipts) => Event::Released(receipts.len(), in_batches(&receipts, |batch| o.queue.release(batch, Duration::ZERO)).await),
+            Action::Release(receipts, after) => Event::Released(receipts.len(), in_batches(&receipts, |batch| o.queue.release(batch, after)).await),
             Action::CheckDrained => Event::DrainChecked(self.nothing_left().await),
             Action::Receive { max, wait, long_poll } => {
                 let (queue, clock, visibility) = (o.queue.clone(), o.clock.clone(), cfg.visibility_timeout);
@@ -331,9 +400,9 @@ impl Executor<'_> {
                 });
                 return Ok(());
             }
-            Action::HealthCheck(payload) => {
+            Action::HealthCheck(lane, payload) => {
                 let invoker = o.invoker.clone();
-                self.background.spawn(async move { Event::HealthChecked(invoker.invoke(&payload, None).await) });
+                self.background.spawn(async move { Event::HealthChecked(lane, invoker.invoke(&payload, None).await) });
                 return Ok(());
             }
             Action::Sleep { .. } | Action::Stop => unreachable!("the loop sleeps and stops itself"),
@@ -368,8 +437,11 @@ impl Executor<'_> {
         if released.is_ok() {
             self.state.report.released += in_hand.len() as u64;
         }
-        let returned = if unspent.is_empty() { Ok(()) } else { o.store.add_usage(&unspent).await };
-        let flushed = match o.store.save_pacer(self.state.lease(), &self.state.lane.snapshot(true)).await {
+        let mut returned = Ok(());
+        for (scope, deltas) in &unspent {
+            returned = returned.and(o.store_for(scope).add_usage(deltas).await);
+        }
+        let flushed = match save_snapshots(o, self.state.lease(), &self.state.snapshots(true)).await {
             // A lost lease: the new holder's snapshot wins.
             Ok(()) | Err(PortError::Conflict(_)) => Ok(()),
             Err(e) => Err(e),
@@ -380,6 +452,18 @@ impl Executor<'_> {
         info!(dispatched = report.dispatched, dead_lettered = report.dead_lettered, stop = ?report.stop, "run ended");
         deleted.and(released).and(returned).and(flushed).and(lease).map_err(RunError::from)
     }
+}
+
+/// Saves each scope's pacer snapshot while `lease` is held, stopping at the first error.
+async fn save_snapshots(
+    o: &Orchestrator,
+    lease: &paceline_shared::ports::Lease,
+    snapshots: &[(StoreScope, paceline_shared::ports::PacerSnapshot)],
+) -> PortResult<()> {
+    for (scope, snapshot) in snapshots {
+        o.store_for(scope).save_pacer(lease, snapshot).await?;
+    }
+    Ok(())
 }
 
 /// Calls `each` on `items` in SQS-sized batches, stopping at the first error.

@@ -86,6 +86,21 @@ pub struct RunReport {
     /// Slots handed off whose worker started too late to call (a busy machine), given
     /// back to the pacer: the tiers' figures count calls, not these.
     pub slots_given_back: u64,
+    /// With `[lanes]`: each lane that had jobs, most calls first (the tiers above are then
+    /// the shared ones).
+    pub lanes: Vec<LaneReport>,
+}
+
+/// One lane's part of a run.
+#[derive(Clone, Debug, Serialize)]
+pub struct LaneReport {
+    pub lane: String,
+    pub weight: f64,
+    pub dispatched: u64,
+    /// The longest a job of this lane waited since it was first enqueued (to its slot).
+    pub longest_wait_ms: u64,
+    /// The lane's own tiers.
+    pub tiers: Vec<TierReport>,
 }
 
 impl RunReport {
@@ -105,6 +120,7 @@ impl RunReport {
             tiers: Vec::new(),
             longest_wait_ms: 0,
             slots_given_back: 0,
+            lanes: Vec::new(),
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use paceline_shared::config::{CircuitConfig, Config, OrchestratorConfig, WorkerHost};
+use paceline_shared::config::{CircuitConfig, Config, LanesConfig, OrchestratorConfig, WorkerHost};
 use paceline_shared::ports::PortError;
 use paceline_shared::quota::Quota;
 
@@ -15,13 +15,15 @@ pub struct Settings {
     pub circuit: CircuitConfig,
     /// Where the workers run (it sets the default `dispatch_ahead`).
     pub workers: WorkerHost,
+    /// `[lanes]`: many lanes under `quota`, shared (`None`: `quota` is the one lane's).
+    pub lanes: Option<LanesConfig>,
 }
 
 impl Settings {
     /// The loop's settings from a lane's configuration file, for workers in `workers`.
     #[must_use]
     pub fn from_config(config: &Config, workers: WorkerHost) -> Self {
-        Self { quota: config.quota.clone(), orchestrator: config.orchestrator, circuit: config.circuit, workers }
+        Self { quota: config.quota.clone(), orchestrator: config.orchestrator, circuit: config.circuit, workers, lanes: config.lanes.clone() }
     }
 
     /// How long before its slot each job is handed off.

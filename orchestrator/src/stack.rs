@@ -10,20 +10,25 @@
 //! lane's circuit is what the dispatch decision matches on: closed, jobs flow; open,
 //! messages in hand are released and a health check goes every interval.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use paceline_shared::breaker::{Circuit, CircuitStatus};
+use paceline_shared::config::LanesConfig;
 use paceline_shared::job::{DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
-use paceline_shared::pacer::MissedSlot;
+use paceline_shared::keys::StoreScope;
+use paceline_shared::lane::LaneId;
+use paceline_shared::pacer::{Decision, MissedSlot, PacerState};
 use paceline_shared::ports::{Lease, PacerSnapshot, PortError, PortResult, QueuedMessage};
-use paceline_shared::time::UnixMillis;
+use paceline_shared::quota::Quota;
+use paceline_shared::time::{UnixMillis, COARSE_WAKE_SLACK};
 use tracing::warn;
 
 pub(crate) use crate::lane::{CallSlotsRead, HandOff, SharedState};
 use crate::lane::{LaneMachine, LaneStep};
-use crate::report::{Progress, RunReport, StopReason};
+use crate::report::{LaneReport, Progress, RunReport, StopReason, TierMeter};
+use crate::schedule::Scheduler;
 use crate::settings::{RunError, Settings};
 use crate::timers::{passing, Backoff, Timer, TimerTable};
 
@@ -61,20 +66,24 @@ pub(crate) fn lease_valid_for(ttl: Duration) -> Duration {
 pub(crate) enum Action {
     /// Renew the lease (await it).
     Renew(Lease),
-    /// Re-read the circuit and the provider's cool-down (await it).
-    Refresh,
-    /// Write this circuit if the stored one is still at `expected_epoch` (await it): the
-    /// ramp after a half-open reached the full pace and closes it.
-    SwapCircuit { expected_epoch: u64, next: Circuit },
-    /// Save the pacer snapshot while the lease is ours (await it).
-    Flush(Lease, PacerSnapshot),
-    /// Add these calendar units to the store before they are spent (await it).
-    Reserve(Vec<(String, u64)>),
+    /// Re-read this lane's circuit and the provider's cool-down (await it).
+    Refresh(usize),
+    /// Write this lane's circuit if the stored one is still at `expected_epoch` (await
+    /// it): the ramp after a half-open reached the full pace and closes it.
+    SwapCircuit { lane: usize, expected_epoch: u64, next: Circuit },
+    /// Save the pacer snapshots (each lane's, the shared quota's) while the lease is ours
+    /// (await it).
+    Flush(Lease, Vec<(StoreScope, PacerSnapshot)>),
+    /// Add these calendar units to this lane's counters before they are spent (await it).
+    Reserve(usize, Vec<(String, u64)>),
+    /// Read a lane's last snapshot, calendar usage and circuit, the first time it has
+    /// jobs in this run (await it).
+    HydrateLane(usize),
     /// Move a message to the jobs DLQ with its reason (await it); its job where it parsed
     /// (for the job's outcome record).
     DeadLetter(QueuedMessage, DeadLetterReason, Option<Box<Job>>),
-    /// Make these received messages visible again (await it).
-    Release(Vec<String>),
+    /// Make these received messages visible again after this long (await it).
+    Release(Vec<String>, Duration),
     /// Receive up to `max` messages, waiting up to `wait` for the first (background):
     /// a long poll when the loop ran dry, a prefetch (no wait) while jobs are in hand.
     Receive { max: usize, wait: Duration, long_poll: bool },
@@ -82,8 +91,8 @@ pub(crate) enum Action {
     Delete(Vec<String>),
     /// Hand a job to a worker (background).
     Dispatch(HandOff, WorkerPayload),
-    /// Hand a health check to a worker (background).
-    HealthCheck(WorkerPayload),
+    /// Hand this lane's health check to a worker (background).
+    HealthCheck(usize, WorkerPayload),
     /// Nothing left here: ask whether anything is left anywhere (drain mode; await it).
     CheckDrained,
     /// Wait until `until` or the first event that comes back, whichever is first.
@@ -97,10 +106,11 @@ pub(crate) enum Action {
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum Event {
     Renewed(PortResult<Lease>),
-    Refreshed(PortResult<SharedState>),
-    CircuitSwapped(Circuit, PortResult<()>),
+    Refreshed(usize, PortResult<SharedState>),
+    CircuitSwapped(usize, Circuit, PortResult<()>),
     Flushed(PortResult<()>),
-    Reserved(Vec<(String, u64)>, PortResult<()>),
+    Reserved(usize, Vec<(String, u64)>, PortResult<()>),
+    LaneHydrated(usize, PortResult<LaneStart>),
     DeadLettered(QueuedMessage, PortResult<()>),
     Released(usize, PortResult<()>),
     /// A receive returned, after `took`; `long_poll` when it was allowed to wait.
@@ -111,7 +121,7 @@ pub(crate) enum Event {
     },
     Deleted(Vec<String>, PortResult<()>),
     HandedOff(HandOff, WorkerPayload, PortResult<()>),
-    HealthChecked(PortResult<()>),
+    HealthChecked(usize, PortResult<()>),
     /// `true` when nothing is left on the queue or in flight anywhere.
     DrainChecked(PortResult<bool>),
     /// Workers in this process started too late for these slots and made no call.
@@ -119,6 +129,35 @@ pub(crate) enum Event {
     /// The operator asked the run to stop.
     StopRequested,
 }
+
+/// Calendar units a lane reserved and did not spend (negative deltas), in its scope.
+pub(crate) type UnspentUnits = (StoreScope, Vec<(String, i64)>);
+
+/// What a lane starts a run from: its last snapshot, calendar usage and shared state.
+pub(crate) struct LaneStart {
+    pub snapshot: Option<PacerSnapshot>,
+    pub calendar_used: Vec<u64>,
+    pub shared: SharedState,
+}
+
+/// A stack of many lanes (`[lanes]`): the quota they share, paced by the same pacer as a
+/// lane's, and the scheduler that divides it among them by weight.
+struct ManyLanes<'a> {
+    config: &'a LanesConfig,
+    shared: &'a Quota,
+    pacer: PacerState,
+    meter: TierMeter,
+    scheduler: Scheduler,
+    /// Per lane: read from the store yet (a lane dispatches nothing before), and under way.
+    hydrated: Vec<bool>,
+    hydrating: Vec<bool>,
+    /// Per lane: jobs handed off.
+    dispatched: Vec<u64>,
+}
+
+/// The most jobs a stack of many lanes holds in hand at once: a held lane's are made
+/// visible again past what it can use before their visibility timeout.
+const MANY_LANES_IN_HAND: usize = 5_000;
 
 /// What is under way in the background (a lane's health check is its own to count).
 #[derive(Debug, Default)]
@@ -150,8 +189,14 @@ pub(crate) struct StackMachine<'a> {
     lease: Lease,
     /// When the renewal under way was sent: the renewed lease counts from then.
     renew_sent_at: UnixMillis,
-    /// The lane this stack paces.
-    pub lane: LaneMachine<'a>,
+    /// The lanes this stack paces: one (`default`) without `[lanes]`, else each lane
+    /// that had jobs in this run, by its index.
+    lanes: Vec<LaneMachine<'a>>,
+    lane_index: HashMap<LaneId, usize>,
+    /// With `[lanes]`: the shared quota and the scheduler.
+    many: Option<ManyLanes<'a>>,
+    /// Messages to make visible again later (a held lane's surplus), with the delay.
+    to_release: VecDeque<(Vec<String>, Duration)>,
     pending_deletes: Vec<String>,
     /// Messages to dead-letter whose reason came back from a hand-off.
     to_dead_letter: VecDeque<(QueuedMessage, DeadLetterReason, Option<Box<Job>>)>,
@@ -181,7 +226,19 @@ impl<'a> StackMachine<'a> {
             drain,
             lease,
             renew_sent_at: started,
-            lane: LaneMachine::new(settings, started),
+            lanes: if settings.lanes.is_some() { Vec::new() } else { vec![LaneMachine::new(settings, LaneId::default_lane(), 0, &settings.quota, started)] },
+            lane_index: HashMap::new(),
+            many: settings.lanes.as_ref().map(|config| ManyLanes {
+                config,
+                shared: &settings.quota,
+                pacer: PacerState::new(&settings.quota),
+                meter: TierMeter::new(&settings.quota),
+                scheduler: Scheduler::default(),
+                hydrated: Vec::new(),
+                hydrating: Vec::new(),
+                dispatched: Vec::new(),
+            }),
+            to_release: VecDeque::new(),
             pending_deletes: Vec::new(),
             to_dead_letter: VecDeque::new(),
             timers,
@@ -203,10 +260,43 @@ impl<'a> StackMachine<'a> {
         &self.lease
     }
 
-    /// Applies a fresh read of the lane's shared state.
-    pub fn apply_shared_state(&mut self, shared: SharedState, now: UnixMillis) {
-        self.lane.apply_shared_state(shared, now);
-        self.progress.circuit_open.store(!self.lane.circuit().is_closed(), Ordering::Relaxed);
+    /// The single lane of a stack without `[lanes]` (hydrated by the executor at start).
+    pub fn only_lane(&mut self) -> &mut LaneMachine<'a> {
+        &mut self.lanes[0]
+    }
+
+    /// Lane `index`'s store scope and quota.
+    pub fn lane_scope(&self, index: usize) -> (StoreScope, &'a Quota) {
+        let lane = &self.lanes[index];
+        (StoreScope::Lane(lane.id().clone()), lane.quota())
+    }
+
+    /// Applies a fresh read of lane `index`'s shared state.
+    pub fn apply_shared_state(&mut self, index: usize, shared: SharedState, now: UnixMillis) {
+        self.lanes[index].apply_shared_state(shared, now);
+        let open = self.lanes.iter().any(|lane| !lane.circuit().is_closed());
+        self.progress.circuit_open.store(open, Ordering::Relaxed);
+    }
+
+    /// The pacer snapshots to save: each lane's, and the shared quota's.
+    pub fn snapshots(&self, at_exit: bool) -> Vec<(StoreScope, PacerSnapshot)> {
+        let mut snapshots: Vec<(StoreScope, PacerSnapshot)> =
+            self.lanes.iter().map(|lane| (StoreScope::Lane(lane.id().clone()), lane.snapshot(at_exit))).collect();
+        if let Some(many) = &self.many {
+            snapshots.push((StoreScope::Stack, PacerSnapshot { state: many.pacer.clone(), at_exit, effective_rate: None }));
+        }
+        snapshots
+    }
+
+    /// With `[lanes]`: starts the shared quota's pacer from its last snapshot (held a
+    /// window of its longest tier after an unclean stop, as a lane's is).
+    pub fn hydrate_shared(&mut self, snapshot: Option<PacerSnapshot>, now: UnixMillis) {
+        if let (Some(many), Some(snapshot)) = (&mut self.many, snapshot) {
+            many.pacer = PacerState::restored(many.shared, &snapshot.state);
+            if !snapshot.at_exit {
+                many.pacer.hold_after_unclean_stop(many.shared, now);
+            }
+        }
     }
 
     /// What to do at `now`.
@@ -219,7 +309,9 @@ impl<'a> StackMachine<'a> {
                 self.timers.stop(hold); // over: nothing to wake for
             }
         }
-        self.lane.expire_holds(now);
+        for lane in &mut self.lanes {
+            lane.expire_holds(now);
+        }
         if self.timers.is_expired(Timer::Stop, now) {
             return self.stop_with(StopReason::Deadline);
         }
@@ -231,8 +323,10 @@ impl<'a> StackMachine<'a> {
             self.renew_sent_at = now;
             return Action::Renew(self.lease.clone());
         }
-        if self.lane.refresh_due(now) {
-            return Action::Refresh;
+        for (index, lane) in self.lanes.iter_mut().enumerate() {
+            if lane.refresh_due(now) {
+                return Action::Refresh(index);
+            }
         }
         let flush_due = self.timers.is_expired(Timer::Flush, now);
         if self.pending_deletes.len() >= DELETE_BATCH || (flush_due && !self.pending_deletes.is_empty()) {
@@ -240,16 +334,24 @@ impl<'a> StackMachine<'a> {
         }
         if flush_due {
             self.timers.stop(Timer::Flush);
-            return Action::Flush(self.lease.clone(), self.lane.snapshot(false));
+            return Action::Flush(self.lease.clone(), self.snapshots(false));
         }
         if self.timers.is_expired(Timer::LeaseExpiry, now) {
             warn!(valid_until = ?self.timers.get(Timer::LeaseExpiry), "the lease ran out before a renewal came through: dispatching stops now");
             return self.stop_with(StopReason::LeaseLost);
         }
-        if let Some((expected_epoch, next)) = self.lane.end_finished_ramp(now) {
-            return Action::SwapCircuit { expected_epoch, next };
+        for (lane, machine) in self.lanes.iter_mut().enumerate() {
+            if let Some((expected_epoch, next)) = machine.end_finished_ramp(now) {
+                return Action::SwapCircuit { lane, expected_epoch, next };
+            }
         }
-        match self.lane.circuit().status {
+        if let Some((receipts, after)) = self.to_release.pop_front() {
+            return Action::Release(receipts, after);
+        }
+        if self.many.is_some() {
+            return self.for_many_lanes(now);
+        }
+        match self.lanes[0].circuit().status {
             CircuitStatus::Closed | CircuitStatus::HalfOpen => self.while_closed(now),
             CircuitStatus::Open => self.while_open(now),
         }
@@ -268,13 +370,12 @@ impl<'a> StackMachine<'a> {
     /// Until when no hand-off may go (after a refused hand-off or a failed reservation),
     /// if such a hold is in force at `now`.
     fn dispatch_held_until(&self, now: UnixMillis) -> Option<UnixMillis> {
-        self.timers.get(Timer::InvokeHold).filter(|at| *at > now).max(self.lane.held_until(now))
+        self.timers.get(Timer::InvokeHold).filter(|at| *at > now).max(self.lanes[0].held_until(now))
     }
 
     /// Sleeps until `t`, or sooner if a timer fires first.
     fn sleep_until(&self, t: UnixMillis) -> Action {
-        let timeouts = [self.timers.next_timeout(), self.lane.next_timeout()];
-        let until = timeouts.into_iter().flatten().fold(t, UnixMillis::min);
+        let until = self.next_timeout().map_or(t, |timeout| timeout.min(t));
         Action::Sleep { until, precise: self.lead().is_zero() }
     }
 
@@ -283,30 +384,35 @@ impl<'a> StackMachine<'a> {
         self.sleep_until(UnixMillis(u64::MAX))
     }
 
-    /// What the lane asks for, as the executor's action.
-    fn act_for_lane(&mut self, step: LaneStep) -> Action {
+    /// The earliest of the stack's and the lanes' timers.
+    fn next_timeout(&self) -> Option<UnixMillis> {
+        self.lanes.iter().filter_map(LaneMachine::next_timeout).chain(self.timers.next_timeout()).min()
+    }
+
+    /// What lane `index` asks for, as the executor's action.
+    fn act_for_lane(&mut self, index: usize, step: LaneStep) -> Action {
         match step {
             LaneStep::WaitUntil(at) => self.sleep_until(at),
-            LaneStep::Reserve(needed) => Action::Reserve(needed),
+            LaneStep::Reserve(needed) => Action::Reserve(index, needed),
             LaneStep::DeadLetter(message, reason, job) => Action::DeadLetter(message, reason, job),
             LaneStep::Dispatch(hand_off, payload) => {
                 self.in_flight.hand_offs += 1;
                 Action::Dispatch(hand_off, payload)
             }
-            LaneStep::HealthCheck(payload) => Action::HealthCheck(payload),
+            LaneStep::HealthCheck(payload) => Action::HealthCheck(index, payload),
         }
     }
 
     /// Jobs flow: prefetch, dead-letter what cannot go, wait for the slot, dispatch.
     fn while_closed(&mut self, now: UnixMillis) -> Action {
-        if !self.lane.has_jobs_in_hand() {
+        if !self.lanes[0].has_jobs_in_hand() {
             return self.when_nothing_in_hand(now);
         }
         if let Some(prefetch) = self.prefetch(now) {
             return prefetch;
         }
-        if let Some(malformed) = self.lane.take_malformed() {
-            return self.act_for_lane(malformed);
+        if let Some(malformed) = self.lanes[0].take_malformed() {
+            return self.act_for_lane(0, malformed);
         }
         if let Some(until) = self.dispatch_held_until(now) {
             return self.sleep_until(until);
@@ -314,8 +420,8 @@ impl<'a> StackMachine<'a> {
         if self.in_flight.hand_offs >= MAX_INVOKES_IN_FLIGHT {
             return self.await_event();
         }
-        let step = self.lane.next_dispatch(now);
-        self.act_for_lane(step)
+        let step = self.lanes[0].next_dispatch(now, UnixMillis(0));
+        self.act_for_lane(0, step)
     }
 
     /// Nothing in hand: wait for a receive under way, find out whether a draining run is
@@ -330,7 +436,7 @@ impl<'a> StackMachine<'a> {
                 return self.delete_batch();
             }
             // Our own answered hand-offs still count as in flight until deleted.
-            if self.in_flight.any() || self.lane.health_check_in_flight() {
+            if self.in_flight.any() || self.lanes.iter().any(LaneMachine::health_check_in_flight) {
                 return self.await_event();
             }
             return Action::CheckDrained;
@@ -338,30 +444,253 @@ impl<'a> StackMachine<'a> {
         if self.timers.is_pending(Timer::Receive, now) {
             return self.sleep_until(self.timers.get(Timer::Receive).expect("a pending timer"));
         }
-        let max = match self.lane.receive_room(now, self.receive_horizon(now), RECEIVE_BATCH) {
+        let max = match self.receive_room(now) {
             Ok(max) => max,
             Err(Some(wake)) => return self.sleep_until(wake),
             Err(None) => return self.await_event(),
         };
         let poll = if self.drain { DRAIN_POLL } else { MAX_POLL };
-        let until_timer = [self.timers.next_timeout(), self.lane.next_timeout()].into_iter().flatten().min().map_or(poll, |t| t.since(now));
+        let until_timer = self.next_timeout().map_or(poll, |t| t.since(now));
         self.in_flight.receives += 1;
         Action::Receive { max, wait: poll.min(until_timer), long_poll: true }
     }
 
     /// While the circuit is open: hold no messages, send a health check when due.
     fn while_open(&mut self, now: UnixMillis) -> Action {
-        if self.lane.has_jobs_in_hand() {
-            return Action::Release(self.lane.release_all());
+        if self.lanes[0].has_jobs_in_hand() {
+            return Action::Release(self.lanes[0].release_all(), Duration::ZERO);
         }
-        if self.lane.health_check_in_flight() {
+        if self.lanes[0].health_check_in_flight() {
             return self.await_event();
         }
         if let Some(until) = self.dispatch_held_until(now) {
             return self.sleep_until(until);
         }
-        let step = self.lane.next_health_check(now);
-        self.act_for_lane(step)
+        let step = self.lanes[0].next_health_check(now);
+        self.act_for_lane(0, step)
+    }
+
+    /// How many jobs to receive with nothing in hand at `now` (at most a batch): no more
+    /// than the pace (one lane's, or the shared quota's) can use before their visibility
+    /// timeout; or, when none could go, until when there is no point in receiving.
+    fn receive_room(&mut self, now: UnixMillis) -> Result<usize, Option<UnixMillis>> {
+        let horizon = self.receive_horizon(now);
+        match &self.many {
+            None => self.lanes[0].receive_room(now, horizon, RECEIVE_BATCH),
+            Some(many) => {
+                let room = many.shared.capacity_until(&many.pacer, now.plus(self.lead()), horizon, RECEIVE_BATCH);
+                if room > 0 {
+                    Ok(room)
+                } else {
+                    Err(self.next_timeout())
+                }
+            }
+        }
+    }
+
+    /// A stack of many lanes: lanes whose circuit opened give their jobs back and send
+    /// health checks; among the others with jobs ready, the scheduler says who goes
+    /// next, and the job goes when its lane's tiers and the shared ones all allow it.
+    fn for_many_lanes(&mut self, now: UnixMillis) -> Action {
+        let health_check_interval = self.settings.circuit.health_check_interval;
+        for lane in &mut self.lanes {
+            if lane.circuit().status == CircuitStatus::Open && lane.has_jobs_in_hand() {
+                return Action::Release(lane.release_all(), health_check_interval);
+            }
+        }
+        let many = self.many.as_mut().expect("many lanes");
+        if let Some(index) = (0..self.lanes.len()).find(|i| !many.hydrated[*i] && !many.hydrating[*i]) {
+            many.hydrating[index] = true;
+            return Action::HydrateLane(index);
+        }
+        let with_jobs: Vec<usize> = (0..self.lanes.len())
+            .filter(|i| many.hydrated[*i] && self.lanes[*i].circuit().status != CircuitStatus::Open && self.lanes[*i].has_jobs_in_hand())
+            .collect();
+        if self.lanes.iter().all(|lane| !lane.has_jobs_in_hand()) {
+            if let Some(check) = self.next_health_check(now) {
+                return check;
+            }
+            return self.when_nothing_in_hand(now);
+        }
+        if let Some(receive) = self.receive_more(now) {
+            return receive;
+        }
+        for &index in &with_jobs {
+            if let Some(malformed) = self.lanes[index].take_malformed() {
+                return self.act_for_lane(index, malformed);
+            }
+        }
+        if let Some(until) = self.timers.get(Timer::InvokeHold).filter(|at| *at > now) {
+            return self.sleep_until(until);
+        }
+        if self.in_flight.hand_offs >= MAX_INVOKES_IN_FLIGHT {
+            return self.await_event();
+        }
+        if let Some(check) = self.next_health_check(now) {
+            return check;
+        }
+        let mut wake: Option<UnixMillis> = None;
+        let mut wake_at = |at: UnixMillis| wake = Some(wake.map_or(at, |w: UnixMillis| w.min(at)));
+        let order = self.many.as_ref().expect("many lanes").scheduler.order(with_jobs);
+        for index in order {
+            if let Some(held) = self.lanes[index].held_until(now) {
+                wake_at(held);
+                continue;
+            }
+            let cost = self.lanes[index].head_cost().expect("a parsed job at the front");
+            let not_before = match self.shared_allows(index, cost, now) {
+                Ok(slot) => slot,
+                Err(at) => {
+                    wake_at(at);
+                    continue;
+                }
+            };
+            match self.lanes[index].next_dispatch(now, not_before) {
+                LaneStep::WaitUntil(at) => wake_at(at),
+                LaneStep::Dispatch(hand_off, payload) => {
+                    let upload = match &payload {
+                        WorkerPayload::Job { job, .. } => job.request.upload_allowance(),
+                        WorkerPayload::HealthCheck { .. } => Duration::ZERO,
+                    };
+                    let many = self.many.as_mut().expect("many lanes");
+                    many.pacer.commit(many.shared, hand_off.cost, hand_off.slot.plus(upload));
+                    many.meter.record(hand_off.slot, hand_off.cost, Duration::ZERO, None);
+                    many.scheduler.charge(index, hand_off.cost);
+                    many.dispatched[index] += 1;
+                    return self.act_for_lane(index, LaneStep::Dispatch(hand_off, payload));
+                }
+                step => return self.act_for_lane(index, step),
+            }
+        }
+        match wake {
+            Some(at) => self.sleep_until(at),
+            None => self.await_event(),
+        }
+    }
+
+    /// The first slot from `now` at which the shared quota takes `cost` more units for
+    /// lane `index`'s job (a slot a little later than the lane's earliest is taken as
+    /// its own are); or, when that is further off, when to look again.
+    fn shared_allows(&self, index: usize, cost: u64, now: UnixMillis) -> Result<UnixMillis, UnixMillis> {
+        let many = self.many.as_ref().expect("many lanes");
+        let lane = &self.lanes[index];
+        let slot = lane.earliest_slot(now);
+        match many.shared.decide(&many.pacer, cost, slot) {
+            // A cost over a whole shared tier: the lane's own decision dead-letters it
+            // where its tiers are the same; otherwise it waits for nothing here.
+            Decision::Allow | Decision::Never { .. } => Ok(slot),
+            Decision::WaitUntil { at, .. } if !self.lead().is_zero() && at <= slot.plus(lane.slack()) => Ok(at),
+            Decision::WaitUntil { at, .. } => {
+                let wake = if self.lead().is_zero() { at } else { at.minus(self.lead()).minus(COARSE_WAKE_SLACK) };
+                Err(wake.max(now.plus(Duration::from_millis(1))))
+            }
+        }
+    }
+
+    /// A health check of a lane whose circuit is open, if one is due and the shared
+    /// quota has room for it (it spends a unit of both).
+    fn next_health_check(&mut self, now: UnixMillis) -> Option<Action> {
+        for index in 0..self.lanes.len() {
+            let lane = &self.lanes[index];
+            if lane.circuit().status != CircuitStatus::Open || lane.health_check_in_flight() || lane.held_until(now).is_some() {
+                continue;
+            }
+            if self.shared_allows(index, 1, now).is_err() {
+                continue;
+            }
+            match self.lanes[index].next_health_check(now) {
+                LaneStep::WaitUntil(_) => {}
+                LaneStep::HealthCheck(payload) => {
+                    let slot = self.lanes[index].earliest_slot(now);
+                    let many = self.many.as_mut().expect("many lanes");
+                    many.pacer.commit(many.shared, 1, slot);
+                    many.meter.record(slot, 1, Duration::ZERO, None);
+                    return Some(Action::HealthCheck(index, payload));
+                }
+                step => return Some(self.act_for_lane(index, step)),
+            }
+        }
+        None
+    }
+
+    /// With many lanes and jobs in hand: another receive in the background while fewer
+    /// jobs are in hand than the shared quota can use before their visibility timeout,
+    /// so that a light lane's jobs behind a heavy lane's are reached (the heavy lane's
+    /// surplus goes back to the queue for later, see [`Self::route_received`]).
+    fn receive_more(&mut self, now: UnixMillis) -> Option<Action> {
+        if self.in_flight.receives >= MAX_RECEIVES_IN_FLIGHT || self.timers.is_pending(Timer::Receive, now) || self.timers.is_pending(Timer::Prefetch, now) {
+            return None;
+        }
+        let many = self.many.as_ref().expect("many lanes");
+        let in_hand: usize = self.lanes.iter().map(LaneMachine::jobs_in_hand).sum();
+        let coming = in_hand + RECEIVE_BATCH * self.in_flight.receives;
+        let horizon = self.receive_horizon(now);
+        let room = many.shared.capacity_until(&many.pacer, now.plus(self.lead()), horizon, MANY_LANES_IN_HAND).saturating_sub(coming);
+        if room == 0 {
+            return None;
+        }
+        self.in_flight.receives += 1;
+        Some(Action::Receive { max: room.min(RECEIVE_BATCH), wait: Duration::ZERO, long_poll: false })
+    }
+
+    /// The index of lane `id`, taken on at `now` if this run had no job of it yet.
+    fn lane_for(&mut self, id: LaneId, now: UnixMillis) -> usize {
+        if let Some(index) = self.lane_index.get(&id) {
+            return *index;
+        }
+        let many = self.many.as_mut().expect("many lanes");
+        let settings = many.config.lane(&id);
+        let index = many.scheduler.add_lane(settings.weight);
+        many.hydrated.push(false);
+        many.hydrating.push(false);
+        many.dispatched.push(0);
+        self.lanes.push(LaneMachine::new(self.settings, id.clone(), index, &settings.quota, now));
+        self.lane_index.insert(id, index);
+        index
+    }
+
+    /// Routes received messages to their lanes; a lane holding more than it can
+    /// dispatch before their visibility timeout gives the surplus back to the queue, to
+    /// come back when the lane will have used what it holds.
+    fn route_received(&mut self, received: Vec<QueuedMessage>, now: UnixMillis) {
+        let mut by_lane: Vec<(usize, Vec<QueuedMessage>)> = Vec::new();
+        for message in received {
+            let index = self.lane_for(LaneId::named_in(&message.body), now);
+            match by_lane.iter_mut().find(|(lane, _)| *lane == index) {
+                Some((_, messages)) => messages.push(message),
+                None => by_lane.push((index, vec![message])),
+            }
+        }
+        let horizon = self.receive_horizon(now);
+        for (index, messages) in by_lane {
+            let lane = &mut self.lanes[index];
+            lane.take_in(messages, now);
+            let keep = lane.capacity_until(now, horizon, lane.jobs_in_hand()).max(RECEIVE_BATCH);
+            let surplus = lane.release_past(keep);
+            if !surplus.is_empty() {
+                let pace = lane.pace_per_second();
+                let busy_for = if pace.is_finite() && pace > 0.0 { Duration::from_secs_f64(keep as f64 / pace) } else { Duration::from_secs(1) };
+                let after = busy_for.clamp(Duration::from_secs(1), self.settings.orchestrator.visibility_timeout);
+                self.report.released += surplus.len() as u64;
+                self.to_release.push_back((surplus, after));
+            }
+        }
+    }
+
+    /// A lane's first read came back.
+    fn on_lane_hydrated(&mut self, index: usize, result: PortResult<LaneStart>, now: UnixMillis) -> Result<(), RunError> {
+        let many = self.many.as_mut().expect("many lanes");
+        many.hydrating[index] = false;
+        match result {
+            Ok(start) => {
+                many.hydrated[index] = true;
+                self.lanes[index].hydrate(start.snapshot, &start.calendar_used, now);
+                self.apply_shared_state(index, start.shared, now);
+                Ok(())
+            }
+            // Read again at the next decision after the hand-off back-off.
+            Err(e) => self.retry_later(e, Timer::InvokeHold, now, "could not read a lane's state"),
+        }
     }
 
     /// Takes what came of an action at `now`.
@@ -371,12 +700,13 @@ impl<'a> StackMachine<'a> {
     pub fn on_event(&mut self, event: Event, now: UnixMillis) -> Result<(), RunError> {
         match event {
             Event::Renewed(result) => self.on_renewed(result, now),
-            Event::Refreshed(Ok(shared)) => {
-                self.apply_shared_state(shared, now);
+            Event::Refreshed(lane, Ok(shared)) => {
+                self.apply_shared_state(lane, shared, now);
                 Ok(())
             }
-            Event::Refreshed(Err(e)) => self.lane.on_refresh_failed(e, now),
-            Event::CircuitSwapped(next, result) => self.lane.on_circuit_swapped(next, result, now),
+            Event::Refreshed(lane, Err(e)) => self.lanes[lane].on_refresh_failed(e, now),
+            Event::CircuitSwapped(lane, next, result) => self.lanes[lane].on_circuit_swapped(next, result, now),
+            Event::LaneHydrated(lane, result) => self.on_lane_hydrated(lane, result, now),
             Event::Flushed(Ok(()) | Err(PortError::Conflict(_))) => {
                 // A lost lease: the next renewal says so; the new holder's snapshot wins.
                 self.backoffs.flush.succeeded();
@@ -384,7 +714,7 @@ impl<'a> StackMachine<'a> {
                 Ok(())
             }
             Event::Flushed(Err(e)) => self.retry_later(e, Timer::Flush, now, "could not save the pacer snapshot"),
-            Event::Reserved(needed, result) => self.lane.on_reserved(needed, result, now),
+            Event::Reserved(lane, needed, result) => self.lanes[lane].on_reserved(needed, result, now),
             Event::DeadLettered(message, result) => self.on_dead_lettered(message, result),
             Event::Released(count, Ok(())) => {
                 self.report.released += count as u64;
@@ -404,8 +734,8 @@ impl<'a> StackMachine<'a> {
                 Ok(())
             }
             Event::HandedOff(in_hand, payload, result) => self.on_handed_off(in_hand, payload, result, now),
-            Event::HealthChecked(result) => {
-                self.lane.on_health_check_handed_off(result.is_ok(), now);
+            Event::HealthChecked(lane, result) => {
+                self.lanes[lane].on_health_check_handed_off(result.is_ok(), now);
                 match result {
                     Ok(()) => {
                         self.backoffs.invoke.succeeded();
@@ -429,7 +759,12 @@ impl<'a> StackMachine<'a> {
             }
             Event::SlotsMissed(missed) => {
                 for slot in missed {
-                    self.lane.give_back(slot);
+                    let index = if self.many.is_some() { self.lane_index.get(&slot.lane).copied() } else { Some(0) };
+                    let Some(index) = index else { continue };
+                    if let Some(many) = &mut self.many {
+                        many.pacer.give_back(many.shared, slot.arrival, slot.cost);
+                    }
+                    self.lanes[index].give_back(slot);
                 }
                 Ok(())
             }
@@ -496,7 +831,11 @@ impl<'a> StackMachine<'a> {
             Ok(received) => {
                 self.backoffs.receive.succeeded();
                 self.queue_seen_empty = false;
-                self.lane.take_in(received, now);
+                if self.many.is_some() {
+                    self.route_received(received, now);
+                } else {
+                    self.lanes[0].take_in(received, now);
+                }
             }
             Err(e) => self.retry_later(e, Timer::Receive, now, "receive failed")?,
         }
@@ -528,7 +867,7 @@ impl<'a> StackMachine<'a> {
             Err(e) => {
                 let WorkerPayload::Job { job, .. } = payload else { unreachable!("a hand-off carries a job") };
                 warn!(error = %e, message_id = %hand_off.message.message_id, "hand-off refused; the job goes again after a back-off");
-                self.lane.hand_back(hand_off, job);
+                self.lanes[hand_off.lane].hand_back(hand_off, job);
                 self.retry_later(e, Timer::InvokeHold, now, "hand-off refused")
             }
         }
@@ -557,11 +896,11 @@ impl<'a> StackMachine<'a> {
         if self.in_flight.receives >= MAX_RECEIVES_IN_FLIGHT || self.timers.is_pending(Timer::Receive, now) || self.timers.is_pending(Timer::Prefetch, now) {
             return None;
         }
-        let coming = self.lane.jobs_in_hand() + RECEIVE_BATCH * self.in_flight.receives;
+        let coming = self.lanes[0].jobs_in_hand() + RECEIVE_BATCH * self.in_flight.receives;
         if coming >= self.prefetch_target() {
             return None;
         }
-        let capacity = self.lane.capacity_until(now, self.receive_horizon(now), coming + RECEIVE_BATCH).saturating_sub(coming);
+        let capacity = self.lanes[0].capacity_until(now, self.receive_horizon(now), coming + RECEIVE_BATCH).saturating_sub(coming);
         if capacity == 0 {
             return None;
         }
@@ -572,7 +911,7 @@ impl<'a> StackMachine<'a> {
     /// Jobs to have in hand or on their way: what the pace uses during two receives, and
     /// at least one batch.
     fn prefetch_target(&self) -> usize {
-        let meanwhile = self.lane.pace_per_second() * (self.receive_latency * 2).as_secs_f64();
+        let meanwhile = self.lanes[0].pace_per_second() * (self.receive_latency * 2).as_secs_f64();
         let most = RECEIVE_BATCH * MAX_RECEIVES_IN_FLIGHT;
         if meanwhile >= most as f64 {
             most
@@ -589,24 +928,55 @@ impl<'a> StackMachine<'a> {
         now.plus(visibility).minus(visibility / 5).min(stop_at).plus(self.lead())
     }
 
-    /// What is left to settle at the end: deletes not yet sent, messages still in hand,
-    /// and the reserved units not spent (as negative deltas).
-    pub fn leftovers(&mut self) -> (Vec<String>, Vec<String>, Vec<(String, i64)>) {
+    /// What is left to settle at the end: deletes not yet sent, messages still in hand
+    /// (the surplus waiting to go back included), and each lane's reserved units not
+    /// spent (as negative deltas, with the lane's scope).
+    pub fn leftovers(&mut self) -> (Vec<String>, Vec<String>, Vec<UnspentUnits>) {
         let deletes = std::mem::take(&mut self.pending_deletes);
-        let (in_hand, unspent) = self.lane.leftovers();
+        let mut in_hand: Vec<String> = self.to_release.drain(..).flat_map(|(receipts, _)| receipts).collect();
+        let mut unspent = Vec::new();
+        for lane in &mut self.lanes {
+            let (held, lane_unspent) = lane.leftovers();
+            in_hand.extend(held);
+            if !lane_unspent.is_empty() {
+                unspent.push((StoreScope::Lane(lane.id().clone()), lane_unspent));
+            }
+        }
         (deletes, in_hand, unspent)
     }
 
-    /// Closes the report at `now`.
+    /// Closes the report at `now`: one lane's figures are the stack's; with many, the
+    /// shared tiers' are, and each lane has its line.
     pub fn close_report(&mut self, now: UnixMillis) {
-        let (tiers, paced_for, paced_by) = self.lane.tier_figures(now);
-        self.report.tiers = tiers;
-        self.report.paced_ms = u64::try_from(paced_for.as_millis()).unwrap_or(u64::MAX);
-        self.report.paced_by = paced_by;
-        let figures = &self.lane.figures;
-        self.report.longest_wait_ms = figures.longest_wait_ms;
-        self.report.slowest_rate.clone_from(&figures.slowest_rate);
-        self.report.slots_given_back = figures.slots_given_back;
+        if let Some(many) = &self.many {
+            self.report.tiers = many.meter.report(many.shared, &many.pacer.usage(many.shared, now));
+            self.report.paced_ms = u64::try_from(many.meter.paced_for().as_millis()).unwrap_or(u64::MAX);
+            self.report.paced_by = many.meter.paced_by().map(|i| many.shared.tiers()[i]);
+            self.report.lanes = self
+                .lanes
+                .iter()
+                .enumerate()
+                .map(|(index, lane)| {
+                    let (tiers, _, _) = lane.tier_figures(now);
+                    LaneReport {
+                        lane: lane.id().to_string(),
+                        weight: many.config.lane(lane.id()).weight,
+                        dispatched: many.dispatched[index],
+                        longest_wait_ms: lane.figures.longest_wait_ms,
+                        tiers,
+                    }
+                })
+                .collect();
+            self.report.lanes.sort_by(|a, b| b.dispatched.cmp(&a.dispatched).then_with(|| a.lane.cmp(&b.lane)));
+        } else {
+            let (tiers, paced_for, paced_by) = self.lanes[0].tier_figures(now);
+            self.report.tiers = tiers;
+            self.report.paced_ms = u64::try_from(paced_for.as_millis()).unwrap_or(u64::MAX);
+            self.report.paced_by = paced_by;
+            self.report.slowest_rate.clone_from(&self.lanes[0].figures.slowest_rate);
+        }
+        self.report.longest_wait_ms = self.lanes.iter().map(|lane| lane.figures.longest_wait_ms).max().unwrap_or(0);
+        self.report.slots_given_back = self.lanes.iter().map(|lane| lane.figures.slots_given_back).sum();
         self.report.ended_at = now;
         if let Some(reason) = &self.stop {
             self.report.stop = reason.clone();
@@ -629,6 +999,7 @@ mod tests {
             orchestrator: OrchestratorConfig { dispatch_ahead: Some(Duration::ZERO), ..OrchestratorConfig::default() },
             circuit: CircuitConfig { health_check_interval: Duration::from_secs(2), ..CircuitConfig::default() },
             workers: WorkerHost::InProcess,
+            lanes: None,
         }
     }
 
@@ -649,9 +1020,10 @@ mod tests {
         loop {
             match next(state, now) {
                 Action::Flush(..) => state.on_event(Event::Flushed(Ok(())), now).unwrap(),
-                Action::Refresh => {
-                    let shared = SharedState { circuit: state.lane.circuit().clone(), cool_down: UnixMillis(0), provider_reading: None, call_slots: None };
-                    state.on_event(Event::Refreshed(Ok(shared)), now).unwrap();
+                Action::Refresh(lane) => {
+                    let shared =
+                        SharedState { circuit: state.only_lane().circuit().clone(), cool_down: UnixMillis(0), provider_reading: None, call_slots: None };
+                    state.on_event(Event::Refreshed(lane, Ok(shared)), now).unwrap();
                 }
                 action => return action,
             }
@@ -664,13 +1036,13 @@ mod tests {
         let lease = Lease { holder: "test".into(), epoch: 1, expires_at: T0.plus(Duration::from_secs(30)) };
         let mut state = StackMachine::new(&settings, &progress, lease, T0, T0.plus(Duration::from_secs(60)), false);
         let open = Circuit::default().open(0, "HTTP 503", T0).unwrap();
-        state.apply_shared_state(SharedState { circuit: open, cool_down: UnixMillis(0), provider_reading: None, call_slots: None }, T0);
+        state.apply_shared_state(0, SharedState { circuit: open, cool_down: UnixMillis(0), provider_reading: None, call_slots: None }, T0);
         assert!(matches!(next(&mut state, T0), Action::Sleep { until, .. } if until == T0.plus(Duration::from_secs(1))), "the refresh comes first");
         let due = T0.plus(Duration::from_secs(2));
-        assert!(matches!(next_past_housekeeping(&mut state, due), Action::HealthCheck(_)));
+        assert!(matches!(next_past_housekeeping(&mut state, due), Action::HealthCheck(0, _)));
         assert!(matches!(next_past_housekeeping(&mut state, due), Action::Sleep { .. }), "one check at a time");
         let answered = due.plus(Duration::from_millis(20));
-        state.on_event(Event::HealthChecked(Ok(())), answered).unwrap();
+        state.on_event(Event::HealthChecked(0, Ok(())), answered).unwrap();
         assert!(
             matches!(next_past_housekeeping(&mut state, answered), Action::Sleep { until, .. } if until == T0.plus(Duration::from_secs(3))),
             "the next check is an interval later; the next refresh comes first"

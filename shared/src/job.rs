@@ -438,6 +438,9 @@ pub enum WorkerPayload {
         sent_at: UnixMillis,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         slot: Option<CallSlot>,
+        /// The lane whose circuit it checks (with its headers, at its API).
+        #[serde(default, skip_serializing_if = "LaneId::is_default")]
+        lane: LaneId,
     },
 }
 
@@ -526,6 +529,9 @@ pub enum DeadLetterCause {
     },
     /// Costs more than a whole tier allows.
     NeverFits,
+    /// Its lane's credentials could not be read (a header's environment variable is not
+    /// set): never called without them.
+    Credentials,
 }
 
 impl DeadLetterCause {
@@ -538,6 +544,7 @@ impl DeadLetterCause {
             Self::AttemptsExhausted { last_failure: None } => "attempts_exhausted".into(),
             Self::AttemptsExhausted { last_failure: Some(last) } => format!("attempts_exhausted:{last}"),
             Self::NeverFits => "never_fits".into(),
+            Self::Credentials => "credentials".into(),
         }
     }
 }
@@ -632,7 +639,7 @@ mod tests {
         let text = payload.to_json();
         assert!(text.contains(r#""v":2"#) && text.contains(r#""kind":"job""#));
         assert_eq!(WorkerPayload::from_json(&text).unwrap(), payload);
-        let check = WorkerPayload::HealthCheck { circuit_epoch: 3, sent_at: UnixMillis(1), slot: None };
+        let check = WorkerPayload::HealthCheck { circuit_epoch: 3, sent_at: UnixMillis(1), slot: None, lane: LaneId::default_lane() };
         assert_eq!(WorkerPayload::from_json(&check.to_json()).unwrap(), check);
         assert!(matches!(WorkerPayload::from_json(&text.replace(r#""v":2"#, r#""v":3"#)), Err(PayloadError::Version(3))));
     }

@@ -49,13 +49,15 @@ pub enum Hold {
 
 /// A slot its worker started too late to use: no call was made, so its units go back to
 /// the pacer (see [`PacerState::give_back`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MissedSlot {
     /// The slot, as the worker got it.
     pub slot: UnixMillis,
     /// When the pacer counted the call's arrival: the slot and the body's upload time.
     pub arrival: UnixMillis,
     pub cost: u64,
+    /// The lane whose slot it was.
+    pub lane: crate::lane::LaneId,
 }
 
 /// Missed slots on their way from the workers of one process to its orchestrator, which

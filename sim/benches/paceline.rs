@@ -49,7 +49,7 @@ fn quota(tiers: &[&str], margin_ms: u64) -> Quota {
 
 fn settings(tiers: &[&str], margin_ms: u64, ahead_ms: u64) -> Settings {
     let orchestrator = OrchestratorConfig { dispatch_ahead: Some(Duration::from_millis(ahead_ms)), ..OrchestratorConfig::default() };
-    Settings { quota: quota(tiers, margin_ms), orchestrator, circuit: CircuitConfig::default(), workers: WorkerHost::Lambda }
+    Settings { quota: quota(tiers, margin_ms), orchestrator, circuit: CircuitConfig::default(), workers: WorkerHost::Lambda, lanes: None }
 }
 
 /// CPU time (user + system) of this process so far.

@@ -15,7 +15,7 @@ use paceline_sim::{simulate, Dispatcher, Plan};
 fn plan(tiers: &[&str], margin_ms: u64, dispatch_ahead_ms: u64, jobs: usize, seed: u64) -> Plan {
     let quota = Quota::new(tiers.iter().map(|t| t.parse().unwrap()).collect(), chrono_tz::UTC, Duration::from_millis(margin_ms)).unwrap();
     let orchestrator = OrchestratorConfig { dispatch_ahead: Some(Duration::from_millis(dispatch_ahead_ms)), ..OrchestratorConfig::default() };
-    Plan::new(jobs, seed, Settings { quota, orchestrator, circuit: CircuitConfig::default(), workers: WorkerHost::Lambda }, RetryConfig::default())
+    Plan::new(jobs, seed, Settings { quota, orchestrator, circuit: CircuitConfig::default(), workers: WorkerHost::Lambda, lanes: None }, RetryConfig::default())
 }
 
 #[test]

@@ -591,3 +591,60 @@ async fn a_job_s_lane_reaches_its_outcome_record_and_results_filter_by_it() {
     let acme_dead = json_of(&paceline(&["dlq", "list", "--config", config, "--lane", "acme", "--json"], "").await).to_string();
     assert!(!acme_dead.contains("gold-gone"), "{acme_dead}");
 }
+
+/// Each lane's call times, from its outcome records (the fake API counts only the whole).
+async fn calls_by_lane(config: &str) -> std::collections::BTreeMap<String, Vec<UnixMillis>> {
+    let results = paceline(&["results", "--config", config, "--json"], "").await;
+    let mut by_lane = std::collections::BTreeMap::<String, Vec<UnixMillis>>::new();
+    for line in String::from_utf8_lossy(&results.stdout).lines() {
+        let record: serde_json::Value = serde_json::from_str(line).unwrap();
+        let called = UnixMillis::parse_rfc3339(record["times"]["called"].as_str().unwrap()).unwrap();
+        by_lane.entry(record["lane"].as_str().unwrap_or("default").to_owned()).or_default().push(called);
+    }
+    by_lane.values_mut().for_each(|calls| calls.sort());
+    by_lane
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lanes_keep_their_own_tiers_under_the_shared_one_and_a_heavy_lane_s_backlog_does_not_hold_up_the_light_ones() {
+    let _alone = one_lane_at_a_time().await;
+    // The API refuses over 20/s across every tenant; each tenant may make 5/s.
+    let api = api(&["20/s"], None).await;
+    let dir = lane_dir("many-lanes");
+    let lanes = "[lanes]\ntiers = [\"5/s\"]\nheaders = { X-Tenant = { value = \"{lane}\" } }\n[lanes.gold]\nweight = 3\ntiers = [\"20/s\"]\n";
+    let config = write_config(&dir, &api.base_url, &["20/s"], lanes);
+    let config = config.to_str().unwrap();
+    // The heavy tenant's 60 jobs go on the queue first, then 10 for each light one.
+    let mut input = String::new();
+    for (lane, count) in [("heavy", 60), ("t1", 10), ("t2", 10), ("t3", 10), ("gold", 30)] {
+        for id in ids(lane, count) {
+            input.push_str(&format!("{{\"id\":\"{id}\",\"lane\":\"{lane}\",\"request\":{{\"method\":\"GET\",\"path\":\"/items/{id}\"}}}}\n"));
+        }
+    }
+    let enqueued = paceline(&["enqueue", "--config", config, "-"], &input).await;
+    assert!(enqueued.status.success(), "{}", String::from_utf8_lossy(&enqueued.stderr));
+    let run = paceline(&["run", "--config", config, "--drain", "--json"], "").await;
+    assert_eq!(json_of(&run)["succeeded"].as_u64(), Some(120), "{}", String::from_utf8_lossy(&run.stderr));
+    let log = api.log();
+    assert_eq!(log.quota_rejections, 0, "the shared 20/s was exceeded");
+    assert!(peak(&log, Duration::from_secs(1)) <= 20);
+    let by_lane = calls_by_lane(config).await;
+    for (lane, limit) in [("heavy", 5), ("t1", 5), ("t2", 5), ("t3", 5), ("gold", 20)] {
+        let calls: Vec<_> = by_lane[lane].iter().map(|t| (*t, 1)).collect();
+        let busiest = peak_in_any_window(&calls, Duration::from_secs(1));
+        assert!(busiest <= limit, "lane {lane} made {busiest} calls within a second, over its {limit}/s");
+    }
+    // FIFO over one queue would call the light tenants after the heavy one's 60 jobs
+    // (12 s at its 5/s); weighted fair, each light tenant is done in about 2 s at its
+    // own 5/s, while gold (weight 3) takes the shared room the others leave.
+    let first = by_lane.values().flatten().min().copied().unwrap();
+    for lane in ["t1", "t2", "t3"] {
+        let done = by_lane[lane].iter().max().unwrap().since(first);
+        assert!(done < Duration::from_secs(4), "light lane {lane} finished {done:?} after the first call");
+    }
+    let heavy_done = by_lane["heavy"].iter().max().unwrap().since(first);
+    assert!(heavy_done >= Duration::from_secs(11), "the heavy lane went over its own 5/s: done in {heavy_done:?}");
+    let summary = json_of(&run);
+    let lanes = summary["lanes"].as_array().expect("a line per lane");
+    assert_eq!(lanes.len(), 5, "{summary}");
+}

@@ -195,7 +195,7 @@ async fn outage_fills_the_dlqs(sdk: &aws_config::SdkConfig, names: &AwsNames) {
     }
     let sqs = aws_sdk_sqs::Client::new(sdk);
     let worker_dlq = names.worker_dlq_url.as_deref().unwrap();
-    let health = WorkerPayload::HealthCheck { circuit_epoch: 3, sent_at: UnixMillis(0), slot: None };
+    let health = WorkerPayload::HealthCheck { circuit_epoch: 3, sent_at: UnixMillis(0), slot: None, lane: Default::default() };
     let records = ids("lost", 12).iter().map(|id| job_payload(id)).chain([health.clone(), health]).collect::<Vec<_>>();
     for payload in records {
         let body = lambda_failure_record(&payload, "Transient", "sqs SendMessage: timed out");

@@ -26,6 +26,7 @@ pub mod classify;
 pub mod http;
 #[cfg(feature = "lambda")]
 pub mod lambda;
+pub mod lanes;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testing;
 
@@ -715,7 +716,12 @@ impl WorkerHandler for Worker {
                 };
                 if let Err(late) = self.wait_for_slot(slot).await {
                     if let (Some(missed), Some(slot)) = (&self.missed_slots, slot) {
-                        missed.push(MissedSlot { slot: slot.not_before, arrival: slot.not_before.plus(job.request.upload_allowance()), cost: job.cost });
+                        missed.push(MissedSlot {
+                            slot: slot.not_before,
+                            arrival: slot.not_before.plus(job.request.upload_allowance()),
+                            cost: job.cost,
+                            lane: job.lane.clone(),
+                        });
                     }
                     self.release_call_slot(held).await;
                     self.release_call(record.as_deref(), &holder).await?;
@@ -726,7 +732,7 @@ impl WorkerHandler for Worker {
                 let slotted = slot.map_or(dispatched_at, |slot| slot.not_before);
                 self.run_job(&job, JobCall { attempt, circuit_epoch, trip, report_limits, record, dispatched_at, slotted }, held).await
             }
-            WorkerPayload::HealthCheck { circuit_epoch, slot, sent_at } => {
+            WorkerPayload::HealthCheck { circuit_epoch, slot, sent_at, .. } => {
                 // A health check that is missed or finds no call slot is simply not made:
                 // the orchestrator sends another.
                 let holder = format!("health-check#{circuit_epoch}#{}", sent_at.0);

@@ -284,9 +284,9 @@ async fn a_healthy_check_half_opens_the_circuit_but_a_stale_one_cannot() {
     let (base, _) = scripted_api().await;
     let (worker, store) = new_worker(&base);
     worker.handle(job_to(502)).await.unwrap();
-    worker.handle(WorkerPayload::HealthCheck { circuit_epoch: 0, sent_at: UnixMillis(0), slot: None }).await.unwrap();
+    worker.handle(WorkerPayload::HealthCheck { circuit_epoch: 0, sent_at: UnixMillis(0), slot: None, lane: Default::default() }).await.unwrap();
     assert!(!store.circuit().await.unwrap().is_closed(), "a check from epoch 0 must not close epoch 1");
-    worker.handle(WorkerPayload::HealthCheck { circuit_epoch: 1, sent_at: UnixMillis(0), slot: None }).await.unwrap();
+    worker.handle(WorkerPayload::HealthCheck { circuit_epoch: 1, sent_at: UnixMillis(0), slot: None, lane: Default::default() }).await.unwrap();
     let circuit = store.circuit().await.unwrap();
     assert_eq!((circuit.status, circuit.epoch), (CircuitStatus::HalfOpen, 2));
     assert_eq!(WorkerStats::get(&worker.stats.circuit_closed), 1);
@@ -359,7 +359,12 @@ async fn a_failed_follow_up_write_fails_the_payload_so_it_is_retried() {
         (job_to(503), Method::SwapCircuit, conflict, 3),
         (job_to(503), Method::Send, PortError::Transient("connection reset".into()), 1),
         (job_to(404), Method::DeadLetter, PortError::Transient("connection reset".into()), 1),
-        (WorkerPayload::HealthCheck { circuit_epoch: 0, sent_at: UnixMillis(0), slot: None }, Method::SwapCircuit, PortError::Transient("timed out".into()), 1),
+        (
+            WorkerPayload::HealthCheck { circuit_epoch: 0, sent_at: UnixMillis(0), slot: None, lane: Default::default() },
+            Method::SwapCircuit,
+            PortError::Transient("timed out".into()),
+            1,
+        ),
     ];
     for (payload, method, error, times) in cases {
         let (mut worker, store) = new_worker(&base);
@@ -373,8 +378,8 @@ async fn a_failed_follow_up_write_fails_the_payload_so_it_is_retried() {
         worker.store = faulty.clone();
         worker.settle_retry_for = Duration::ZERO;
         let payload = match payload {
-            WorkerPayload::HealthCheck { sent_at, slot, .. } => {
-                WorkerPayload::HealthCheck { circuit_epoch: store.circuit().await.unwrap().epoch, sent_at, slot }
+            WorkerPayload::HealthCheck { sent_at, slot, lane, .. } => {
+                WorkerPayload::HealthCheck { circuit_epoch: store.circuit().await.unwrap().epoch, sent_at, slot, lane }
             }
             job => job,
         };

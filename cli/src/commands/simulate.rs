@@ -117,7 +117,12 @@ impl SimulateArgs {
             rate_duplicate_delivery: self.rate_duplicate_delivery,
         };
         failures.check().map_err(|e| anyhow::anyhow!("--rate-429/--rate-5xx/--foreign-load/--rate-duplicate-delivery: {e}"))?;
-        let settings = Settings { quota: config.quota, orchestrator, circuit: config.circuit, workers: WorkerHost::Lambda };
+        // The simulated Lambda stack paces one lane, as the AWS backend does today.
+        anyhow::ensure!(
+            config.lanes.is_none(),
+            "simulate paces one lane (the AWS backend's): leave [lanes] out of this config, or try the lanes with `paceline run`"
+        );
+        let settings = Settings { quota: config.quota, orchestrator, circuit: config.circuit, workers: WorkerHost::Lambda, lanes: None };
         let mut plan = Plan::new(self.jobs, self.seed, settings, config.retry);
         plan.profile = profile;
         plan.failures = failures;

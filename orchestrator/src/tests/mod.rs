@@ -40,6 +40,7 @@ fn lane_built(tiers: &[&str], margin_ms: u64, invoker: impl FnOnce(Arc<TokioCloc
         orchestrator: OrchestratorConfig { deadline_margin: Duration::from_secs(1), dispatch_ahead: Some(Duration::ZERO), ..OrchestratorConfig::default() },
         circuit: CircuitConfig { health_check_interval: Duration::from_secs(2), ..CircuitConfig::default() },
         workers: WorkerHost::InProcess,
+        lanes: None,
     };
     adjust(&mut settings);
     let orchestrator = Orchestrator::new(store.clone(), store.clone(), invoker.clone(), clock.clone(), settings);
@@ -464,7 +465,7 @@ impl WorkerHandler for MissesOne {
     async fn handle(&self, payload: WorkerPayload) -> PortResult<Option<paceline_shared::outcome::OutcomeRecord>> {
         if let WorkerPayload::Job { job, slot: Some(slot), .. } = payload {
             if job.id.as_str() == "miss" {
-                self.0.push(paceline_shared::pacer::MissedSlot { slot: slot.not_before, arrival: slot.not_before, cost: job.cost });
+                self.0.push(paceline_shared::pacer::MissedSlot { slot: slot.not_before, arrival: slot.not_before, cost: job.cost, lane: job.lane.clone() });
             }
         }
         Ok(None)

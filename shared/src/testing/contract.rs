@@ -275,7 +275,7 @@ where
     S: Fn() -> Fut,
     Fut: std::future::Future<Output = Vec<WorkerPayload>>,
 {
-    let health = WorkerPayload::HealthCheck { circuit_epoch: 7, sent_at: UnixMillis(1_795_824_000_000), slot: None };
+    let health = WorkerPayload::HealthCheck { circuit_epoch: 7, sent_at: UnixMillis(1_795_824_000_000), slot: None, lane: Default::default() };
     invoker.invoke(&health, None).await.expect("a health check is handed off");
     let ran = settle().await;
     assert_eq!(ran, vec![health], "an accepted payload reaches the worker once, as sent");
