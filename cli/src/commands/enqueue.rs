@@ -42,7 +42,10 @@ struct Enqueued<'a> {
 /// dead-letter it).
 fn check_for_lane(job: &Job, config: &Config, limits: &RequestLimits) -> Result<(), String> {
     limits.check(&job.request)?;
-    match config.quota.tier_too_small_for(job.cost) {
+    // Its lane's own tiers (the lane's under `[lanes]`), then the shared ones.
+    let too_small = config.lane_quota(&job.lane).tier_too_small_for(job.cost).or_else(|| config.quota.tier_too_small_for(job.cost));
+    match too_small {
+        Some(tier) if config.lanes.is_some() => Err(format!("cost {} exceeds the whole {tier} tier of lane {}: it could never be called", job.cost, job.lane)),
         Some(tier) => Err(format!("cost {} exceeds the whole {tier} tier: it could never be called", job.cost)),
         None => Ok(()),
     }
@@ -175,5 +178,15 @@ mod tests {
         let (jobs, errors) = parse_lines(std::io::Cursor::new(input).lines(), Some(&config), &LaneId::default());
         assert_eq!(jobs.iter().map(|job| job.id.as_str()).collect::<Vec<_>>(), vec!["a"]);
         assert_eq!(errors, vec!["line 2: cost 4 exceeds the whole 5/min burst=3 tier: it could never be called".to_owned()]);
+    }
+
+    #[test]
+    fn a_job_whose_cost_its_lane_s_own_tier_can_never_hold_is_refused_naming_the_lane() {
+        let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"20/s\"]\n[lanes]\ntiers = [\"5/s\"]\n[lanes.big]\ntiers = [\"10/s\"]\n";
+        let config = paceline_shared::config::Config::parse(text, std::path::Path::new("."), &|_| None).unwrap();
+        let input = "{\"id\":\"a\",\"lane\":\"big\",\"request\":{\"method\":\"GET\",\"path\":\"/a\"},\"cost\":8}\n{\"id\":\"b\",\"request\":{\"method\":\"GET\",\"path\":\"/b\"},\"cost\":8}\n";
+        let (jobs, errors) = parse_lines(std::io::Cursor::new(input).lines(), Some(&config), &LaneId::default());
+        assert_eq!(jobs.iter().map(|job| job.id.as_str()).collect::<Vec<_>>(), vec!["a"], "lane big's own 10/s holds 8");
+        assert_eq!(errors, vec!["line 2: cost 8 exceeds the whole 5/s tier of lane default: it could never be called".to_owned()]);
     }
 }

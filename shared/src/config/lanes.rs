@@ -103,6 +103,17 @@ impl LanesConfig {
                 }
             }
         }
+        if on_429 == CoolDownScope::Stack {
+            return Err(ConfigProblem::at("lanes.on_429", "\"stack\" is not built yet: a 429 cools the lane whose call met it (leave on_429 out)"));
+        }
+        // The shared counters of a day or month are not yet reserved in the store before
+        // they are spent, as a lane's are: a restart could overrun them.
+        if let Some(tier) = shared.tiers().iter().find(|tier| tier.is_calendar()) {
+            return Err(ConfigProblem::at(
+                "quota.tiers",
+                format!("{tier}: with [lanes], the shared quota takes rolling tiers (s, min, h) for now; give day and month tiers to the lanes"),
+            ));
+        }
         let defaults_settings = defaults.clone().settings("lanes", shared)?;
         let mut named = BTreeMap::new();
         for (lane, raw) in overrides {
@@ -241,10 +252,10 @@ mod tests {
 
     #[test]
     fn a_lane_without_tiers_of_its_own_goes_under_the_shared_ones_and_a_stack_without_lanes_is_one_lane() {
-        let config = parse("[lanes]\nweight = 2\non_429 = \"stack\"\n").unwrap();
+        let config = parse("[lanes]\nweight = 2\non_429 = \"lane\"\n").unwrap();
         let lanes = config.lanes.as_ref().unwrap();
         assert_eq!(lanes.lane(&lane("x")).quota.tiers(), config.quota.tiers());
-        assert_eq!(lanes.on_429, CoolDownScope::Stack);
+        assert_eq!(lanes.on_429, CoolDownScope::Lane);
         let one = parse("").unwrap();
         assert!(one.lanes.is_none());
         assert_eq!(one.lane_quota(&LaneId::default_lane()).tiers(), one.quota.tiers());
@@ -266,10 +277,13 @@ mod tests {
             ),
             ("[lanes]\ntiers = [\"5/fortnight\"]\n", "lanes.tiers"),
             ("[lanes]\non_429 = \"everyone\"\n", "lanes.on_429: "),
+            ("[lanes]\non_429 = \"stack\"\n", "lanes.on_429: \"stack\" is not built yet"),
         ] {
             let problem = parse(lanes).unwrap_err();
             assert!(problem.starts_with(expected), "{lanes:?}: {problem}");
         }
+        let daily = Config::parse(&(STACK.replace("[\"20/s\"]", "[\"20/s\", \"1000/day\"]") + "[lanes]\n"), Path::new("/stack"), &env).unwrap_err();
+        assert!(daily.to_string().starts_with("quota.tiers: 1000/day: with [lanes]"), "{daily}");
         let aws = "[backend]\nkind = \"aws\"\nqueue_url = \"q\"\ndlq_url = \"d\"\ntable = \"t\"\nworker_function = \"w\"\n[lanes]\n";
         let problem = parse(aws).unwrap_err();
         assert!(problem.contains("embedded backend"), "{problem}");
