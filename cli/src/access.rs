@@ -1,7 +1,7 @@
-//! What the operator commands act on: a lane's queue, DLQs and state, on the embedded
+//! What the operator commands act on: a stack's queue, DLQs and state, on the embedded
 //! store or on AWS. The config file or a CloudFormation stack's outputs name them;
 //! flags and `PACELINE_*` variables override (and, with no config file, are enough on
-//! their own for an AWS lane).
+//! their own for an AWS stack).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -13,17 +13,17 @@ use paceline_shared::ports::{DeadLetterQueues, StateStore};
 
 use crate::stack::{load_config_for_operations, open_store, IfMissing};
 
-/// Where the lane is: `--config`, and AWS names that override it.
+/// Where the stack is: `--config`, and AWS names that override it.
 #[derive(Debug, Clone, Default, clap::Args)]
-#[command(next_help_heading = "Where the lane is")]
-pub struct LaneArgs {
-    /// The lane's config file.
+#[command(next_help_heading = "Where the stack is")]
+pub struct StackArgs {
+    /// The stack's config file.
     #[arg(long, short, global = true, env = "PACELINE_CONFIG", default_value = "paceline.toml")]
     pub config: PathBuf,
     /// A deployed stack of `infra/template.yaml`, whose outputs name the AWS resources.
     #[arg(long, global = true, env = "PACELINE_STACK")]
     pub stack: Option<String>,
-    /// The jobs queue URL (an AWS lane; overrides the config file and the stack).
+    /// The jobs queue URL (an AWS stack; overrides the config file and the stack).
     #[arg(long, global = true, env = "PACELINE_QUEUE_URL")]
     pub queue_url: Option<String>,
     /// The jobs DLQ URL.
@@ -47,8 +47,8 @@ pub struct LaneArgs {
     pub profile: Option<String>,
 }
 
-/// A lane opened for an operator command.
-pub struct OperatorLane {
+/// A stack opened for an operator command.
+pub struct OperatorStack {
     /// The config file, when there is one (quota tiers for `status`).
     pub config: Option<Config>,
     pub queues: Arc<dyn DeadLetterQueues>,
@@ -57,12 +57,12 @@ pub struct OperatorLane {
     pub orchestrator: Result<LambdaInvoker, String>,
 }
 
-impl LaneArgs {
+impl StackArgs {
     fn any_aws_override(&self) -> bool {
         [&self.stack, &self.queue_url, &self.dlq_url, &self.worker_dlq_url, &self.table, &self.orchestrator_function].iter().any(|v| v.is_some())
     }
 
-    /// The config's AWS names to start from; `None` for an embedded lane.
+    /// The config's AWS names to start from; `None` for an embedded stack.
     fn aws_base(&self, config: Option<&Config>) -> Option<AwsBackend> {
         match config.map(|c| &c.backend) {
             Some(Backend::Aws(aws)) => Some(aws.clone()),
@@ -92,7 +92,7 @@ impl LaneArgs {
             .collect();
         if !missing.is_empty() {
             bail!(
-                "an AWS lane needs {} (--stack, flags, PACELINE_QUEUE_URL / PACELINE_DLQ_URL / PACELINE_TABLE, or [backend] kind = \"aws\" in {})",
+                "an AWS stack needs {} (--stack, flags, PACELINE_QUEUE_URL / PACELINE_DLQ_URL / PACELINE_TABLE, or [backend] kind = \"aws\" in {})",
                 missing.join(", "),
                 self.config.display()
             );
@@ -100,25 +100,25 @@ impl LaneArgs {
         Ok(())
     }
 
-    /// Opens the lane to inspect or repair it: an embedded database must exist already
-    /// (a mistyped path is an error, not a new empty lane).
+    /// Opens the stack to inspect or repair it: an embedded database must exist already
+    /// (a mistyped path is an error, not a new empty stack).
     ///
     /// # Errors
     /// A bad or missing config (when no AWS names are given), missing AWS names, or an
     /// embedded database that is missing or cannot be opened.
-    pub async fn open(&self) -> anyhow::Result<OperatorLane> {
+    pub async fn open(&self) -> anyhow::Result<OperatorStack> {
         self.open_with(IfMissing::Refuse).await
     }
 
-    /// Opens the lane to feed it: an embedded database is created where there is none.
+    /// Opens the stack to feed it: an embedded database is created where there is none.
     ///
     /// # Errors
-    /// As [`LaneArgs::open`], but for a missing embedded database.
-    pub async fn open_to_enqueue(&self) -> anyhow::Result<OperatorLane> {
+    /// As [`StackArgs::open`], but for a missing embedded database.
+    pub async fn open_to_enqueue(&self) -> anyhow::Result<OperatorStack> {
         self.open_with(IfMissing::Create).await
     }
 
-    async fn open_with(&self, if_missing: IfMissing) -> anyhow::Result<OperatorLane> {
+    async fn open_with(&self, if_missing: IfMissing) -> anyhow::Result<OperatorStack> {
         let config = if self.config.exists() {
             Some(load_config_for_operations(&self.config)?)
         } else if !self.any_aws_override() {
@@ -128,13 +128,13 @@ impl LaneArgs {
         };
         match self.aws_base(config.as_ref()) {
             None => {
-                let config = config.context("an embedded lane needs its config file")?;
+                let config = config.context("an embedded stack needs its config file")?;
                 let store = open_store(&config, if_missing)?;
-                Ok(OperatorLane {
+                Ok(OperatorStack {
                     config: Some(config),
                     queues: store.clone(),
                     state: store,
-                    orchestrator: Err("an embedded lane has no orchestrator function: `paceline run` runs one in this process".into()),
+                    orchestrator: Err("an embedded stack has no orchestrator function: `paceline run` runs one in this process".into()),
                 })
             }
             Some(mut aws) => {
@@ -163,7 +163,7 @@ impl LaneArgs {
                     "no orchestrator function is named: set orchestrator_function in [backend], --orchestrator-function or PACELINE_ORCHESTRATOR_FUNCTION"
                         .to_owned()
                 });
-                Ok(OperatorLane { config, queues: Arc::new(adapters.queue), state: Arc::new(adapters.store), orchestrator })
+                Ok(OperatorStack { config, queues: Arc::new(adapters.queue), state: Arc::new(adapters.store), orchestrator })
             }
         }
     }

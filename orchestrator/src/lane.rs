@@ -5,11 +5,13 @@
 //! (`stack.rs`) owns it, with the lease, the receives and the deletes, and never looks
 //! inside. A lane never knows whether another lane exists.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
 use paceline_shared::adaptive::{AdaptiveRate, EffectiveRate, ProviderReading, RateReason};
 use paceline_shared::breaker::{self, Circuit, CircuitStatus, TripRule};
+use paceline_shared::config::LaneChange;
 use paceline_shared::job::{CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
 use paceline_shared::lane::LaneId;
 use paceline_shared::pacer::{Decision, Hold, MissedSlot, PacerState};
@@ -98,6 +100,18 @@ pub(crate) struct SharedState {
     pub cool_down: UnixMillis,
     pub provider_reading: Option<ProviderReading>,
     pub call_slots: Option<CallSlotsRead>,
+    /// With `[lanes]`: an operator's change of the lane's settings to take up.
+    pub retune: Option<Retune>,
+}
+
+/// An operator's change of a lane's settings, read with its shared state when it
+/// differs from the one in force: the lane's settings under it, and the store's counts
+/// of the calendar tiers of its quota.
+pub(crate) struct Retune {
+    pub change: Option<LaneChange>,
+    pub quota: Quota,
+    pub weight: f64,
+    pub calendar_used: Vec<u64>,
 }
 
 /// The call slots as read: how many are held, and how many calls so far were not made
@@ -189,8 +203,10 @@ pub(crate) struct LaneMachine<'a> {
     /// The lane's id and its place in the stack.
     id: LaneId,
     index: usize,
-    /// The lane's own quota.
-    quota: &'a Quota,
+    /// The lane's own quota: the config's, or an operator's change of it.
+    quota: Cow<'a, Quota>,
+    /// An operator's change of the lane's settings in force (`paceline lanes set`).
+    change: Option<LaneChange>,
     pacer: PacerState,
     /// The hold this lane set itself (after an unclean stop); the provider's cool-down is
     /// added to it on every refresh, never saved with the pacer.
@@ -242,7 +258,8 @@ impl<'a> LaneMachine<'a> {
             settings,
             id,
             index,
-            quota,
+            quota: Cow::Borrowed(quota),
+            change: None,
             pacer: PacerState::new(quota),
             own_hold: UnixMillis(0),
             circuit: Circuit::default(),
@@ -271,8 +288,43 @@ impl<'a> LaneMachine<'a> {
         }
     }
 
-    pub fn quota(&self) -> &'a Quota {
-        self.quota
+    pub fn quota(&self) -> &Quota {
+        &self.quota
+    }
+
+    /// An operator's change of the lane's settings in force.
+    pub fn change(&self) -> Option<&LaneChange> {
+        self.change.as_ref()
+    }
+
+    /// Takes up an operator's change of the lane's settings at `now`. Tiers the change
+    /// keeps continue where they were; a calendar tier that is new starts from its count
+    /// in the store; a rolling tier that is new holds the lane until nothing the old
+    /// tiers let through can share its window.
+    pub fn retune(&mut self, retune: Retune, now: UnixMillis) {
+        let Retune { change, quota, calendar_used, .. } = retune;
+        self.change = change;
+        if quota.tiers() == self.quota.tiers() {
+            self.quota = Cow::Owned(quota); // the cap on calls in flight, if anything
+            return;
+        }
+        let tiers: Vec<String> = quota.tiers().iter().map(ToString::to_string).collect();
+        info!(lane = %self.id, tiers = %tiers.join(", "), max_in_flight = ?quota.max_in_flight(), "the lane's settings changed");
+        let mut pacer = PacerState::restored(&quota, &self.pacer);
+        for (index, tier) in quota.tiers().iter().enumerate().filter(|(_, tier)| tier.is_calendar()) {
+            let same = self.quota.tiers().iter().position(|old| old == tier);
+            let used = same.map_or(calendar_used[index], |old| self.pacer.usage(&self.quota, now)[old]);
+            pacer.set_calendar_used(&quota, index, used, now);
+        }
+        let rolling_tier_is_new = quota.tiers().iter().any(|tier| !tier.is_calendar() && !self.quota.tiers().contains(tier));
+        if rolling_tier_is_new {
+            pacer.hold_after_unclean_stop(&quota, now.max(self.last_dispatch.unwrap_or_default()));
+            self.own_hold = self.own_hold.max(pacer.hold_until());
+        }
+        self.pacer = pacer;
+        self.adaptive = AdaptiveRate::new(&quota, now);
+        self.meter = TierMeter::new(&quota);
+        self.quota = Cow::Owned(quota);
     }
 
     pub fn id(&self) -> &LaneId {
@@ -344,12 +396,12 @@ impl<'a> LaneMachine<'a> {
 
     /// The jobs' pace in units per second at the configured rates.
     pub fn pace_per_second(&self) -> f64 {
-        self.quota().pace_per_second()
+        self.quota.pace_per_second()
     }
 
     /// Starts from the last run's snapshot (if any) and the calendar usage in the store.
     pub fn hydrate(&mut self, snapshot: Option<PacerSnapshot>, calendar_used: &[u64], now: UnixMillis) {
-        let quota = self.quota();
+        let quota = &*self.quota;
         if snapshot.is_none() && self.settings.circuit.warm_up {
             info!("the lane's first run: warming up from a share of the pace");
             self.ramp = Some(Ramp { started: now });
@@ -386,7 +438,7 @@ impl<'a> LaneMachine<'a> {
     /// call slots.
     pub fn apply_shared_state(&mut self, shared: SharedState, now: UnixMillis) {
         self.refresh_backoff.succeeded();
-        let SharedState { circuit, cool_down, provider_reading, call_slots } = shared;
+        let SharedState { circuit, cool_down, provider_reading, call_slots, retune: _ } = shared;
         if let Some(read) = call_slots {
             self.call_slots.saw(read, now);
         }
@@ -420,24 +472,24 @@ impl<'a> LaneMachine<'a> {
         // A margin an earlier run learned from a 429 whose cool-down is no longer stored:
         // an operator cleared it between the runs.
         if self.cool_down_seen.is_none() && cool_down == UnixMillis(0) {
-            self.pacer.forget_jitter(self.quota());
+            self.pacer.forget_jitter(&self.quota);
         }
         if cleared {
             info!("the provider's readings and cool-down were cleared: the configured pace again");
             self.adaptive.forget_readings();
-            self.pacer.forget_jitter(self.quota());
+            self.pacer.forget_jitter(&self.quota);
             self.spaced_until = UnixMillis(0);
         }
         self.reading_seen = reading.is_some();
         if let Some(reading) = reading {
-            let usage = self.pacer.usage(self.quota(), reading.at);
+            let usage = self.pacer.usage(&self.quota, reading.at);
             self.adaptive.on_reading(&reading, |tier| usage.get(tier).copied().unwrap_or(0));
         }
         // A lone 429 is jitter at a window's edge: the provider saw two calls closer
         // together than they were sent, so the windows' margin grows. More 429s are
         // someone else's calls: the adaptive rate cuts, the margin stays.
         if self.cool_down_seen.is_some_and(|seen| cool_down > seen) && self.adaptive.on_rate_limited(now) {
-            if let Some(margin) = self.pacer.learn_jitter(self.quota()) {
+            if let Some(margin) = self.pacer.learn_jitter(&self.quota) {
                 info!(safety_margin_ms = margin.as_millis(), "a lone 429: the provider saw calls closer than they were sent; widening the windows' margin");
             }
         }
@@ -459,11 +511,11 @@ impl<'a> LaneMachine<'a> {
     /// opened stops dispatch before many more calls go.
     fn refresh_interval(&self) -> Duration {
         let base = self.settings.orchestrator.state_refresh;
-        let pace = self.quota().pace_per_second() * self.pace_share(self.last_dispatch.unwrap_or_default());
+        let pace = self.quota.pace_per_second() * self.pace_share(self.last_dispatch.unwrap_or_default());
         if self.buffer.is_empty() || self.circuit.status == CircuitStatus::Open || !pace.is_finite() || pace <= 0.0 {
             return base;
         }
-        if self.quota().max_in_flight().is_some() {
+        if self.quota.max_in_flight().is_some() {
             // Freed call slots are seen as soon as a re-read allows.
             return FASTEST_REFRESH.min(base);
         }
@@ -622,7 +674,7 @@ impl<'a> LaneMachine<'a> {
             self.timers.stop(LaneTimer::HealthCheck); // due until one goes: nothing to wake for
         }
         let slot = self.slot_at(now);
-        match self.quota().decide(&self.pacer, 1, slot) {
+        match self.quota.decide(&self.pacer, 1, slot) {
             Decision::Allow => {
                 let needed = self.reservations_needed(1, slot);
                 if !needed.is_empty() {
@@ -660,19 +712,19 @@ impl<'a> LaneMachine<'a> {
 
     /// Under a cap on calls in flight: until when the modelled calls fill it at `slot`.
     fn call_slots_full_until(&self, slot: UnixMillis) -> Option<UnixMillis> {
-        self.call_slots.full_until(self.quota().max_in_flight()?, slot)
+        self.call_slots.full_until(self.quota.max_in_flight()?, slot)
     }
 
     /// Under a cap on calls in flight: a call handed off for `slot` will hold a call slot.
     fn note_call_pending(&mut self, slot: UnixMillis) {
-        if self.quota().max_in_flight().is_some() {
+        if self.quota.max_in_flight().is_some() {
             self.call_slots.slots.push_back(slot);
         }
     }
 
     /// When failures open the circuit, at the pace jobs go at `slot`.
     fn trip_rule(&self, slot: UnixMillis) -> TripRule {
-        TripRule::at_pace(&self.settings.circuit.trip_settings(), self.quota().pace_per_second() * self.pace_share(slot))
+        TripRule::at_pace(&self.settings.circuit.trip_settings(), self.quota.pace_per_second() * self.pace_share(slot))
     }
 
     /// At a share of the pace, the next job waits the pace's interval divided by it. The
@@ -684,7 +736,7 @@ impl<'a> LaneMachine<'a> {
     /// the lane until the reset instead of for good.
     fn space_by_share(&mut self, cost: u64, slot: UnixMillis) {
         let share = self.pace_share(slot);
-        let pace = self.quota().pace_per_second();
+        let pace = self.quota.pace_per_second();
         if pace.is_finite() && share < 1.0 {
             let on_time = slot <= self.spaced_until;
             let from = if on_time { self.spaced_exact_ms } else { slot.0 as f64 };
@@ -712,7 +764,7 @@ impl<'a> LaneMachine<'a> {
     /// go, until when there is no point in receiving (`None`: nothing to wait for).
     pub fn receive_room(&mut self, now: UnixMillis, horizon: UnixMillis, max: usize) -> Result<usize, Option<UnixMillis>> {
         let (slot, decision) = self.decide(1, now, UnixMillis(0));
-        let room = self.quota().capacity_until(&self.pacer, slot, horizon, max);
+        let room = self.quota.capacity_until(&self.pacer, slot, horizon, max);
         if room > 0 {
             return Ok(room);
         }
@@ -728,7 +780,7 @@ impl<'a> LaneMachine<'a> {
     /// How many unit-cost jobs the pacer lets go from `now`'s slot until `horizon`
     /// (capped at `max`): a prefetch receives no more than that.
     pub fn capacity_until(&self, now: UnixMillis, horizon: UnixMillis, max: usize) -> usize {
-        self.quota().capacity_until(&self.pacer, self.slot_at(now), horizon, max)
+        self.quota.capacity_until(&self.pacer, self.slot_at(now), horizon, max)
     }
 
     /// Takes received messages into hand at `now`, parsed once; with jobs in hand the
@@ -812,9 +864,9 @@ impl<'a> LaneMachine<'a> {
     fn decide(&self, cost: u64, now: UnixMillis, not_before: UnixMillis) -> (UnixMillis, Decision) {
         // Never before the spacing of a share of the pace (the loop woke within the slack).
         let slot = self.slot_at(now).max(self.spaced_until).max(not_before);
-        match self.quota().decide(&self.pacer, cost, slot) {
+        match self.quota.decide(&self.pacer, cost, slot) {
             Decision::WaitUntil { at, .. } if !self.lead().is_zero() && at <= self.slot_at(now).plus(self.taken_early()) => {
-                (at, self.quota().decide(&self.pacer, cost, at))
+                (at, self.quota.decide(&self.pacer, cost, at))
             }
             decision => (slot, decision),
         }
@@ -830,7 +882,7 @@ impl<'a> LaneMachine<'a> {
     /// The slot as the worker gets it: none when dispatching at the slot. Half the safety
     /// margin may go to a late start, the other half to network jitter.
     fn call_slot(&self, slot: UnixMillis) -> Option<CallSlot> {
-        (!self.lead().is_zero()).then(|| CallSlot { not_before: slot, call_by: slot.plus(self.quota().safety_margin() / 2) })
+        (!self.lead().is_zero()).then(|| CallSlot { not_before: slot, call_by: slot.plus(self.quota.safety_margin() / 2) })
     }
 
     /// The pacer holds the job in hand until `at` because of `by`: the report counts the
@@ -838,7 +890,7 @@ impl<'a> LaneMachine<'a> {
     fn note_hold(&mut self, at: UnixMillis, by: Hold) {
         self.last_hold = Some(by);
         if let Hold::Tier(i) = by {
-            let tier = self.quota().tiers()[i];
+            let tier = self.quota.tiers()[i];
             if tier.is_calendar() && at > self.exhausted_logged_until {
                 warn!(tier = %tier, resets_at = %at, "quota exhausted: no dispatch until it resets");
                 self.exhausted_logged_until = at;
@@ -850,7 +902,7 @@ impl<'a> LaneMachine<'a> {
     /// calendar tier whose reservation does not cover them, a block of what the pace
     /// uses in a flush interval, no more than the tier has left and no less than needed.
     fn reservations_needed(&self, cost: u64, slot: UnixMillis) -> Vec<(String, u64)> {
-        let quota = self.quota();
+        let quota = &*self.quota;
         let mut needed = Vec::new();
         for (index, tier) in quota.tiers().iter().enumerate().filter(|(_, t)| t.is_calendar()) {
             let key = tier.usage_key(quota.zone(), slot);
@@ -870,7 +922,7 @@ impl<'a> LaneMachine<'a> {
     /// Spends `cost` units at `now`, counted by rolling tiers as arriving up to `upload`
     /// later (a large body), so that the next call keeps its distance from the arrival.
     fn commit(&mut self, cost: u64, now: UnixMillis, upload: Duration, paced: Duration) {
-        let quota = self.quota();
+        let quota = &*self.quota;
         self.pacer.commit(quota, cost, now.plus(upload));
         for tier in quota.tiers().iter().filter(|t| t.is_calendar()) {
             if let Some(reserved) = self.reserved.get_mut(&tier.usage_key(quota.zone(), now)) {
@@ -884,7 +936,7 @@ impl<'a> LaneMachine<'a> {
     /// Gives back a slot whose worker made no call: to the pacer (the pace takes it up
     /// again), to the calendar units reserved, and to the report's figures.
     pub fn give_back(&mut self, missed: MissedSlot) {
-        let quota = self.quota();
+        let quota = &*self.quota;
         self.pacer.give_back(quota, missed.arrival, missed.cost);
         for tier in quota.tiers().iter().filter(|t| t.is_calendar()) {
             if let Some(reserved) = self.reserved.get_mut(&tier.usage_key(quota.zone(), missed.slot)) {
@@ -910,7 +962,7 @@ impl<'a> LaneMachine<'a> {
     /// The lane's tier figures at `now`: each tier's report, how long the pacer held
     /// jobs, and the tier that held them longest.
     pub fn tier_figures(&self, now: UnixMillis) -> (Vec<TierReport>, Duration, Option<paceline_shared::quota::Tier>) {
-        let calendar_used = self.pacer.usage(self.quota(), now);
-        (self.meter.report(self.quota(), &calendar_used), self.meter.paced_for(), self.meter.paced_by().map(|i| self.quota().tiers()[i]))
+        let calendar_used = self.pacer.usage(&self.quota, now);
+        (self.meter.report(&self.quota, &calendar_used), self.meter.paced_for(), self.meter.paced_by().map(|i| self.quota.tiers()[i]))
     }
 }

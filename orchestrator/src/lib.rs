@@ -43,7 +43,7 @@ use tracing::{info, warn};
 
 pub use report::{LaneReport, Progress, RunReport, StopReason, TierReport};
 pub use settings::{RunError, Settings};
-use stack::{Action, CallSlotsRead, Event, LaneStart, SharedState, StackMachine, DELETE_BATCH};
+use stack::{Action, CallSlotsRead, Event, LaneStart, Retune, SharedState, StackMachine, DELETE_BATCH};
 
 /// How long before the next scheduled kick a run stops dispatching (time to settle its
 /// last hand-offs, flush and give the lease up).
@@ -280,13 +280,34 @@ impl Executor<'_> {
     async fn hydrate_lane(&self, index: usize) -> PortResult<LaneStart> {
         let (scope, quota) = self.state.lane_scope(index);
         let store = self.o.store_for(&scope);
-        let start = self.read_lane_start(store.as_ref(), quota).await?;
+        let mut start = self.read_lane_start(store.as_ref(), quota).await?;
+        start.shared.retune = self.read_retune(index, store.as_ref()).await?;
         let marker = paceline_shared::ports::PacerSnapshot { state: paceline_shared::pacer::PacerState::new(quota), at_exit: false, effective_rate: None };
         let marker = start.snapshot.clone().map_or(marker, |last| paceline_shared::ports::PacerSnapshot { at_exit: false, ..last });
         match store.save_pacer(self.state.lease(), &marker).await {
             Ok(()) | Err(PortError::Conflict(_)) => Ok(start),
             Err(e) => Err(e),
         }
+    }
+
+    /// With `[lanes]`: lane `index`'s settings as an operator changed them in `store`
+    /// (`paceline lanes set`, `remove`), when that differs from what is in force.
+    async fn read_retune(&self, index: usize, store: &dyn StateStore) -> PortResult<Option<Retune>> {
+        let Some(lanes) = &self.o.settings.lanes else { return Ok(None) };
+        let stored = store.lane_change().await?;
+        let lane = self.state.lane(index);
+        if stored.as_ref() == lane.change() {
+            return Ok(None);
+        }
+        let settings = match lanes.lane_changed(lane.id(), &stored.clone().unwrap_or_default()) {
+            Ok(settings) => settings,
+            Err(problem) => {
+                warn!(lane = %lane.id(), %problem, "the lane's settings in the store cannot be used: the ones in force stay");
+                return Ok(None);
+            }
+        };
+        let calendar_used = load_calendar_usage(store, &settings.quota, self.o.clock.now()).await?;
+        Ok(Some(Retune { change: stored, quota: settings.quota, weight: settings.weight, calendar_used }))
     }
 
     /// The circuit and cool-down in `store`, and under a cap on calls in flight (in
@@ -301,7 +322,7 @@ impl Executor<'_> {
             }
             None => None,
         };
-        Ok(SharedState { circuit: signals.circuit, cool_down: signals.cool_down, provider_reading: signals.provider_reading, call_slots })
+        Ok(SharedState { circuit: signals.circuit, cool_down: signals.cool_down, provider_reading: signals.provider_reading, call_slots, retune: None })
     }
 
     /// Asks the decision step what to do, does it, and feeds back what came of it,
@@ -347,7 +368,12 @@ impl Executor<'_> {
             Action::Renew(lease) => Event::Renewed(o.store.renew_lease(&lease, cfg.lease_ttl, o.clock.now()).await),
             Action::Refresh(lane) => {
                 let (scope, quota) = self.state.lane_scope(lane);
-                Event::Refreshed(lane, self.read_shared_state(o.store_for(&scope).as_ref(), quota).await)
+                let store = o.store_for(&scope);
+                let read = match self.read_shared_state(store.as_ref(), quota).await {
+                    Ok(shared) => self.read_retune(lane, store.as_ref()).await.map(|retune| SharedState { retune, ..shared }),
+                    Err(e) => Err(e),
+                };
+                Event::Refreshed(lane, read)
             }
             Action::HydrateLane(lane) => Event::LaneHydrated(lane, self.hydrate_lane(lane).await),
             Action::SwapCircuit { lane, expected_epoch, next } => {

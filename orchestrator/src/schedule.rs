@@ -23,6 +23,11 @@ impl Scheduler {
         self.finish.len() - 1
     }
 
+    /// `lane`'s weight from its next dispatch on (an operator changed it).
+    pub fn set_weight(&mut self, lane: usize, weight: f64) {
+        self.weight[lane] = weight;
+    }
+
     /// Where `lane` would start its next job in virtual time.
     pub fn start_tag(&self, lane: usize) -> f64 {
         self.finish[lane].max(self.system)

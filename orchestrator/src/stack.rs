@@ -25,7 +25,7 @@ use paceline_shared::quota::Quota;
 use paceline_shared::time::{UnixMillis, COARSE_WAKE_SLACK};
 use tracing::warn;
 
-pub(crate) use crate::lane::{CallSlotsRead, HandOff, SharedState};
+pub(crate) use crate::lane::{CallSlotsRead, HandOff, Retune, SharedState};
 use crate::lane::{LaneMachine, LaneStep};
 use crate::report::{LaneReport, Progress, RunReport, StopReason, TierMeter};
 use crate::schedule::Scheduler;
@@ -265,14 +265,25 @@ impl<'a> StackMachine<'a> {
         &mut self.lanes[0]
     }
 
+    /// Lane `index`.
+    pub fn lane(&self, index: usize) -> &LaneMachine<'a> {
+        &self.lanes[index]
+    }
+
     /// Lane `index`'s store scope and quota.
-    pub fn lane_scope(&self, index: usize) -> (StoreScope, &'a Quota) {
+    pub fn lane_scope(&self, index: usize) -> (StoreScope, &Quota) {
         let lane = &self.lanes[index];
         (StoreScope::Lane(lane.id().clone()), lane.quota())
     }
 
     /// Applies a fresh read of lane `index`'s shared state.
-    pub fn apply_shared_state(&mut self, index: usize, shared: SharedState, now: UnixMillis) {
+    pub fn apply_shared_state(&mut self, index: usize, mut shared: SharedState, now: UnixMillis) {
+        if let Some(retune) = shared.retune.take() {
+            if let Some(many) = &mut self.many {
+                many.scheduler.set_weight(index, retune.weight);
+            }
+            self.lanes[index].retune(retune, now);
+        }
         self.lanes[index].apply_shared_state(shared, now);
         let open = self.lanes.iter().any(|lane| !lane.circuit().is_closed());
         self.progress.circuit_open.store(open, Ordering::Relaxed);
@@ -1022,7 +1033,7 @@ mod tests {
                 Action::Flush(..) => state.on_event(Event::Flushed(Ok(())), now).unwrap(),
                 Action::Refresh(lane) => {
                     let shared =
-                        SharedState { circuit: state.only_lane().circuit().clone(), cool_down: UnixMillis(0), provider_reading: None, call_slots: None };
+                        SharedState { circuit: state.only_lane().circuit().clone(), cool_down: UnixMillis(0), provider_reading: None, call_slots: None, retune: None };
                     state.on_event(Event::Refreshed(lane, Ok(shared)), now).unwrap();
                 }
                 action => return action,
@@ -1036,7 +1047,7 @@ mod tests {
         let lease = Lease { holder: "test".into(), epoch: 1, expires_at: T0.plus(Duration::from_secs(30)) };
         let mut state = StackMachine::new(&settings, &progress, lease, T0, T0.plus(Duration::from_secs(60)), false);
         let open = Circuit::default().open(0, "HTTP 503", T0).unwrap();
-        state.apply_shared_state(0, SharedState { circuit: open, cool_down: UnixMillis(0), provider_reading: None, call_slots: None }, T0);
+        state.apply_shared_state(0, SharedState { circuit: open, cool_down: UnixMillis(0), provider_reading: None, call_slots: None, retune: None }, T0);
         assert!(matches!(next(&mut state, T0), Action::Sleep { until, .. } if until == T0.plus(Duration::from_secs(1))), "the refresh comes first");
         let due = T0.plus(Duration::from_secs(2));
         assert!(matches!(next_past_housekeeping(&mut state, due), Action::HealthCheck(0, _)));

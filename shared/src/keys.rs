@@ -9,6 +9,9 @@ use std::fmt;
 
 use crate::lane::LaneId;
 
+/// The name of a lane's settings as an operator changed them (`paceline lanes set`).
+pub const LANE_CHANGE: &str = "lane_settings";
+
 /// Whose state a key holds.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum StoreScope {

@@ -15,8 +15,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::adaptive::{EffectiveRate, ProviderReading};
 use crate::breaker::Circuit;
+use crate::config::LaneChange;
 use crate::dlq::{DeadLetterRecord, DlqSource};
 use crate::job::{DeadLetterReason, WorkerPayload};
+use crate::lane::LaneId;
 use crate::outcome::OutcomeRecord;
 use crate::pacer::PacerState;
 use crate::quota::Quota;
@@ -451,6 +453,34 @@ pub trait StateStore: Send + Sync {
     /// # Errors
     /// Transport errors only.
     async fn call_slots_in_use(&self, capacity: u32, now: UnixMillis) -> PortResult<u32>;
+
+    /// An operator's change to this scope's lane settings (`paceline lanes set`); `None`
+    /// when the config's settings stand. A backend that keeps none has none.
+    ///
+    /// # Errors
+    /// Transport errors, or a stored change that no longer reads.
+    async fn lane_change(&self) -> PortResult<Option<LaneChange>> {
+        Ok(None)
+    }
+
+    /// Keeps `change` as this scope's lane settings over the config's (`None` forgets
+    /// it: the config's settings again).
+    ///
+    /// # Errors
+    /// Transport errors; a backend that keeps no lane settings refuses.
+    async fn set_lane_change(&self, change: Option<&LaneChange>) -> PortResult<()> {
+        let _ = change;
+        Err(PortError::Fatal("this backend keeps no lane settings yet: lanes run on the embedded store".into()))
+    }
+
+    /// Every lane other than the default one with state of its own in this store
+    /// (whatever this store's scope), by id.
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn lanes_with_state(&self) -> PortResult<Vec<LaneId>> {
+        Ok(Vec::new())
+    }
 }
 
 /// Forgets the call records of attempts 0 to `up_to` of job `job_id`, before a redrive

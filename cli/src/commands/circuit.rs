@@ -10,7 +10,7 @@ use paceline_shared::breaker::{Circuit, Refusal};
 use paceline_shared::ports::{PortError, StateStore};
 use paceline_shared::time::{system_now, UnixMillis};
 
-use crate::access::LaneArgs;
+use crate::access::StackArgs;
 
 /// What an operator's clear of the provider's limits ended.
 pub(crate) struct ClearedLimits {
@@ -48,7 +48,7 @@ type Transition = fn(&Circuit, u64, &str, UnixMillis) -> Result<Circuit, Refusal
 #[derive(Debug, clap::Args)]
 pub struct CircuitArgs {
     #[command(flatten)]
-    pub lane: LaneArgs,
+    pub stack: StackArgs,
     #[command(subcommand)]
     pub action: CircuitAction,
     /// Print the outcome as JSON: the circuit after the command, whether it changed,
@@ -122,10 +122,10 @@ impl CircuitArgs {
     /// # Errors
     /// A bad lane, an unavailable store, or a circuit that moved past `--epoch`.
     pub async fn run(self) -> anyhow::Result<()> {
-        let lane = self.lane.open().await?;
+        let stack = self.stack.open().await?;
         let mut cool_down_cleared = None;
         if matches!(self.action, CircuitAction::Close(_)) {
-            let cleared = clear_provider_limits(lane.state.as_ref()).await?;
+            let cleared = clear_provider_limits(stack.state.as_ref()).await?;
             if !self.json {
                 cleared.print();
             }
@@ -140,7 +140,7 @@ impl CircuitArgs {
             }
             Ok(())
         };
-        let current = lane.state.circuit().await?;
+        let current = stack.state.circuit().await?;
         let (change, transition): (&Change, Transition) = match &self.action {
             CircuitAction::Open(OpenChange { change, hold: true }) => (change, Circuit::hold),
             CircuitAction::Open(OpenChange { change, hold: false }) => (change, Circuit::open),
@@ -160,7 +160,7 @@ impl CircuitArgs {
                 bail!("the circuit is at epoch {current}, not {seen}: it changed since; check `paceline status` and decide again")
             }
         };
-        match lane.state.swap_circuit(seen, &next).await {
+        match stack.state.swap_circuit(seen, &next).await {
             Ok(()) => {
                 let held = if next.held { ", held until `paceline circuit close`" } else { "" };
                 say(&next, true, format!("circuit {} at epoch {} ({}){held}", next.status, next.epoch, next.reason))

@@ -14,14 +14,14 @@ use paceline_shared::time::system_now;
 use paceline_sim::report::{one_line_row, text_table};
 use serde::Serialize;
 
-use crate::access::{LaneArgs, OperatorLane};
+use crate::access::{StackArgs, OperatorStack};
 use crate::dlq_scan::Scan;
 
 /// Inspect the dead-letter queues, and redrive or purge what is in them.
 #[derive(Debug, clap::Args)]
 pub struct DlqArgs {
     #[command(flatten)]
-    pub lane: LaneArgs,
+    pub stack: StackArgs,
     /// How long records being read stay hidden from other readers (SQS); it must
     /// cover one pass over the DLQ.
     #[arg(long, global = true, default_value = "2m", value_parser = humantime::parse_duration)]
@@ -131,9 +131,9 @@ impl Selection {
             None => Ok(have),
             Some(wanted) if have.contains(&wanted) => Ok(vec![wanted]),
             Some(DlqSource::Worker) => {
-                bail!("this lane has no worker DLQ configured (set worker_dlq_url in [backend], --worker-dlq-url or PACELINE_WORKER_DLQ_URL; the embedded backend has none)")
+                bail!("this stack has no worker DLQ configured (set worker_dlq_url in [backend], --worker-dlq-url or PACELINE_WORKER_DLQ_URL; the embedded backend has none)")
             }
-            Some(wanted) => bail!("this lane has no {wanted} DLQ"),
+            Some(wanted) => bail!("this stack has no {wanted} DLQ"),
         }
     }
 }
@@ -162,17 +162,17 @@ impl DlqArgs {
     /// # Errors
     /// A bad lane, an unavailable queue, or a redrive/purge without a filter or `--all`.
     pub async fn run(self) -> anyhow::Result<()> {
-        let lane = self.lane.open().await?;
-        let queues = lane.queues.as_ref();
+        let stack = self.stack.open().await?;
+        let queues = stack.queues.as_ref();
         let hold = self.hold;
         match self.action {
             DlqAction::List { select, limit, json } => list(queues, &select, hold, limit, json).await,
             DlqAction::Show { id, json } => show(queues, &id, hold, json).await,
             DlqAction::Summary { select, json } => summary(queues, &select, hold, json).await,
             DlqAction::Redrive { target, dry_run, keep_attempts, json } => {
-                remove(&lane, &target, hold, RemovalKind::Redrive { keep_attempts }, dry_run, json).await
+                remove(&stack, &target, hold, RemovalKind::Redrive { keep_attempts }, dry_run, json).await
             }
-            DlqAction::Purge { target, dry_run, json } => remove(&lane, &target, hold, RemovalKind::Purge, dry_run, json).await,
+            DlqAction::Purge { target, dry_run, json } => remove(&stack, &target, hold, RemovalKind::Purge, dry_run, json).await,
         }
     }
 }
@@ -305,9 +305,9 @@ fn progress_bar(len: u64, verb: &str) -> ProgressBar {
 }
 
 /// Redrives or purges the selected dead letters, a page at a time.
-async fn remove(lane: &OperatorLane, target: &RemovalTarget, hold: Duration, kind: RemovalKind, dry_run: bool, json: bool) -> anyhow::Result<()> {
+async fn remove(stack: &OperatorStack, target: &RemovalTarget, hold: Duration, kind: RemovalKind, dry_run: bool, json: bool) -> anyhow::Result<()> {
     let select = &target.select;
-    let queues = lane.queues.as_ref();
+    let queues = stack.queues.as_ref();
     let (verb, done_verb) = match kind {
         RemovalKind::Redrive { .. } => ("redriving", "redrove"),
         RemovalKind::Purge => ("purging", "purged"),
@@ -349,7 +349,7 @@ async fn remove(lane: &OperatorLane, target: &RemovalTarget, hold: Duration, kin
                     // The jobs' attempts go again: their call records must not skip them.
                     for record in &act_on {
                         if let Some(job_id) = &record.job_id {
-                            forget_calls(lane.state.as_ref(), job_id, record.attempt).await?;
+                            forget_calls(stack.state.as_ref(), job_id, record.attempt).await?;
                         }
                     }
                     queues.redrive(&act_on, keep_attempts).await?;

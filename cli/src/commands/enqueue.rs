@@ -11,13 +11,13 @@ use paceline_shared::job::Job;
 use paceline_shared::lane::LaneId;
 use paceline_shared::ports::OutgoingMessage;
 
-use crate::access::LaneArgs;
+use crate::access::StackArgs;
 
 /// Put jobs (one JSON object per line) on the queue, in batches of 10.
 #[derive(Debug, clap::Args)]
 pub struct EnqueueArgs {
     #[command(flatten)]
-    pub lane: LaneArgs,
+    pub stack: StackArgs,
     /// File of JSON lines; `-` or nothing reads standard input.
     pub file: Option<PathBuf>,
     /// The lane of the jobs whose line names none (a line's own `"lane"` wins).
@@ -80,8 +80,8 @@ impl EnqueueArgs {
     /// Bad config, unreadable input, a failed send, or rejected lines (after the good
     /// ones were sent).
     pub async fn run(self) -> anyhow::Result<()> {
-        let lane = self.lane.open_to_enqueue().await?;
-        let config = lane.config.as_ref();
+        let stack = self.stack.open_to_enqueue().await?;
+        let config = stack.config.as_ref();
         let into_lane = self.into_lane.unwrap_or_default();
         let (jobs, errors) = match self.file.as_deref() {
             None => parse_lines(std::io::stdin().lock().lines(), config, &into_lane),
@@ -103,7 +103,7 @@ impl EnqueueArgs {
         let bar = ProgressBar::new(messages.len() as u64);
         bar.set_style(ProgressStyle::with_template("enqueueing {wide_bar} {pos}/{len} {per_sec} ETA {eta}").unwrap_or_else(|_| ProgressStyle::default_bar()));
         for (index, batch) in messages.chunks(10).enumerate() {
-            lane.queues.send(batch).await.with_context(|| format!("after {} job(s) were enqueued", index * 10))?;
+            stack.queues.send(batch).await.with_context(|| format!("after {} job(s) were enqueued", index * 10))?;
             bar.inc(batch.len() as u64);
         }
         bar.finish_and_clear();

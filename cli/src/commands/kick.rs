@@ -2,13 +2,13 @@
 //! minute (after a redrive, say). A run already going keeps the lease; the kick then
 //! returns at once.
 
-use crate::access::LaneArgs;
+use crate::access::StackArgs;
 
 /// Invoke the orchestrator function now.
 #[derive(Debug, clap::Args)]
 pub struct KickArgs {
     #[command(flatten)]
-    pub lane: LaneArgs,
+    pub stack: StackArgs,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
@@ -18,8 +18,8 @@ impl KickArgs {
     /// # Errors
     /// No orchestrator function named, or Lambda refused the invoke.
     pub async fn run(self) -> anyhow::Result<()> {
-        let lane = self.lane.open().await?;
-        let orchestrator = lane.orchestrator.map_err(anyhow::Error::msg)?;
+        let stack = self.stack.open().await?;
+        let orchestrator = stack.orchestrator.map_err(anyhow::Error::msg)?;
         let event = serde_json::json!({ "source": "paceline.cli", "detail-type": "Kick", "detail": { "at": paceline_shared::time::system_now() } });
         orchestrator.invoke_event(event.to_string()).await?;
         if self.json {

@@ -4,14 +4,14 @@
 
 use clap::Subcommand;
 
-use crate::access::LaneArgs;
+use crate::access::StackArgs;
 use crate::commands::circuit::clear_provider_limits;
 
 /// The rate the API's answers set.
 #[derive(Debug, clap::Args)]
 pub struct RateArgs {
     #[command(flatten)]
-    pub lane: LaneArgs,
+    pub stack: StackArgs,
     #[command(subcommand)]
     pub action: RateAction,
     /// Print what was cleared as JSON.
@@ -31,9 +31,9 @@ impl RateArgs {
     /// # Errors
     /// A bad lane or an unavailable store.
     pub async fn run(self) -> anyhow::Result<()> {
-        let lane = self.lane.open().await?;
+        let stack = self.stack.open().await?;
         let RateAction::Reset = self.action;
-        let cleared = clear_provider_limits(lane.state.as_ref()).await?;
+        let cleared = clear_provider_limits(stack.state.as_ref()).await?;
         if self.json {
             let json = serde_json::json!({
                 "cool_down_cleared": cleared.cool_down.map(|until| until.to_rfc3339()),

@@ -13,13 +13,13 @@ use paceline_shared::ports::{load_calendar_usage, Lease, QueueDepth};
 use paceline_shared::time::{system_now, UnixMillis};
 use serde::Serialize;
 
-use crate::access::LaneArgs;
+use crate::access::StackArgs;
 
 /// Show the lane's state.
 #[derive(Debug, clap::Args)]
 pub struct StatusArgs {
     #[command(flatten)]
-    pub lane: LaneArgs,
+    pub stack: StackArgs,
     /// Print as JSON.
     #[arg(long)]
     pub json: bool,
@@ -133,16 +133,16 @@ impl StatusArgs {
     /// # Errors
     /// A bad lane or an unreadable store.
     pub async fn run(self) -> anyhow::Result<()> {
-        let lane = self.lane.open().await?;
+        let stack = self.stack.open().await?;
         let now = system_now();
-        let queue = lane.queues.depth().await?;
-        let worker_dead = if lane.queues.sources().contains(&DlqSource::Worker) { Some(lane.queues.count(DlqSource::Worker).await?) } else { None };
+        let queue = stack.queues.depth().await?;
+        let worker_dead = if stack.queues.sources().contains(&DlqSource::Worker) { Some(stack.queues.count(DlqSource::Worker).await?) } else { None };
         let mut tiers = Vec::new();
         let mut drain_estimate_seconds = None;
         let mut safety_margin = None;
-        let snapshot = lane.state.load_pacer().await?;
-        let cool_down = lane.state.cool_down().await?;
-        let provider_reading = lane.state.provider_reading().await?;
+        let snapshot = stack.state.load_pacer().await?;
+        let cool_down = stack.state.cool_down().await?;
+        let provider_reading = stack.state.provider_reading().await?;
         // A budget the provider set ends at its reset, or when an operator forgot its reading.
         let in_force = |rate: &EffectiveRate| match rate.reason {
             RateReason::ProviderBudget { resets_at, .. } => resets_at > now && provider_reading.is_some(),
@@ -155,8 +155,8 @@ impl StatusArgs {
             detail: rate.reason,
             as_of: rate.at.to_rfc3339(),
         });
-        if let Some(quota) = lane.config.as_ref().map(|c| &c.quota) {
-            let calendar_used = load_calendar_usage(lane.state.as_ref(), quota, now).await?;
+        if let Some(quota) = stack.config.as_ref().map(|c| &c.quota) {
+            let calendar_used = load_calendar_usage(stack.state.as_ref(), quota, now).await?;
             let pacer = snapshot.map(|snapshot| PacerState::restored(quota, &snapshot.state));
             let rolling_used = pacer.as_ref().map(|pacer| pacer.usage(quota, now));
             // A run forgets a learned margin whose 429's cool-down an operator cleared.
@@ -191,8 +191,8 @@ impl StatusArgs {
         let status = Status {
             queue,
             worker_dead,
-            circuit: lane.state.circuit().await?,
-            lease: lane.state.lease().await?.filter(|l| l.expires_at > now),
+            circuit: stack.state.circuit().await?,
+            lease: stack.state.lease().await?.filter(|l| l.expires_at > now),
             cool_down_until: (cool_down > now).then(|| cool_down.to_rfc3339()),
             effective_rate,
             provider_reading: provider_reading.map(ReadingStatus::from),

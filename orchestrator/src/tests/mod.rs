@@ -710,3 +710,54 @@ async fn the_next_run_keeps_a_learned_margin_until_an_operator_clears_it() {
     next_run_of_four(&lane, "c").await;
     assert_eq!(gaps(&lane, 34), [101, 101, 101], "the configured 10 ms after the operator's clear");
 }
+
+/// Each scope's state in the test's embedded store.
+struct Scopes(Arc<EmbeddedStore>);
+
+impl ScopedStores for Scopes {
+    fn scoped(&self, scope: &StoreScope) -> Arc<dyn StateStore> {
+        Arc::new(self.0.scoped(scope))
+    }
+}
+
+/// A stack of many lanes from `lanes` (a `[lanes]` table), under a shared 100/s.
+fn lanes_stack(lanes: &str) -> Lane {
+    let text = format!("[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"100/s\"]\nsafety_margin = \"0ms\"\n{lanes}");
+    let config = paceline_shared::config::Config::parse(&text, std::path::Path::new("/stack"), &|_| None).unwrap();
+    let mut lane = lane_with_settings(&["100/s"], 0, |settings| {
+        settings.lanes = config.lanes.clone();
+        settings.orchestrator.state_refresh = Duration::from_secs(1);
+    });
+    lane.orchestrator = lane.orchestrator.with_scoped_stores(Arc::new(Scopes(lane.store.clone())));
+    lane
+}
+
+fn lane_job(lane: &str, id: &str) -> String {
+    format!(r#"{{"id":"{id}","lane":"{lane}","request":{{"method":"GET","path":"/items/{id}"}}}}"#)
+}
+
+/// `paceline lanes set acme --tiers 2/s` while a run goes on: taken up at the next
+/// refresh, after which no window of the new tier holds more than its limit (the lane
+/// waits a window of it after its last call at the old pace), and jobs go at 2/s.
+#[tokio::test(start_paused = true)]
+async fn an_operator_s_change_of_a_lane_s_tiers_is_taken_up_within_state_refresh_and_its_windows_hold_the_new_limit() {
+    let stack = lanes_stack("[lanes]\ntiers = [\"10/s\"]\n");
+    enqueue(&stack, (0..40).map(|i| lane_job("acme", &format!("a{i}")))).await;
+    let acme = stack.store.scoped(&StoreScope::Lane("acme".parse().unwrap()));
+    let operator = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        let change = paceline_shared::config::LaneChange { tiers: Some(vec!["2/s".parse().unwrap()]), ..Default::default() };
+        acme.set_lane_change(Some(&change)).await.unwrap();
+    });
+    let report = stack.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    operator.await.unwrap();
+    assert_eq!(report.dispatched, 40);
+    let at = offsets(&stack);
+    assert!(at.iter().filter(|t| **t < 2_000).count() >= 15, "10/s before the change: {at:?}");
+    for (i, t) in at.iter().enumerate().filter(|(_, t)| **t >= 2_500) {
+        let in_window = at[..=i].iter().filter(|earlier| **earlier + 1_000 > *t).count();
+        assert!(in_window <= 2, "{in_window} calls in the second up to {t} ms: {at:?}");
+    }
+    let last = *at.last().unwrap();
+    assert!(last < 20_000, "the rest went at 2/s, not slower: the last at {last} ms");
+}

@@ -22,7 +22,9 @@ use crate::adaptive::ProviderReading;
 use crate::breaker::{failure_bucket_end, Circuit, FAILURE_BUCKET_PREFIX, FAILURE_BUCKET_TTL};
 use crate::dlq::{jobs_record, DeadLetterRecord, DlqSource};
 use crate::job::{DeadLetterReason, WorkerPayload};
-use crate::keys::StoreScope;
+use crate::config::LaneChange;
+use crate::keys::{StoreScope, LANE_CHANGE};
+use crate::lane::LaneId;
 use crate::ports::{
     redrive_messages, CallClaim, DeadLetter, DeadLetterQueues, Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth,
     QueuedMessage, StateStore, WorkerHandler,
@@ -965,6 +967,32 @@ impl StateStore for EmbeddedStore {
                 .map_err(sql_err)
         })
     }
+
+    async fn lane_change(&self) -> PortResult<Option<LaneChange>> {
+        self.get_kv(&self.key(LANE_CHANGE))
+    }
+
+    async fn set_lane_change(&self, change: Option<&LaneChange>) -> PortResult<()> {
+        self.on_db(|| {
+            let conn = self.conn();
+            match change {
+                Some(change) => Self::put_kv(&conn, &self.key(LANE_CHANGE), change),
+                None => conn.execute("DELETE FROM kv WHERE key = ?1", [self.key(LANE_CHANGE)]).map(drop).map_err(sql_err),
+            }
+        })
+    }
+
+    async fn lanes_with_state(&self) -> PortResult<Vec<LaneId>> {
+        self.on_db(|| {
+            // `lane#ID#...`: the id is up to the second `#` (no lane id holds one).
+            let ids: Vec<String> = self
+                .conn()
+                .prepare("SELECT DISTINCT substr(key, 6, instr(substr(key, 6), '#') - 1) FROM kv WHERE key GLOB 'lane#*#*' ORDER BY 1")
+                .and_then(|mut statement| statement.query_map([], |row| row.get(0))?.collect())
+                .map_err(sql_err)?;
+            Ok(ids.iter().filter_map(|id| LaneId::parse(id).ok()).collect())
+        })
+    }
 }
 
 /// Runs workers in this process. Each hand-off is first written to the database (like
@@ -1365,6 +1393,23 @@ mod tests {
             // A crash drops every lane's claims on calls.
             store.recover_after_crash().unwrap();
             assert_eq!(acme.claim_call("call#j1#1", "w3", now, now.plus(Duration::from_secs(30))).await.unwrap(), CallClaim::Taken);
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn an_operator_s_lane_change_is_kept_per_lane_and_every_lane_with_state_is_listed() {
+            let (_clock, store) = paused_store();
+            let lane = |id: &str| store.scoped(&StoreScope::Lane(LaneId::parse(id).unwrap()));
+            let (acme, gold) = (lane("acme"), lane("gold:eu"));
+            let change = LaneChange { weight: Some(3.0), tiers: Some(vec!["2/s".parse().unwrap()]), max_in_flight: None };
+            gold.set_lane_change(Some(&change)).await.unwrap();
+            assert_eq!(gold.lane_change().await.unwrap(), Some(change));
+            assert_eq!(acme.lane_change().await.unwrap(), None, "gold's change is gold's alone");
+            assert_eq!(store.lane_change().await.unwrap(), None);
+            acme.extend_cool_down(UnixMillis(5)).await.unwrap();
+            let listed: Vec<String> = store.lanes_with_state().await.unwrap().iter().map(ToString::to_string).collect();
+            assert_eq!(listed, ["acme", "gold:eu"]);
+            gold.set_lane_change(None).await.unwrap();
+            assert_eq!(gold.lane_change().await.unwrap(), None, "forgotten: the config's settings again");
         }
 
         #[tokio::test(start_paused = true)]

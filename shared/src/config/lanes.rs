@@ -79,6 +79,29 @@ impl LanesConfig {
         self.named.get(lane).unwrap_or(&self.defaults)
     }
 
+    /// `lane`'s settings with an operator's change (`paceline lanes set`) over them.
+    ///
+    /// # Errors
+    /// A [`ConfigProblem`] naming the setting of `change` that cannot be used.
+    pub fn lane_changed(&self, lane: &LaneId, change: &LaneChange) -> Result<LaneSettings, ConfigProblem> {
+        let mut settings = self.lane(lane).clone();
+        let key = format!("lane {lane}");
+        if let Some(tiers) = &change.tiers {
+            let quota = &settings.quota;
+            settings.quota = Quota::new(tiers.clone(), quota.zone(), quota.safety_margin())
+                .map_err(|e| ConfigProblem::at(format!("{key}: tiers"), e))?
+                .with_max_in_flight(quota.max_in_flight());
+        }
+        if let Some(max) = change.max_in_flight {
+            let max = super::check_max_in_flight(Some(max)).map_err(|e| ConfigProblem::at(format!("{key}: max_in_flight"), e))?;
+            settings.quota = settings.quota.with_max_in_flight(max);
+        }
+        if let Some(weight) = change.weight {
+            settings.weight = checked_weight(weight).map_err(|e| ConfigProblem::at(format!("{key}: weight"), e))?;
+        }
+        Ok(settings)
+    }
+
     /// Parses the `[lanes]` table; `shared` is the stack's `[quota]`, whose tiers a lane
     /// without tiers of its own takes.
     pub(crate) fn parse(table: toml::Table, shared: &Quota, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, ConfigProblem> {
@@ -147,6 +170,42 @@ impl HeaderSource {
     }
 }
 
+/// What an operator changed of one lane's settings while the stack runs (`paceline
+/// lanes set`), kept in the lane's state and taken up by a run within `state_refresh`.
+/// What is not set here comes from the config. Headers and the base URL stay in the
+/// config: they name secrets and where calls go.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LaneChange {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tiers: Option<Vec<Tier>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_in_flight: Option<u32>,
+}
+
+impl LaneChange {
+    /// `other`'s settings over these: what `other` sets wins.
+    #[must_use]
+    pub fn then(&self, other: &Self) -> Self {
+        Self {
+            tiers: other.tiers.clone().or_else(|| self.tiers.clone()),
+            weight: other.weight.or(self.weight),
+            max_in_flight: other.max_in_flight.or(self.max_in_flight),
+        }
+    }
+}
+
+/// `weight` if it can be one: finite and over 0.
+fn checked_weight(weight: f64) -> Result<f64, String> {
+    if weight.is_finite() && weight > 0.0 {
+        Ok(weight)
+    } else {
+        Err(format!("{weight} is not a weight: give a number over 0 (1 is every lane's share)"))
+    }
+}
+
 /// A lane's settings as written (every one optional: unset ones come from `[lanes]`).
 #[derive(Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -186,10 +245,7 @@ impl RawLane {
             None => Quota::new(shared.tiers().to_vec(), shared.zone(), shared.safety_margin()).expect("the shared quota's tiers are checked"),
         };
         let max_in_flight = super::check_max_in_flight(self.max_in_flight).map_err(|e| ConfigProblem::at(format!("{key}.max_in_flight"), e))?;
-        let weight = self.weight.unwrap_or(1.0);
-        if !(weight.is_finite() && weight > 0.0) {
-            return Err(ConfigProblem::at(format!("{key}.weight"), format!("{weight} is not a weight: give a number over 0 (1 is every lane's share)")));
-        }
+        let weight = checked_weight(self.weight.unwrap_or(1.0)).map_err(|e| ConfigProblem::at(format!("{key}.weight"), e))?;
         let headers: Vec<(String, HeaderSource)> = self.headers.unwrap_or_default().into_iter().collect();
         if let Some((name, _)) = headers.iter().find(|(name, _)| name.contains(LANE_PLACEHOLDER)) {
             return Err(ConfigProblem::at(format!("{key}.headers.{name}"), "`{lane}` is replaced in a header's value or env name, not in its name"));
@@ -259,6 +315,20 @@ mod tests {
         let one = parse("").unwrap();
         assert!(one.lanes.is_none());
         assert_eq!(one.lane_quota(&LaneId::default_lane()).tiers(), one.quota.tiers());
+    }
+
+    #[test]
+    fn an_operator_s_change_goes_over_the_lane_s_config_and_a_bad_one_is_refused_naming_the_setting() {
+        let config = parse("[lanes]\ntiers = [\"5/s\"]\nmax_in_flight = 4\n[lanes.gold]\nweight = 3\n").unwrap();
+        let lanes = config.lanes.as_ref().unwrap();
+        let change = LaneChange { tiers: Some(vec!["2/s".parse().unwrap()]), weight: None, max_in_flight: Some(2) };
+        let gold = lanes.lane_changed(&lane("gold"), &change).unwrap();
+        assert_eq!((gold.quota.tiers()[0].to_string(), gold.weight, gold.quota.max_in_flight()), ("2/s".to_owned(), 3.0, Some(2)));
+        let acme = lanes.lane_changed(&lane("acme"), &LaneChange { weight: Some(0.5), ..LaneChange::default() }).unwrap();
+        assert_eq!((acme.quota.tiers()[0].to_string(), acme.weight, acme.quota.max_in_flight()), ("5/s".to_owned(), 0.5, Some(4)), "the rest from [lanes]");
+        let zero = lanes.lane_changed(&lane("acme"), &LaneChange { weight: Some(0.0), ..LaneChange::default() }).unwrap_err();
+        assert!(zero.to_string().starts_with("lane acme: weight: 0 is not a weight"), "{zero}");
+        assert_eq!(LaneChange { weight: Some(2.0), ..LaneChange::default() }.then(&change), LaneChange { weight: Some(2.0), ..change });
     }
 
     #[test]
