@@ -8,7 +8,10 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use paceline_shared::adapters::aws::{load_sdk_config_with, AwsAdapters, AwsNames, LambdaInvoker};
-use paceline_shared::config::{AwsBackend, Backend, Config};
+use paceline_shared::adapters::embedded::EmbeddedStore;
+use paceline_shared::config::{AwsBackend, Backend, Config, LanesConfig};
+use paceline_shared::keys::StoreScope;
+use paceline_shared::lane::LaneId;
 use paceline_shared::ports::{DeadLetterQueues, StateStore};
 
 use crate::stack::{load_config_for_operations, open_store, IfMissing};
@@ -55,6 +58,33 @@ pub struct OperatorStack {
     pub state: Arc<dyn StateStore>,
     /// How to start a run now, or why there is none.
     pub orchestrator: Result<LambdaInvoker, String>,
+    /// The embedded store, for what only it can show yet (lanes).
+    pub embedded: Option<Arc<EmbeddedStore>>,
+}
+
+impl OperatorStack {
+    /// The `[lanes]` of the stack's config.
+    ///
+    /// # Errors
+    /// A stack without `[lanes]`, or one on AWS (lanes run on the embedded store for now).
+    pub fn lanes(&self) -> anyhow::Result<(&LanesConfig, &Arc<EmbeddedStore>)> {
+        let Some(store) = &self.embedded else { bail!("lanes run on the embedded store for now: an AWS stack has one lane, `default`") };
+        match self.config.as_ref().and_then(|config| config.lanes.as_ref()) {
+            Some(lanes) => Ok((lanes, store)),
+            None => bail!("this stack has no [lanes] in its config: its one lane is `default`"),
+        }
+    }
+
+    /// The state of `lane`, or of the default lane (the whole stack's, without `[lanes]`).
+    ///
+    /// # Errors
+    /// A lane other than `default` in a stack without lanes.
+    pub fn lane_state(&self, lane: Option<&LaneId>) -> anyhow::Result<Arc<dyn StateStore>> {
+        match lane.filter(|lane| !lane.is_default()) {
+            None => Ok(self.state.clone()),
+            Some(lane) => Ok(Arc::new(self.lanes()?.1.scoped(&StoreScope::Lane(lane.clone())))),
+        }
+    }
 }
 
 impl StackArgs {
@@ -133,8 +163,9 @@ impl StackArgs {
                 Ok(OperatorStack {
                     config: Some(config),
                     queues: store.clone(),
-                    state: store,
+                    state: store.clone(),
                     orchestrator: Err("an embedded stack has no orchestrator function: `paceline run` runs one in this process".into()),
+                    embedded: Some(store),
                 })
             }
             Some(mut aws) => {
@@ -163,7 +194,7 @@ impl StackArgs {
                     "no orchestrator function is named: set orchestrator_function in [backend], --orchestrator-function or PACELINE_ORCHESTRATOR_FUNCTION"
                         .to_owned()
                 });
-                Ok(OperatorStack { config, queues: Arc::new(adapters.queue), state: Arc::new(adapters.store), orchestrator })
+                Ok(OperatorStack { config, queues: Arc::new(adapters.queue), state: Arc::new(adapters.store), orchestrator, embedded: None })
             }
         }
     }

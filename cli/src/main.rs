@@ -8,6 +8,7 @@ use paceline_cli::commands::{
     dlq::DlqArgs,
     enqueue::EnqueueArgs,
     kick::KickArgs,
+    lanes::LanesArgs,
     rate::RateArgs,
     results::ResultsArgs,
     run::RunArgs,
@@ -45,6 +46,7 @@ enum Command {
     Dlq(DlqArgs),
     Circuit(CircuitArgs),
     Kick(KickArgs),
+    Lanes(LanesArgs),
     Rate(RateArgs),
     Simulate(SimulateArgs),
     /// Print a completion script for a shell (e.g. `paceline completions bash >
@@ -99,6 +101,7 @@ async fn main() -> std::process::ExitCode {
         Command::Dlq(args) => args.run().await,
         Command::Circuit(args) => args.run().await,
         Command::Kick(args) => args.run().await,
+        Command::Lanes(args) => args.run().await,
         Command::Rate(args) => args.run().await,
         Command::Simulate(args) => args.run().await,
         Command::Completions { shell } => {

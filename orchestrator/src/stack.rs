@@ -1032,8 +1032,13 @@ mod tests {
             match next(state, now) {
                 Action::Flush(..) => state.on_event(Event::Flushed(Ok(())), now).unwrap(),
                 Action::Refresh(lane) => {
-                    let shared =
-                        SharedState { circuit: state.only_lane().circuit().clone(), cool_down: UnixMillis(0), provider_reading: None, call_slots: None, retune: None };
+                    let shared = SharedState {
+                        circuit: state.only_lane().circuit().clone(),
+                        cool_down: UnixMillis(0),
+                        provider_reading: None,
+                        call_slots: None,
+                        retune: None,
+                    };
                     state.on_event(Event::Refreshed(lane, Ok(shared)), now).unwrap();
                 }
                 action => return action,

@@ -648,3 +648,54 @@ async fn lanes_keep_their_own_tiers_under_the_shared_one_and_a_heavy_lane_s_back
     let lanes = summary["lanes"].as_array().expect("a line per lane");
     assert_eq!(lanes.len(), 5, "{summary}");
 }
+
+/// `paceline lanes`: the lanes the config names or that have jobs, an operator's change
+/// kept (and refused, naming the setting, when it cannot be used), then forgotten;
+/// `status` has the shared tiers and a line per lane, `status --lane` and `circuit
+/// --lane` one lane's state.
+#[tokio::test]
+async fn an_operator_lists_changes_and_forgets_a_lane_s_settings_and_status_and_circuit_take_a_lane() {
+    let dir = lane_dir("lanes-cli");
+    let config = write_config(&dir, "http://127.0.0.1:9", &["20/s"], "[lanes]\ntiers = [\"5/s\"]\n[lanes.gold]\nweight = 3\n");
+    let config = config.to_str().unwrap();
+    let input: String = (0..3).map(|i| format!("{{\"id\":\"a{i}\",\"lane\":\"acme\",\"request\":{{\"method\":\"GET\",\"path\":\"/a\"}}}}\n")).collect();
+    assert!(paceline(&["enqueue", "--config", config, "-"], &input).await.status.success());
+    let list = json_of(&paceline(&["lanes", "list", "--config", config, "--json"], "").await);
+    let rows: Vec<(&str, u64, f64)> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| (l["lane"].as_str().unwrap(), l["backlog"]["visible"].as_u64().unwrap(), l["weight"].as_f64().unwrap()))
+        .collect();
+    assert_eq!(rows, [("acme", 3, 1.0), ("gold", 0, 3.0)], "the largest backlog first");
+    let set = paceline(&["lanes", "set", "acme", "--tiers", "2/s,100/min", "--weight", "2", "--config", config, "--json"], "").await;
+    let acme = json_of(&set);
+    assert_eq!((acme["tiers"].clone(), acme["weight"].as_f64()), (serde_json::json!(["2/s", "100/min"]), Some(2.0)));
+    let refused = paceline(&["lanes", "set", "gold", "--weight", "0", "--config", config], "").await;
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("lane gold: weight: 0 is not a weight"), "{}", String::from_utf8_lossy(&refused.stderr));
+    let shown = json_of(&paceline(&["lanes", "show", "gold", "--config", config, "--json"], "").await);
+    assert_eq!((shown["weight"].as_f64(), shown["changed"].is_null()), (Some(3.0), true), "a refused change is not kept");
+
+    let opened = paceline(&["circuit", "open", "--lane", "acme", "--reason", "tenant's key revoked", "--config", config], "").await;
+    assert!(opened.status.success(), "{}", String::from_utf8_lossy(&opened.stderr));
+    let status = json_of(&paceline(&["status", "--config", config, "--json"], "").await);
+    assert_eq!(status["tiers"][0]["tier"], "20/s", "the shared tiers");
+    let lanes = status["lanes"].as_array().unwrap();
+    assert_eq!((lanes[0]["lane"].as_str(), lanes[0]["circuit"].as_str()), (Some("acme"), Some("open")));
+    assert_eq!(lanes[1]["circuit"], "closed", "gold's circuit is its own");
+    let acme = json_of(&paceline(&["status", "--lane", "acme", "--config", config, "--json"], "").await);
+    let tiers: Vec<&str> = acme["tiers"].as_array().unwrap().iter().map(|t| t["tier"].as_str().unwrap()).collect();
+    assert_eq!((tiers, acme["circuit"]["status"].as_str(), acme["queue"]["visible"].as_u64()), (vec!["2/s", "100/min"], Some("open"), Some(3)));
+
+    let removed = paceline(&["lanes", "remove", "acme", "--config", config], "").await;
+    assert!(String::from_utf8_lossy(&removed.stdout).contains("the [lanes] defaults again"), "{}", String::from_utf8_lossy(&removed.stdout));
+    let acme = json_of(&paceline(&["lanes", "show", "acme", "--config", config, "--json"], "").await);
+    assert_eq!((acme["tiers"].clone(), acme["weight"].as_f64()), (serde_json::json!(["5/s"]), Some(1.0)));
+
+    let single = lane_dir("lanes-cli-single");
+    let single = write_config(&single, "http://127.0.0.1:9", &["20/s"], "");
+    assert!(paceline(&["enqueue", "--config", single.to_str().unwrap(), "-"], "").await.status.success());
+    let no_lanes = paceline(&["status", "--lane", "acme", "--config", single.to_str().unwrap()], "").await;
+    assert!(String::from_utf8_lossy(&no_lanes.stderr).contains("this stack has no [lanes]"), "{}", String::from_utf8_lossy(&no_lanes.stderr));
+}

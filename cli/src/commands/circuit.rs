@@ -7,6 +7,7 @@ use anyhow::bail;
 use clap::Subcommand;
 use paceline_shared::adaptive::ProviderReading;
 use paceline_shared::breaker::{Circuit, Refusal};
+use paceline_shared::lane::LaneId;
 use paceline_shared::ports::{PortError, StateStore};
 use paceline_shared::time::{system_now, UnixMillis};
 
@@ -51,6 +52,9 @@ pub struct CircuitArgs {
     pub stack: StackArgs,
     #[command(subcommand)]
     pub action: CircuitAction,
+    /// The lane whose state this acts on, with `[lanes]` (`default` without).
+    #[arg(long, global = true, value_name = "ID")]
+    pub lane: Option<LaneId>,
     /// Print the outcome as JSON: the circuit after the command, whether it changed,
     /// and a cool-down it cleared.
     #[arg(long, global = true)]
@@ -123,9 +127,10 @@ impl CircuitArgs {
     /// A bad lane, an unavailable store, or a circuit that moved past `--epoch`.
     pub async fn run(self) -> anyhow::Result<()> {
         let stack = self.stack.open().await?;
+        let state = stack.lane_state(self.lane.as_ref())?;
         let mut cool_down_cleared = None;
         if matches!(self.action, CircuitAction::Close(_)) {
-            let cleared = clear_provider_limits(stack.state.as_ref()).await?;
+            let cleared = clear_provider_limits(state.as_ref()).await?;
             if !self.json {
                 cleared.print();
             }
@@ -140,7 +145,7 @@ impl CircuitArgs {
             }
             Ok(())
         };
-        let current = stack.state.circuit().await?;
+        let current = state.circuit().await?;
         let (change, transition): (&Change, Transition) = match &self.action {
             CircuitAction::Open(OpenChange { change, hold: true }) => (change, Circuit::hold),
             CircuitAction::Open(OpenChange { change, hold: false }) => (change, Circuit::open),
@@ -160,7 +165,7 @@ impl CircuitArgs {
                 bail!("the circuit is at epoch {current}, not {seen}: it changed since; check `paceline status` and decide again")
             }
         };
-        match stack.state.swap_circuit(seen, &next).await {
+        match state.swap_circuit(seen, &next).await {
             Ok(()) => {
                 let held = if next.held { ", held until `paceline circuit close`" } else { "" };
                 say(&next, true, format!("circuit {} at epoch {} ({}){held}", next.status, next.epoch, next.reason))

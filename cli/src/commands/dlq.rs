@@ -14,7 +14,7 @@ use paceline_shared::time::system_now;
 use paceline_sim::report::{one_line_row, text_table};
 use serde::Serialize;
 
-use crate::access::{StackArgs, OperatorStack};
+use crate::access::{OperatorStack, StackArgs};
 use crate::dlq_scan::Scan;
 
 /// Inspect the dead-letter queues, and redrive or purge what is in them.

@@ -5,6 +5,7 @@ pub mod demo;
 pub mod dlq;
 pub mod enqueue;
 pub mod kick;
+pub mod lanes;
 pub mod rate;
 pub mod results;
 pub mod run;

@@ -3,6 +3,7 @@
 //! operator knows is wrong: a reset far in the future, a quota that no longer applies.
 
 use clap::Subcommand;
+use paceline_shared::lane::LaneId;
 
 use crate::access::StackArgs;
 use crate::commands::circuit::clear_provider_limits;
@@ -14,6 +15,9 @@ pub struct RateArgs {
     pub stack: StackArgs,
     #[command(subcommand)]
     pub action: RateAction,
+    /// The lane whose state this acts on, with `[lanes]` (`default` without).
+    #[arg(long, global = true, value_name = "ID")]
+    pub lane: Option<LaneId>,
     /// Print what was cleared as JSON.
     #[arg(long, global = true)]
     pub json: bool,
@@ -32,8 +36,9 @@ impl RateArgs {
     /// A bad lane or an unavailable store.
     pub async fn run(self) -> anyhow::Result<()> {
         let stack = self.stack.open().await?;
+        let state = stack.lane_state(self.lane.as_ref())?;
         let RateAction::Reset = self.action;
-        let cleared = clear_provider_limits(stack.state.as_ref()).await?;
+        let cleared = clear_provider_limits(state.as_ref()).await?;
         if self.json {
             let json = serde_json::json!({
                 "cool_down_cleared": cleared.cool_down.map(|until| until.to_rfc3339()),

@@ -3,23 +3,31 @@
 //! (the provider's rate-limit headers may call for less than the tiers); and about how
 //! long the backlog takes at the quota. On the embedded store or AWS alike.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use paceline_shared::adaptive::{EffectiveRate, ProviderReading, RateReason};
 use paceline_shared::breaker::Circuit;
 use paceline_shared::dlq::DlqSource;
+use paceline_shared::keys::StoreScope;
+use paceline_shared::lane::LaneId;
 use paceline_shared::pacer::PacerState;
-use paceline_shared::ports::{load_calendar_usage, Lease, QueueDepth};
+use paceline_shared::ports::{load_calendar_usage, Lease, QueueDepth, StateStore};
+use paceline_shared::quota::Quota;
 use paceline_shared::time::{system_now, UnixMillis};
 use serde::Serialize;
 
 use crate::access::StackArgs;
+use crate::commands::lanes::{lane_views, print_table, LaneView};
 
-/// Show the lane's state.
+/// Show the stack's state (with `[lanes]`: the shared tiers and the lanes), or one lane's.
 #[derive(Debug, clap::Args)]
 pub struct StatusArgs {
     #[command(flatten)]
     pub stack: StackArgs,
+    /// One lane's state: its tiers, circuit, cool-down, rate and backlog.
+    #[arg(long, value_name = "ID")]
+    pub lane: Option<LaneId>,
     /// Print as JSON.
     #[arg(long)]
     pub json: bool,
@@ -75,11 +83,16 @@ impl From<ProviderReading> for ReadingStatus {
 
 #[derive(Serialize)]
 struct Status {
+    /// The lane shown (`status --lane`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lane: Option<String>,
+    /// The queue's depths (of the lane's jobs, for one lane).
     queue: QueueDepth,
     /// The worker's DLQ, where the lane has one.
     worker_dead: Option<u64>,
+    /// The lane's circuit (none for a stack of many lanes: each has its own, in `lanes`).
     #[serde(serialize_with = "circuit_view")]
-    circuit: Circuit,
+    circuit: Option<Circuit>,
     #[serde(serialize_with = "lease_view")]
     lease: Option<Lease>,
     cool_down_until: Option<String>,
@@ -91,7 +104,13 @@ struct Status {
     safety_margin: Option<MarginStatus>,
     /// Seconds the waiting jobs take at the quota (one unit each), when the quota is known.
     drain_estimate_seconds: Option<u64>,
+    /// With `[lanes]`: every lane, the largest backlog first.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lanes: Option<Vec<LaneView>>,
 }
+
+/// How many lanes the text view lists (`--json` has all).
+const LANES_SHOWN: usize = 20;
 
 /// The safety margin as `status` shows it.
 #[derive(Serialize)]
@@ -112,8 +131,11 @@ struct CircuitView {
     held: bool,
 }
 
-fn circuit_view<S: serde::Serializer>(c: &Circuit, s: S) -> Result<S::Ok, S::Error> {
-    CircuitView { status: c.status, epoch: c.epoch, since: c.since.to_rfc3339(), reason: c.reason.clone(), reopened: c.reopened, held: c.held }.serialize(s)
+#[allow(clippy::ref_option)]
+fn circuit_view<S: serde::Serializer>(c: &Option<Circuit>, s: S) -> Result<S::Ok, S::Error> {
+    c.as_ref()
+        .map(|c| CircuitView { status: c.status, epoch: c.epoch, since: c.since.to_rfc3339(), reason: c.reason.clone(), reopened: c.reopened, held: c.held })
+        .serialize(s)
 }
 
 /// The lease as `status --json` shows it.
@@ -135,14 +157,31 @@ impl StatusArgs {
     pub async fn run(self) -> anyhow::Result<()> {
         let stack = self.stack.open().await?;
         let now = system_now();
-        let queue = stack.queues.depth().await?;
         let worker_dead = if stack.queues.sources().contains(&DlqSource::Worker) { Some(stack.queues.count(DlqSource::Worker).await?) } else { None };
+        let with_lanes = stack.config.as_ref().is_some_and(|config| config.lanes.is_some());
+        let (state, quota, queue, lanes): (Arc<dyn StateStore>, Option<Quota>, QueueDepth, Option<Vec<LaneView>>) = match &self.lane {
+            Some(lane) if with_lanes => {
+                let (config, store) = stack.lanes()?;
+                let state = stack.lane_state(Some(lane))?;
+                let quota = config.lane_changed(lane, &state.lane_change().await?.unwrap_or_default())?.quota;
+                (state, Some(quota), store.depth_by_lane()?.get(lane).copied().unwrap_or_default(), None)
+            }
+            None if with_lanes => {
+                let shared = Arc::new(stack.lanes()?.1.scoped(&StoreScope::Stack));
+                let quota = stack.config.as_ref().map(|config| config.quota.clone());
+                (shared, quota, stack.queues.depth().await?, Some(lane_views(&stack).await?))
+            }
+            lane => {
+                let state = stack.lane_state(lane.as_ref())?;
+                (state, stack.config.as_ref().map(|config| config.quota.clone()), stack.queues.depth().await?, None)
+            }
+        };
         let mut tiers = Vec::new();
         let mut drain_estimate_seconds = None;
         let mut safety_margin = None;
-        let snapshot = stack.state.load_pacer().await?;
-        let cool_down = stack.state.cool_down().await?;
-        let provider_reading = stack.state.provider_reading().await?;
+        let snapshot = state.load_pacer().await?;
+        let cool_down = state.cool_down().await?;
+        let provider_reading = state.provider_reading().await?;
         // A budget the provider set ends at its reset, or when an operator forgot its reading.
         let in_force = |rate: &EffectiveRate| match rate.reason {
             RateReason::ProviderBudget { resets_at, .. } => resets_at > now && provider_reading.is_some(),
@@ -155,8 +194,8 @@ impl StatusArgs {
             detail: rate.reason,
             as_of: rate.at.to_rfc3339(),
         });
-        if let Some(quota) = stack.config.as_ref().map(|c| &c.quota) {
-            let calendar_used = load_calendar_usage(stack.state.as_ref(), quota, now).await?;
+        if let Some(quota) = &quota {
+            let calendar_used = load_calendar_usage(state.as_ref(), quota, now).await?;
             let pacer = snapshot.map(|snapshot| PacerState::restored(quota, &snapshot.state));
             let rolling_used = pacer.as_ref().map(|pacer| pacer.usage(quota, now));
             // A run forgets a learned margin whose 429's cool-down an operator cleared.
@@ -189,9 +228,10 @@ impl StatusArgs {
         // Nothing is dispatched before the cool-down ends.
         let drain_estimate_seconds = drain_estimate_seconds.map(|seconds| seconds + cool_down.since(now).as_secs());
         let status = Status {
+            lane: self.lane.as_ref().map(ToString::to_string),
             queue,
             worker_dead,
-            circuit: stack.state.circuit().await?,
+            circuit: if lanes.is_some() { None } else { Some(state.circuit().await?) },
             lease: stack.state.lease().await?.filter(|l| l.expires_at > now),
             cool_down_until: (cool_down > now).then(|| cool_down.to_rfc3339()),
             effective_rate,
@@ -199,6 +239,7 @@ impl StatusArgs {
             tiers,
             safety_margin,
             drain_estimate_seconds,
+            lanes,
         };
         if self.json {
             println!("{}", serde_json::to_string_pretty(&status)?);
@@ -216,14 +257,15 @@ fn print_status(status: &Status, now: UnixMillis) {
         Some(worker) => println!("dead letters: {} in the jobs DLQ, {worker} in the worker DLQ", q.dead),
         None => println!("dead letters: {}", q.dead),
     }
-    let c = &status.circuit;
-    let since = if c.since.0 == 0 {
-        String::from("the start")
-    } else {
-        format!("{} ({} ago)", c.since.to_rfc3339(), humantime::format_duration(Duration::from_secs(now.since(c.since).as_secs())))
-    };
-    let held = if c.held { ", held by an operator until `paceline circuit close`" } else { "" };
-    println!("circuit: {} since {since}, epoch {}{}{held}", c.status, c.epoch, if c.reason.is_empty() { String::new() } else { format!(": {}", c.reason) });
+    if let Some(c) = &status.circuit {
+        let since = if c.since.0 == 0 {
+            String::from("the start")
+        } else {
+            format!("{} ({} ago)", c.since.to_rfc3339(), humantime::format_duration(Duration::from_secs(now.since(c.since).as_secs())))
+        };
+        let held = if c.held { ", held by an operator until `paceline circuit close`" } else { "" };
+        println!("circuit: {} since {since}, epoch {}{}{held}", c.status, c.epoch, if c.reason.is_empty() { String::new() } else { format!(": {}", c.reason) });
+    }
     match &status.lease {
         Some(l) => println!("lease: held by {} (epoch {}) until {}", l.holder, l.epoch, l.expires_at.to_rfc3339()),
         None => println!("lease: free (no run in progress)"),
@@ -251,6 +293,13 @@ fn print_status(status: &Status, now: UnixMillis) {
             (Some(used), None, Some(frees)) => println!("tier {}: {used}/{} used in the last window, the oldest frees up at {frees}", t.tier, t.limit),
             (Some(used), None, None) => println!("tier {}: {used}/{} used in the last window", t.tier, t.limit),
             (None, ..) => println!("tier {}: rolling window, not used yet", t.tier),
+        }
+    }
+    if let Some(lanes) = &status.lanes {
+        println!("the tiers above are shared by every lane; {} lane(s):", lanes.len());
+        print_table(&lanes[..lanes.len().min(LANES_SHOWN)]);
+        if lanes.len() > LANES_SHOWN {
+            println!("... and {} more (`paceline lanes list`, or `status --json`)", lanes.len() - LANES_SHOWN);
         }
     }
     match status.drain_estimate_seconds {

@@ -10,6 +10,7 @@
 //! it: on a multi-threaded runtime each call runs in [`blocking`], so the wait never
 //! holds up the async threads (where the workers' API calls and their timeouts run).
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -20,9 +21,9 @@ use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 
 use crate::adaptive::ProviderReading;
 use crate::breaker::{failure_bucket_end, Circuit, FAILURE_BUCKET_PREFIX, FAILURE_BUCKET_TTL};
+use crate::config::LaneChange;
 use crate::dlq::{jobs_record, DeadLetterRecord, DlqSource};
 use crate::job::{DeadLetterReason, WorkerPayload};
-use crate::config::LaneChange;
 use crate::keys::{StoreScope, LANE_CHANGE};
 use crate::lane::LaneId;
 use crate::ports::{
@@ -294,6 +295,38 @@ impl EmbeddedStore {
     fn read_kv<T: serde::de::DeserializeOwned>(conn: &Connection, key: &str) -> PortResult<Option<T>> {
         let text: Option<String> = conn.query_row("SELECT value FROM kv WHERE key = ?1", [key], |r| r.get(0)).optional().map_err(sql_err)?;
         text.map(|t| serde_json::from_str(&t).map_err(|e| fatal(format!("stored {key} is unreadable: {e}")))).transpose()
+    }
+
+    /// The queue's and the jobs DLQ's depths by the lane each job names (`default` for
+    /// a job that names none, or that does not parse), for `status` and `lanes`.
+    ///
+    /// # Errors
+    /// `Fatal` on a database failure.
+    pub fn depth_by_lane(&self) -> PortResult<BTreeMap<LaneId, QueueDepth>> {
+        self.on_db(|| {
+            let now = to_i64(self.clock.now().0);
+            let conn = self.conn();
+            let lane_of = "COALESCE(CASE WHEN json_valid(body) THEN json_extract(body, '$.lane') END, 'default')";
+            let mut depths: BTreeMap<LaneId, QueueDepth> = BTreeMap::new();
+            let queries = [
+                format!("SELECT {lane_of}, SUM(visible_at <= ?1), SUM(visible_at > ?1), 0 FROM messages GROUP BY 1"),
+                format!("SELECT {lane_of}, 0, 0, COUNT(*) FROM dead_letters WHERE ?1 = ?1 GROUP BY 1"),
+            ];
+            for sql in &queries {
+                let mut statement = conn.prepare(sql).map_err(sql_err)?;
+                let rows = statement
+                    .query_map([now], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?, r.get::<_, i64>(3)?)))
+                    .map_err(sql_err)?;
+                for row in rows {
+                    let (lane, visible, not_visible, dead) = row.map_err(sql_err)?;
+                    let depth = depths.entry(LaneId::parse(&lane).unwrap_or_default()).or_default();
+                    depth.visible += to_u64(visible);
+                    depth.not_visible += to_u64(not_visible);
+                    depth.dead += to_u64(dead);
+                }
+            }
+            Ok(depths)
+        })
     }
 
     /// Deletes the failure buckets that ended [`FAILURE_BUCKET_TTL`] before `now` (what
@@ -1408,6 +1441,18 @@ mod tests {
             acme.extend_cool_down(UnixMillis(5)).await.unwrap();
             let listed: Vec<String> = store.lanes_with_state().await.unwrap().iter().map(ToString::to_string).collect();
             assert_eq!(listed, ["acme", "gold:eu"]);
+            let jobs = ["{\"id\":\"1\",\"lane\":\"acme\"}", "{\"id\":\"2\",\"lane\":\"acme\"}", "{\"id\":\"3\"}", "not json"];
+            let messages: Vec<OutgoingMessage> =
+                jobs.iter().map(|body| OutgoingMessage { body: (*body).to_owned(), attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
+            store.send(&messages).await.unwrap();
+            store
+                .dead_letter("m", jobs[0], 0, &DeadLetterReason { cause: crate::job::DeadLetterCause::Malformed, detail: "x".into(), outcome: None })
+                .await
+                .unwrap();
+            let depths = store.depth_by_lane().unwrap();
+            let acme = depths[&LaneId::parse("acme").unwrap()];
+            assert_eq!((acme.visible, acme.dead), (2, 1));
+            assert_eq!(depths[&LaneId::default_lane()].visible, 2, "a job naming no lane, and one that does not parse");
             gold.set_lane_change(None).await.unwrap();
             assert_eq!(gold.lane_change().await.unwrap(), None, "forgotten: the config's settings again");
         }

@@ -19,7 +19,7 @@ use crate::quota::{Quota, Tier};
 
 mod lanes;
 
-pub use lanes::{LaneChange, CoolDownScope, LaneSettings, LanesConfig, LANE_PLACEHOLDER};
+pub use lanes::{CoolDownScope, LaneChange, LaneSettings, LanesConfig, LANE_PLACEHOLDER};
 
 /// Why the configuration cannot be used.
 #[derive(Debug, thiserror::Error)]

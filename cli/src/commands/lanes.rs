@@ -1,0 +1,227 @@
+//! `paceline lanes list|show|set|remove`: the lanes of a stack with `[lanes]`, their
+//! settings, backlog and circuit; and an operator's change of a lane's tiers, weight or
+//! cap on calls in flight, kept in the lane's state, which a run takes up within
+//! `state_refresh` (`remove` forgets it: the config's settings again).
+
+use std::collections::BTreeSet;
+
+use anyhow::bail;
+use clap::Subcommand;
+use paceline_shared::breaker::CircuitStatus;
+use paceline_shared::config::{LaneChange, LanesConfig};
+use paceline_shared::keys::StoreScope;
+use paceline_shared::lane::LaneId;
+use paceline_shared::ports::{QueueDepth, StateStore};
+use paceline_shared::quota::Tier;
+use paceline_shared::time::system_now;
+use serde::Serialize;
+
+use crate::access::{OperatorStack, StackArgs};
+
+/// The lanes of a stack with `[lanes]`.
+#[derive(Debug, clap::Args)]
+pub struct LanesArgs {
+    #[command(flatten)]
+    pub stack: StackArgs,
+    #[command(subcommand)]
+    pub action: LanesAction,
+    /// Print as JSON.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum LanesAction {
+    /// Every lane the config names, that has jobs or dead letters, or state in the
+    /// store: its settings, backlog and circuit, the largest backlog first.
+    List,
+    /// One lane's settings (the config's, and an operator's change over them), backlog
+    /// and circuit.
+    Show {
+        /// The lane id.
+        lane: LaneId,
+    },
+    /// Change a lane's settings while the stack runs: a run takes it up within
+    /// `state_refresh`. What is not given stays as it was.
+    Set {
+        /// The lane id (a lane the config does not name starts from the `[lanes]`
+        /// defaults).
+        lane: LaneId,
+        /// The lane's own tiers, replacing its configured ones (e.g. `5/s,200/min`).
+        #[arg(long, value_delimiter = ',', value_parser = parse_tier)]
+        tiers: Option<Vec<Tier>>,
+        /// Its share of the shared quota, relative to the others' (over 0).
+        #[arg(long)]
+        weight: Option<f64>,
+        /// The most calls of this lane in flight at once.
+        #[arg(long)]
+        max_in_flight: Option<u32>,
+    },
+    /// Forget an operator's change of a lane: the config's settings again (`[lanes.ID]`,
+    /// else the `[lanes]` defaults). Its jobs are not touched.
+    Remove {
+        /// The lane id.
+        lane: LaneId,
+    },
+}
+
+fn parse_tier(text: &str) -> Result<Tier, String> {
+    text.trim().parse().map_err(|e| format!("{e}"))
+}
+
+/// A lane as `lanes` shows it.
+#[derive(Serialize)]
+pub(crate) struct LaneView {
+    pub lane: String,
+    /// `config` (`[lanes.ID]`) or `defaults` (`[lanes]`), with `+ operator` when an
+    /// operator's change is over them.
+    pub settings: String,
+    pub weight: f64,
+    pub tiers: Vec<String>,
+    pub max_in_flight: Option<u32>,
+    /// An operator's change in force.
+    pub changed: Option<LaneChange>,
+    pub backlog: QueueDepth,
+    pub circuit: CircuitStatus,
+    pub circuit_held: bool,
+    pub cool_down_until: Option<String>,
+}
+
+impl LaneView {
+    /// Lane `lane` of `lanes`, as `store` holds its state.
+    pub(crate) async fn read(lanes: &LanesConfig, lane: &LaneId, store: &dyn StateStore, backlog: QueueDepth) -> anyhow::Result<Self> {
+        let changed = store.lane_change().await?;
+        let settings = lanes.lane_changed(lane, &changed.clone().unwrap_or_default())?;
+        let from = if lanes.named.contains_key(lane) { "config" } else { "defaults" };
+        let circuit = store.circuit().await?;
+        let cool_down = store.cool_down().await?;
+        Ok(Self {
+            lane: lane.to_string(),
+            settings: if changed.is_some() { format!("{from} + operator") } else { from.to_owned() },
+            weight: settings.weight,
+            tiers: settings.quota.tiers().iter().map(ToString::to_string).collect(),
+            max_in_flight: settings.quota.max_in_flight(),
+            changed,
+            backlog,
+            circuit: circuit.status,
+            circuit_held: circuit.held,
+            cool_down_until: (cool_down > system_now()).then(|| cool_down.to_rfc3339()),
+        })
+    }
+
+    fn print_one(&self) {
+        println!("lane {} (settings from {})", self.lane, self.settings);
+        println!("  tiers: {}", self.tiers.join(", "));
+        println!("  weight: {}", self.weight);
+        if let Some(max) = self.max_in_flight {
+            println!("  max in flight: {max}");
+        }
+        println!("  backlog: {} ready, {} in flight or delayed, {} dead letters", self.backlog.visible, self.backlog.not_visible, self.backlog.dead);
+        println!("  circuit: {}{}", self.circuit, if self.circuit_held { " (held)" } else { "" });
+        if let Some(until) = &self.cool_down_until {
+            println!("  cool-down until {until}");
+        }
+    }
+}
+
+/// Every lane of `stack` worth showing, the largest backlog first, then by id.
+pub(crate) async fn lane_views(stack: &OperatorStack) -> anyhow::Result<Vec<LaneView>> {
+    let (lanes, store) = stack.lanes()?;
+    let depths = store.depth_by_lane()?;
+    let mut ids: BTreeSet<LaneId> = lanes.named.keys().cloned().collect();
+    ids.extend(store.lanes_with_state().await?);
+    ids.extend(depths.keys().cloned());
+    let mut views = Vec::with_capacity(ids.len());
+    for id in &ids {
+        let scoped = store.scoped(&StoreScope::Lane(id.clone()));
+        views.push(LaneView::read(lanes, id, &scoped, depths.get(id).copied().unwrap_or_default()).await?);
+    }
+    views.sort_by(|a, b| backlog_of(b).cmp(&backlog_of(a)).then_with(|| a.lane.cmp(&b.lane)));
+    Ok(views)
+}
+
+fn backlog_of(view: &LaneView) -> u64 {
+    view.backlog.visible + view.backlog.not_visible
+}
+
+/// The lanes as a table, one line each.
+pub(crate) fn print_table(views: &[LaneView]) {
+    println!("{:<24} {:>6} {:>9} {:>9} {:>6}  {:<9} tiers", "lane", "weight", "ready", "in flight", "dead", "circuit");
+    for v in views {
+        let circuit = if v.cool_down_until.is_some() { format!("{} (cool-down)", v.circuit) } else { v.circuit.to_string() };
+        let changed = if v.changed.is_some() { " (changed)" } else { "" };
+        println!(
+            "{:<24} {:>6} {:>9} {:>9} {:>6}  {:<9} {}{changed}",
+            v.lane,
+            v.weight,
+            v.backlog.visible,
+            v.backlog.not_visible,
+            v.backlog.dead,
+            circuit,
+            v.tiers.join(", ")
+        );
+    }
+}
+
+impl LanesArgs {
+    /// # Errors
+    /// A stack without `[lanes]`, an unreadable store, or a change that cannot be used.
+    pub async fn run(self) -> anyhow::Result<()> {
+        let stack = self.stack.open().await?;
+        let (lanes, store) = stack.lanes()?;
+        let refresh = stack.config.as_ref().map(|c| humantime::format_duration(c.orchestrator.state_refresh).to_string()).unwrap_or_default();
+        match self.action {
+            LanesAction::List => {
+                let views = lane_views(&stack).await?;
+                if self.json {
+                    println!("{}", serde_json::to_string_pretty(&views)?);
+                } else if views.is_empty() {
+                    println!("no lanes yet: the config names none and no job has come");
+                } else {
+                    print_table(&views);
+                }
+            }
+            LanesAction::Show { lane } => {
+                let backlog = store.depth_by_lane()?.get(&lane).copied().unwrap_or_default();
+                let view = LaneView::read(lanes, &lane, &store.scoped(&StoreScope::Lane(lane.clone())), backlog).await?;
+                if self.json {
+                    println!("{}", serde_json::to_string_pretty(&view)?);
+                } else {
+                    view.print_one();
+                }
+            }
+            LanesAction::Set { lane, tiers, weight, max_in_flight } => {
+                let asked = LaneChange { tiers, weight, max_in_flight };
+                if asked == LaneChange::default() {
+                    bail!("nothing to change: give --tiers, --weight or --max-in-flight");
+                }
+                let scoped = store.scoped(&StoreScope::Lane(lane.clone()));
+                let change = scoped.lane_change().await?.unwrap_or_default().then(&asked);
+                // Checked before it is kept: a run never reads a change it cannot use.
+                lanes.lane_changed(&lane, &change)?;
+                scoped.set_lane_change(Some(&change)).await?;
+                let view = LaneView::read(lanes, &lane, &scoped, store.depth_by_lane()?.get(&lane).copied().unwrap_or_default()).await?;
+                if self.json {
+                    println!("{}", serde_json::to_string_pretty(&view)?);
+                } else {
+                    view.print_one();
+                    println!("a run takes it up within state_refresh ({refresh})");
+                }
+            }
+            LanesAction::Remove { lane } => {
+                let scoped = store.scoped(&StoreScope::Lane(lane.clone()));
+                let had = scoped.lane_change().await?;
+                scoped.set_lane_change(None).await?;
+                let from = if lanes.named.contains_key(&lane) { format!("[lanes.{lane}]") } else { "the [lanes] defaults".to_owned() };
+                if self.json {
+                    println!("{}", serde_json::json!({ "lane": lane.to_string(), "forgotten": had, "settings_from": from }));
+                } else if had.is_some() {
+                    println!("lane {lane}: the operator's change is forgotten; {from} again, within state_refresh ({refresh})");
+                } else {
+                    println!("lane {lane} had no operator's change: it runs with {from}");
+                }
+            }
+        }
+        Ok(())
+    }
+}
