@@ -100,6 +100,10 @@ pub struct Summary {
     /// With `[lanes]`: each lane that had jobs, most calls first.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub lanes: Vec<LaneLine>,
+    /// With `[lanes]`: Jain's index over the lanes contending for the shared quota, by
+    /// weight, in 10 s windows (none when no window had two).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fairness: Option<paceline_orchestrator::Fairness>,
 }
 
 /// A lane's line in the summary.
@@ -164,6 +168,7 @@ impl Summary {
                     busiest: lane.tiers.iter().map(|t| format!("{}/{} of {}", t.peak_window, t.tier.max_in_one_window(), t.tier)).collect(),
                 })
                 .collect(),
+            fairness: r.fairness,
         }
     }
 
@@ -234,6 +239,13 @@ impl Summary {
                 ]);
             }
             out += &format!("{lanes}\n");
+            if let Some(f) = &self.fairness {
+                let seconds = paceline_orchestrator::FAIRNESS_WINDOW.as_secs();
+                out += &format!(
+                    "fairness: Jain's index {:.3} among the lanes contending for the shared quota, by weight (mean of {} window(s) of {seconds} s; 1 is even)\n",
+                    f.jain_index, f.windows
+                );
+            }
         }
         out
     }
@@ -280,6 +292,7 @@ mod tests {
             paced_by: None,
             tiers: Vec::new(),
             lanes: Vec::new(),
+            fairness: None,
         };
         assert_eq!(summary.circuit_story(), "opened at 12.8 s (HTTP 503), half-open at 19.1 s, closed at 27.1 s; dispatch paused for 6.3 s");
         let calm = Summary { circuit_timeline: Vec::new(), ..summary };

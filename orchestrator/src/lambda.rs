@@ -208,6 +208,7 @@ mod tests {
             longest_wait_ms: 95_400,
             slots_given_back: 0,
             lanes: Vec::new(),
+            fairness: None,
         };
         let records = metrics_records(&report, true, "sms");
         let record = &records[0];

@@ -799,9 +799,9 @@ impl<'a> LaneMachine<'a> {
     }
 
     /// Gives up the messages in hand past the first `keep` (to be made visible again
-    /// later): their receipts.
-    pub fn release_past(&mut self, keep: usize) -> Vec<String> {
-        self.buffer.drain(keep.min(self.buffer.len())..).map(|held| held.message.receipt).collect()
+    /// later), in their order.
+    pub fn release_past(&mut self, keep: usize) -> Vec<QueuedMessage> {
+        self.buffer.drain(keep.min(self.buffer.len())..).map(|held| held.message).collect()
     }
 
     /// Gives up every message in hand (to be made visible again): their receipts.

@@ -19,6 +19,7 @@
 //! (the slot) instead of `now`; the job goes out with that slot in its payload and the
 //! worker calls at the slot, so the worker's start-up delay no longer moves the call.
 
+mod fairness;
 #[cfg(feature = "lambda")]
 pub mod lambda;
 mod lane;
@@ -41,7 +42,8 @@ use paceline_shared::time::{Clock, UnixMillis};
 use tokio::task::{JoinError, JoinSet};
 use tracing::{info, warn};
 
-pub use report::{LaneReport, Progress, RunReport, StopReason, TierReport};
+pub use fairness::{jain_index, FAIRNESS_WINDOW};
+pub use report::{Fairness, LaneReport, Progress, RunReport, StopReason, TierReport};
 pub use settings::{RunError, Settings};
 use stack::{Action, CallSlotsRead, Event, LaneStart, Retune, SharedState, StackMachine, DELETE_BATCH};
 

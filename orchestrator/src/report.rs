@@ -89,6 +89,18 @@ pub struct RunReport {
     /// With `[lanes]`: each lane that had jobs, most calls first (the tiers above are then
     /// the shared ones).
     pub lanes: Vec<LaneReport>,
+    /// With `[lanes]`: how evenly by weight the lanes contending for the shared quota
+    /// divided it (none when no window had two of them).
+    pub fairness: Option<Fairness>,
+}
+
+/// Jain's fairness index of a run (see `fairness`).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Fairness {
+    /// The mean of the windows' indexes: 1 is an even division by weight.
+    pub jain_index: f64,
+    /// How many windows (of `FAIRNESS_WINDOW`) had at least two lanes contending.
+    pub windows: usize,
 }
 
 /// One lane's part of a run.
@@ -121,6 +133,7 @@ impl RunReport {
             longest_wait_ms: 0,
             slots_given_back: 0,
             lanes: Vec::new(),
+            fairness: None,
         }
     }
 }

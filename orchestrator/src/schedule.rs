@@ -23,6 +23,10 @@ impl Scheduler {
         self.finish.len() - 1
     }
 
+    pub fn weight(&self, lane: usize) -> f64 {
+        self.weight[lane]
+    }
+
     /// `lane`'s weight from its next dispatch on (an operator changed it).
     pub fn set_weight(&mut self, lane: usize, weight: f64) {
         self.weight[lane] = weight;

@@ -10,7 +10,7 @@
 //! lane's circuit is what the dispatch decision matches on: closed, jobs flow; open,
 //! messages in hand are released and a health check goes every interval.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -25,9 +25,10 @@ use paceline_shared::quota::Quota;
 use paceline_shared::time::{UnixMillis, COARSE_WAKE_SLACK};
 use tracing::warn;
 
+use crate::fairness::FairnessMeter;
 pub(crate) use crate::lane::{CallSlotsRead, HandOff, Retune, SharedState};
 use crate::lane::{LaneMachine, LaneStep};
-use crate::report::{LaneReport, Progress, RunReport, StopReason, TierMeter};
+use crate::report::{Fairness, LaneReport, Progress, RunReport, StopReason, TierMeter};
 use crate::schedule::Scheduler;
 use crate::settings::{RunError, Settings};
 use crate::timers::{passing, Backoff, Timer, TimerTable};
@@ -153,11 +154,66 @@ struct ManyLanes<'a> {
     hydrating: Vec<bool>,
     /// Per lane: jobs handed off.
     dispatched: Vec<u64>,
+    /// Per lane: the ids of the messages it gave back to the queue and has not
+    /// dispatched since (to tell a job given back before from one it had not seen).
+    hidden: Vec<HashSet<String>>,
+    fairness: FairnessMeter,
 }
 
 /// The most jobs a stack of many lanes holds in hand at once: a held lane's are made
 /// visible again past what it can use before their visibility timeout.
 const MANY_LANES_IN_HAND: usize = 5_000;
+
+/// How far ahead a lane's share of the shared quota is counted when it holds jobs: past
+/// it, its jobs go back on the queue for later, making room for other lanes' jobs.
+const FAIR_SHARE_STRETCH: Duration = Duration::from_secs(10);
+
+/// The longest a lane's surplus is hidden on the queue before it is looked at again.
+const MAX_RELEASE_DELAY: Duration = Duration::from_secs(15 * 60);
+
+/// When each batch of a lane's surplus comes back on the queue. The lane keeps `kept`
+/// jobs and goes at `pace` a second; a job it gave back before (in `hidden`) comes
+/// right behind what it keeps, one it had not seen behind every job still hidden, and
+/// each comes back a little before it is due (`position / pace`): at least a second
+/// and at most [`MAX_RELEASE_DELAY`] later (or `visibility` when the pace is unknown).
+/// A job is so looked at about once more before it goes, not once a second, and the
+/// lane's order holds. Jobs due within the same second come back together, ten at most.
+fn surplus_returns(surplus: Vec<QueuedMessage>, hidden: &mut HashSet<String>, kept: usize, pace: f64, visibility: Duration) -> Vec<(Vec<String>, Duration)> {
+    let behind_hidden = kept + hidden.len();
+    let (mut again, mut first) = (0, 0);
+    let mut timed: Vec<(Duration, String)> = surplus
+        .into_iter()
+        .map(|message| {
+            let position = if hidden.contains(&message.message_id) {
+                again += 1;
+                kept + again
+            } else {
+                first += 1;
+                hidden.insert(message.message_id);
+                behind_hidden + first
+            };
+            let due = if pace.is_finite() && pace > 0.0 {
+                Duration::from_secs_f64((position as f64 / pace).min(MAX_RELEASE_DELAY.as_secs_f64()))
+            } else {
+                visibility
+            };
+            (due.mul_f64(RETURN_EARLY).clamp(Duration::from_secs(1), MAX_RELEASE_DELAY), message.receipt)
+        })
+        .collect();
+    timed.sort_by_key(|(after, _)| *after);
+    // In batches of jobs due within the same second (a batch comes back with its first).
+    let mut returns: Vec<(Vec<String>, Duration)> = Vec::new();
+    for (after, receipt) in timed {
+        match returns.last_mut() {
+            Some((receipts, first)) if receipts.len() < RECEIVE_BATCH && after.as_secs() == first.as_secs() => receipts.push(receipt),
+            _ => returns.push((vec![receipt], after)),
+        }
+    }
+    returns
+}
+
+/// The share of the time until a job given back is due at which it comes back.
+const RETURN_EARLY: f64 = 0.8;
 
 /// What is under way in the background (a lane's health check is its own to count).
 #[derive(Debug, Default)]
@@ -237,6 +293,8 @@ impl<'a> StackMachine<'a> {
                 hydrated: Vec::new(),
                 hydrating: Vec::new(),
                 dispatched: Vec::new(),
+                hidden: Vec::new(),
+                fairness: FairnessMeter::default(),
             }),
             to_release: VecDeque::new(),
             pending_deletes: Vec::new(),
@@ -540,11 +598,15 @@ impl<'a> StackMachine<'a> {
         if let Some(check) = self.next_health_check(now) {
             return check;
         }
+        let many = self.many.as_mut().expect("many lanes");
+        let lanes = &self.lanes;
+        many.fairness.tick(now, |index| lanes[index].has_jobs_in_hand());
         let mut wake: Option<UnixMillis> = None;
         let mut wake_at = |at: UnixMillis| wake = Some(wake.map_or(at, |w: UnixMillis| w.min(at)));
-        let order = self.many.as_ref().expect("many lanes").scheduler.order(with_jobs);
+        let order = many.scheduler.order(with_jobs);
         for index in order {
             if let Some(held) = self.lanes[index].held_until(now) {
+                self.many.as_mut().expect("many lanes").fairness.held_by_itself(index);
                 wake_at(held);
                 continue;
             }
@@ -557,7 +619,10 @@ impl<'a> StackMachine<'a> {
                 }
             };
             match self.lanes[index].next_dispatch(now, not_before) {
-                LaneStep::WaitUntil(at) => wake_at(at),
+                LaneStep::WaitUntil(at) => {
+                    self.many.as_mut().expect("many lanes").fairness.held_by_itself(index);
+                    wake_at(at);
+                }
                 LaneStep::Dispatch(hand_off, payload) => {
                     let upload = match &payload {
                         WorkerPayload::Job { job, .. } => job.request.upload_allowance(),
@@ -567,6 +632,8 @@ impl<'a> StackMachine<'a> {
                     many.pacer.commit(many.shared, hand_off.cost, hand_off.slot.plus(upload));
                     many.meter.record(hand_off.slot, hand_off.cost, Duration::ZERO, None);
                     many.scheduler.charge(index, hand_off.cost);
+                    many.fairness.served(index, hand_off.cost, many.scheduler.weight(index));
+                    many.hidden[index].remove(&hand_off.message.message_id);
                     many.dispatched[index] += 1;
                     return self.act_for_lane(index, LaneStep::Dispatch(hand_off, payload));
                 }
@@ -655,6 +722,8 @@ impl<'a> StackMachine<'a> {
         many.hydrated.push(false);
         many.hydrating.push(false);
         many.dispatched.push(0);
+        many.fairness.add_lane();
+        many.hidden.push(HashSet::new());
         self.lanes.push(LaneMachine::new(self.settings, id.clone(), index, &settings.quota, now));
         self.lane_index.insert(id, index);
         index
@@ -673,17 +742,30 @@ impl<'a> StackMachine<'a> {
             }
         }
         let horizon = self.receive_horizon(now);
-        for (index, messages) in by_lane {
+        for (index, messages) in &mut by_lane {
+            self.lanes[*index].take_in(std::mem::take(messages), now);
+        }
+        // What the shared quota lets go in the next stretch, divided by weight among the
+        // lanes with jobs in hand: a lane keeps no more than its share, and gives the
+        // rest back to the queue, so the jobs of lanes further back are reached too.
+        let lead = self.lead();
+        let many = self.many.as_mut().expect("many lanes");
+        let stretch = horizon.min(now.plus(lead).plus(FAIR_SHARE_STRETCH));
+        let shared_room = many.shared.capacity_until(&many.pacer, now.plus(lead), stretch, MANY_LANES_IN_HAND) as f64;
+        let weights: f64 = (0..self.lanes.len()).filter(|i| self.lanes[*i].has_jobs_in_hand()).map(|i| many.scheduler.weight(i)).sum();
+        let shared_pace = many.shared.pace_per_second();
+        for (index, _) in by_lane {
+            let share = many.scheduler.weight(index) / weights;
             let lane = &mut self.lanes[index];
-            lane.take_in(messages, now);
-            let keep = lane.capacity_until(now, horizon, lane.jobs_in_hand()).max(RECEIVE_BATCH);
+            let fair = (shared_room * share).ceil() as usize;
+            let keep = lane.capacity_until(now, horizon, lane.jobs_in_hand()).min(fair).max(RECEIVE_BATCH);
             let surplus = lane.release_past(keep);
             if !surplus.is_empty() {
-                let pace = lane.pace_per_second();
-                let busy_for = if pace.is_finite() && pace > 0.0 { Duration::from_secs_f64(keep as f64 / pace) } else { Duration::from_secs(1) };
-                let after = busy_for.clamp(Duration::from_secs(1), self.settings.orchestrator.visibility_timeout);
+                many.fairness.gave_back(index);
+                let pace = lane.pace_per_second().min(shared_pace * share);
                 self.report.released += surplus.len() as u64;
-                self.to_release.push_back((surplus, after));
+                let returns = surplus_returns(surplus, &mut many.hidden[index], keep, pace, self.settings.orchestrator.visibility_timeout);
+                self.to_release.extend(returns);
             }
         }
     }
@@ -971,7 +1053,7 @@ impl<'a> StackMachine<'a> {
                     let (tiers, _, _) = lane.tier_figures(now);
                     LaneReport {
                         lane: lane.id().to_string(),
-                        weight: many.config.lane(lane.id()).weight,
+                        weight: many.scheduler.weight(index),
                         dispatched: many.dispatched[index],
                         longest_wait_ms: lane.figures.longest_wait_ms,
                         tiers,
@@ -979,6 +1061,7 @@ impl<'a> StackMachine<'a> {
                 })
                 .collect();
             self.report.lanes.sort_by(|a, b| b.dispatched.cmp(&a.dispatched).then_with(|| a.lane.cmp(&b.lane)));
+            self.report.fairness = many.fairness.mean().map(|(jain_index, windows)| Fairness { jain_index, windows });
         } else {
             let (tiers, paced_for, paced_by) = self.lanes[0].tier_figures(now);
             self.report.tiers = tiers;
@@ -1044,6 +1127,30 @@ mod tests {
                 action => return action,
             }
         }
+    }
+
+    fn queued(id: &str) -> QueuedMessage {
+        QueuedMessage { message_id: id.into(), receipt: format!("r-{id}"), body: String::new(), attempt: 0, enqueued_at: T0 }
+    }
+
+    /// A lane at 10/s keeping 20 jobs: a job it had not seen goes behind the 50 still
+    /// hidden, one it gave back before right behind the 20 it keeps; each comes back at
+    /// 80% of the time until it is due, with those due within the same second, at least
+    /// a second later.
+    #[test]
+    fn a_lane_s_surplus_comes_back_a_little_before_it_is_due_and_in_the_lane_s_order() {
+        let mut hidden: HashSet<String> = (0..50).map(|i| format!("h{i}")).collect();
+        let surplus: Vec<QueuedMessage> = (0..12).map(|i| queued(&format!("n{i}"))).chain([queued("h3")]).collect();
+        let returns = surplus_returns(surplus, &mut hidden, 20, 10.0, Duration::from_secs(30));
+        let shown: Vec<(usize, Duration)> = returns.iter().map(|(receipts, after)| (receipts.len(), *after)).collect();
+        // h3 at position 21 (2.1 s, 80% of it); n0 to n11 at 71 to 82 (5.68 to 6.56 s).
+        assert_eq!(shown, [(1, Duration::from_millis(1_680)), (4, Duration::from_millis(5_680)), (8, Duration::from_millis(6_000))]);
+        assert_eq!(returns[0].0[0], "r-h3", "the job given back before comes first");
+        assert_eq!(hidden.len(), 62, "the new ones are hidden too");
+        let slow = surplus_returns(vec![queued("x")], &mut HashSet::new(), 0, 1e9, Duration::from_secs(30));
+        assert_eq!(slow[0].1, Duration::from_secs(1), "at least a second");
+        let far = surplus_returns(vec![queued("y")], &mut hidden, 1_000_000, 1.0, Duration::from_secs(30));
+        assert_eq!(far[0].1, MAX_RELEASE_DELAY.mul_f64(RETURN_EARLY));
     }
 
     #[test]

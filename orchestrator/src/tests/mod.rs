@@ -761,3 +761,34 @@ async fn an_operator_s_change_of_a_lane_s_tiers_is_taken_up_within_state_refresh
     let last = *at.last().unwrap();
     assert!(last < 20_000, "the rest went at 2/s, not slower: the last at {last} ms");
 }
+
+/// Lanes held by nothing but the shared quota divide it by weight: 2:1:1 weights give
+/// 2:1:1 calls within 2%, and Jain's index over them (by weight) is at least 0.99; the
+/// lanes whose jobs are behind gold's on the queue are reached, and the shared quota is
+/// used without a gap.
+#[tokio::test(start_paused = true)]
+async fn lanes_contending_for_the_shared_quota_divide_it_by_weight_and_the_run_reports_jain_s_index() {
+    let stack = lanes_stack("[lanes]\ntiers = [\"1000/s\"]\n[lanes.gold]\nweight = 2\n");
+    // Gold's jobs first on the queue: the others' are reached behind them.
+    let jobs = [("gold", 2_000), ("a", 1_000), ("b", 1_000)].into_iter().flat_map(|(lane, n)| (0..n).map(move |i| lane_job(lane, &format!("{lane}{i}"))));
+    enqueue(&stack, jobs).await;
+    let report = stack.orchestrator.run(&opts(false, Duration::from_secs(35))).await.unwrap();
+    let at = offsets(&stack);
+    let gaps: Vec<u64> = at.windows(2).map(|w| w[1] - w[0]).filter(|gap| *gap > 10).collect();
+    assert!(gaps.is_empty(), "the shared 100/s went unused while lanes had jobs: gaps of {gaps:?} ms");
+    let calls = |lane: &str| report.lanes.iter().find(|l| l.lane == lane).map_or(0, |l| l.dispatched) as f64;
+    let total = calls("gold") + calls("a") + calls("b");
+    assert!(total >= 3_390.0, "the shared 100/s used: {total} calls in 34 s");
+    // Once the others' jobs were reached behind gold's (within the first second):
+    let accepted = stack.invoker.accepted();
+    let calls_after = |lane: &str| {
+        let of_lane = |payload: &WorkerPayload| matches!(payload, WorkerPayload::Job { job, .. } if job.lane.as_str() == lane);
+        accepted.iter().filter(|(at, payload)| at.since(T0) >= Duration::from_secs(2) && of_lane(payload)).count() as f64
+    };
+    let (gold, a, b) = (calls_after("gold"), calls_after("a"), calls_after("b"));
+    for light in [a, b] {
+        assert!((gold / light - 2.0).abs() <= 0.04, "weights 2:1 gave {gold}:{light}");
+    }
+    let fairness = report.fairness.expect("two windows of three lanes contending");
+    assert!(fairness.jain_index >= 0.99 && fairness.windows >= 1, "{fairness:?}");
+}
