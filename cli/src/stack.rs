@@ -1,6 +1,7 @@
 //! Builds a stack on the embedded backend from a config file: store, worker, in-process
 //! invoker and orchestrator, all sharing one clock. Also runs it with a progress bar.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -106,8 +107,8 @@ pub struct LaneOutcome {
     /// Calls still in flight when the run had waited for them as long as a call may
     /// take: their jobs go back on the queue at the next start.
     pub interrupted: usize,
-    /// The circuit's states during the run, oldest first.
-    pub circuit_changes: Vec<Circuit>,
+    /// Each lane's circuit changes during the run, oldest first.
+    pub circuit_changes: Vec<(LaneId, Circuit)>,
 }
 
 impl EmbeddedStack {
@@ -326,16 +327,26 @@ fn embedded_orchestrator(
 const CIRCUIT_WATCH_EVERY: Duration = Duration::from_millis(100);
 
 /// Records each new state of the circuit (a new epoch) in `changes`, until aborted.
-async fn watch_circuit(store: Arc<EmbeddedStore>, changes: tokio::sync::watch::Sender<Vec<Circuit>>) {
-    let mut last_epoch = store.circuit().await.map(|c| c.epoch).ok();
+async fn watch_circuit(store: Arc<EmbeddedStore>, changes: tokio::sync::watch::Sender<Vec<(LaneId, Circuit)>>) {
+    let mut seen: HashMap<LaneId, u64> = HashMap::new();
+    let mut as_stored: HashMap<LaneId, String> = HashMap::new();
+    let mut first = true;
     loop {
-        tokio::time::sleep(CIRCUIT_WATCH_EVERY).await;
-        if let Ok(circuit) = store.circuit().await {
-            if last_epoch != Some(circuit.epoch) {
-                last_epoch = Some(circuit.epoch);
-                changes.send_modify(|seen| seen.push(circuit));
+        if let Ok(circuits) = store.circuits_as_stored() {
+            for (lane, text) in circuits {
+                if as_stored.get(&lane) == Some(&text) {
+                    continue;
+                }
+                let Ok(circuit) = serde_json::from_str::<Circuit>(&text) else { continue };
+                as_stored.insert(lane.clone(), text);
+                // What a lane's circuit was before the run is not a change in it.
+                if seen.insert(lane.clone(), circuit.epoch) != Some(circuit.epoch) && !first {
+                    changes.send_modify(|changes| changes.push((lane, circuit)));
+                }
             }
         }
+        first = false;
+        tokio::time::sleep(CIRCUIT_WATCH_EVERY).await;
     }
 }
 

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use paceline_orchestrator::StopReason;
 use paceline_shared::breaker::{Circuit, CircuitStatus};
+use paceline_shared::lane::LaneId;
 use paceline_shared::quota::describe_use;
 use paceline_shared::time::UnixMillis;
 use paceline_sim::report::text_table;
@@ -32,6 +33,9 @@ pub struct TierLine {
 /// One state of the circuit, and when it began.
 #[derive(Debug, Serialize)]
 pub struct CircuitMoment {
+    /// The lane whose circuit it is (with `[lanes]`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lane: Option<String>,
     pub status: CircuitStatus,
     /// RFC 3339.
     pub at: String,
@@ -42,8 +46,9 @@ pub struct CircuitMoment {
 }
 
 impl CircuitMoment {
-    fn new(circuit: &Circuit, run_started: UnixMillis) -> Self {
+    fn new(lane: Option<&LaneId>, circuit: &Circuit, run_started: UnixMillis) -> Self {
         Self {
+            lane: lane.map(ToString::to_string),
             status: circuit.status,
             at: circuit.since.to_rfc3339(),
             after_seconds: circuit.since.since(run_started).as_secs_f64(),
@@ -61,6 +66,18 @@ fn paused_for(changes: &[Circuit], ended: UnixMillis) -> Duration {
         .filter(|(_, c)| c.status == CircuitStatus::Open)
         .map(|(i, c)| changes.get(i + 1).map_or(ended, |next| next.since).since(c.since))
         .sum()
+}
+
+/// Each lane's circuit changes apart, in the order of the lanes' first change.
+fn by_lane(changes: &[(LaneId, Circuit)]) -> Vec<(&LaneId, Vec<Circuit>)> {
+    let mut lanes: Vec<(&LaneId, Vec<Circuit>)> = Vec::new();
+    for (lane, circuit) in changes {
+        match lanes.iter_mut().find(|(seen, _)| *seen == lane) {
+            Some((_, circuits)) => circuits.push(circuit.clone()),
+            None => lanes.push((lane, vec![circuit.clone()])),
+        }
+    }
+    lanes
 }
 
 #[derive(Debug, Serialize)]
@@ -141,8 +158,18 @@ impl Summary {
             dead_letters_total: outcome.dead_letters_total,
             circuit_opened: WorkerStats::get(&w.circuit_opened),
             circuit_closed: WorkerStats::get(&w.circuit_closed),
-            circuit_timeline: outcome.circuit_changes.iter().map(|c| CircuitMoment::new(c, r.started_at)).collect(),
-            dispatch_paused_seconds: paused_for(&outcome.circuit_changes, r.ended_at).as_secs_f64(),
+            circuit_timeline: outcome
+                .circuit_changes
+                .iter()
+                .map(|(lane, c)| CircuitMoment::new((!r.lanes.is_empty()).then_some(lane), c, r.started_at))
+                .collect(),
+            // With lanes, the longest any lane's dispatch was paused.
+            dispatch_paused_seconds: by_lane(&outcome.circuit_changes)
+                .iter()
+                .map(|(_, changes)| paused_for(changes, r.ended_at))
+                .max()
+                .unwrap_or_default()
+                .as_secs_f64(),
             interrupted: outcome.interrupted,
             paced_by: r.paced_by.map(|t| t.to_string()),
             tiers: r
@@ -178,20 +205,29 @@ impl Summary {
         if self.circuit_timeline.is_empty() {
             return "stayed closed".into();
         }
-        let moments: Vec<String> = self
-            .circuit_timeline
-            .iter()
-            .map(|m| {
-                let verb = match m.status {
-                    CircuitStatus::Open => "opened",
-                    CircuitStatus::HalfOpen => "half-open",
-                    CircuitStatus::Closed => "closed",
-                };
-                let why = if m.status == CircuitStatus::Open && !m.reason.is_empty() { format!(" ({})", m.reason) } else { String::new() };
-                format!("{verb} at {:.1} s{why}", m.after_seconds)
+        let mut stories: Vec<(Option<&str>, Vec<String>)> = Vec::new();
+        for m in &self.circuit_timeline {
+            let verb = match m.status {
+                CircuitStatus::Open => "opened",
+                CircuitStatus::HalfOpen => "half-open",
+                CircuitStatus::Closed => "closed",
+            };
+            let why = if m.status == CircuitStatus::Open && !m.reason.is_empty() { format!(" ({})", m.reason) } else { String::new() };
+            let moment = format!("{verb} at {:.1} s{why}", m.after_seconds);
+            match stories.iter_mut().find(|(lane, _)| *lane == m.lane.as_deref()) {
+                Some((_, moments)) => moments.push(moment),
+                None => stories.push((m.lane.as_deref(), vec![moment])),
+            }
+        }
+        let told: Vec<String> = stories
+            .into_iter()
+            .map(|(lane, moments)| match lane {
+                Some(lane) => format!("{lane}'s {}", moments.join(", ")),
+                None => moments.join(", "),
             })
             .collect();
-        format!("{}; dispatch paused for {:.1} s", moments.join(", "), self.dispatch_paused_seconds)
+        let paused = if self.circuit_timeline.iter().any(|m| m.lane.is_some()) { "a lane's dispatch paused for at most" } else { "dispatch paused for" };
+        format!("{}; {paused} {:.1} s", told.join("; "), self.dispatch_paused_seconds)
     }
 
     /// The human-readable form.
@@ -286,7 +322,7 @@ mod tests {
             dead_letters_total: 0,
             circuit_opened: 1,
             circuit_closed: 1,
-            circuit_timeline: changes.iter().map(|c| CircuitMoment::new(c, started)).collect(),
+            circuit_timeline: changes.iter().map(|c| CircuitMoment::new(None, c, started)).collect(),
             dispatch_paused_seconds: paused_for(&changes, UnixMillis(46_000)).as_secs_f64(),
             interrupted: 0,
             paced_by: None,

@@ -207,6 +207,8 @@ pub(crate) struct LaneMachine<'a> {
     quota: Cow<'a, Quota>,
     /// An operator's change of the lane's settings in force (`paceline lanes set`).
     change: Option<LaneChange>,
+    /// The pace its share of a shared quota allows, calls a second (unbounded alone).
+    shared_pace: f64,
     pacer: PacerState,
     /// The hold this lane set itself (after an unclean stop); the provider's cool-down is
     /// added to it on every refresh, never saved with the pacer.
@@ -260,6 +262,7 @@ impl<'a> LaneMachine<'a> {
             index,
             quota: Cow::Borrowed(quota),
             change: None,
+            shared_pace: f64::INFINITY,
             pacer: PacerState::new(quota),
             own_hold: UnixMillis(0),
             circuit: Circuit::default(),
@@ -724,7 +727,14 @@ impl<'a> LaneMachine<'a> {
 
     /// When failures open the circuit, at the pace jobs go at `slot`.
     fn trip_rule(&self, slot: UnixMillis) -> TripRule {
-        TripRule::at_pace(&self.settings.circuit.trip_settings(), self.quota.pace_per_second() * self.pace_share(slot))
+        let pace = (self.quota.pace_per_second() * self.pace_share(slot)).min(self.shared_pace);
+        TripRule::at_pace(&self.settings.circuit.trip_settings(), pace)
+    }
+
+    /// The pace the lane's share of the stack's shared quota allows: the circuit's
+    /// failure rate looks at as many recent calls at that pace as alone at its own.
+    pub fn set_shared_pace(&mut self, per_second: f64) {
+        self.shared_pace = per_second;
     }
 
     /// At a share of the pace, the next job waits the pace's interval divided by it. The

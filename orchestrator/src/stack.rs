@@ -154,10 +154,33 @@ struct ManyLanes<'a> {
     hydrating: Vec<bool>,
     /// Per lane: jobs handed off.
     dispatched: Vec<u64>,
+    /// The slot of the last call on the shared quota.
+    last_slot: Option<UnixMillis>,
     /// Per lane: the ids of the messages it gave back to the queue and has not
     /// dispatched since (to tell a job given back before from one it had not seen).
     hidden: Vec<HashSet<String>>,
+    /// Per lane: the receipts of what it gave back, by when each batch comes back; a
+    /// lane that runs dry sooner (its share grew) brings the first back at once.
+    returning: Vec<Vec<(UnixMillis, Vec<String>)>>,
+    /// Per lane: it asked for a batch back and has not received it yet.
+    recalling: Vec<bool>,
     fairness: FairnessMeter,
+}
+
+impl ManyLanes<'_> {
+    /// Spends `cost` units of the shared quota at `slot` (counted as arriving up to
+    /// `upload` later), with the report's figures: how long since the last call, and
+    /// which shared tier, if any, would have held it any earlier.
+    fn spend(&mut self, cost: u64, slot: UnixMillis, upload: Duration) {
+        let held = match self.shared.decide(&self.pacer, cost, slot.minus(Duration::from_millis(1))) {
+            Decision::WaitUntil { by, .. } => Some(by),
+            _ => None,
+        };
+        let paced = self.last_slot.map_or(Duration::ZERO, |last| slot.since(last));
+        self.pacer.commit(self.shared, cost, slot.plus(upload));
+        self.meter.record(slot, cost, paced, held);
+        self.last_slot = Some(slot);
+    }
 }
 
 /// The most jobs a stack of many lanes holds in hand at once: a held lane's are made
@@ -293,7 +316,10 @@ impl<'a> StackMachine<'a> {
                 hydrated: Vec::new(),
                 hydrating: Vec::new(),
                 dispatched: Vec::new(),
+                last_slot: None,
                 hidden: Vec::new(),
+                returning: Vec::new(),
+                recalling: Vec::new(),
                 fairness: FairnessMeter::default(),
             }),
             to_release: VecDeque::new(),
@@ -572,6 +598,10 @@ impl<'a> StackMachine<'a> {
             many.hydrating[index] = true;
             return Action::HydrateLane(index);
         }
+        if let Some(recall) = self.recall_for_a_dry_lane(now) {
+            return recall;
+        }
+        let many = self.many.as_ref().expect("many lanes");
         let with_jobs: Vec<usize> = (0..self.lanes.len())
             .filter(|i| many.hydrated[*i] && self.lanes[*i].circuit().status != CircuitStatus::Open && self.lanes[*i].has_jobs_in_hand())
             .collect();
@@ -629,8 +659,7 @@ impl<'a> StackMachine<'a> {
                         WorkerPayload::HealthCheck { .. } => Duration::ZERO,
                     };
                     let many = self.many.as_mut().expect("many lanes");
-                    many.pacer.commit(many.shared, hand_off.cost, hand_off.slot.plus(upload));
-                    many.meter.record(hand_off.slot, hand_off.cost, Duration::ZERO, None);
+                    many.spend(hand_off.cost, hand_off.slot, upload);
                     many.scheduler.charge(index, hand_off.cost);
                     many.fairness.served(index, hand_off.cost, many.scheduler.weight(index));
                     many.hidden[index].remove(&hand_off.message.message_id);
@@ -644,6 +673,24 @@ impl<'a> StackMachine<'a> {
             Some(at) => self.sleep_until(at),
             None => self.await_event(),
         }
+    }
+
+    /// A lane that ran out of jobs in hand while some it gave back are still hidden (its
+    /// share grew since) brings the first batch of them back now; one batch at a time.
+    fn recall_for_a_dry_lane(&mut self, now: UnixMillis) -> Option<Action> {
+        let many = self.many.as_mut().expect("many lanes");
+        for (index, lane) in self.lanes.iter().enumerate() {
+            if lane.has_jobs_in_hand() || many.recalling[index] || lane.circuit().status == CircuitStatus::Open {
+                continue;
+            }
+            let returning = &mut many.returning[index];
+            // Batches due by now are back on the queue (and may be received already).
+            returning.retain(|(at, _)| *at > now);
+            let Some(first) = (0..returning.len()).min_by_key(|i| returning[*i].0) else { continue };
+            many.recalling[index] = true;
+            return Some(Action::Release(returning.swap_remove(first).1, Duration::ZERO));
+        }
+        None
     }
 
     /// The first slot from `now` at which the shared quota takes `cost` more units for
@@ -680,9 +727,7 @@ impl<'a> StackMachine<'a> {
                 LaneStep::WaitUntil(_) => {}
                 LaneStep::HealthCheck(payload) => {
                     let slot = self.lanes[index].earliest_slot(now);
-                    let many = self.many.as_mut().expect("many lanes");
-                    many.pacer.commit(many.shared, 1, slot);
-                    many.meter.record(slot, 1, Duration::ZERO, None);
+                    self.many.as_mut().expect("many lanes").spend(1, slot, Duration::ZERO);
                     return Some(Action::HealthCheck(index, payload));
                 }
                 step => return Some(self.act_for_lane(index, step)),
@@ -724,6 +769,8 @@ impl<'a> StackMachine<'a> {
         many.dispatched.push(0);
         many.fairness.add_lane();
         many.hidden.push(HashSet::new());
+        many.returning.push(Vec::new());
+        many.recalling.push(false);
         self.lanes.push(LaneMachine::new(self.settings, id.clone(), index, &settings.quota, now));
         self.lane_index.insert(id, index);
         index
@@ -744,6 +791,7 @@ impl<'a> StackMachine<'a> {
         let horizon = self.receive_horizon(now);
         for (index, messages) in &mut by_lane {
             self.lanes[*index].take_in(std::mem::take(messages), now);
+            self.many.as_mut().expect("many lanes").recalling[*index] = false;
         }
         // What the shared quota lets go in the next stretch, divided by weight among the
         // lanes with jobs in hand: a lane keeps no more than its share, and gives the
@@ -757,6 +805,7 @@ impl<'a> StackMachine<'a> {
         for (index, _) in by_lane {
             let share = many.scheduler.weight(index) / weights;
             let lane = &mut self.lanes[index];
+            lane.set_shared_pace(shared_pace * share);
             let fair = (shared_room * share).ceil() as usize;
             let keep = lane.capacity_until(now, horizon, lane.jobs_in_hand()).min(fair).max(RECEIVE_BATCH);
             let surplus = lane.release_past(keep);
@@ -765,6 +814,7 @@ impl<'a> StackMachine<'a> {
                 let pace = lane.pace_per_second().min(shared_pace * share);
                 self.report.released += surplus.len() as u64;
                 let returns = surplus_returns(surplus, &mut many.hidden[index], keep, pace, self.settings.orchestrator.visibility_timeout);
+                many.returning[index].extend(returns.iter().map(|(receipts, after)| (now.plus(*after), receipts.clone())));
                 self.to_release.extend(returns);
             }
         }

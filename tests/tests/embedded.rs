@@ -699,3 +699,22 @@ async fn an_operator_lists_changes_and_forgets_a_lane_s_settings_and_status_and_
     let no_lanes = paceline(&["status", "--lane", "acme", "--config", single.to_str().unwrap()], "").await;
     assert!(String::from_utf8_lossy(&no_lanes.stderr).contains("this stack has no [lanes]"), "{}", String::from_utf8_lossy(&no_lanes.stderr));
 }
+
+/// The demo's tenants: zero 429s from its strict API, a line per tenant, and the light
+/// tenants, whose jobs were on the queue behind the heavy one's, done waiting before
+/// one queue in order would even have reached them.
+#[tokio::test]
+async fn the_demo_shows_three_tenants_sharing_the_api_s_quota_the_light_ones_not_held_behind_the_heavy_one() {
+    let dir = lane_dir("demo");
+    let demo = paceline(&["demo", "--jobs", "90", "--outage-for", "0s", "--json", "--dir", dir.to_str().unwrap()], "").await;
+    let report = json_of(&demo);
+    assert_eq!(report["quota_rejections"], 0, "{report}");
+    assert!(report["api_tiers"].as_array().unwrap().iter().all(|t| t["within_limit"] == true), "{report}");
+    let lanes = report["stack"]["lanes"].as_array().unwrap();
+    let wait = |lane: &str| lanes.iter().find(|l| l["lane"] == lane).unwrap()["longest_wait_seconds"].as_f64().unwrap();
+    let one_queue = report["one_queue_wait_seconds"].as_f64().unwrap();
+    for light in ["globex", "initech"] {
+        assert!(wait(light) < one_queue, "{light} waited {} s, one queue in order {one_queue} s", wait(light));
+        assert!(wait(light) < wait("acme"), "{light} waited {} s, the heavy acme {} s", wait(light), wait("acme"));
+    }
+}

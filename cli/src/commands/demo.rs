@@ -1,8 +1,10 @@
 //! `paceline demo`: the whole story in about a minute, with nothing to set up. A fake
-//! API on loopback enforces a strict quota and has an outage; a lane with a real config
-//! file and an embedded store paces a few hundred jobs (some deliberately bad) at it;
-//! the report shows zero quota rejections, tier utilization, the circuit opening and
-//! closing, and what went to the dead-letter queue and why.
+//! API on loopback enforces a strict quota and has an outage; a stack with a real config
+//! file and an embedded store paces a few hundred jobs (some deliberately bad) for three
+//! tenants at it, each under its own quota and all under the API's; the report shows
+//! zero quota rejections, tier utilization, each tenant's share (the light ones not held
+//! behind the heavy one's backlog), the circuits opening and closing, and what went to
+//! the dead-letter queue and why.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -22,10 +24,22 @@ use paceline_sim::report::text_table;
 /// Quota of the demo's fake API.
 const TIERS: [&str; 3] = ["10/s", "500/min", "20000/day"];
 
+/// What the stack shares: the API's rolling tiers (its day tier is divided among the
+/// tenants, whose own day tiers add up to less).
+const SHARED_TIERS: [&str; 2] = ["10/s", "500/min"];
+
+/// Each tenant's own quota (its key's, at the API).
+const TENANT_TIERS: [&str; 2] = ["8/s", "6000/day"];
+
+/// The heavy tenant, whose jobs go on the queue first, and the light ones after it.
+const HEAVY: &str = "acme";
+const LIGHT: [&str; 2] = ["globex", "initech"];
+
 /// Run a self-contained demo against a built-in, strictly rate-limited fake API.
 #[derive(Debug, clap::Args)]
 pub struct DemoArgs {
-    /// Good jobs to enqueue (5 more get a 404 and 4 are malformed).
+    /// Good jobs to enqueue, two thirds for the heavy tenant (5 more get a 404 and 4 are
+    /// malformed).
     #[arg(long, default_value_t = 300)]
     pub jobs: usize,
     /// When the fake API's outage starts, after its first call.
@@ -62,17 +76,34 @@ struct DemoReport {
     /// When the API answered 503, in seconds from the start of the run.
     api_outage_seconds: Option<(f64, f64)>,
     api_tiers: Vec<ApiTierCheck>,
-    lane: Summary,
+    stack: Summary,
+    /// The heavy tenant's jobs ahead of the light ones' on the queue, and how long one
+    /// queue in order would have held the light ones behind them at the shared pace.
+    heavy_jobs_first: usize,
+    one_queue_wait_seconds: f64,
     dead_letters_by_cause: BTreeMap<String, u64>,
     config: PathBuf,
 }
 
+/// The tenant of good job `i` of `good`: the heavy one's come first.
+fn tenant_of(i: usize, good: usize) -> &'static str {
+    if i < good * 2 / 3 {
+        HEAVY
+    } else {
+        LIGHT[i % 2]
+    }
+}
+
 fn demo_jobs(good: usize) -> Vec<String> {
-    let mut bodies: Vec<String> =
-        (0..good).map(|i| format!(r#"{{"id":"job-{i:04}","request":{{"method":"POST","path":"/items/job-{i:04}","body":{{"n":{i}}}}}}}"#)).collect();
+    let mut bodies: Vec<String> = (0..good)
+        .map(|i| {
+            let lane = tenant_of(i, good);
+            format!(r#"{{"id":"job-{i:04}","lane":"{lane}","request":{{"method":"POST","path":"/items/job-{i:04}","body":{{"n":{i}}}}}}}"#)
+        })
+        .collect();
     for i in 0..5 {
         let at = (i + 1) * good / 6;
-        bodies.insert(at.min(bodies.len()), format!(r#"{{"id":"gone-{i}","request":{{"method":"GET","path":"/missing/{i}"}}}}"#));
+        bodies.insert(at.min(bodies.len()), format!(r#"{{"id":"gone-{i}","lane":"{HEAVY}","request":{{"method":"GET","path":"/missing/{i}"}}}}"#));
     }
     let malformed = [
         "this is not JSON".to_owned(),
@@ -89,18 +120,25 @@ fn demo_jobs(good: usize) -> Vec<String> {
 fn write_config(dir: &std::path::Path, base_url: &str) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let path = dir.join("paceline.toml");
-    let tiers = TIERS.map(|t| format!("\"{t}\"")).join(", ");
+    let quoted = |tiers: &[&str]| tiers.iter().map(|t| format!("\"{t}\"")).collect::<Vec<_>>().join(", ");
+    let (shared, tenant) = (quoted(&SHARED_TIERS), quoted(&TENANT_TIERS));
     let text = format!(
-        r#"# The demo lane: a strict fake API on loopback.
+        r#"# The demo stack: a strict fake API on loopback, called for three tenants.
 [api]
 base_url = "{base_url}"
 timeout = "5s"
 headers = {{ "User-Agent" = {{ value = "paceline-demo" }} }}
 health_check = {{ method = "GET", path = "/health" }}
 
+# The API's quota for all of them together.
 [quota]
-tiers = [{tiers}]
+tiers = [{shared}]
 safety_margin = "20ms"
+
+# Each tenant's own quota and header; a job names its tenant ("lane": "acme").
+[lanes]
+tiers = [{tenant}]
+headers = {{ "X-Tenant" = {{ value = "{{lane}}" }} }}
 
 [circuit]
 health_check_interval = "2s"
@@ -153,29 +191,38 @@ impl DemoArgs {
         let dir = self.dir.clone().unwrap_or_else(|| std::env::temp_dir().join(format!("paceline-demo-{}", std::process::id())));
         let config_path = write_config(&dir, &api.base_url)?;
         let config = load_config(&config_path)?;
-        let lane = EmbeddedStack::open(&config)?;
+        let stack = EmbeddedStack::open(&config)?;
         let bodies = demo_jobs(self.jobs);
+        let heavy = (0..self.jobs).filter(|i| tenant_of(*i, self.jobs) == HEAVY).count() + 5;
+        let shared_pace = config.quota.pace_per_second();
         let messages: Vec<OutgoingMessage> =
             bodies.iter().map(|b| OutgoingMessage { body: b.clone(), attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
         for batch in messages.chunks(10) {
-            lane.store.send(batch).await?;
+            stack.store.send(batch).await?;
         }
         if !self.json {
             println!("Paceline demo");
             println!("  fake API   {} (strict quota {}; calls take 0.2-1.5 s)", api.base_url, TIERS.join(" + "));
+            println!(
+                "  tenants    {HEAVY} (two thirds of the jobs, on the queue first), {} and {}: each {} of its own, all under {}",
+                LIGHT[0],
+                LIGHT[1],
+                TENANT_TIERS.join(" + "),
+                SHARED_TIERS.join(" + ")
+            );
             match outage {
                 Some((after, length)) => {
                     println!("  outage     503s from {} after its first call, for {}", humantime::format_duration(after), humantime::format_duration(length))
                 }
                 None => println!("  outage     none"),
             }
-            println!("  lane       {} ({} jobs enqueued: {} good, 5 for missing items, 4 malformed)", config_path.display(), bodies.len(), self.jobs);
+            println!("  stack      {} ({} jobs enqueued: {} good, 5 for missing items, 4 malformed)", config_path.display(), bodies.len(), self.jobs);
             println!();
         }
-        let outcome = lane.run(true, None, !self.json).await?;
+        let outcome = stack.run(true, None, !self.json).await?;
         let log = api.log();
         let mut by_cause = BTreeMap::new();
-        for dead in lane.store.dead_letters()? {
+        for dead in stack.store.dead_letters()? {
             *by_cause.entry(dead.reason.cause.label()).or_insert(0) += 1;
         }
         let started = outcome.report.started_at;
@@ -192,7 +239,9 @@ impl DemoArgs {
             not_found: log.not_found,
             api_outage_seconds,
             api_tiers: check_api_tiers(&log),
-            lane: Summary::new(&outcome),
+            stack: Summary::new(&outcome),
+            heavy_jobs_first: heavy,
+            one_queue_wait_seconds: heavy as f64 / shared_pace,
             dead_letters_by_cause: by_cause,
             config: config_path,
         };
@@ -222,11 +271,24 @@ fn print_report(r: &DemoReport) {
     if let Some((from, to)) = r.api_outage_seconds {
         println!("The outage");
         println!("  the API answered 503 from {from:.1} s to {to:.1} s into the run");
-        println!("  the circuit {}", r.lane.circuit_story());
+        let whose = if r.stack.lanes.is_empty() { "the circuit" } else { "each tenant's circuit:" };
+        println!("  {whose} {}", r.stack.circuit_story());
         println!();
     }
-    println!("What the lane did");
-    print!("{}", r.lane.render());
+    println!("What the stack did");
+    print!("{}", r.stack.render());
+    println!();
+    println!("The tenants");
+    let longest_wait = |lane: &str| r.stack.lanes.iter().find(|l| l.lane == lane).map_or(0.0, |l| l.longest_wait_seconds);
+    println!(
+        "  {HEAVY}'s {} jobs were on the queue first; {} and {} waited at most {:.1} s and {:.1} s for their slots, not behind them:",
+        r.heavy_jobs_first,
+        LIGHT[0],
+        LIGHT[1],
+        longest_wait(LIGHT[0]),
+        longest_wait(LIGHT[1])
+    );
+    println!("  one queue in order would have held them at least {:.0} s (all of {HEAVY}'s at the shared {}).", r.one_queue_wait_seconds, SHARED_TIERS[0]);
     println!();
     println!("Dead-letter queue");
     for (cause, count) in &r.dead_letters_by_cause {

@@ -297,6 +297,28 @@ impl EmbeddedStore {
         text.map(|t| serde_json::from_str(&t).map_err(|e| fatal(format!("stored {key} is unreadable: {e}")))).transpose()
     }
 
+    /// Every lane's stored circuit as JSON text, by lane (the default lane's too), in one
+    /// read: what a run's circuit watcher compares from one look to the next.
+    ///
+    /// # Errors
+    /// `Fatal` on a database failure.
+    pub fn circuits_as_stored(&self) -> PortResult<Vec<(LaneId, String)>> {
+        self.on_db(|| {
+            let conn = self.conn();
+            let mut statement = conn.prepare("SELECT key, value FROM kv WHERE key = 'circuit' OR key GLOB 'lane#*#circuit'").map_err(sql_err)?;
+            let rows = statement.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))).map_err(sql_err)?;
+            let mut circuits = Vec::new();
+            for row in rows {
+                let (key, value) = row.map_err(sql_err)?;
+                let lane = key.strip_prefix("lane#").and_then(|rest| rest.strip_suffix("#circuit")).map_or(Ok(LaneId::default_lane()), LaneId::parse);
+                if let Ok(lane) = lane {
+                    circuits.push((lane, value));
+                }
+            }
+            Ok(circuits)
+        })
+    }
+
     /// The queue's and the jobs DLQ's depths by the lane each job names (`default` for
     /// a job that names none, or that does not parse), for `status` and `lanes`.
     ///
@@ -627,7 +649,9 @@ impl JobQueue for EmbeddedStore {
             let now = to_i64(self.clock.now().plus(after).0);
             let conn = self.conn();
             for receipt in receipts {
-                conn.execute("UPDATE messages SET visible_at = ?1, receipt = NULL WHERE receipt = ?2", params![now, receipt]).map_err(sql_err)?;
+                // The receipt stays good until the message is received again, as an SQS
+                // receipt handle does: a later release may bring it back sooner.
+                conn.execute("UPDATE messages SET visible_at = ?1 WHERE receipt = ?2", params![now, receipt]).map_err(sql_err)?;
             }
             Ok(())
         })

@@ -63,6 +63,12 @@ pub async fn job_queue(queue: &dyn JobQueue, clock: &dyn Clock) {
     queue.delete(&["not-a-receipt".to_owned()]).await.expect("an unknown receipt is ignored");
     let again = queue.receive(10, Duration::from_secs(1), visibility).await.unwrap();
     assert_eq!(ids(&again), ["b"], "a released message is visible at once; a deleted one is gone");
+    let hidden = vec![again[0].receipt.clone()];
+    queue.release(&hidden, Duration::from_secs(60)).await.unwrap();
+    assert!(queue.receive(10, Duration::ZERO, visibility).await.unwrap().is_empty(), "a message released for later is hidden until then");
+    queue.release(&hidden, Duration::ZERO).await.unwrap();
+    let recalled = queue.receive(10, Duration::from_secs(1), visibility).await.unwrap();
+    assert_eq!(ids(&recalled), ["b"], "its receipt brings it back sooner, until it is received again");
 
     pass(clock, visibility + Duration::from_millis(1_500)).await;
     let back = queue.receive(10, Duration::from_secs(1), visibility).await.unwrap();
