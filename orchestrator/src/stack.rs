@@ -189,7 +189,7 @@ const MANY_LANES_IN_HAND: usize = 5_000;
 
 /// How far ahead a lane's share of the shared quota is counted when it holds jobs: past
 /// it, its jobs go back on the queue for later, making room for other lanes' jobs.
-const FAIR_SHARE_STRETCH: Duration = Duration::from_secs(10);
+const FAIR_SHARE_STRETCH: Duration = Duration::from_secs(20);
 
 /// The longest a lane's surplus is hidden on the queue before it is looked at again.
 const MAX_RELEASE_DELAY: Duration = Duration::from_secs(15 * 60);
@@ -197,9 +197,9 @@ const MAX_RELEASE_DELAY: Duration = Duration::from_secs(15 * 60);
 /// When each batch of a lane's surplus comes back on the queue. The lane keeps `kept`
 /// jobs and goes at `pace` a second; a job it gave back before (in `hidden`) comes
 /// right behind what it keeps, one it had not seen behind every job still hidden, and
-/// each comes back a little before it is due (`position / pace`): at least a second
+/// each comes back halfway to when it is due (`position / pace`): at least a second
 /// and at most [`MAX_RELEASE_DELAY`] later (or `visibility` when the pace is unknown).
-/// A job is so looked at about once more before it goes, not once a second, and the
+/// A job is so looked at a few times before it goes, not once a second, and the
 /// lane's order holds. Jobs due within the same second come back together, ten at most.
 fn surplus_returns(surplus: Vec<QueuedMessage>, hidden: &mut HashSet<String>, kept: usize, pace: f64, visibility: Duration) -> Vec<(Vec<String>, Duration)> {
     let behind_hidden = kept + hidden.len();
@@ -235,8 +235,11 @@ fn surplus_returns(surplus: Vec<QueuedMessage>, hidden: &mut HashSet<String>, ke
     returns
 }
 
+/// What a lane that runs dry brings back of what it gave back: this long at its own pace.
+const RECALL_STRETCH: Duration = Duration::from_secs(2);
+
 /// The share of the time until a job given back is due at which it comes back.
-const RETURN_EARLY: f64 = 0.8;
+const RETURN_EARLY: f64 = 0.5;
 
 /// What is under way in the background (a lane's health check is its own to count).
 #[derive(Debug, Default)]
@@ -675,20 +678,31 @@ impl<'a> StackMachine<'a> {
         }
     }
 
-    /// A lane that ran out of jobs in hand while some it gave back are still hidden (its
-    /// share grew since) brings the first batch of them back now; one batch at a time.
+    /// A lane running out of jobs in hand while some it gave back are still hidden (its
+    /// share grew since) brings back at once what it may use in the next
+    /// [`RECALL_STRETCH`] at its own pace, and the queue is looked at again now.
     fn recall_for_a_dry_lane(&mut self, now: UnixMillis) -> Option<Action> {
         let many = self.many.as_mut().expect("many lanes");
         for (index, lane) in self.lanes.iter().enumerate() {
-            if lane.has_jobs_in_hand() || many.recalling[index] || lane.circuit().status == CircuitStatus::Open {
+            if lane.jobs_in_hand() >= RECEIVE_BATCH || many.recalling[index] || lane.circuit().status == CircuitStatus::Open {
                 continue;
             }
             let returning = &mut many.returning[index];
             // Batches due by now are back on the queue (and may be received already).
             returning.retain(|(at, _)| *at > now);
-            let Some(first) = (0..returning.len()).min_by_key(|i| returning[*i].0) else { continue };
+            if returning.is_empty() {
+                continue;
+            }
+            returning.sort_by_key(|(at, _)| std::cmp::Reverse(*at));
+            let wanted = (lane.pace_per_second().min(MANY_LANES_IN_HAND as f64) * RECALL_STRETCH.as_secs_f64()).ceil() as usize;
+            let mut receipts = Vec::new();
+            while receipts.len() < wanted.max(RECEIVE_BATCH) {
+                let Some((_, batch)) = returning.pop() else { break };
+                receipts.extend(batch);
+            }
             many.recalling[index] = true;
-            return Some(Action::Release(returning.swap_remove(first).1, Duration::ZERO));
+            self.timers.stop(Timer::Prefetch);
+            return Some(Action::Release(receipts, Duration::ZERO));
         }
         None
     }
@@ -749,6 +763,10 @@ impl<'a> StackMachine<'a> {
         let coming = in_hand + RECEIVE_BATCH * self.in_flight.receives;
         let horizon = self.receive_horizon(now);
         let room = many.shared.capacity_until(&many.pacer, now.plus(self.lead()), horizon, MANY_LANES_IN_HAND).saturating_sub(coming);
+        // A lane with none in hand whose jobs are back on the queue gets them, though
+        // others hold all the shared quota can use before the horizon (near a run's end).
+        let starved = (0..self.lanes.len()).any(|i| !many.hidden[i].is_empty() && !self.lanes[i].has_jobs_in_hand());
+        let room = if starved { room.max(RECEIVE_BATCH) } else { room };
         if room == 0 {
             return None;
         }
@@ -1184,17 +1202,17 @@ mod tests {
     }
 
     /// A lane at 10/s keeping 20 jobs: a job it had not seen goes behind the 50 still
-    /// hidden, one it gave back before right behind the 20 it keeps; each comes back at
-    /// 80% of the time until it is due, with those due within the same second, at least
-    /// a second later.
+    /// hidden, one it gave back before right behind the 20 it keeps; each comes back
+    /// halfway to when it is due, with those due within the same second, at least a
+    /// second later.
     #[test]
     fn a_lane_s_surplus_comes_back_a_little_before_it_is_due_and_in_the_lane_s_order() {
         let mut hidden: HashSet<String> = (0..50).map(|i| format!("h{i}")).collect();
         let surplus: Vec<QueuedMessage> = (0..12).map(|i| queued(&format!("n{i}"))).chain([queued("h3")]).collect();
         let returns = surplus_returns(surplus, &mut hidden, 20, 10.0, Duration::from_secs(30));
         let shown: Vec<(usize, Duration)> = returns.iter().map(|(receipts, after)| (receipts.len(), *after)).collect();
-        // h3 at position 21 (2.1 s, 80% of it); n0 to n11 at 71 to 82 (5.68 to 6.56 s).
-        assert_eq!(shown, [(1, Duration::from_millis(1_680)), (4, Duration::from_millis(5_680)), (8, Duration::from_millis(6_000))]);
+        // h3 at position 21 (2.1 s, half of it); n0 to n11 at 71 to 82 (3.55 to 4.1 s).
+        assert_eq!(shown, [(1, Duration::from_millis(1_050)), (9, Duration::from_millis(3_550)), (3, Duration::from_millis(4_000))]);
         assert_eq!(returns[0].0[0], "r-h3", "the job given back before comes first");
         assert_eq!(hidden.len(), 62, "the new ones are hidden too");
         let slow = surplus_returns(vec![queued("x")], &mut HashSet::new(), 0, 1e9, Duration::from_secs(30));

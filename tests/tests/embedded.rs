@@ -718,3 +718,23 @@ async fn the_demo_shows_three_tenants_sharing_the_api_s_quota_the_light_ones_not
         assert!(wait(light) < wait("acme"), "{light} waited {} s, the heavy acme {} s", wait(light), wait("acme"));
     }
 }
+
+/// `simulate --lanes`: the report as JSON with its baselines, and a config without
+/// `[lanes]` refused naming what is missing.
+#[tokio::test]
+async fn simulate_of_many_lanes_reports_fairness_beside_its_baselines_and_needs_lanes_in_the_config() {
+    let dir = lane_dir("simulate-lanes");
+    let config = write_config(&dir, "http://127.0.0.1:9", &["50/s"], "[lanes]\ntiers = [\"5/s\"]\n");
+    let config = config.to_str().unwrap();
+    let run = paceline(&["simulate", "--config", config, "--lanes", "20", "--skew", "zipf:1.1", "--jobs", "600", "--baselines", "--json"], "").await;
+    let report = json_of(&run);
+    assert_eq!((report["lane_violations"].as_u64(), report["shared_violations"].as_u64()), (Some(0), Some(0)), "{report}");
+    assert!(report["jain_index_mean"].as_f64().is_some_and(|j| j >= 0.99), "{report}");
+    let baselines: Vec<&str> = report["baselines"].as_array().unwrap().iter().map(|b| b["dispatcher"].as_str().unwrap()).collect();
+    assert_eq!(baselines, ["first come, first served (one queue)", "round robin (unweighted)"]);
+    let single = write_config(&lane_dir("simulate-lanes-single"), "http://127.0.0.1:9", &["50/s"], "");
+    let refused = paceline(&["simulate", "--config", single.to_str().unwrap(), "--lanes", "20"], "").await;
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--lanes needs a [lanes] table"), "{}", String::from_utf8_lossy(&refused.stderr));
+    let bad = paceline(&["simulate", "--config", config, "--lanes", "20", "--skew", "pareto:2"], "").await;
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("is not zipf:S"), "{}", String::from_utf8_lossy(&bad.stderr));
+}

@@ -10,6 +10,7 @@ use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressStyle};
 use paceline_orchestrator::Settings;
 use paceline_shared::config::{WorkerHost, MAX_DISPATCH_AHEAD};
+use paceline_sim::lanes::{first_come_first_served, render_lanes, round_robin, simulate_lanes, LanesPlan};
 use paceline_sim::profile::{Failures, LatencyProfile, Outage};
 use paceline_sim::provider::ProviderModel;
 use paceline_sim::report::{render, render_comparison};
@@ -90,6 +91,16 @@ pub struct SimulateArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Simulate N lanes in one embedded stack, each under the config's `[lanes]` tiers
+    /// and all under `[quota]`: the backlog's jobs fall on them as `--skew` says.
+    /// Reports violations, the shared tier's use, Jain's fairness index and the jobs'
+    /// waits; with `--baselines`, first come first served over one queue and round robin.
+    #[arg(long, value_name = "N")]
+    pub lanes: Option<usize>,
+    /// How the jobs spread over the lanes: `zipf:S` (a few lanes with most jobs; S = 0
+    /// is even), with `--lanes`.
+    #[arg(long, value_name = "zipf:S", value_parser = parse_skew, default_value = "zipf:1")]
+    pub skew: f64,
     /// Draw each tier's use over time against its limit to this file (.png or .svg),
     /// with outages, refused calls and, with `--baselines`, the other dispatchers.
     #[arg(long, value_name = "FILE")]
@@ -120,7 +131,7 @@ impl SimulateArgs {
         // The simulated Lambda stack paces one lane, as the AWS backend does today.
         anyhow::ensure!(
             config.lanes.is_none(),
-            "simulate paces one lane (the AWS backend's): leave [lanes] out of this config, or try the lanes with `paceline run`"
+            "simulate paces one lane on AWS (the AWS backend's): leave [lanes] out of this config, or simulate the lanes in one embedded stack with --lanes N"
         );
         let settings = Settings { quota: config.quota, orchestrator, circuit: config.circuit, workers: WorkerHost::Lambda, lanes: None };
         let mut plan = Plan::new(self.jobs, self.seed, settings, config.retry);
@@ -132,10 +143,54 @@ impl SimulateArgs {
         Ok(plan)
     }
 
+    /// `--lanes`: the plan of many lanes in one embedded stack.
+    fn lanes_plan(&self, lanes: usize) -> anyhow::Result<LanesPlan> {
+        let config = load_config_for_operations(&self.config.config)?;
+        anyhow::ensure!(self.jobs > 0, "--jobs: need at least one job");
+        anyhow::ensure!(lanes > 0, "--lanes: need at least one lane");
+        anyhow::ensure!(self.plot.is_none(), "--plot: the lanes' panel is not drawn yet; leave --plot out with --lanes");
+        anyhow::ensure!(config.lanes.is_some(), "--lanes needs a [lanes] table in {} (each lane's own tiers and weight)", self.config.config.display());
+        let mut orchestrator = config.orchestrator;
+        // Workers in one process call at their slot.
+        orchestrator.dispatch_ahead = Some(Duration::ZERO);
+        let settings = Settings { quota: config.quota, orchestrator, circuit: config.circuit, workers: WorkerHost::InProcess, lanes: config.lanes };
+        Ok(LanesPlan { lanes, skew: self.skew, jobs: self.jobs, seed: self.seed, settings })
+    }
+
+    /// `--lanes`: runs the lanes' simulation (and its baselines) and reports.
+    async fn run_lanes(&self, lanes: usize) -> anyhow::Result<()> {
+        let plan = self.lanes_plan(lanes)?;
+        let baselines = self.baselines;
+        let reports = tokio::task::spawn_blocking(move || {
+            let mut reports = vec![simulate_lanes(&plan)];
+            if baselines {
+                reports.extend([first_come_first_served(&plan), round_robin(&plan)]);
+            }
+            reports
+        })
+        .await
+        .context("the simulation failed")?;
+        if self.json {
+            let (main, others) = reports.split_first().context("the simulation made no report")?;
+            let mut value = serde_json::to_value(main)?;
+            value["baselines"] = serde_json::to_value(others)?;
+            println!("{}", serde_json::to_string_pretty(&value)?);
+        } else {
+            print!("{}", render_lanes(&reports));
+        }
+        match reports[0].lane_violations + reports[0].shared_violations {
+            0 => Ok(()),
+            violations => Err(OverQuota { violations }.into()),
+        }
+    }
+
     /// # Errors
     /// Bad config or flags, or an unwritable plot file; [`OverQuota`] (after the report)
     /// when the provider refused any of the lane's calls as over quota.
     pub async fn run(self) -> anyhow::Result<()> {
+        if let Some(lanes) = self.lanes {
+            return self.run_lanes(lanes).await;
+        }
         let mut plan = self.plan()?;
         if let Some(path) = &self.plot {
             plot::check_path(path)?;
@@ -170,6 +225,15 @@ impl SimulateArgs {
             0 => Ok(()),
             violations => Err(OverQuota { violations }.into()),
         }
+    }
+}
+
+/// `zipf:S`, S a number of 0 or more.
+fn parse_skew(text: &str) -> Result<f64, String> {
+    let exponent = text.strip_prefix("zipf:").ok_or_else(|| format!("`{text}` is not zipf:S (e.g. zipf:1.1)"))?;
+    match exponent.parse::<f64>() {
+        Ok(s) if s.is_finite() && s >= 0.0 => Ok(s),
+        _ => Err(format!("`{exponent}` is not a Zipf exponent: give a number of 0 or more")),
     }
 }
 

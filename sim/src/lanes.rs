@@ -1,0 +1,494 @@
+//! `paceline simulate --lanes N --skew zipf:S`: many lanes in one embedded stack under
+//! virtual time. A backlog whose jobs fall on N lanes by a Zipf law (a few tenants with
+//! most of the work) drains through the real orchestrator on an in-memory embedded store;
+//! every call is checked against its lane's tiers and the shared ones, and the report
+//! gives the violations, how much of the shared quota was used while the lanes could use
+//! it, Jain's fairness index among backlogged lanes and the jobs' waits. The baselines
+//! drain the same backlog first-come first-served over one queue (a queue without
+//! groups) and by unweighted round robin over the lanes, each call as soon as its
+//! lane's tiers and the shared ones allow it.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use paceline_orchestrator::{jain_index, Orchestrator, RunOptions, ScopedStores, Settings};
+use paceline_shared::adapters::embedded::EmbeddedStore;
+use paceline_shared::config::LanesConfig;
+use paceline_shared::job::WorkerPayload;
+use paceline_shared::keys::StoreScope;
+use paceline_shared::lane::LaneId;
+use paceline_shared::pacer::{Decision, PacerState};
+use paceline_shared::ports::{Invoker, JobQueue, OutgoingMessage, PortResult, StateStore};
+use paceline_shared::quota::{Period, Quota};
+use paceline_shared::time::{Clock, TokioClock, UnixMillis};
+use rand::SeedableRng;
+use rand_distr::{Distribution, Zipf};
+use rand_pcg::Pcg64Mcg;
+use serde::Serialize;
+
+use crate::SIM_START;
+
+/// The windows fairness and the shared quota's use are measured over.
+const WINDOW: Duration = Duration::from_secs(10);
+
+/// One simulation of many lanes.
+#[derive(Clone, Debug)]
+pub struct LanesPlan {
+    pub lanes: usize,
+    /// The Zipf exponent of the jobs' spread over the lanes (0: even).
+    pub skew: f64,
+    pub jobs: usize,
+    pub seed: u64,
+    /// The stack's settings: the shared quota, and `lanes` with every lane's own.
+    pub settings: Settings,
+}
+
+impl LanesPlan {
+    fn lanes_config(&self) -> &LanesConfig {
+        self.settings.lanes.as_ref().expect("a plan of lanes has [lanes]")
+    }
+
+    /// The id of the `index`-th lane (from 0).
+    fn lane_id(&self, index: usize) -> LaneId {
+        LaneId::parse(&format!("t{:0width$}", index + 1, width = self.lanes.to_string().len())).expect("a valid lane id")
+    }
+
+    /// Each job's lane index, in queue order: lane 0 the busiest.
+    fn job_lanes(&self) -> Vec<usize> {
+        let mut rng = Pcg64Mcg::seed_from_u64(self.seed);
+        if self.skew <= 0.0 || self.lanes == 1 {
+            return (0..self.jobs).map(|job| job % self.lanes).collect();
+        }
+        let zipf = Zipf::new(self.lanes as f64, self.skew).expect("n >= 1 and s > 0");
+        (0..self.jobs).map(|_| (zipf.sample(&mut rng) as usize).clamp(1, self.lanes) - 1).collect()
+    }
+}
+
+/// A call as the provider saw it.
+#[derive(Clone, Copy, Debug)]
+struct Call {
+    at: UnixMillis,
+    lane: usize,
+    cost: u64,
+}
+
+/// What one dispatcher did with the backlog.
+#[derive(Clone, Debug, Serialize)]
+pub struct LanesReport {
+    pub dispatcher: String,
+    pub lanes: usize,
+    pub jobs: usize,
+    /// Lanes that had jobs.
+    pub lanes_with_jobs: usize,
+    /// From the start to the last call.
+    pub seconds: f64,
+    /// Calls over a tier of their own lane (a strict provider refuses them).
+    pub lane_violations: u64,
+    /// Calls over a shared tier.
+    pub shared_violations: u64,
+    /// The shared quota's use in the windows where the backlogged lanes could have used it
+    /// all (their own tiers together allowed at least as much); `None` when no window did.
+    pub shared_utilization: Option<f64>,
+    /// Jain's index of each backlogged lane's calls over its max-min fair share (by
+    /// weight, under its own tiers), in 10 s windows: the mean and the lowest.
+    pub jain_index_mean: Option<f64>,
+    pub jain_index_min: Option<f64>,
+    pub fairness_windows: usize,
+    /// How long jobs waited from the start to their call: every job's, and the jobs of
+    /// the lanes with fewer jobs than the mean (the light lanes).
+    pub wait_p50_seconds: f64,
+    pub wait_p99_seconds: f64,
+    pub light_wait_p50_seconds: f64,
+    pub light_wait_p99_seconds: f64,
+    /// Wall-clock seconds the simulation took.
+    pub wall_seconds: f64,
+}
+
+/// Records every hand-off as the call it stands for: workers in one process call at the
+/// slot, which a hand-off without dispatch-ahead is.
+struct CallLog {
+    clock: Arc<dyn Clock>,
+    lanes: BTreeMap<LaneId, usize>,
+    calls: Mutex<Vec<Call>>,
+}
+
+#[async_trait]
+impl Invoker for CallLog {
+    async fn invoke(&self, payload: &WorkerPayload, _from_receipt: Option<&str>) -> PortResult<()> {
+        if let WorkerPayload::Job { job, .. } = payload {
+            let lane = self.lanes.get(&job.lane).copied().unwrap_or(usize::MAX);
+            self.calls.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(Call { at: self.clock.now(), lane, cost: job.cost });
+        }
+        Ok(())
+    }
+}
+
+struct Scopes(Arc<EmbeddedStore>);
+
+impl ScopedStores for Scopes {
+    fn scoped(&self, scope: &StoreScope) -> Arc<dyn StateStore> {
+        Arc::new(self.0.scoped(scope))
+    }
+}
+
+/// Drains the plan's backlog through the real orchestrator. Builds its own paused,
+/// single-threaded runtime: call it from a plain thread.
+///
+/// # Panics
+/// If the runtime or the in-memory store cannot be built.
+#[must_use]
+pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
+    let wall = std::time::Instant::now();
+    let job_lanes = plan.job_lanes();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().expect("a tokio runtime");
+    let calls = runtime.block_on(async {
+        let clock: Arc<dyn Clock> = Arc::new(TokioClock::anchored_at(SIM_START));
+        let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).expect("an in-memory store"));
+        let lanes: BTreeMap<LaneId, usize> = (0..plan.lanes).map(|i| (plan.lane_id(i), i)).collect();
+        let messages: Vec<OutgoingMessage> = job_lanes
+            .iter()
+            .enumerate()
+            .map(|(n, lane)| {
+                let body = format!(r#"{{"id":"job-{n}","lane":"{}","request":{{"method":"GET","path":"/jobs/{n}"}}}}"#, plan.lane_id(*lane));
+                OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None }
+            })
+            .collect();
+        for batch in messages.chunks(10) {
+            store.send(batch).await.expect("enqueue");
+        }
+        let log = Arc::new(CallLog { clock: clock.clone(), lanes, calls: Mutex::new(Vec::new()) });
+        let orchestrator = Orchestrator::new(store.clone(), store.clone(), log.clone(), clock.clone(), plan.settings.clone())
+            .with_scoped_stores(Arc::new(Scopes(store.clone())));
+        let opts = RunOptions { holder: "simulate".into(), deadline: SIM_START.plus(Duration::from_secs(400 * 86_400)), drain: true, stop: None };
+        if let Err(e) = orchestrator.run(&opts).await {
+            tracing::warn!(error = %e, "simulated run failed");
+        }
+        let calls = log.calls.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        calls
+    });
+    analyse(plan, "paceline (weighted fair lanes)", &job_lanes, calls, wall.elapsed())
+}
+
+/// Drains the plan's backlog first-come first-served over one queue: each job, in queue
+/// order, goes as soon as its lane's tiers and the shared ones allow it, and no later job
+/// before it.
+#[must_use]
+pub fn first_come_first_served(plan: &LanesPlan) -> LanesReport {
+    let wall = std::time::Instant::now();
+    let job_lanes = plan.job_lanes();
+    let mut pacers = Pacers::new(plan);
+    let mut now = SIM_START;
+    let calls = job_lanes
+        .iter()
+        .map(|lane| {
+            now = pacers.earliest(*lane, now);
+            pacers.commit(*lane, now);
+            Call { at: now, lane: *lane, cost: 1 }
+        })
+        .collect();
+    analyse(plan, "first come, first served (one queue)", &job_lanes, calls, wall.elapsed())
+}
+
+/// Drains the plan's backlog by unweighted round robin over the lanes with jobs: from the
+/// lane after the last served, the first whose next job its tiers and the shared ones
+/// allow now goes; when none may, time moves on to the first moment one may.
+#[must_use]
+pub fn round_robin(plan: &LanesPlan) -> LanesReport {
+    let wall = std::time::Instant::now();
+    let job_lanes = plan.job_lanes();
+    let mut pending: Vec<VecDeque<usize>> = vec![VecDeque::new(); plan.lanes];
+    for (job, lane) in job_lanes.iter().enumerate() {
+        pending[*lane].push_back(job);
+    }
+    let mut pacers = Pacers::new(plan);
+    let mut now = SIM_START;
+    let mut next = 0;
+    let mut calls = Vec::with_capacity(job_lanes.len());
+    while calls.len() < job_lanes.len() {
+        let ready = (0..plan.lanes).map(|k| (next + k) % plan.lanes).filter(|lane| !pending[*lane].is_empty()).find(|lane| pacers.earliest(*lane, now) == now);
+        match ready {
+            Some(lane) => {
+                pending[lane].pop_front();
+                pacers.commit(lane, now);
+                calls.push(Call { at: now, lane, cost: 1 });
+                next = (lane + 1) % plan.lanes;
+            }
+            None => now = (0..plan.lanes).filter(|lane| !pending[*lane].is_empty()).map(|lane| pacers.earliest(lane, now)).min().unwrap_or(now),
+        }
+    }
+    analyse(plan, "round robin (unweighted)", &job_lanes, calls, wall.elapsed())
+}
+
+/// Every lane's pacer and the shared one, for the baselines.
+struct Pacers {
+    shared: Quota,
+    shared_state: PacerState,
+    quotas: Vec<Quota>,
+    states: Vec<PacerState>,
+}
+
+impl Pacers {
+    fn new(plan: &LanesPlan) -> Self {
+        let quotas: Vec<Quota> = (0..plan.lanes).map(|i| plan.lanes_config().lane(&plan.lane_id(i)).quota.clone()).collect();
+        let states = quotas.iter().map(PacerState::new).collect();
+        Self { shared_state: PacerState::new(&plan.settings.quota), shared: plan.settings.quota.clone(), quotas, states }
+    }
+
+    /// The first moment from `now` at which both `lane`'s tiers and the shared ones take
+    /// one unit.
+    fn earliest(&self, lane: usize, now: UnixMillis) -> UnixMillis {
+        let mut at = now;
+        loop {
+            let lane_at = wait_until(&self.quotas[lane], &self.states[lane], at);
+            let shared_at = wait_until(&self.shared, &self.shared_state, lane_at);
+            if shared_at == at {
+                return at;
+            }
+            at = shared_at;
+        }
+    }
+
+    fn commit(&mut self, lane: usize, at: UnixMillis) {
+        self.states[lane].commit(&self.quotas[lane], 1, at);
+        self.shared_state.commit(&self.shared, 1, at);
+    }
+}
+
+/// The first moment from `at` that `quota` takes one more unit.
+fn wait_until(quota: &Quota, state: &PacerState, at: UnixMillis) -> UnixMillis {
+    match quota.decide(state, 1, at) {
+        Decision::WaitUntil { at, .. } => at,
+        _ => at,
+    }
+}
+
+/// Calls over a tier's limit in any window of it (for a calendar tier, its day or month).
+fn calls_over(quota: &Quota, calls: &[(UnixMillis, u64)]) -> u64 {
+    let mut over = 0;
+    for tier in quota.tiers() {
+        let mut first = 0;
+        let mut units = 0;
+        for (i, (at, cost)) in calls.iter().enumerate() {
+            units += cost;
+            let window_start = match tier.period {
+                Period::Rolling(d) => at.minus(d),
+                Period::Day | Period::Month => tier.window_at(quota.zone(), *at).0.minus(Duration::from_millis(1)),
+            };
+            while first < i && calls[first].0 <= window_start {
+                units -= calls[first].1;
+                first += 1;
+            }
+            if units > tier.limit {
+                over += 1;
+            }
+        }
+    }
+    over
+}
+
+/// A lane's most units a second under its own rolling tiers (unbounded without).
+fn own_rate(quota: &Quota) -> f64 {
+    quota.pace_per_second()
+}
+
+/// Max-min fair shares of `capacity` among lanes with `caps` and `weights`: each lane
+/// gets its weight's share, no more than its cap, what a capped lane leaves going to
+/// the others (water-filling).
+fn fair_shares(capacity: f64, caps: &[f64], weights: &[f64]) -> Vec<f64> {
+    let mut shares = vec![0.0; caps.len()];
+    let mut open: Vec<usize> = (0..caps.len()).collect();
+    let mut left = capacity;
+    while !open.is_empty() && left > 1e-9 {
+        let weight: f64 = open.iter().map(|i| weights[*i]).sum();
+        let capped: Vec<usize> = open.iter().copied().filter(|i| caps[*i] - shares[*i] <= left * weights[*i] / weight).collect();
+        if capped.is_empty() {
+            for i in &open {
+                shares[*i] += left * weights[*i] / weight;
+            }
+            break;
+        }
+        for i in &capped {
+            left -= caps[*i] - shares[*i];
+            shares[*i] = caps[*i];
+        }
+        open.retain(|i| !capped.contains(i));
+    }
+    shares
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+/// The report of `calls`, made by `dispatcher` for the plan's jobs (`job_lanes`).
+fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: Vec<Call>, wall: Duration) -> LanesReport {
+    calls.sort_by_key(|call| call.at);
+    let lanes_config = plan.lanes_config();
+    let quotas: Vec<&Quota> = (0..plan.lanes).map(|i| &lanes_config.lane(&plan.lane_id(i)).quota).collect();
+    let weights: Vec<f64> = (0..plan.lanes).map(|i| lanes_config.lane(&plan.lane_id(i)).weight).collect();
+    let mut by_lane: Vec<Vec<(UnixMillis, u64)>> = vec![Vec::new(); plan.lanes];
+    for call in calls.iter().filter(|call| call.lane < plan.lanes) {
+        by_lane[call.lane].push((call.at, call.cost));
+    }
+    let lane_violations = by_lane.iter().zip(&quotas).map(|(lane_calls, quota)| calls_over(quota, lane_calls)).sum();
+    let all: Vec<(UnixMillis, u64)> = calls.iter().map(|call| (call.at, call.cost)).collect();
+    let shared_violations = calls_over(&plan.settings.quota, &all);
+    let end = calls.last().map_or(SIM_START, |call| call.at);
+    let last_call: Vec<Option<UnixMillis>> = by_lane.iter().map(|lane_calls| lane_calls.last().map(|(at, _)| *at)).collect();
+
+    // Window by window: the lanes backlogged throughout (their last call after it), their
+    // fair shares, what they got, and the shared quota's use where they could use it all.
+    let window_ms = u64::try_from(WINDOW.as_millis()).unwrap_or(u64::MAX);
+    let windows = usize::try_from(end.since(SIM_START).as_millis() as u64 / window_ms).unwrap_or(0);
+    let mut got = vec![vec![0_u64; plan.lanes]; windows];
+    for call in calls.iter().filter(|call| call.lane < plan.lanes) {
+        let w = usize::try_from(call.at.since(SIM_START).as_millis() as u64 / window_ms).unwrap_or(usize::MAX);
+        if w < windows {
+            got[w][call.lane] += call.cost;
+        }
+    }
+    let capacity = plan.settings.quota.pace_per_second() * WINDOW.as_secs_f64();
+    let (mut indexes, mut used, mut usable) = (Vec::new(), 0.0, 0.0);
+    for (w, got) in got.iter().enumerate() {
+        let window_end = SIM_START.plus(WINDOW * u32::try_from(w + 1).unwrap_or(u32::MAX));
+        let backlogged: Vec<usize> = (0..plan.lanes).filter(|lane| last_call[*lane].is_some_and(|last| last >= window_end)).collect();
+        let caps: Vec<f64> = backlogged.iter().map(|lane| own_rate(quotas[*lane]) * WINDOW.as_secs_f64()).collect();
+        if caps.iter().sum::<f64>() >= capacity {
+            usable += capacity;
+            used += got.iter().sum::<u64>() as f64;
+        }
+        if backlogged.len() >= 2 {
+            let lane_weights: Vec<f64> = backlogged.iter().map(|lane| weights[*lane]).collect();
+            let shares = fair_shares(capacity, &caps, &lane_weights);
+            let ratios: Vec<f64> = backlogged.iter().zip(&shares).map(|(lane, share)| got[*lane] as f64 / share.max(1e-9)).collect();
+            indexes.push(jain_index(&ratios));
+        }
+    }
+    let mut waits: Vec<f64> = calls.iter().map(|call| call.at.since(SIM_START).as_secs_f64()).collect();
+    waits.sort_by(f64::total_cmp);
+    let mut jobs_of = vec![0_usize; plan.lanes];
+    for lane in job_lanes {
+        jobs_of[*lane] += 1;
+    }
+    let lanes_with_jobs = jobs_of.iter().filter(|n| **n > 0).count();
+    let mean = job_lanes.len() as f64 / lanes_with_jobs.max(1) as f64;
+    let mut light: Vec<f64> =
+        calls.iter().filter(|call| call.lane < plan.lanes && (jobs_of[call.lane] as f64) < mean).map(|call| call.at.since(SIM_START).as_secs_f64()).collect();
+    light.sort_by(f64::total_cmp);
+    LanesReport {
+        dispatcher: dispatcher.to_owned(),
+        lanes: plan.lanes,
+        jobs: plan.jobs,
+        lanes_with_jobs,
+        seconds: end.since(SIM_START).as_secs_f64(),
+        lane_violations,
+        shared_violations,
+        shared_utilization: (usable > 0.0).then(|| used / usable),
+        jain_index_mean: (!indexes.is_empty()).then(|| indexes.iter().sum::<f64>() / indexes.len() as f64),
+        jain_index_min: indexes.iter().copied().reduce(f64::min),
+        fairness_windows: indexes.len(),
+        wait_p50_seconds: percentile(&waits, 0.5),
+        wait_p99_seconds: percentile(&waits, 0.99),
+        light_wait_p50_seconds: percentile(&light, 0.5),
+        light_wait_p99_seconds: percentile(&light, 0.99),
+        wall_seconds: wall.as_secs_f64(),
+    }
+}
+
+/// One figure of a report, as the table shows it.
+type ReportCell = fn(&LanesReport) -> String;
+
+/// `value` to `digits` decimals, or `-` when there is none.
+fn optional(value: Option<f64>, digits: usize) -> String {
+    value.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"))
+}
+
+/// The reports side by side, one column each.
+#[must_use]
+pub fn render_lanes(reports: &[LanesReport]) -> String {
+    let Some(first) = reports.first() else { return String::new() };
+    let mut out = format!("{} jobs over {} lanes ({} with jobs)\n", first.jobs, first.lanes, first.lanes_with_jobs);
+    let mut header = vec!["".to_owned()];
+    header.extend(reports.iter().map(|r| r.dispatcher.clone()));
+    let mut table = crate::report::text_table(&header.iter().map(String::as_str).collect::<Vec<_>>(), &(1..=reports.len()).collect::<Vec<_>>());
+    let rows: [(&str, ReportCell); 8] = [
+        ("drained in", |r| format!("{:.1} s", r.seconds)),
+        ("calls over a lane's tier", |r| r.lane_violations.to_string()),
+        ("calls over a shared tier", |r| r.shared_violations.to_string()),
+        ("shared tier used (while the lanes could)", |r| optional(r.shared_utilization.map(|u| u * 100.0), 2) + " %"),
+        ("Jain's index, mean (10 s windows)", |r| optional(r.jain_index_mean, 4)),
+        ("Jain's index, lowest", |r| optional(r.jain_index_min, 4)),
+        ("job wait p50 / p99", |r| format!("{:.1} / {:.1} s", r.wait_p50_seconds, r.wait_p99_seconds)),
+        ("light lanes' job wait p50 / p99", |r| format!("{:.1} / {:.1} s", r.light_wait_p50_seconds, r.light_wait_p99_seconds)),
+    ];
+    for (name, cell) in rows {
+        let mut row = vec![name.to_owned()];
+        row.extend(reports.iter().map(cell));
+        table.add_row(row);
+    }
+    out += &format!("{table}\n");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn max_min_fair_shares_give_a_capped_lane_its_cap_and_the_rest_by_weight() {
+        let shares = fair_shares(100.0, &[10.0, 1_000.0, 1_000.0], &[1.0, 1.0, 2.0]);
+        assert!((shares[0] - 10.0).abs() < 1e-9 && (shares[1] - 30.0).abs() < 1e-9 && (shares[2] - 60.0).abs() < 1e-9, "{shares:?}");
+        let even = fair_shares(90.0, &[1e9; 3], &[1.0; 3]);
+        assert!(even.iter().all(|s| (s - 30.0).abs() < 1e-9), "{even:?}");
+    }
+
+    fn plan(lanes: usize, jobs: usize) -> LanesPlan {
+        let text =
+            "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"50/s\"]\n[lanes]\ntiers = [\"5/s\"]\n[orchestrator]\ndispatch_ahead = \"0s\"\n";
+        let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
+        let settings = Settings {
+            quota: config.quota,
+            orchestrator: config.orchestrator,
+            circuit: config.circuit,
+            workers: paceline_shared::config::WorkerHost::InProcess,
+            lanes: config.lanes,
+        };
+        LanesPlan { lanes, skew: 1.1, jobs, seed: 7, settings }
+    }
+
+    /// 40 lanes, a few with most of 3,000 jobs: no call over any tier, the shared tier
+    /// used while the lanes could, an even division (Jain's index), and light lanes done
+    /// long before first-come first-served over one queue gets to them.
+    #[test]
+    fn lanes_drain_within_every_tier_evenly_and_light_lanes_are_not_held_behind_heavy_ones() {
+        let plan = plan(40, 3_000);
+        let paceline = simulate_lanes(&plan);
+        assert_eq!((paceline.lane_violations, paceline.shared_violations), (0, 0), "{paceline:?}");
+        assert!(paceline.shared_utilization.is_some_and(|u| u >= 0.98), "{paceline:?}");
+        assert!(paceline.jain_index_mean.is_some_and(|j| j >= 0.99), "{paceline:?}");
+        let fcfs = first_come_first_served(&plan);
+        assert_eq!((fcfs.lane_violations, fcfs.shared_violations), (0, 0), "the baselines keep the tiers too");
+        assert!(
+            paceline.light_wait_p99_seconds * 2.0 < fcfs.light_wait_p99_seconds,
+            "{} s against {} s",
+            paceline.light_wait_p99_seconds,
+            fcfs.light_wait_p99_seconds
+        );
+        let rr = round_robin(&plan);
+        assert!(rr.jain_index_mean.is_some_and(|j| j >= 0.99), "{rr:?}");
+    }
+
+    #[test]
+    fn a_call_over_a_tier_in_any_of_its_windows_is_counted() {
+        let quota = Quota::new(vec!["2/s".parse().unwrap()], paceline_shared::quota::chrono_tz::UTC, Duration::ZERO).unwrap();
+        let at = |ms: u64| (SIM_START.plus(Duration::from_millis(ms)), 1);
+        assert_eq!(calls_over(&quota, &[at(0), at(500), at(1_000), at(1_500)]), 0);
+        assert_eq!(calls_over(&quota, &[at(0), at(500), at(999), at(1_500)]), 1, "999 makes three within a second; by 1500, 0 and 500 have left");
+    }
+}
