@@ -9,7 +9,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use paceline_shared::adapters::aws::{load_sdk_config_with, AwsAdapters, AwsNames, LambdaInvoker};
 use paceline_shared::adapters::embedded::EmbeddedStore;
-use paceline_shared::config::{AwsBackend, Backend, Config, LanesConfig};
+use paceline_shared::config::{AwsBackend, Backend, Config, CoolDownScope, LanesConfig};
 use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
 use paceline_shared::ports::{DeadLetterQueues, StateStore};
@@ -73,6 +73,14 @@ impl OperatorStack {
             Some(lanes) => Ok((lanes, store)),
             None => bail!("this stack has no [lanes] in its config: its one lane is `default`"),
         }
+    }
+
+    /// The stack's own state where a 429 cools every lane (`[lanes] on_429 = "stack"`).
+    #[must_use]
+    pub fn stack_cool_down(&self) -> Option<Arc<dyn StateStore>> {
+        let cools_stack = self.config.as_ref().and_then(|config| config.lanes.as_ref()).is_some_and(|lanes| lanes.on_429 == CoolDownScope::Stack);
+        let store = self.embedded.as_ref().filter(|_| cools_stack)?;
+        Some(Arc::new(store.scoped(&StoreScope::Stack)))
     }
 
     /// The state of `lane`, or of the default lane (the whole stack's, without `[lanes]`).

@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use paceline_orchestrator::{Orchestrator, RunOptions, RunReport, ScopedStores, Settings};
 use paceline_shared::adapters::embedded::{canonical_db_path, lock_exclusive, EmbeddedInvoker, EmbeddedStore};
 use paceline_shared::breaker::Circuit;
-use paceline_shared::config::{Backend, Config, WorkerHost};
+use paceline_shared::config::{Backend, Config, CoolDownScope, WorkerHost};
 use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
 use paceline_shared::pacer::MissedSlots;
@@ -297,7 +297,12 @@ fn lane_workers(config: &Config, store: &Arc<EmbeddedStore>, clock: &Arc<dyn Clo
         let client = ApiClient::new(&api).map_err(|e| e.to_string())?.keeping_bodies(config.outcomes.body_cap());
         let scoped = Arc::new(store.scoped(&StoreScope::Lane(lane.clone())));
         let lane_store: Arc<dyn StateStore> = scoped;
-        Ok(Worker::new(Arc::new(client), store.clone(), lane_store, clock.clone(), config.retry, config.api.health_check.clone())
+        let worker = Worker::new(Arc::new(client), store.clone(), lane_store, clock.clone(), config.retry, config.api.health_check.clone());
+        let worker = match config.lanes.as_ref().map(|lanes| lanes.on_429) {
+            Some(CoolDownScope::Stack) => worker.with_stack_cool_down(Arc::new(store.scoped(&StoreScope::Stack))),
+            _ => worker,
+        };
+        Ok(worker
             .with_stats(stats.clone())
             .with_call_slots(CallSlots::for_api(settings.quota.max_in_flight(), config.api.timeout))
             .with_api_timeout(config.api.timeout)

@@ -32,6 +32,7 @@ mod timers;
 use std::sync::Arc;
 use std::time::Duration;
 
+use paceline_shared::config::CoolDownScope;
 use paceline_shared::job::{DeadLetterReason, Job, JobId};
 use paceline_shared::keys::StoreScope;
 use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, OutcomeTimes};
@@ -315,7 +316,11 @@ impl Executor<'_> {
     /// The circuit and cool-down in `store`, and under a cap on calls in flight (in
     /// `quota`) the call slots held.
     async fn read_shared_state(&self, store: &dyn StateStore, quota: &Quota) -> PortResult<SharedState> {
-        let signals = store.shared_state().await?;
+        let mut signals = store.shared_state().await?;
+        // A 429 that cools every lane (`[lanes] on_429 = "stack"`) is the stack's.
+        if self.o.settings.lanes.as_ref().is_some_and(|lanes| lanes.on_429 == CoolDownScope::Stack) {
+            signals.cool_down = signals.cool_down.max(self.o.store_for(&StoreScope::Stack).cool_down().await?);
+        }
         let call_slots = match quota.max_in_flight() {
             Some(capacity) => {
                 let in_use = store.call_slots_in_use(capacity, self.o.clock.now()).await?;

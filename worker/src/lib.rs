@@ -239,6 +239,9 @@ pub struct Worker {
     api: Arc<dyn Api>,
     queue: Arc<dyn JobQueue>,
     store: Arc<dyn StateStore>,
+    /// Where a 429's cool-down is written too, when it cools every lane of the stack
+    /// (`[lanes] on_429 = "stack"`).
+    stack_cool_down: Option<Arc<dyn StateStore>>,
     clock: Arc<dyn Clock>,
     retry: RetryConfig,
     health_check: ApiRequest,
@@ -285,6 +288,7 @@ impl Worker {
             api,
             queue,
             store,
+            stack_cool_down: None,
             clock,
             retry,
             health_check,
@@ -329,6 +333,13 @@ impl Worker {
     #[must_use]
     pub fn with_missed_slots(self, missed: Arc<MissedSlots>) -> Self {
         Self { missed_slots: Some(missed), ..self }
+    }
+
+    /// The same worker cooling every lane of the stack on a 429: the cool-down goes to
+    /// `stack` (the stack's state) as well as to its lane's.
+    #[must_use]
+    pub fn with_stack_cool_down(self, stack: Arc<dyn StateStore>) -> Self {
+        Self { stack_cool_down: Some(stack), ..self }
     }
 
     /// What this worker counted.
@@ -413,6 +424,9 @@ impl Worker {
             Outcome::Success { .. } => self.keep_outcome(job, Ending::Succeeded, attempted, None).await,
             Outcome::RateLimited { until } => {
                 self.store.extend_cool_down(*until).await?;
+                if let Some(stack) = &self.stack_cool_down {
+                    stack.extend_cool_down(*until).await?;
+                }
                 self.retry_after_429(job, attempt, failure, attempted).await
             }
             Outcome::Outage { reason } => {

@@ -66,6 +66,7 @@ fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
         api: Arc::new(api),
         queue: store.clone(),
         store: store.clone(),
+        stack_cool_down: None,
         clock,
         // Back-offs of at most 20 ms for the first retry, so tests see re-queued jobs soon.
         retry: RetryConfig { max_attempts: 3, backoff_base: Duration::from_millis(10), ..RetryConfig::default() },
@@ -173,6 +174,19 @@ async fn rate_limit_sets_the_cool_down_and_requeues_without_opening_the_circuit(
     assert!(cool_down >= before.plus(Duration::from_secs(3)), "cool-down {cool_down} not 3 s after {before}");
     assert_eq!(requeued(&store).await, vec![("job-429".to_string(), 1)]);
     assert!(store.circuit().await.unwrap().is_closed());
+}
+
+/// `[lanes] on_429 = "stack"`: a lane's 429 cools the whole stack too.
+#[tokio::test]
+async fn a_429_cools_the_stack_too_where_the_stack_s_shared_quota_is_the_one_refusing() {
+    let (base, _) = scripted_api().await;
+    let (worker, store) = new_worker(&base);
+    let stack = Arc::new(store.scoped(&paceline_shared::keys::StoreScope::Stack));
+    let worker = worker.with_stack_cool_down(stack.clone());
+    let before = worker.clock.now();
+    worker.handle(job_to(429)).await.unwrap();
+    assert!(stack.cool_down().await.unwrap() >= before.plus(Duration::from_secs(3)), "the stack's cool-down");
+    assert_eq!(stack.cool_down().await.unwrap(), store.cool_down().await.unwrap(), "the lane's the same");
 }
 
 /// The next delivery of the one job on the queue, as the orchestrator hands it off.

@@ -11,7 +11,7 @@ use paceline_shared::lane::LaneId;
 use paceline_shared::ports::{PortError, StateStore};
 use paceline_shared::time::{system_now, UnixMillis};
 
-use crate::access::StackArgs;
+use crate::access::{OperatorStack, StackArgs};
 
 /// What an operator's clear of the provider's limits ended.
 pub(crate) struct ClearedLimits {
@@ -33,12 +33,17 @@ impl ClearedLimits {
 }
 
 /// Ends the cool-down and forgets the provider's reading (a run forgets what they said
-/// within `state_refresh`): what `circuit close` and `rate reset` share.
-pub(crate) async fn clear_provider_limits(state: &dyn StateStore) -> anyhow::Result<ClearedLimits> {
+/// within `state_refresh`): what `circuit close` and `rate reset` share. In a stack
+/// whose 429s cool every lane, the stack's cool-down ends too.
+pub(crate) async fn clear_provider_limits(stack: &OperatorStack, state: &dyn StateStore) -> anyhow::Result<ClearedLimits> {
     let now = system_now();
-    let cool_down = Some(state.cool_down().await?).filter(|until| *until > now);
+    let mut cool_down = Some(state.cool_down().await?).filter(|until| *until > now);
     let reading = state.provider_reading().await?;
     state.clear_cool_down().await?;
+    if let Some(shared) = stack.stack_cool_down() {
+        cool_down = cool_down.max(Some(shared.cool_down().await?).filter(|until| *until > now));
+        shared.clear_cool_down().await?;
+    }
     Ok(ClearedLimits { cool_down, reading })
 }
 
@@ -130,7 +135,7 @@ impl CircuitArgs {
         let state = stack.lane_state(self.lane.as_ref())?;
         let mut cool_down_cleared = None;
         if matches!(self.action, CircuitAction::Close(_)) {
-            let cleared = clear_provider_limits(state.as_ref()).await?;
+            let cleared = clear_provider_limits(&stack, state.as_ref()).await?;
             if !self.json {
                 cleared.print();
             }

@@ -38,7 +38,7 @@ impl RateArgs {
         let stack = self.stack.open().await?;
         let state = stack.lane_state(self.lane.as_ref())?;
         let RateAction::Reset = self.action;
-        let cleared = clear_provider_limits(state.as_ref()).await?;
+        let cleared = clear_provider_limits(&stack, state.as_ref()).await?;
         if self.json {
             let json = serde_json::json!({
                 "cool_down_cleared": cleared.cool_down.map(|until| until.to_rfc3339()),

@@ -792,3 +792,26 @@ async fn lanes_contending_for_the_shared_quota_divide_it_by_weight_and_the_run_r
     let fairness = report.fairness.expect("two windows of three lanes contending");
     assert!(fairness.jain_index >= 0.99 && fairness.windows >= 1, "{fairness:?}");
 }
+
+/// `[lanes] on_429 = "stack"`: a 429 that cooled the stack holds every lane until it
+/// ends (taken up within `state_refresh`); without it, a lane's cool-down is its own.
+#[tokio::test(start_paused = true)]
+async fn a_stack_wide_cool_down_holds_every_lane_when_429s_cool_the_stack() {
+    for (on_429, holds_all) in [("stack", true), ("lane", false)] {
+        let stack = lanes_stack(&format!("[lanes]\ntiers = [\"10/s\"]\non_429 = \"{on_429}\"\n"));
+        enqueue(&stack, ["a", "b"].into_iter().flat_map(|lane| (0..40).map(move |i| lane_job(lane, &format!("{lane}{i}"))))).await;
+        let store = stack.store.clone();
+        let refused = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(1_500)).await;
+            store.scoped(&StoreScope::Stack).extend_cool_down(T0.plus(Duration::from_secs(4))).await.unwrap();
+        });
+        stack.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+        refused.await.unwrap();
+        let during = offsets(&stack).into_iter().filter(|t| (2_000..4_000).contains(t)).count();
+        if holds_all {
+            assert_eq!(during, 0, "a call went while the stack cooled down");
+        } else {
+            assert!(during >= 30, "the stack's state held lanes whose 429s are their own: {during} calls");
+        }
+    }
+}

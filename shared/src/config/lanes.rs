@@ -126,9 +126,6 @@ impl LanesConfig {
                 }
             }
         }
-        if on_429 == CoolDownScope::Stack {
-            return Err(ConfigProblem::at("lanes.on_429", "\"stack\" is not built yet: a 429 cools the lane whose call met it (leave on_429 out)"));
-        }
         // The shared counters of a day or month are not yet reserved in the store before
         // they are spent, as a lane's are: a restart could overrun them.
         if let Some(tier) = shared.tiers().iter().find(|tier| tier.is_calendar()) {
@@ -308,6 +305,8 @@ mod tests {
 
     #[test]
     fn a_lane_without_tiers_of_its_own_goes_under_the_shared_ones_and_a_stack_without_lanes_is_one_lane() {
+        let stack = parse("[lanes]\non_429 = \"stack\"\n").unwrap();
+        assert_eq!(stack.lanes.as_ref().unwrap().on_429, CoolDownScope::Stack);
         let config = parse("[lanes]\nweight = 2\non_429 = \"lane\"\n").unwrap();
         let lanes = config.lanes.as_ref().unwrap();
         assert_eq!(lanes.lane(&lane("x")).quota.tiers(), config.quota.tiers());
@@ -347,7 +346,6 @@ mod tests {
             ),
             ("[lanes]\ntiers = [\"5/fortnight\"]\n", "lanes.tiers"),
             ("[lanes]\non_429 = \"everyone\"\n", "lanes.on_429: "),
-            ("[lanes]\non_429 = \"stack\"\n", "lanes.on_429: \"stack\" is not built yet"),
         ] {
             let problem = parse(lanes).unwrap_err();
             assert!(problem.starts_with(expected), "{lanes:?}: {problem}");
