@@ -209,6 +209,8 @@ pub(crate) struct LaneMachine<'a> {
     change: Option<LaneChange>,
     /// The pace its share of a shared quota allows, calls a second (unbounded alone).
     shared_pace: f64,
+    /// A re-read was skipped while it had no jobs: it is made when jobs come in.
+    refresh_skipped_while_idle: bool,
     pacer: PacerState,
     /// The hold this lane set itself (after an unclean stop); the provider's cool-down is
     /// added to it on every refresh, never saved with the pacer.
@@ -263,6 +265,7 @@ impl<'a> LaneMachine<'a> {
             quota: Cow::Borrowed(quota),
             change: None,
             shared_pace: f64::INFINITY,
+            refresh_skipped_while_idle: false,
             pacer: PacerState::new(quota),
             own_hold: UnixMillis(0),
             circuit: Circuit::default(),
@@ -670,6 +673,11 @@ impl<'a> LaneMachine<'a> {
     /// While the circuit is open: the health check's next step at `now`: wait until it is
     /// due or its slot comes, reserve calendar units for it, or send it.
     pub fn next_health_check(&mut self, now: UnixMillis) -> LaneStep {
+        // An operator's hold: no health check until an operator closes the circuit, which
+        // the next re-read sees.
+        if self.circuit.held {
+            return LaneStep::WaitUntil(now.plus(self.refresh_interval()));
+        }
         if let Some(due) = self.timers.get(LaneTimer::HealthCheck) {
             if now < due {
                 return LaneStep::WaitUntil(due);
@@ -798,9 +806,19 @@ impl<'a> LaneMachine<'a> {
     pub fn take_in(&mut self, received: Vec<QueuedMessage>, now: UnixMillis) {
         self.buffer.extend(received.into_iter().map(|message| InHand { job: Job::parse(&message.body).map_err(|e| e.to_string()), message, since: now }));
         let sooner = now.plus(self.refresh_interval());
-        if self.timers.get(LaneTimer::Refresh).is_some_and(|due| due > sooner) {
+        if self.refresh_skipped_while_idle {
+            // Its state may have changed while it had nothing to send: read it first.
+            self.refresh_skipped_while_idle = false;
+            self.timers.set(LaneTimer::Refresh, now);
+        } else if self.timers.get(LaneTimer::Refresh).is_some_and(|due| due > sooner) {
             self.timers.set(LaneTimer::Refresh, sooner);
         }
+    }
+
+    /// A re-read came due while the lane had nothing to send (in a stack of many lanes):
+    /// it is skipped, and made as soon as jobs come in.
+    pub fn skip_refresh_while_idle(&mut self) {
+        self.refresh_skipped_while_idle = true;
     }
 
     /// A refused hand-off's job goes back in hand, first.

@@ -421,8 +421,15 @@ impl<'a> StackMachine<'a> {
             self.renew_sent_at = now;
             return Action::Renew(self.lease.clone());
         }
+        // With many lanes, an idle lane (no jobs, circuit closed) is not re-read until
+        // it has jobs again: the reads grow with the busy lanes, not all of them.
+        let many = self.many.is_some();
         for (index, lane) in self.lanes.iter_mut().enumerate() {
             if lane.refresh_due(now) {
+                if many && !lane.has_jobs_in_hand() && lane.circuit().is_closed() {
+                    lane.skip_refresh_while_idle();
+                    continue;
+                }
                 return Action::Refresh(index);
             }
         }

@@ -815,3 +815,44 @@ async fn a_stack_wide_cool_down_holds_every_lane_when_429s_cool_the_stack() {
         }
     }
 }
+
+/// A lane with nothing to send is not re-read on every `state_refresh`; when jobs come
+/// in again, it is re-read before any of them goes: an operator's hold made while it
+/// was idle holds them.
+#[tokio::test(start_paused = true)]
+async fn an_idle_lane_is_re_read_before_its_next_jobs_go() {
+    let stack = lanes_stack("[lanes]\ntiers = [\"10/s\"]\n");
+    enqueue(&stack, (0..3).map(|i| lane_job("a", &format!("first{i}")))).await;
+    let store = stack.store.clone();
+    let operator = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let acme = store.scoped(&StoreScope::Lane("a".parse().unwrap()));
+        let held = acme.circuit().await.unwrap().hold(0, "operator", T0.plus(Duration::from_secs(3))).unwrap();
+        acme.swap_circuit(0, &held).await.unwrap();
+        let later: Vec<OutgoingMessage> =
+            (0..3).map(|i| OutgoingMessage { body: lane_job("a", &format!("later{i}")), attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
+        store.send(&later).await.unwrap();
+    });
+    stack.orchestrator.run(&opts(false, Duration::from_secs(8))).await.unwrap();
+    operator.await.unwrap();
+    let jobs_after_hold: Vec<String> = stack
+        .invoker
+        .accepted()
+        .into_iter()
+        .filter(|(at, _)| at.since(T0) >= Duration::from_secs(3))
+        .map(|(at, payload)| format!("{} ms: {payload:?}", at.since(T0).as_millis()))
+        .collect();
+    assert!(jobs_after_hold.is_empty(), "the held lane sent: {jobs_after_hold:#?}");
+}
+
+/// `paceline circuit open --hold`: the circuit stays open, and no health check is sent
+/// while it is held (an operator closes it).
+#[tokio::test(start_paused = true)]
+async fn a_held_circuit_sends_no_health_checks() {
+    let lane = lane(&["10/s"], 0);
+    let held = lane.store.circuit().await.unwrap().hold(0, "operator", T0).unwrap();
+    lane.store.swap_circuit(0, &held).await.unwrap();
+    enqueue(&lane, (0..3).map(|i| job(&format!("j{i}")))).await;
+    lane.orchestrator.run(&opts(false, Duration::from_secs(8))).await.unwrap();
+    assert_eq!(offsets(&lane), Vec::<u64>::new(), "a held circuit let a call through: {:?}", lane.invoker.accepted());
+}

@@ -293,7 +293,8 @@ impl EmbeddedStore {
     }
 
     fn read_kv<T: serde::de::DeserializeOwned>(conn: &Connection, key: &str) -> PortResult<Option<T>> {
-        let text: Option<String> = conn.query_row("SELECT value FROM kv WHERE key = ?1", [key], |r| r.get(0)).optional().map_err(sql_err)?;
+        let mut read = conn.prepare_cached("SELECT value FROM kv WHERE key = ?1").map_err(sql_err)?;
+        let text: Option<String> = read.query_row([key], |r| r.get(0)).optional().map_err(sql_err)?;
         text.map(|t| serde_json::from_str(&t).map_err(|e| fatal(format!("stored {key} is unreadable: {e}")))).transpose()
     }
 
