@@ -265,7 +265,8 @@ impl Summary {
             let heading =
                 if self.lanes.len() > LANES_SHOWN { format!("lanes (the {LANES_SHOWN} with most calls of {})", self.lanes.len()) } else { "lanes".to_owned() };
             let mut lanes = text_table(&[heading.as_str(), "weight", "calls", "longest wait", "its busiest windows"], &[1, 2, 3]);
-            for lane in self.lanes.iter().take(LANES_SHOWN) {
+            // A lane with no call (its jobs dead-lettered or still waiting) has no line.
+            for lane in self.lanes.iter().filter(|lane| lane.dispatched > 0).take(LANES_SHOWN) {
                 lanes.add_row(vec![
                     lane.lane.clone(),
                     lane.weight.to_string(),
