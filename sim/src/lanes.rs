@@ -37,8 +37,8 @@ const WINDOW: Duration = Duration::from_secs(10);
 #[derive(Clone, Debug)]
 pub struct LanesPlan {
     pub lanes: usize,
-    /// The Zipf exponent of the jobs' spread over the lanes (0: even).
-    pub skew: f64,
+    /// How the jobs fall on the lanes.
+    pub skew: Skew,
     pub jobs: usize,
     pub seed: u64,
     /// The stack's settings: the shared quota, and `lanes` with every lane's own.
@@ -58,11 +58,45 @@ impl LanesPlan {
     /// Each job's lane index, in queue order: lane 0 the busiest.
     fn job_lanes(&self) -> Vec<usize> {
         let mut rng = Pcg64Mcg::seed_from_u64(self.seed);
-        if self.skew <= 0.0 || self.lanes == 1 {
-            return (0..self.jobs).map(|job| job % self.lanes).collect();
+        match self.skew {
+            Skew::Zipf(exponent) if exponent > 0.0 && self.lanes > 1 => {
+                let zipf = Zipf::new(self.lanes as f64, exponent).expect("n >= 1 and s > 0");
+                (0..self.jobs).map(|_| (zipf.sample(&mut rng) as usize).clamp(1, self.lanes) - 1).collect()
+            }
+            Skew::HeavyFirst(heavy) if self.lanes > 1 => {
+                let heavy = heavy.min(self.jobs);
+                (0..self.jobs).map(|job| if job < heavy { 0 } else { 1 + (job - heavy) % (self.lanes - 1) }).collect()
+            }
+            _ => (0..self.jobs).map(|job| job % self.lanes).collect(),
         }
-        let zipf = Zipf::new(self.lanes as f64, self.skew).expect("n >= 1 and s > 0");
-        (0..self.jobs).map(|_| (zipf.sample(&mut rng) as usize).clamp(1, self.lanes) - 1).collect()
+    }
+}
+
+/// How a backlog's jobs fall on the lanes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Skew {
+    /// By a Zipf law of this exponent (0: evenly), lane 1 the busiest.
+    Zipf(f64),
+    /// This many jobs of lane 1 first on the queue, then the rest spread evenly over the
+    /// other lanes: light lanes' jobs behind a heavy lane's backlog.
+    HeavyFirst(usize),
+}
+
+impl std::str::FromStr for Skew {
+    type Err = String;
+
+    /// `zipf:S` or `heavy-first:N`.
+    fn from_str(text: &str) -> Result<Self, String> {
+        if let Some(exponent) = text.strip_prefix("zipf:") {
+            return match exponent.parse::<f64>() {
+                Ok(s) if s.is_finite() && s >= 0.0 => Ok(Self::Zipf(s)),
+                _ => Err(format!("`{exponent}` is not a Zipf exponent: give a number of 0 or more")),
+            };
+        }
+        if let Some(jobs) = text.strip_prefix("heavy-first:") {
+            return jobs.parse::<usize>().map(Self::HeavyFirst).map_err(|_| format!("`{jobs}` is not a number of jobs"));
+        }
+        Err(format!("`{text}` is not zipf:S (e.g. zipf:1.1) nor heavy-first:N (e.g. heavy-first:100000)"))
     }
 }
 
@@ -459,7 +493,7 @@ mod tests {
             workers: paceline_shared::config::WorkerHost::InProcess,
             lanes: config.lanes,
         };
-        LanesPlan { lanes, skew: 1.1, jobs, seed: 7, settings }
+        LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 7, settings }
     }
 
     /// 40 lanes, a few with most of 3,000 jobs: no call over any tier, the shared tier
@@ -482,6 +516,19 @@ mod tests {
         );
         let rr = round_robin(&plan);
         assert!(rr.jain_index_mean.is_some_and(|j| j >= 0.99), "{rr:?}");
+    }
+
+    /// 20 light lanes' jobs behind a heavy lane's 2,000 on the queue: each goes within
+    /// its fair share (21 lanes under 50/s: a slot within about 0.4 s) plus a second;
+    /// first come, first served holds them behind the whole backlog (40 s).
+    #[test]
+    fn light_lanes_behind_a_heavy_lane_s_backlog_wait_their_fair_share_not_the_backlog() {
+        let plan = LanesPlan { skew: Skew::HeavyFirst(2_000), ..plan(21, 2_020) };
+        let paceline = simulate_lanes(&plan);
+        assert_eq!((paceline.lane_violations, paceline.shared_violations), (0, 0));
+        assert!(paceline.light_wait_p99_seconds <= 21.0 / 50.0 + 1.0, "{paceline:?}");
+        let fcfs = first_come_first_served(&plan);
+        assert!(fcfs.light_wait_p50_seconds >= 39.0, "{fcfs:?}");
     }
 
     #[test]

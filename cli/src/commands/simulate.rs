@@ -10,7 +10,7 @@ use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressStyle};
 use paceline_orchestrator::Settings;
 use paceline_shared::config::{WorkerHost, MAX_DISPATCH_AHEAD};
-use paceline_sim::lanes::{first_come_first_served, render_lanes, round_robin, simulate_lanes, LanesPlan};
+use paceline_sim::lanes::{first_come_first_served, render_lanes, round_robin, simulate_lanes, LanesPlan, Skew};
 use paceline_sim::profile::{Failures, LatencyProfile, Outage};
 use paceline_sim::provider::ProviderModel;
 use paceline_sim::report::{render, render_comparison};
@@ -97,10 +97,11 @@ pub struct SimulateArgs {
     /// waits; with `--baselines`, first come first served over one queue and round robin.
     #[arg(long, value_name = "N")]
     pub lanes: Option<usize>,
-    /// How the jobs spread over the lanes: `zipf:S` (a few lanes with most jobs; S = 0
-    /// is even), with `--lanes`.
-    #[arg(long, value_name = "zipf:S", value_parser = parse_skew, default_value = "zipf:1")]
-    pub skew: f64,
+    /// How the jobs spread over the lanes, with `--lanes`: `zipf:S` (a few lanes with
+    /// most jobs; S = 0 is even), or `heavy-first:N` (N jobs of one lane first on the
+    /// queue, the rest spread over the others behind them).
+    #[arg(long, value_name = "zipf:S|heavy-first:N", default_value = "zipf:1")]
+    pub skew: Skew,
     /// Draw each tier's use over time against its limit to this file (.png or .svg),
     /// with outages, refused calls and, with `--baselines`, the other dispatchers.
     #[arg(long, value_name = "FILE")]
@@ -225,15 +226,6 @@ impl SimulateArgs {
             0 => Ok(()),
             violations => Err(OverQuota { violations }.into()),
         }
-    }
-}
-
-/// `zipf:S`, S a number of 0 or more.
-fn parse_skew(text: &str) -> Result<f64, String> {
-    let exponent = text.strip_prefix("zipf:").ok_or_else(|| format!("`{text}` is not zipf:S (e.g. zipf:1.1)"))?;
-    match exponent.parse::<f64>() {
-        Ok(s) if s.is_finite() && s >= 0.0 => Ok(s),
-        _ => Err(format!("`{exponent}` is not a Zipf exponent: give a number of 0 or more")),
     }
 }
 
