@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
-use paceline_orchestrator::{Orchestrator, RunOptions, RunReport, ScopedStores, Settings};
+use paceline_orchestrator::{Orchestrator, RunOptions, RunReport, Settings};
 use paceline_shared::adapters::embedded::{canonical_db_path, lock_exclusive, EmbeddedInvoker, EmbeddedStore};
 use paceline_shared::breaker::Circuit;
 use paceline_shared::config::{Backend, Config, CoolDownScope, WorkerHost};
@@ -154,7 +154,7 @@ impl EmbeddedStack {
             Arc::new(embedded_worker(config, &store, api, clock.clone(), worker_stats.clone(), &missed))
         };
         let invoker = Arc::new(EmbeddedInvoker::new(store.clone(), worker));
-        let orchestrator = embedded_orchestrator(config, &store, invoker, clock, &missed).with_scoped_stores(Arc::new(EmbeddedScopes(store.clone())));
+        let orchestrator = embedded_orchestrator(config, &store, invoker, clock, &missed).with_scoped_stores(store.clone());
         let settle_for = config.api.timeout + orchestrator.settings().dispatch_ahead() + Duration::from_secs(1);
         Ok(Self { store, orchestrator, worker_stats, settle_for, _lock: lock })
     }
@@ -268,15 +268,6 @@ fn embedded_worker(
         .with_call_records(CallRecords::AheadOfSlot)
         .with_outcomes(config.outcomes.clone(), Some(store.clone()))
         .with_missed_slots(missed.clone())
-}
-
-/// Each lane's state in its own scope of the embedded store.
-struct EmbeddedScopes(Arc<EmbeddedStore>);
-
-impl ScopedStores for EmbeddedScopes {
-    fn scoped(&self, scope: &StoreScope) -> Arc<dyn StateStore> {
-        Arc::new(self.0.scoped(scope))
-    }
 }
 
 /// The workers of a stack of many lanes: each lane's calls its API (`[api]`, or the

@@ -317,9 +317,10 @@ impl<'a> LaneMachine<'a> {
         let tiers: Vec<String> = quota.tiers().iter().map(ToString::to_string).collect();
         info!(lane = %self.id, tiers = %tiers.join(", "), max_in_flight = ?quota.max_in_flight(), "the lane's settings changed");
         let mut pacer = PacerState::restored(&quota, &self.pacer);
+        let used_before = self.pacer.usage(&self.quota, now);
         for (index, tier) in quota.tiers().iter().enumerate().filter(|(_, tier)| tier.is_calendar()) {
             let same = self.quota.tiers().iter().position(|old| old == tier);
-            let used = same.map_or(calendar_used[index], |old| self.pacer.usage(&self.quota, now)[old]);
+            let used = same.map_or(calendar_used[index], |old| used_before[old]);
             pacer.set_calendar_used(&quota, index, used, now);
         }
         let rolling_tier_is_new = quota.tiers().iter().any(|tier| !tier.is_calendar() && !self.quota.tiers().contains(tier));

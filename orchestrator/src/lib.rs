@@ -32,6 +32,7 @@ mod timers;
 use std::sync::Arc;
 use std::time::Duration;
 
+use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::config::CoolDownScope;
 use paceline_shared::job::{DeadLetterReason, Job, JobId};
 use paceline_shared::keys::StoreScope;
@@ -106,6 +107,13 @@ pub struct Orchestrator {
 /// A state store for each scope (a lane's state, the stack's), all in one backend.
 pub trait ScopedStores: Send + Sync {
     fn scoped(&self, scope: &StoreScope) -> Arc<dyn StateStore>;
+}
+
+/// The embedded store keeps every scope's state in its one database.
+impl ScopedStores for EmbeddedStore {
+    fn scoped(&self, scope: &StoreScope) -> Arc<dyn StateStore> {
+        Arc::new(EmbeddedStore::scoped(self, scope))
+    }
 }
 
 impl Orchestrator {

@@ -13,14 +13,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use paceline_orchestrator::{jain_index, Orchestrator, RunOptions, ScopedStores, Settings};
+use paceline_orchestrator::{jain_index, Orchestrator, RunOptions, Settings};
 use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::config::LanesConfig;
 use paceline_shared::job::WorkerPayload;
-use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
 use paceline_shared::pacer::{Decision, PacerState};
-use paceline_shared::ports::{Invoker, JobQueue, OutgoingMessage, PortResult, StateStore};
+use paceline_shared::ports::{Invoker, JobQueue, OutgoingMessage, PortResult};
 use paceline_shared::quota::{Period, Quota};
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 use rand::SeedableRng;
@@ -159,14 +158,6 @@ impl Invoker for CallLog {
     }
 }
 
-struct Scopes(Arc<EmbeddedStore>);
-
-impl ScopedStores for Scopes {
-    fn scoped(&self, scope: &StoreScope) -> Arc<dyn StateStore> {
-        Arc::new(self.0.scoped(scope))
-    }
-}
-
 /// Drains the plan's backlog through the real orchestrator. Builds its own paused,
 /// single-threaded runtime: call it from a plain thread.
 ///
@@ -193,8 +184,7 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
             store.send(batch).await.expect("enqueue");
         }
         let log = Arc::new(CallLog { clock: clock.clone(), lanes, calls: Mutex::new(Vec::new()) });
-        let orchestrator = Orchestrator::new(store.clone(), store.clone(), log.clone(), clock.clone(), plan.settings.clone())
-            .with_scoped_stores(Arc::new(Scopes(store.clone())));
+        let orchestrator = Orchestrator::new(store.clone(), store.clone(), log.clone(), clock.clone(), plan.settings.clone()).with_scoped_stores(store.clone());
         let opts = RunOptions { holder: "simulate".into(), deadline: SIM_START.plus(Duration::from_secs(400 * 86_400)), drain: true, stop: None };
         if let Err(e) = orchestrator.run(&opts).await {
             tracing::warn!(error = %e, "simulated run failed");

@@ -711,15 +711,6 @@ async fn the_next_run_keeps_a_learned_margin_until_an_operator_clears_it() {
     assert_eq!(gaps(&lane, 34), [101, 101, 101], "the configured 10 ms after the operator's clear");
 }
 
-/// Each scope's state in the test's embedded store.
-struct Scopes(Arc<EmbeddedStore>);
-
-impl ScopedStores for Scopes {
-    fn scoped(&self, scope: &StoreScope) -> Arc<dyn StateStore> {
-        Arc::new(self.0.scoped(scope))
-    }
-}
-
 /// A stack of many lanes from `lanes` (a `[lanes]` table), under a shared 100/s.
 fn lanes_stack(lanes: &str) -> Lane {
     let text = format!("[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"100/s\"]\nsafety_margin = \"0ms\"\n{lanes}");
@@ -728,7 +719,7 @@ fn lanes_stack(lanes: &str) -> Lane {
         settings.lanes = config.lanes.clone();
         settings.orchestrator.state_refresh = Duration::from_secs(1);
     });
-    lane.orchestrator = lane.orchestrator.with_scoped_stores(Arc::new(Scopes(lane.store.clone())));
+    lane.orchestrator = lane.orchestrator.with_scoped_stores(lane.store.clone());
     lane
 }
 
