@@ -605,6 +605,11 @@ impl<'a> LaneMachine<'a> {
         }
     }
 
+    /// Whether the front message did not parse.
+    pub fn front_is_malformed(&self) -> bool {
+        self.buffer.front().is_some_and(|front| front.job.is_err())
+    }
+
     /// The front message, if it did not parse: to the DLQ as malformed.
     pub fn take_malformed(&mut self) -> Option<LaneStep> {
         let why = self.buffer.front()?.job.as_ref().err()?.clone();
@@ -800,6 +805,11 @@ impl<'a> LaneMachine<'a> {
     /// (capped at `max`): a prefetch receives no more than that.
     pub fn capacity_until(&self, now: UnixMillis, horizon: UnixMillis, max: usize) -> usize {
         self.quota.capacity_until(&self.pacer, self.slot_at(now), horizon, max)
+    }
+
+    /// About what [`Self::capacity_until`] says, in O(tiers) (see `Quota::room_estimate`).
+    pub fn room_estimate(&self, now: UnixMillis, horizon: UnixMillis, max: usize) -> usize {
+        self.quota.room_estimate(&self.pacer, self.slot_at(now), horizon, max)
     }
 
     /// Takes received messages into hand at `now`, parsed once; with jobs in hand the

@@ -19,10 +19,13 @@
 //! (the slot) instead of `now`; the job goes out with that slot in its payload and the
 //! worker calls at the slot, so the worker's start-up delay no longer moves the call.
 
+#[doc(hidden)]
+pub mod decision_bench;
 mod fairness;
 #[cfg(feature = "lambda")]
 pub mod lambda;
 mod lane;
+mod many;
 mod report;
 mod schedule;
 mod settings;

@@ -10,12 +10,11 @@
 //! lane's circuit is what the dispatch decision matches on: closed, jobs flow; open,
 //! messages in hand are released and a health check goes every interval.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use paceline_shared::breaker::{Circuit, CircuitStatus};
-use paceline_shared::config::LanesConfig;
 use paceline_shared::job::{DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
 use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
@@ -25,11 +24,10 @@ use paceline_shared::quota::Quota;
 use paceline_shared::time::{UnixMillis, COARSE_WAKE_SLACK};
 use tracing::warn;
 
-use crate::fairness::FairnessMeter;
 pub(crate) use crate::lane::{CallSlotsRead, HandOff, Retune, SharedState};
 use crate::lane::{LaneMachine, LaneStep};
-use crate::report::{Fairness, LaneReport, Progress, RunReport, StopReason, TierMeter};
-use crate::schedule::Scheduler;
+use crate::many::{surplus_returns, ManyLanes, FAIR_SHARE_STRETCH, MANY_LANES_IN_HAND, RECALL_STRETCH};
+use crate::report::{Fairness, LaneReport, Progress, RunReport, StopReason};
 use crate::settings::{RunError, Settings};
 use crate::timers::{passing, Backoff, Timer, TimerTable};
 
@@ -141,106 +139,6 @@ pub(crate) struct LaneStart {
     pub shared: SharedState,
 }
 
-/// A stack of many lanes (`[lanes]`): the quota they share, paced by the same pacer as a
-/// lane's, and the scheduler that divides it among them by weight.
-struct ManyLanes<'a> {
-    config: &'a LanesConfig,
-    shared: &'a Quota,
-    pacer: PacerState,
-    meter: TierMeter,
-    scheduler: Scheduler,
-    /// Per lane: read from the store yet (a lane dispatches nothing before), and under way.
-    hydrated: Vec<bool>,
-    hydrating: Vec<bool>,
-    /// Per lane: jobs handed off.
-    dispatched: Vec<u64>,
-    /// The slot of the last call on the shared quota.
-    last_slot: Option<UnixMillis>,
-    /// Per lane: the ids of the messages it gave back to the queue and has not
-    /// dispatched since (to tell a job given back before from one it had not seen).
-    hidden: Vec<HashSet<String>>,
-    /// Per lane: the receipts of what it gave back, by when each batch comes back; a
-    /// lane that runs dry sooner (its share grew) brings the first back at once.
-    returning: Vec<Vec<(UnixMillis, Vec<String>)>>,
-    /// Per lane: it asked for a batch back and has not received it yet.
-    recalling: Vec<bool>,
-    fairness: FairnessMeter,
-}
-
-impl ManyLanes<'_> {
-    /// Spends `cost` units of the shared quota at `slot` (counted as arriving up to
-    /// `upload` later), with the report's figures: how long since the last call, and
-    /// which shared tier, if any, would have held it any earlier.
-    fn spend(&mut self, cost: u64, slot: UnixMillis, upload: Duration) {
-        let held = match self.shared.decide(&self.pacer, cost, slot.minus(Duration::from_millis(1))) {
-            Decision::WaitUntil { by, .. } => Some(by),
-            _ => None,
-        };
-        let paced = self.last_slot.map_or(Duration::ZERO, |last| slot.since(last));
-        self.pacer.commit(self.shared, cost, slot.plus(upload));
-        self.meter.record(slot, cost, paced, held);
-        self.last_slot = Some(slot);
-    }
-}
-
-/// The most jobs a stack of many lanes holds in hand at once: a held lane's are made
-/// visible again past what it can use before their visibility timeout.
-const MANY_LANES_IN_HAND: usize = 5_000;
-
-/// How far ahead a lane's share of the shared quota is counted when it holds jobs: past
-/// it, its jobs go back on the queue for later, making room for other lanes' jobs.
-const FAIR_SHARE_STRETCH: Duration = Duration::from_secs(20);
-
-/// The longest a lane's surplus is hidden on the queue before it is looked at again.
-const MAX_RELEASE_DELAY: Duration = Duration::from_secs(15 * 60);
-
-/// When each batch of a lane's surplus comes back on the queue. The lane keeps `kept`
-/// jobs and goes at `pace` a second; a job it gave back before (in `hidden`) comes
-/// right behind what it keeps, one it had not seen behind every job still hidden, and
-/// each comes back halfway to when it is due (`position / pace`): at least a second
-/// and at most [`MAX_RELEASE_DELAY`] later (or `visibility` when the pace is unknown).
-/// A job is so looked at a few times before it goes, not once a second, and the
-/// lane's order holds. Jobs due within the same second come back together, ten at most.
-fn surplus_returns(surplus: Vec<QueuedMessage>, hidden: &mut HashSet<String>, kept: usize, pace: f64, visibility: Duration) -> Vec<(Vec<String>, Duration)> {
-    let behind_hidden = kept + hidden.len();
-    let (mut again, mut first) = (0, 0);
-    let mut timed: Vec<(Duration, String)> = surplus
-        .into_iter()
-        .map(|message| {
-            let position = if hidden.contains(&message.message_id) {
-                again += 1;
-                kept + again
-            } else {
-                first += 1;
-                hidden.insert(message.message_id);
-                behind_hidden + first
-            };
-            let due = if pace.is_finite() && pace > 0.0 {
-                Duration::from_secs_f64((position as f64 / pace).min(MAX_RELEASE_DELAY.as_secs_f64()))
-            } else {
-                visibility
-            };
-            (due.mul_f64(RETURN_EARLY).clamp(Duration::from_secs(1), MAX_RELEASE_DELAY), message.receipt)
-        })
-        .collect();
-    timed.sort_by_key(|(after, _)| *after);
-    // In batches of jobs due within the same second (a batch comes back with its first).
-    let mut returns: Vec<(Vec<String>, Duration)> = Vec::new();
-    for (after, receipt) in timed {
-        match returns.last_mut() {
-            Some((receipts, first)) if receipts.len() < RECEIVE_BATCH && after.as_secs() == first.as_secs() => receipts.push(receipt),
-            _ => returns.push((vec![receipt], after)),
-        }
-    }
-    returns
-}
-
-/// What a lane that runs dry brings back of what it gave back: this long at its own pace.
-const RECALL_STRETCH: Duration = Duration::from_secs(2);
-
-/// The share of the time until a job given back is due at which it comes back.
-const RETURN_EARLY: f64 = 0.5;
-
 /// What is under way in the background (a lane's health check is its own to count).
 #[derive(Debug, Default)]
 struct InFlight {
@@ -310,21 +208,7 @@ impl<'a> StackMachine<'a> {
             renew_sent_at: started,
             lanes: if settings.lanes.is_some() { Vec::new() } else { vec![LaneMachine::new(settings, LaneId::default_lane(), 0, &settings.quota, started)] },
             lane_index: HashMap::new(),
-            many: settings.lanes.as_ref().map(|config| ManyLanes {
-                config,
-                shared: &settings.quota,
-                pacer: PacerState::new(&settings.quota),
-                meter: TierMeter::new(&settings.quota),
-                scheduler: Scheduler::default(),
-                hydrated: Vec::new(),
-                hydrating: Vec::new(),
-                dispatched: Vec::new(),
-                last_slot: None,
-                hidden: Vec::new(),
-                returning: Vec::new(),
-                recalling: Vec::new(),
-                fairness: FairnessMeter::default(),
-            }),
+            many: settings.lanes.as_ref().map(|config| ManyLanes::new(config, &settings.quota)),
             to_release: VecDeque::new(),
             pending_deletes: Vec::new(),
             to_dead_letter: VecDeque::new(),
@@ -367,13 +251,24 @@ impl<'a> StackMachine<'a> {
     pub fn apply_shared_state(&mut self, index: usize, mut shared: SharedState, now: UnixMillis) {
         if let Some(retune) = shared.retune.take() {
             if let Some(many) = &mut self.many {
-                many.scheduler.set_weight(index, retune.weight);
+                many.set_weight(index, retune.weight);
             }
             self.lanes[index].retune(retune, now);
         }
         self.lanes[index].apply_shared_state(shared, now);
-        let open = self.lanes.iter().any(|lane| !lane.circuit().is_closed());
-        self.progress.circuit_open.store(open, Ordering::Relaxed);
+        match &mut self.many {
+            // Told when the lane is settled.
+            Some(many) => many.touch(index),
+            None => self.progress.circuit_open.store(!self.lanes[0].circuit().is_closed(), Ordering::Relaxed),
+        }
+    }
+
+    /// Lane `index` was acted on or heard of (with many lanes: it is settled before the
+    /// next decision).
+    fn touch(&mut self, index: usize) {
+        if let Some(many) = &mut self.many {
+            many.touch(index);
+        }
     }
 
     /// The pacer snapshots to save: each lane's, and the shared quota's.
@@ -407,8 +302,8 @@ impl<'a> StackMachine<'a> {
                 self.timers.stop(hold); // over: nothing to wake for
             }
         }
-        for lane in &mut self.lanes {
-            lane.expire_holds(now);
+        if self.many.is_none() {
+            self.lanes[0].expire_holds(now);
         }
         if self.timers.is_expired(Timer::Stop, now) {
             return self.stop_with(StopReason::Deadline);
@@ -421,17 +316,8 @@ impl<'a> StackMachine<'a> {
             self.renew_sent_at = now;
             return Action::Renew(self.lease.clone());
         }
-        // With many lanes, an idle lane (no jobs, circuit closed) is not re-read until
-        // it has jobs again: the reads grow with the busy lanes, not all of them.
-        let many = self.many.is_some();
-        for (index, lane) in self.lanes.iter_mut().enumerate() {
-            if lane.refresh_due(now) {
-                if many && !lane.has_jobs_in_hand() && lane.circuit().is_closed() {
-                    lane.skip_refresh_while_idle();
-                    continue;
-                }
-                return Action::Refresh(index);
-            }
+        if let Some(refresh) = self.refresh_due(now) {
+            return refresh;
         }
         let flush_due = self.timers.is_expired(Timer::Flush, now);
         if self.pending_deletes.len() >= DELETE_BATCH || (flush_due && !self.pending_deletes.is_empty()) {
@@ -445,10 +331,8 @@ impl<'a> StackMachine<'a> {
             warn!(valid_until = ?self.timers.get(Timer::LeaseExpiry), "the lease ran out before a renewal came through: dispatching stops now");
             return self.stop_with(StopReason::LeaseLost);
         }
-        for (lane, machine) in self.lanes.iter_mut().enumerate() {
-            if let Some((expected_epoch, next)) = machine.end_finished_ramp(now) {
-                return Action::SwapCircuit { lane, expected_epoch, next };
-            }
+        if let Some(swap) = self.end_finished_ramp(now) {
+            return swap;
         }
         if let Some((receipts, after)) = self.to_release.pop_front() {
             return Action::Release(receipts, after);
@@ -460,6 +344,46 @@ impl<'a> StackMachine<'a> {
             CircuitStatus::Closed | CircuitStatus::HalfOpen => self.while_closed(now),
             CircuitStatus::Open => self.while_open(now),
         }
+    }
+
+    /// A lane's re-read, if one is due. With many lanes, only the lanes whose own
+    /// deadlines came are looked at, and an idle lane (no jobs, circuit closed) is not
+    /// re-read until it has jobs again: the reads grow with the busy lanes, not all.
+    fn refresh_due(&mut self, now: UnixMillis) -> Option<Action> {
+        let Some(many) = &mut self.many else {
+            return self.lanes[0].refresh_due(now).then_some(Action::Refresh(0));
+        };
+        many.settle_touched(&self.lanes);
+        while let Some(index) = many.deadlines.pop_due(now) {
+            many.touch(index);
+            let lane = &mut self.lanes[index];
+            lane.expire_holds(now);
+            if lane.refresh_due(now) {
+                if !lane.has_jobs_in_hand() && lane.circuit().is_closed() {
+                    lane.skip_refresh_while_idle();
+                    continue;
+                }
+                return Some(Action::Refresh(index));
+            }
+        }
+        None
+    }
+
+    /// A half-open lane whose ramp reached the full pace closes its circuit (with many
+    /// lanes, only the lanes whose circuit is not closed are looked at).
+    fn end_finished_ramp(&mut self, now: UnixMillis) -> Option<Action> {
+        let Some(many) = &self.many else {
+            let (expected_epoch, next) = self.lanes[0].end_finished_ramp(now)?;
+            return Some(Action::SwapCircuit { lane: 0, expected_epoch, next });
+        };
+        let not_closed: Vec<usize> = many.not_closed.iter().copied().collect();
+        for lane in not_closed {
+            if let Some((expected_epoch, next)) = self.lanes[lane].end_finished_ramp(now) {
+                self.touch(lane);
+                return Some(Action::SwapCircuit { lane, expected_epoch, next });
+            }
+        }
+        None
     }
 
     fn stop_with(&mut self, reason: StopReason) -> Action {
@@ -479,19 +403,23 @@ impl<'a> StackMachine<'a> {
     }
 
     /// Sleeps until `t`, or sooner if a timer fires first.
-    fn sleep_until(&self, t: UnixMillis) -> Action {
+    fn sleep_until(&mut self, t: UnixMillis) -> Action {
         let until = self.next_timeout().map_or(t, |timeout| timeout.min(t));
         Action::Sleep { until, precise: self.lead().is_zero() }
     }
 
     /// Sleeps until something comes back or a timer fires.
-    fn await_event(&self) -> Action {
+    fn await_event(&mut self) -> Action {
         self.sleep_until(UnixMillis(u64::MAX))
     }
 
     /// The earliest of the stack's and the lanes' timers.
-    fn next_timeout(&self) -> Option<UnixMillis> {
-        self.lanes.iter().filter_map(LaneMachine::next_timeout).chain(self.timers.next_timeout()).min()
+    fn next_timeout(&mut self) -> Option<UnixMillis> {
+        let lanes = match &mut self.many {
+            Some(many) => many.deadlines.next(),
+            None => self.lanes[0].next_timeout(),
+        };
+        lanes.into_iter().chain(self.timers.next_timeout()).min()
     }
 
     /// What lane `index` asks for, as the executor's action.
@@ -596,26 +524,28 @@ impl<'a> StackMachine<'a> {
     /// A stack of many lanes: lanes whose circuit opened give their jobs back and send
     /// health checks; among the others with jobs ready, the scheduler says who goes
     /// next, and the job goes when its lane's tiers and the shared ones all allow it.
+    /// Only the lanes touched since the last decision, first in line or at a deadline
+    /// are looked at (see `many.rs`).
     fn for_many_lanes(&mut self, now: UnixMillis) -> Action {
-        let health_check_interval = self.settings.circuit.health_check_interval;
-        for lane in &mut self.lanes {
+        let many = self.many.as_mut().expect("many lanes");
+        many.settle_touched(&self.lanes);
+        self.progress.circuit_open.store(!many.not_closed.is_empty(), Ordering::Relaxed);
+        for &index in &many.not_closed {
+            let lane = &mut self.lanes[index];
             if lane.circuit().status == CircuitStatus::Open && lane.has_jobs_in_hand() {
-                return Action::Release(lane.release_all(), health_check_interval);
+                many.touch(index);
+                return Action::Release(lane.release_all(), self.settings.circuit.health_check_interval);
             }
         }
-        let many = self.many.as_mut().expect("many lanes");
-        if let Some(index) = (0..self.lanes.len()).find(|i| !many.hydrated[*i] && !many.hydrating[*i]) {
-            many.hydrating[index] = true;
-            return Action::HydrateLane(index);
+        while let Some(index) = many.to_hydrate.pop_front() {
+            if !many.hydrated[index] {
+                return Action::HydrateLane(index);
+            }
         }
         if let Some(recall) = self.recall_for_a_dry_lane(now) {
             return recall;
         }
-        let many = self.many.as_ref().expect("many lanes");
-        let with_jobs: Vec<usize> = (0..self.lanes.len())
-            .filter(|i| many.hydrated[*i] && self.lanes[*i].circuit().status != CircuitStatus::Open && self.lanes[*i].has_jobs_in_hand())
-            .collect();
-        if self.lanes.iter().all(|lane| !lane.has_jobs_in_hand()) {
+        if self.many.as_ref().expect("many lanes").in_hand_total == 0 {
             if let Some(check) = self.next_health_check(now) {
                 return check;
             }
@@ -624,7 +554,9 @@ impl<'a> StackMachine<'a> {
         if let Some(receive) = self.receive_more(now) {
             return receive;
         }
-        for &index in &with_jobs {
+        let many = self.many.as_mut().expect("many lanes");
+        while let Some(index) = many.malformed.pop_first() {
+            many.touch(index);
             if let Some(malformed) = self.lanes[index].take_malformed() {
                 return self.act_for_lane(index, malformed);
             }
@@ -639,29 +571,38 @@ impl<'a> StackMachine<'a> {
             return check;
         }
         let many = self.many.as_mut().expect("many lanes");
-        let lanes = &self.lanes;
-        many.fairness.tick(now, |index| lanes[index].has_jobs_in_hand());
-        let mut wake: Option<UnixMillis> = None;
-        let mut wake_at = |at: UnixMillis| wake = Some(wake.map_or(at, |w: UnixMillis| w.min(at)));
-        let order = many.scheduler.order(with_jobs);
-        for index in order {
-            if let Some(held) = self.lanes[index].held_until(now) {
-                self.many.as_mut().expect("many lanes").fairness.held_by_itself(index);
-                wake_at(held);
+        many.scheduler.wake_due(now);
+        let (lanes, scheduler) = (&self.lanes, &many.scheduler);
+        many.fairness.tick(now, |index| lanes[index].has_jobs_in_hand() && !scheduler.is_waiting(index));
+        let mut shared_wake = None;
+        loop {
+            let many = self.many.as_mut().expect("many lanes");
+            let Some(index) = many.scheduler.first() else { break };
+            let lane = &mut self.lanes[index];
+            if let Some(held) = lane.held_until(now) {
+                many.fairness.held_by_itself(index);
+                many.scheduler.wait(index, held);
                 continue;
             }
-            let cost = self.lanes[index].head_cost().expect("a parsed job at the front");
+            let Some(cost) = lane.head_cost() else {
+                // Not a parsed job in front after all: settled again at the next decision.
+                many.scheduler.idle(index);
+                many.touch(index);
+                continue;
+            };
+            // The lane first in line waits for the shared quota, and so do the others.
             let not_before = match self.shared_allows(index, cost, now) {
                 Ok(slot) => slot,
                 Err(at) => {
-                    wake_at(at);
-                    continue;
+                    shared_wake = Some(at);
+                    break;
                 }
             };
             match self.lanes[index].next_dispatch(now, not_before) {
                 LaneStep::WaitUntil(at) => {
-                    self.many.as_mut().expect("many lanes").fairness.held_by_itself(index);
-                    wake_at(at);
+                    let many = self.many.as_mut().expect("many lanes");
+                    many.fairness.held_by_itself(index);
+                    many.scheduler.wait(index, at);
                 }
                 LaneStep::Dispatch(hand_off, payload) => {
                     let upload = match &payload {
@@ -674,12 +615,17 @@ impl<'a> StackMachine<'a> {
                     many.fairness.served(index, hand_off.cost, many.scheduler.weight(index));
                     many.hidden[index].remove(&hand_off.message.message_id);
                     many.dispatched[index] += 1;
+                    many.touch(index);
                     return self.act_for_lane(index, LaneStep::Dispatch(hand_off, payload));
                 }
-                step => return self.act_for_lane(index, step),
+                step => {
+                    self.touch(index);
+                    return self.act_for_lane(index, step);
+                }
             }
         }
-        match wake {
+        let lanes_wake = self.many.as_mut().expect("many lanes").scheduler.next_wake();
+        match shared_wake.into_iter().chain(lanes_wake).min() {
             Some(at) => self.sleep_until(at),
             None => self.await_event(),
         }
@@ -690,7 +636,8 @@ impl<'a> StackMachine<'a> {
     /// [`RECALL_STRETCH`] at its own pace, and the queue is looked at again now.
     fn recall_for_a_dry_lane(&mut self, now: UnixMillis) -> Option<Action> {
         let many = self.many.as_mut().expect("many lanes");
-        for (index, lane) in self.lanes.iter().enumerate() {
+        while let Some(index) = many.may_recall.pop_first() {
+            let lane = &self.lanes[index];
             if lane.jobs_in_hand() >= RECEIVE_BATCH || many.recalling[index] || lane.circuit().status == CircuitStatus::Open {
                 continue;
             }
@@ -708,6 +655,7 @@ impl<'a> StackMachine<'a> {
                 receipts.extend(batch);
             }
             many.recalling[index] = true;
+            many.touch(index);
             self.timers.stop(Timer::Prefetch);
             return Some(Action::Release(receipts, Duration::ZERO));
         }
@@ -736,7 +684,8 @@ impl<'a> StackMachine<'a> {
     /// A health check of a lane whose circuit is open, if one is due and the shared
     /// quota has room for it (it spends a unit of both).
     fn next_health_check(&mut self, now: UnixMillis) -> Option<Action> {
-        for index in 0..self.lanes.len() {
+        let not_closed: Vec<usize> = self.many.as_ref().expect("many lanes").not_closed.iter().copied().collect();
+        for index in not_closed {
             let lane = &self.lanes[index];
             if lane.circuit().status != CircuitStatus::Open || lane.health_check_in_flight() || lane.held_until(now).is_some() {
                 continue;
@@ -748,10 +697,15 @@ impl<'a> StackMachine<'a> {
                 LaneStep::WaitUntil(_) => {}
                 LaneStep::HealthCheck(payload) => {
                     let slot = self.lanes[index].earliest_slot(now);
-                    self.many.as_mut().expect("many lanes").spend(1, slot, Duration::ZERO);
+                    let many = self.many.as_mut().expect("many lanes");
+                    many.spend(1, slot, Duration::ZERO);
+                    many.touch(index);
                     return Some(Action::HealthCheck(index, payload));
                 }
-                step => return Some(self.act_for_lane(index, step)),
+                step => {
+                    self.touch(index);
+                    return Some(self.act_for_lane(index, step));
+                }
             }
         }
         None
@@ -766,14 +720,12 @@ impl<'a> StackMachine<'a> {
             return None;
         }
         let many = self.many.as_ref().expect("many lanes");
-        let in_hand: usize = self.lanes.iter().map(LaneMachine::jobs_in_hand).sum();
-        let coming = in_hand + RECEIVE_BATCH * self.in_flight.receives;
+        let coming = many.in_hand_total + RECEIVE_BATCH * self.in_flight.receives;
         let horizon = self.receive_horizon(now);
-        let room = many.shared.capacity_until(&many.pacer, now.plus(self.lead()), horizon, MANY_LANES_IN_HAND).saturating_sub(coming);
+        let room = many.shared_room(now.plus(self.lead()), horizon, MANY_LANES_IN_HAND).saturating_sub(coming);
         // A lane with none in hand whose jobs are back on the queue gets them, though
         // others hold all the shared quota can use before the horizon (near a run's end).
-        let starved = (0..self.lanes.len()).any(|i| !many.hidden[i].is_empty() && !self.lanes[i].has_jobs_in_hand());
-        let room = if starved { room.max(RECEIVE_BATCH) } else { room };
+        let room = if many.starved > 0 { room.max(RECEIVE_BATCH) } else { room };
         if room == 0 {
             return None;
         }
@@ -788,14 +740,7 @@ impl<'a> StackMachine<'a> {
         }
         let many = self.many.as_mut().expect("many lanes");
         let settings = many.config.lane(&id);
-        let index = many.scheduler.add_lane(settings.weight);
-        many.hydrated.push(false);
-        many.hydrating.push(false);
-        many.dispatched.push(0);
-        many.fairness.add_lane();
-        many.hidden.push(HashSet::new());
-        many.returning.push(Vec::new());
-        many.recalling.push(false);
+        let index = many.add_lane(settings.weight);
         self.lanes.push(LaneMachine::new(self.settings, id.clone(), index, &settings.quota, now));
         self.lane_index.insert(id, index);
         index
@@ -814,9 +759,11 @@ impl<'a> StackMachine<'a> {
             }
         }
         let horizon = self.receive_horizon(now);
+        let many = self.many.as_mut().expect("many lanes");
         for (index, messages) in &mut by_lane {
             self.lanes[*index].take_in(std::mem::take(messages), now);
-            self.many.as_mut().expect("many lanes").recalling[*index] = false;
+            many.recalling[*index] = false;
+            many.settle(*index, &self.lanes[*index]);
         }
         // What the shared quota lets go in the next stretch, divided by weight among the
         // lanes with jobs in hand: a lane keeps no more than its share, and gives the
@@ -824,16 +771,17 @@ impl<'a> StackMachine<'a> {
         let lead = self.lead();
         let many = self.many.as_mut().expect("many lanes");
         let stretch = horizon.min(now.plus(lead).plus(FAIR_SHARE_STRETCH));
-        let shared_room = many.shared.capacity_until(&many.pacer, now.plus(lead), stretch, MANY_LANES_IN_HAND) as f64;
-        let weights: f64 = (0..self.lanes.len()).filter(|i| self.lanes[*i].has_jobs_in_hand()).map(|i| many.scheduler.weight(i)).sum();
+        let shared_room = many.shared_room(now.plus(lead), stretch, MANY_LANES_IN_HAND) as f64;
+        let weights = many.weights_in_hand;
         let shared_pace = many.shared.pace_per_second();
         for (index, _) in by_lane {
             let share = many.scheduler.weight(index) / weights;
             let lane = &mut self.lanes[index];
             lane.set_shared_pace(shared_pace * share);
             let fair = (shared_room * share).ceil() as usize;
-            let keep = lane.capacity_until(now, horizon, lane.jobs_in_hand()).min(fair).max(RECEIVE_BATCH);
+            let keep = lane.room_estimate(now, horizon, lane.jobs_in_hand()).min(fair).max(RECEIVE_BATCH);
             let surplus = lane.release_past(keep);
+            many.touch(index);
             if !surplus.is_empty() {
                 many.fairness.gave_back(index);
                 let pace = lane.pace_per_second().min(shared_pace * share);
@@ -848,7 +796,7 @@ impl<'a> StackMachine<'a> {
     /// A lane's first read came back.
     fn on_lane_hydrated(&mut self, index: usize, result: PortResult<LaneStart>, now: UnixMillis) -> Result<(), RunError> {
         let many = self.many.as_mut().expect("many lanes");
-        many.hydrating[index] = false;
+        many.touch(index);
         match result {
             Ok(start) => {
                 many.hydrated[index] = true;
@@ -857,7 +805,10 @@ impl<'a> StackMachine<'a> {
                 Ok(())
             }
             // Read again at the next decision after the hand-off back-off.
-            Err(e) => self.retry_later(e, Timer::InvokeHold, now, "could not read a lane's state"),
+            Err(e) => {
+                many.to_hydrate.push_back(index);
+                self.retry_later(e, Timer::InvokeHold, now, "could not read a lane's state")
+            }
         }
     }
 
@@ -872,8 +823,14 @@ impl<'a> StackMachine<'a> {
                 self.apply_shared_state(lane, shared, now);
                 Ok(())
             }
-            Event::Refreshed(lane, Err(e)) => self.lanes[lane].on_refresh_failed(e, now),
-            Event::CircuitSwapped(lane, next, result) => self.lanes[lane].on_circuit_swapped(next, result, now),
+            Event::Refreshed(lane, Err(e)) => {
+                self.touch(lane);
+                self.lanes[lane].on_refresh_failed(e, now)
+            }
+            Event::CircuitSwapped(lane, next, result) => {
+                self.touch(lane);
+                self.lanes[lane].on_circuit_swapped(next, result, now)
+            }
             Event::LaneHydrated(lane, result) => self.on_lane_hydrated(lane, result, now),
             Event::Flushed(Ok(()) | Err(PortError::Conflict(_))) => {
                 // A lost lease: the next renewal says so; the new holder's snapshot wins.
@@ -882,7 +839,10 @@ impl<'a> StackMachine<'a> {
                 Ok(())
             }
             Event::Flushed(Err(e)) => self.retry_later(e, Timer::Flush, now, "could not save the pacer snapshot"),
-            Event::Reserved(lane, needed, result) => self.lanes[lane].on_reserved(needed, result, now),
+            Event::Reserved(lane, needed, result) => {
+                self.touch(lane);
+                self.lanes[lane].on_reserved(needed, result, now)
+            }
             Event::DeadLettered(message, result) => self.on_dead_lettered(message, result),
             Event::Released(count, Ok(())) => {
                 self.report.released += count as u64;
@@ -903,6 +863,7 @@ impl<'a> StackMachine<'a> {
             }
             Event::HandedOff(in_hand, payload, result) => self.on_handed_off(in_hand, payload, result, now),
             Event::HealthChecked(lane, result) => {
+                self.touch(lane);
                 self.lanes[lane].on_health_check_handed_off(result.is_ok(), now);
                 match result {
                     Ok(()) => {
@@ -933,6 +894,7 @@ impl<'a> StackMachine<'a> {
                         many.pacer.give_back(many.shared, slot.arrival, slot.cost);
                     }
                     self.lanes[index].give_back(slot);
+                    self.touch(index);
                 }
                 Ok(())
             }
@@ -1015,6 +977,7 @@ impl<'a> StackMachine<'a> {
     /// A refused hand-off's slot stays spent: it may still have run.
     fn on_handed_off(&mut self, hand_off: HandOff, payload: WorkerPayload, result: PortResult<()>, now: UnixMillis) -> Result<(), RunError> {
         self.in_flight.hand_offs -= 1;
+        self.touch(hand_off.lane);
         match result {
             Ok(()) => {
                 self.backoffs.invoke.succeeded();
@@ -1202,30 +1165,6 @@ mod tests {
                 action => return action,
             }
         }
-    }
-
-    fn queued(id: &str) -> QueuedMessage {
-        QueuedMessage { message_id: id.into(), receipt: format!("r-{id}"), body: String::new(), attempt: 0, enqueued_at: T0 }
-    }
-
-    /// A lane at 10/s keeping 20 jobs: a job it had not seen goes behind the 50 still
-    /// hidden, one it gave back before right behind the 20 it keeps; each comes back
-    /// halfway to when it is due, with those due within the same second, at least a
-    /// second later.
-    #[test]
-    fn a_lane_s_surplus_comes_back_a_little_before_it_is_due_and_in_the_lane_s_order() {
-        let mut hidden: HashSet<String> = (0..50).map(|i| format!("h{i}")).collect();
-        let surplus: Vec<QueuedMessage> = (0..12).map(|i| queued(&format!("n{i}"))).chain([queued("h3")]).collect();
-        let returns = surplus_returns(surplus, &mut hidden, 20, 10.0, Duration::from_secs(30));
-        let shown: Vec<(usize, Duration)> = returns.iter().map(|(receipts, after)| (receipts.len(), *after)).collect();
-        // h3 at position 21 (2.1 s, half of it); n0 to n11 at 71 to 82 (3.55 to 4.1 s).
-        assert_eq!(shown, [(1, Duration::from_millis(1_050)), (9, Duration::from_millis(3_550)), (3, Duration::from_millis(4_000))]);
-        assert_eq!(returns[0].0[0], "r-h3", "the job given back before comes first");
-        assert_eq!(hidden.len(), 62, "the new ones are hidden too");
-        let slow = surplus_returns(vec![queued("x")], &mut HashSet::new(), 0, 1e9, Duration::from_secs(30));
-        assert_eq!(slow[0].1, Duration::from_secs(1), "at least a second");
-        let far = surplus_returns(vec![queued("y")], &mut hidden, 1_000_000, 1.0, Duration::from_secs(30));
-        assert_eq!(far[0].1, MAX_RELEASE_DELAY.mul_f64(RETURN_EARLY));
     }
 
     #[test]

@@ -1,7 +1,10 @@
 //! The drain loop's named deadlines in tables (quinn-proto's `TimerTable` is the
-//! model: one for the stack, one for each lane), and the one back-off every retry in
+//! model: one for the stack, one for each lane), the lanes' deadlines in a heap (which
+//! lane's has come, without a scan of the lanes), and the one back-off every retry in
 //! the loop uses.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::marker::PhantomData;
 use std::time::Duration;
 
@@ -97,6 +100,73 @@ impl<T: Into<usize>, const N: usize> TimerTable<T, N> {
     }
 }
 
+/// One deadline per lane, in a heap: which lanes' deadlines have come is known in
+/// O(log lanes), not by a scan. Moving a deadline leaves its old entry behind, dropped
+/// when it comes to the top; the heap is rebuilt when such entries outnumber the live.
+#[derive(Debug, Default)]
+pub(crate) struct LaneDeadlines {
+    heap: BinaryHeap<Reverse<(UnixMillis, usize)>>,
+    at: Vec<Option<UnixMillis>>,
+    live: usize,
+}
+
+impl LaneDeadlines {
+    /// Lane `lane`'s deadline is `at` from now on (`None`: it has none).
+    pub fn set(&mut self, lane: usize, at: Option<UnixMillis>) {
+        if lane >= self.at.len() {
+            self.at.resize(lane + 1, None);
+        }
+        if self.at[lane] == at {
+            return;
+        }
+        match (self.at[lane].is_some(), at.is_some()) {
+            (false, true) => self.live += 1,
+            (true, false) => self.live -= 1,
+            _ => {}
+        }
+        self.at[lane] = at;
+        if let Some(at) = at {
+            self.heap.push(Reverse((at, lane)));
+            if self.heap.len() > 2 * self.live + 64 {
+                self.heap = self.at.iter().enumerate().filter_map(|(lane, at)| at.map(|at| Reverse((at, lane)))).collect();
+            }
+        }
+    }
+
+    pub fn get(&self, lane: usize) -> Option<UnixMillis> {
+        self.at.get(lane).copied().flatten()
+    }
+
+    /// A lane whose deadline is at or before `now`, its deadline cleared; `None` when
+    /// no lane's has come.
+    pub fn pop_due(&mut self, now: UnixMillis) -> Option<usize> {
+        self.drop_moved();
+        let Reverse((at, lane)) = *self.heap.peek()?;
+        if at > now {
+            return None;
+        }
+        self.heap.pop();
+        self.set(lane, None);
+        Some(lane)
+    }
+
+    /// The earliest deadline.
+    pub fn next(&mut self) -> Option<UnixMillis> {
+        self.drop_moved();
+        self.heap.peek().map(|Reverse((at, _))| *at)
+    }
+
+    /// Drops the entries at the top that a lane's deadline moved away from.
+    fn drop_moved(&mut self) {
+        while let Some(Reverse((at, lane))) = self.heap.peek().copied() {
+            if self.at[lane] == Some(at) {
+                return;
+            }
+            self.heap.pop();
+        }
+    }
+}
+
 /// Lets a passing fault (throttling, a blip) through with a warning; anything else is
 /// the run's error.
 pub(crate) fn passing(e: PortError, what: &str) -> Result<(), RunError> {
@@ -150,6 +220,33 @@ mod tests {
         assert_eq!(timers.next_timeout(), Some(UnixMillis(7_000)));
         assert!(timers.is_expired(Timer::InvokeHold, UnixMillis(7_000)) && !timers.is_pending(Timer::InvokeHold, UnixMillis(7_000)));
         assert!(timers.is_pending(Timer::Stop, UnixMillis(7_000)) && !timers.is_expired(Timer::Renew, UnixMillis(u64::MAX)));
+    }
+
+    #[test]
+    fn lanes_come_due_in_deadline_order_and_a_moved_deadline_counts_where_it_moved() {
+        let mut deadlines = LaneDeadlines::default();
+        deadlines.set(0, Some(UnixMillis(300)));
+        deadlines.set(1, Some(UnixMillis(100)));
+        deadlines.set(2, Some(UnixMillis(200)));
+        deadlines.set(1, Some(UnixMillis(400)));
+        deadlines.set(2, None);
+        assert_eq!(deadlines.next(), Some(UnixMillis(300)));
+        assert_eq!(deadlines.pop_due(UnixMillis(299)), None);
+        assert_eq!(deadlines.pop_due(UnixMillis(1_000)), Some(0));
+        assert_eq!(deadlines.get(0), None, "a lane that came due has no deadline until it is set again");
+        assert_eq!(deadlines.pop_due(UnixMillis(1_000)), Some(1));
+        assert_eq!(deadlines.pop_due(UnixMillis(1_000)), None);
+        assert_eq!(deadlines.next(), None);
+    }
+
+    #[test]
+    fn a_deadline_moved_again_and_again_does_not_grow_the_heap_without_bound() {
+        let mut deadlines = LaneDeadlines::default();
+        for step in 0..10_000u64 {
+            deadlines.set(usize::try_from(step % 3).unwrap(), Some(UnixMillis(1_000_000 - step)));
+        }
+        assert!(deadlines.heap.len() <= 2 * 3 + 64 + 1, "{} entries for 3 lanes", deadlines.heap.len());
+        assert_eq!(deadlines.next(), Some(UnixMillis(1_000_000 - 9_999)));
     }
 
     #[test]

@@ -345,6 +345,28 @@ impl Quota {
         }
         max
     }
+
+    /// About how many unit-cost jobs could be dispatched from `from` until `until` (at
+    /// most `max`): from the first free slot on, at the long-run rate. O(tiers), where
+    /// [`Self::capacity_until`] is exact but walks every slot: for sizing what many
+    /// lanes keep in hand and receive on every decision, with thousands of jobs in hand.
+    #[must_use]
+    pub fn room_estimate(&self, state: &PacerState, from: UnixMillis, until: UnixMillis, max: usize) -> usize {
+        let first = match self.decide(state, 1, from) {
+            Decision::Allow => from,
+            Decision::WaitUntil { at, .. } => at,
+            Decision::Never { .. } => return 0,
+        };
+        if first >= until {
+            return 0;
+        }
+        let after_first = until.since(first).as_secs_f64() * self.sustained_per_second();
+        if after_first >= max as f64 {
+            max
+        } else {
+            (after_first as usize + 1).min(max)
+        }
+    }
 }
 
 impl PacerState {
@@ -778,6 +800,23 @@ mod tests {
         let state = PacerState::new(&q);
         assert_eq!(q.capacity_until(&state, UnixMillis(0), UnixMillis(3_500), 10), 4);
         assert_eq!(q.capacity_until(&state, UnixMillis(0), UnixMillis(60_000), 10), 10);
+    }
+
+    #[test]
+    fn the_room_estimate_is_within_a_job_of_the_exact_count_at_a_backlog_s_pace() {
+        for (tiers, until_ms) in [(&["1/s"][..], 3_500), (&["10/s"][..], 24_000), (&["10/s", "500/min"][..], 300_000)] {
+            let q = quota(tiers, 0);
+            let mut state = PacerState::new(&q);
+            state.commit(&q, 1, UnixMillis(0));
+            let exact = q.capacity_until(&state, UnixMillis(0), UnixMillis(until_ms), 100_000);
+            let estimate = q.room_estimate(&state, UnixMillis(0), UnixMillis(until_ms), 100_000);
+            assert!(exact.abs_diff(estimate) <= 1, "{tiers:?} until {until_ms} ms: {estimate} for {exact}");
+        }
+        let q = quota(&["1/s"], 0);
+        let mut held = PacerState::new(&q);
+        held.hold_until = UnixMillis(10_000);
+        assert_eq!(q.room_estimate(&held, UnixMillis(0), UnixMillis(10_000), 10), 0, "held until the horizon: none");
+        assert_eq!(q.room_estimate(&held, UnixMillis(0), UnixMillis(60_000), 10), 10, "at most max");
     }
 
     #[test]

@@ -363,6 +363,14 @@ impl Quota {
         self.tiers.iter().enumerate().filter(spaced).map(|(_, t)| t.rate_per_second()).fold(f64::INFINITY, f64::min)
     }
 
+    /// The long-run rate of a backlog in units per second: the slowest rolling tier's
+    /// limit over its window (a `500/min` beside a `10/s` holds it to 8.3/s). Infinite
+    /// when every tier is a calendar one.
+    #[must_use]
+    pub fn sustained_per_second(&self) -> f64 {
+        self.tiers.iter().filter(|t| !t.is_calendar()).map(Tier::rate_per_second).fold(f64::INFINITY, f64::min)
+    }
+
     /// About how long `units` take from `now`: the pace, the windows a longer rolling
     /// tier fills and must wait out, and the resets each calendar tier must wait for
     /// given what it used in its current window (`calendar_used`, by tier index; rolling

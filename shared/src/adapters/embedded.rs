@@ -62,6 +62,8 @@ CREATE TABLE IF NOT EXISTS messages (
     enqueued_at INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS messages_visible ON messages (visible_at, seq);
+-- Deletes and releases find a message by its receipt (not a scan of the queue).
+CREATE INDEX IF NOT EXISTS messages_receipt ON messages (receipt);
 CREATE TABLE IF NOT EXISTS dead_letters (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     message_id TEXT NOT NULL,
@@ -638,8 +640,9 @@ impl JobQueue for EmbeddedStore {
     async fn delete(&self, receipts: &[String]) -> PortResult<()> {
         self.on_db(|| {
             let conn = self.conn();
+            let mut delete = conn.prepare_cached("DELETE FROM messages WHERE receipt = ?1").map_err(sql_err)?;
             for receipt in receipts {
-                conn.execute("DELETE FROM messages WHERE receipt = ?1", [receipt]).map_err(sql_err)?;
+                delete.execute([receipt]).map_err(sql_err)?;
             }
             Ok(())
         })
@@ -649,10 +652,11 @@ impl JobQueue for EmbeddedStore {
         self.on_db(|| {
             let now = to_i64(self.clock.now().plus(after).0);
             let conn = self.conn();
+            // The receipt stays good until the message is received again, as an SQS
+            // receipt handle does: a later release may bring it back sooner.
+            let mut release = conn.prepare_cached("UPDATE messages SET visible_at = ?1 WHERE receipt = ?2").map_err(sql_err)?;
             for receipt in receipts {
-                // The receipt stays good until the message is received again, as an SQS
-                // receipt handle does: a later release may bring it back sooner.
-                conn.execute("UPDATE messages SET visible_at = ?1 WHERE receipt = ?2", params![now, receipt]).map_err(sql_err)?;
+                release.execute(params![now, receipt]).map_err(sql_err)?;
             }
             Ok(())
         })

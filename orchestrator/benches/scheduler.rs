@@ -1,0 +1,41 @@
+//! Scheduler benchmark: prints figures, asserts nothing (run: `cargo bench -p
+//! paceline-orchestrator --bench scheduler`). A stack's decision step drains a backlog
+//! spread evenly over N lanes, every port answered at once from memory under virtual
+//! time, so only the decisions are measured: decisions per second of one core, and the
+//! CPU per dispatched job, for 10 to 10,000 backlogged lanes (or the counts given
+//! after `--`). Each lane is limited to
+//! 5/s, all of them share 1,000/s; a decision's cost should grow with log(lanes).
+
+use std::path::Path;
+
+use paceline_orchestrator::decision_bench::drain;
+use paceline_orchestrator::Settings;
+use paceline_shared::config::{Config, WorkerHost};
+
+/// Jobs in each backlog, whatever the lanes.
+const JOBS: usize = 50_000;
+
+fn main() {
+    let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"1000/s\"]\n[lanes]\ntiers = [\"5/s\"]\n";
+    let config = Config::parse(text, Path::new("/bench"), &|_| None).expect("the bench's config");
+    let settings = Settings::from_config(&config, WorkerHost::InProcess);
+    println!("| backlogged lanes | decisions | jobs | decisions/s (one core) | CPU per job | drained in (virtual) |");
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: |");
+    // Lane counts may be given as arguments (`-- 1000`); cargo's own flags are skipped.
+    let asked: Vec<usize> = std::env::args().skip(1).filter_map(|arg| arg.parse().ok()).collect();
+    let counts = if asked.is_empty() { vec![10, 100, 1_000, 10_000] } else { asked };
+    for lanes in counts {
+        // Round robin over the lanes on the queue: every lane backlogged from the start.
+        let jobs: Vec<String> = (0..JOBS).map(|i| format!("t{}", i % lanes)).collect();
+        let best = (0..3).map(|_| drain(&settings, &jobs)).min_by_key(|figures| figures.took).expect("three runs");
+        assert_eq!(best.dispatched, JOBS as u64, "every job dispatched");
+        println!(
+            "| {lanes} | {} | {} | {:.0} | {:.2} us | {:.1} s |",
+            best.decisions,
+            best.dispatched,
+            best.decisions as f64 / best.took.as_secs_f64(),
+            best.took.as_secs_f64() * 1e6 / best.dispatched as f64,
+            best.drained_in.as_secs_f64()
+        );
+    }
+}

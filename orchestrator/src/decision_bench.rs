@@ -1,0 +1,143 @@
+//! The decision step alone, for benchmarks: a stack's machine drains a backlog with
+//! every port answered at once from memory under virtual time, so what is measured is
+//! the decisions (`next_action` and `on_event`), not I/O. `benches/scheduler.rs` prints
+//! decisions per second with it; not part of the API.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use paceline_shared::breaker::Circuit;
+use paceline_shared::ports::{Lease, QueuedMessage};
+use paceline_shared::time::UnixMillis;
+
+use crate::report::Progress;
+use crate::settings::Settings;
+use crate::stack::{Action, Event, LaneStart, SharedState, StackMachine};
+
+/// What a drained backlog took.
+#[derive(Clone, Copy, Debug)]
+pub struct DecisionFigures {
+    /// `next_action` calls.
+    pub decisions: u64,
+    pub dispatched: u64,
+    /// Wall time of the whole drive (one thread, no I/O: its CPU time).
+    pub took: Duration,
+    /// Virtual time the backlog took to drain.
+    pub drained_in: Duration,
+}
+
+/// A queue in memory with SQS's visibility: visible messages in order, hidden ones
+/// until their time, found by receipt.
+#[derive(Default)]
+struct MemoryQueue {
+    by_time: BTreeMap<(UnixMillis, u64), QueuedMessage>,
+    by_receipt: HashMap<String, (UnixMillis, u64)>,
+    received: u64,
+}
+
+impl MemoryQueue {
+    fn receive(&mut self, max: usize, now: UnixMillis, visibility: Duration) -> Vec<QueuedMessage> {
+        let due: Vec<(UnixMillis, u64)> = self.by_time.range(..=(now, u64::MAX)).take(max).map(|(key, _)| *key).collect();
+        due.into_iter()
+            .map(|key| {
+                let mut message = self.by_time.remove(&key).expect("a due message");
+                self.by_receipt.remove(&message.receipt);
+                self.received += 1;
+                message.receipt = format!("r{}", self.received);
+                let hidden = (now.plus(visibility), key.1);
+                self.by_receipt.insert(message.receipt.clone(), hidden);
+                self.by_time.insert(hidden, message.clone());
+                message
+            })
+            .collect()
+    }
+
+    fn release(&mut self, receipts: &[String], at: UnixMillis) {
+        for receipt in receipts {
+            if let Some(key) = self.by_receipt.get_mut(receipt) {
+                let message = self.by_time.remove(key).expect("a message by its receipt");
+                *key = (at, key.1);
+                self.by_time.insert(*key, message);
+            }
+        }
+    }
+
+    fn delete(&mut self, receipts: &[String]) {
+        for receipt in receipts {
+            if let Some(key) = self.by_receipt.remove(receipt) {
+                self.by_time.remove(&key);
+            }
+        }
+    }
+}
+
+/// Drains `jobs` (each a job's lane id, in queue order) through a stack of many lanes
+/// under `settings` (with `[lanes]`), every port answering at once.
+///
+/// # Panics
+/// If the run does not drain within a virtual day.
+#[must_use]
+pub fn drain(settings: &Settings, jobs: &[String]) -> DecisionFigures {
+    let started = UnixMillis(1_800_000_000_000);
+    let mut queue = MemoryQueue::default();
+    for (seq, lane) in jobs.iter().enumerate() {
+        let body = format!(r#"{{"id":"j{seq}","lane":"{lane}","request":{{"method":"GET","path":"/items/{seq}"}}}}"#);
+        let message = QueuedMessage { message_id: format!("m{seq}"), receipt: format!("q{seq}"), body, attempt: 0, enqueued_at: started };
+        queue.by_receipt.insert(message.receipt.clone(), (started, seq as u64));
+        queue.by_time.insert((started, seq as u64), message);
+    }
+    let progress = Progress::default();
+    let lease = |at: UnixMillis| Lease { holder: "bench".into(), epoch: 1, expires_at: at.plus(Duration::from_secs(60)) };
+    let deadline = started.plus(Duration::from_secs(86_400));
+    let mut machine = StackMachine::new(settings, &progress, lease(started), started, deadline, true);
+    let visibility = settings.orchestrator.visibility_timeout;
+    let shared = || SharedState { circuit: Circuit::default(), cool_down: UnixMillis(0), provider_reading: None, call_slots: None, retune: None };
+    let (mut now, mut decisions, mut dispatched) = (started, 0u64, 0u64);
+    let clock = Instant::now();
+    loop {
+        decisions += 1;
+        let event = match machine.next_action(now) {
+            Action::Stop => break,
+            Action::Sleep { until, .. } => {
+                assert!(until < deadline, "the backlog did not drain within a virtual day");
+                now = until.max(now.plus(Duration::from_millis(1)));
+                continue;
+            }
+            Action::Renew(_) => Event::Renewed(Ok(lease(now))),
+            Action::Refresh(lane) => Event::Refreshed(lane, Ok(shared())),
+            Action::SwapCircuit { lane, next, .. } => Event::CircuitSwapped(lane, next, Ok(())),
+            Action::Flush(..) => Event::Flushed(Ok(())),
+            Action::Reserve(lane, needed) => Event::Reserved(lane, needed, Ok(())),
+            Action::HydrateLane(lane) => Event::LaneHydrated(lane, Ok(LaneStart { snapshot: None, calendar_used: Vec::new(), shared: shared() })),
+            Action::DeadLetter(message, ..) => {
+                queue.delete(std::slice::from_ref(&message.receipt));
+                Event::DeadLettered(message, Ok(()))
+            }
+            Action::Release(receipts, after) => {
+                queue.release(&receipts, now.plus(after));
+                Event::Released(receipts.len(), Ok(()))
+            }
+            Action::Receive { max, wait, long_poll } => {
+                let received = queue.receive(max, now, visibility);
+                if received.is_empty() && long_poll {
+                    // A long poll waits for the first message to be visible, or `wait`.
+                    let visible = queue.by_time.keys().next().map_or(UnixMillis(u64::MAX), |(at, _)| *at);
+                    now = now.plus(wait).min(visible).max(now.plus(Duration::from_millis(1)));
+                }
+                Event::Received { result: Ok(received), took: Duration::ZERO, long_poll }
+            }
+            Action::Delete(receipts) => {
+                queue.delete(&receipts);
+                Event::Deleted(receipts, Ok(()))
+            }
+            Action::Dispatch(hand_off, payload) => {
+                dispatched += 1;
+                Event::HandedOff(hand_off, payload, Ok(()))
+            }
+            Action::HealthCheck(lane, _) => Event::HealthChecked(lane, Ok(())),
+            Action::CheckDrained => Event::DrainChecked(Ok(queue.by_time.is_empty())),
+        };
+        machine.on_event(event, now).expect("every port answers");
+    }
+    DecisionFigures { decisions, dispatched, took: clock.elapsed(), drained_in: now.since(started) }
+}

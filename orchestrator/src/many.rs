@@ -1,0 +1,299 @@
+//! A stack of many lanes (`[lanes]`): the quota they share, the scheduler that divides
+//! it among them, each lane's place in the run (read from the store yet, what it gave
+//! back to the queue), and the books that say which lanes need looking at, so that a
+//! decision looks at a few lanes, not all of them. A lane the stack acted on or had
+//! news of is `touch`ed; before the next decision, `settle_touched` puts it where it
+//! belongs: in the scheduler's line or out of it, among the lanes with an open circuit,
+//! a malformed job in front or jobs to bring back, and its deadlines in the heap.
+
+use std::collections::{BTreeSet, HashSet, VecDeque};
+use std::time::Duration;
+
+use paceline_shared::breaker::CircuitStatus;
+use paceline_shared::config::LanesConfig;
+use paceline_shared::pacer::{Decision, PacerState};
+use paceline_shared::ports::QueuedMessage;
+use paceline_shared::quota::Quota;
+use paceline_shared::time::UnixMillis;
+
+use crate::fairness::FairnessMeter;
+use crate::lane::LaneMachine;
+use crate::report::TierMeter;
+use crate::schedule::Scheduler;
+use crate::stack::RECEIVE_BATCH;
+use crate::timers::LaneDeadlines;
+
+/// A stack of many lanes: the quota they share, paced by the same pacer as a lane's,
+/// the scheduler that divides it among them by weight, and what each lane is doing.
+pub(crate) struct ManyLanes<'a> {
+    pub config: &'a LanesConfig,
+    pub shared: &'a Quota,
+    pub pacer: PacerState,
+    pub meter: TierMeter,
+    pub scheduler: Scheduler,
+    /// Per lane: read from the store yet (a lane dispatches nothing before).
+    pub hydrated: Vec<bool>,
+    /// The lanes to read from the store, first come first.
+    pub to_hydrate: VecDeque<usize>,
+    /// Per lane: jobs handed off.
+    pub dispatched: Vec<u64>,
+    /// The slot of the last call on the shared quota.
+    last_slot: Option<UnixMillis>,
+    /// Per lane: the ids of the messages it gave back to the queue and has not
+    /// dispatched since (to tell a job given back before from one it had not seen).
+    pub hidden: Vec<HashSet<String>>,
+    /// Per lane: the receipts of what it gave back, by when each batch comes back; a
+    /// lane that runs dry sooner (its share grew) brings the first back at once.
+    pub returning: Vec<Vec<(UnixMillis, Vec<String>)>>,
+    /// Per lane: it asked for a batch back and has not received it yet.
+    pub recalling: Vec<bool>,
+    pub fairness: FairnessMeter,
+    /// The lanes' own deadlines (re-reads, reservation holds), by when.
+    pub deadlines: LaneDeadlines,
+    /// The lanes acted on or heard of since the last decision.
+    touched: Vec<usize>,
+    is_touched: Vec<bool>,
+    /// The lanes whose circuit is open or half-open, by index.
+    pub not_closed: BTreeSet<usize>,
+    /// The lanes with a job that did not parse at the front.
+    pub malformed: BTreeSet<usize>,
+    /// The lanes low on jobs with some given back still hidden on the queue.
+    pub may_recall: BTreeSet<usize>,
+    /// Per lane, as of its last settling: jobs in hand.
+    in_hand: Vec<usize>,
+    /// Jobs in hand in every lane, the summed weights of the lanes holding any, and
+    /// the lanes with none in hand while some of theirs are hidden on the queue.
+    pub in_hand_total: usize,
+    pub weights_in_hand: f64,
+    pub starved: usize,
+    is_starved: Vec<bool>,
+}
+
+impl<'a> ManyLanes<'a> {
+    pub fn new(config: &'a LanesConfig, shared: &'a Quota) -> Self {
+        Self {
+            config,
+            shared,
+            pacer: PacerState::new(shared),
+            meter: TierMeter::new(shared),
+            scheduler: Scheduler::default(),
+            hydrated: Vec::new(),
+            to_hydrate: VecDeque::new(),
+            dispatched: Vec::new(),
+            last_slot: None,
+            hidden: Vec::new(),
+            returning: Vec::new(),
+            recalling: Vec::new(),
+            fairness: FairnessMeter::default(),
+            deadlines: LaneDeadlines::default(),
+            touched: Vec::new(),
+            is_touched: Vec::new(),
+            not_closed: BTreeSet::new(),
+            malformed: BTreeSet::new(),
+            may_recall: BTreeSet::new(),
+            in_hand: Vec::new(),
+            in_hand_total: 0,
+            weights_in_hand: 0.0,
+            starved: 0,
+            is_starved: Vec::new(),
+        }
+    }
+
+    /// A lane of `weight` joined the run: its index, the next one. It is read from the
+    /// store before it dispatches.
+    pub fn add_lane(&mut self, weight: f64) -> usize {
+        let index = self.scheduler.add_lane(weight);
+        self.hydrated.push(false);
+        self.to_hydrate.push_back(index);
+        self.dispatched.push(0);
+        self.fairness.add_lane();
+        self.hidden.push(HashSet::new());
+        self.returning.push(Vec::new());
+        self.recalling.push(false);
+        self.is_touched.push(false);
+        self.in_hand.push(0);
+        self.is_starved.push(false);
+        index
+    }
+
+    /// Lane `index`'s weight is `weight` from its next dispatch on.
+    pub fn set_weight(&mut self, index: usize, weight: f64) {
+        if self.in_hand[index] > 0 {
+            self.weights_in_hand += weight - self.scheduler.weight(index);
+        }
+        self.scheduler.set_weight(index, weight);
+    }
+
+    /// Lane `index` was acted on or heard of: it is settled before the next decision.
+    pub fn touch(&mut self, index: usize) {
+        if !self.is_touched[index] {
+            self.is_touched[index] = true;
+            self.touched.push(index);
+        }
+    }
+
+    /// Settles every lane touched since the last decision (`lanes`: the stack's).
+    pub fn settle_touched(&mut self, lanes: &[LaneMachine<'_>]) {
+        for index in std::mem::take(&mut self.touched) {
+            self.is_touched[index] = false;
+            self.settle(index, &lanes[index]);
+        }
+    }
+
+    /// Puts lane `index` where its state says it belongs.
+    pub fn settle(&mut self, index: usize, lane: &LaneMachine<'_>) {
+        self.deadlines.set(index, lane.next_timeout());
+        let jobs = lane.jobs_in_hand();
+        let had = std::mem::replace(&mut self.in_hand[index], jobs);
+        self.in_hand_total = self.in_hand_total + jobs - had;
+        match (had > 0, jobs > 0) {
+            (false, true) => self.weights_in_hand += self.scheduler.weight(index),
+            (true, false) => self.weights_in_hand -= self.scheduler.weight(index),
+            _ => {}
+        }
+        if self.in_hand_total == 0 {
+            self.weights_in_hand = 0.0; // no rounding left over
+        }
+        let status = lane.circuit().status;
+        if status == CircuitStatus::Closed {
+            self.not_closed.remove(&index);
+        } else {
+            self.not_closed.insert(index);
+        }
+        let flows = self.hydrated[index] && status != CircuitStatus::Open;
+        if flows && jobs > 0 {
+            self.scheduler.ready(index);
+        } else {
+            self.scheduler.idle(index);
+        }
+        if flows && lane.front_is_malformed() {
+            self.malformed.insert(index);
+        }
+        let starved = jobs == 0 && !self.hidden[index].is_empty();
+        if starved != std::mem::replace(&mut self.is_starved[index], starved) {
+            if starved {
+                self.starved += 1;
+            } else {
+                self.starved -= 1;
+            }
+        }
+        if jobs < RECEIVE_BATCH && !self.recalling[index] && status != CircuitStatus::Open && !self.returning[index].is_empty() {
+            self.may_recall.insert(index);
+        } else {
+            self.may_recall.remove(&index);
+        }
+    }
+
+    /// About how many unit-cost jobs the shared quota takes from `from` until `until`, at
+    /// most `max` (see `Quota::room_estimate`).
+    pub fn shared_room(&self, from: UnixMillis, until: UnixMillis, max: usize) -> usize {
+        self.shared.room_estimate(&self.pacer, from, until, max)
+    }
+
+    /// Spends `cost` units of the shared quota at `slot` (counted as arriving up to
+    /// `upload` later), with the report's figures: how long since the last call, and
+    /// which shared tier, if any, would have held it any earlier.
+    pub fn spend(&mut self, cost: u64, slot: UnixMillis, upload: Duration) {
+        let held = match self.shared.decide(&self.pacer, cost, slot.minus(Duration::from_millis(1))) {
+            Decision::WaitUntil { by, .. } => Some(by),
+            _ => None,
+        };
+        let paced = self.last_slot.map_or(Duration::ZERO, |last| slot.since(last));
+        self.pacer.commit(self.shared, cost, slot.plus(upload));
+        self.meter.record(slot, cost, paced, held);
+        self.last_slot = Some(slot);
+    }
+}
+
+/// The most jobs a stack of many lanes holds in hand at once: a held lane's are made
+/// visible again past what it can use before their visibility timeout.
+pub(crate) const MANY_LANES_IN_HAND: usize = 5_000;
+
+/// How far ahead a lane's share of the shared quota is counted when it holds jobs: past
+/// it, its jobs go back on the queue for later, making room for other lanes' jobs.
+pub(crate) const FAIR_SHARE_STRETCH: Duration = Duration::from_secs(20);
+
+/// The longest a lane's surplus is hidden on the queue before it is looked at again.
+pub(crate) const MAX_RELEASE_DELAY: Duration = Duration::from_secs(15 * 60);
+
+/// When each batch of a lane's surplus comes back on the queue. The lane keeps `kept`
+/// jobs and goes at `pace` a second; a job it gave back before (in `hidden`) comes
+/// right behind what it keeps, one it had not seen behind every job still hidden, and
+/// each comes back halfway to when it is due (`position / pace`): at least a second
+/// and at most [`MAX_RELEASE_DELAY`] later (or `visibility` when the pace is unknown).
+/// A job is so looked at a few times before it goes, not once a second, and the
+/// lane's order holds. Jobs due within the same second come back together, ten at most.
+pub(crate) fn surplus_returns(
+    surplus: Vec<QueuedMessage>,
+    hidden: &mut HashSet<String>,
+    kept: usize,
+    pace: f64,
+    visibility: Duration,
+) -> Vec<(Vec<String>, Duration)> {
+    let behind_hidden = kept + hidden.len();
+    let (mut again, mut first) = (0, 0);
+    let mut timed: Vec<(Duration, String)> = surplus
+        .into_iter()
+        .map(|message| {
+            let position = if hidden.contains(&message.message_id) {
+                again += 1;
+                kept + again
+            } else {
+                first += 1;
+                hidden.insert(message.message_id);
+                behind_hidden + first
+            };
+            let due = if pace.is_finite() && pace > 0.0 {
+                Duration::from_secs_f64((position as f64 / pace).min(MAX_RELEASE_DELAY.as_secs_f64()))
+            } else {
+                visibility
+            };
+            (due.mul_f64(RETURN_EARLY).clamp(Duration::from_secs(1), MAX_RELEASE_DELAY), message.receipt)
+        })
+        .collect();
+    timed.sort_by_key(|(after, _)| *after);
+    // In batches of jobs due within the same second (a batch comes back with its first).
+    let mut returns: Vec<(Vec<String>, Duration)> = Vec::new();
+    for (after, receipt) in timed {
+        match returns.last_mut() {
+            Some((receipts, first)) if receipts.len() < RECEIVE_BATCH && after.as_secs() == first.as_secs() => receipts.push(receipt),
+            _ => returns.push((vec![receipt], after)),
+        }
+    }
+    returns
+}
+
+/// What a lane that runs dry brings back of what it gave back: this long at its own pace.
+pub(crate) const RECALL_STRETCH: Duration = Duration::from_secs(2);
+
+/// The share of the time until a job given back is due at which it comes back.
+pub(crate) const RETURN_EARLY: f64 = 0.5;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn queued(id: &str) -> QueuedMessage {
+        QueuedMessage { message_id: id.into(), receipt: format!("r-{id}"), body: String::new(), attempt: 0, enqueued_at: UnixMillis(0) }
+    }
+
+    /// A lane at 10/s keeping 20 jobs: a job it had not seen goes behind the 50 still
+    /// hidden, one it gave back before right behind the 20 it keeps; each comes back
+    /// halfway to when it is due, with those due within the same second, at least a
+    /// second later.
+    #[test]
+    fn a_lane_s_surplus_comes_back_a_little_before_it_is_due_and_in_the_lane_s_order() {
+        let mut hidden: HashSet<String> = (0..50).map(|i| format!("h{i}")).collect();
+        let surplus: Vec<QueuedMessage> = (0..12).map(|i| queued(&format!("n{i}"))).chain([queued("h3")]).collect();
+        let returns = surplus_returns(surplus, &mut hidden, 20, 10.0, Duration::from_secs(30));
+        let shown: Vec<(usize, Duration)> = returns.iter().map(|(receipts, after)| (receipts.len(), *after)).collect();
+        // h3 at position 21 (2.1 s, half of it); n0 to n11 at 71 to 82 (3.55 to 4.1 s).
+        assert_eq!(shown, [(1, Duration::from_millis(1_050)), (9, Duration::from_millis(3_550)), (3, Duration::from_millis(4_000))]);
+        assert_eq!(returns[0].0[0], "r-h3", "the job given back before comes first");
+        assert_eq!(hidden.len(), 62, "the new ones are hidden too");
+        let slow = surplus_returns(vec![queued("x")], &mut HashSet::new(), 0, 1e9, Duration::from_secs(30));
+        assert_eq!(slow[0].1, Duration::from_secs(1), "at least a second");
+        let far = surplus_returns(vec![queued("y")], &mut hidden, 1_000_000, 1.0, Duration::from_secs(30));
+        assert_eq!(far[0].1, MAX_RELEASE_DELAY.mul_f64(RETURN_EARLY));
+    }
+}
