@@ -5,12 +5,47 @@
 //! CPU per dispatched job, for 10 to 10,000 backlogged lanes (or the counts given
 //! after `--`). Each lane is limited to
 //! 5/s, all of them share 1,000/s; a decision's cost should grow with log(lanes).
+//!
+//! Then the orchestrator's memory per idle lane: one job on each of 1,000 and 10,000
+//! lanes, drained, and the bytes the machine still holds for them (counted by the
+//! global allocator) divided by the lanes.
 
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use paceline_orchestrator::decision_bench::drain;
 use paceline_orchestrator::Settings;
 use paceline_shared::config::{Config, WorkerHost};
+
+/// The system allocator, counting the bytes allocated and not yet freed.
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size(), Ordering::Relaxed);
+        // SAFETY: the caller's contract is the system allocator's.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        // SAFETY: `ptr` came from `alloc` above with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(new_size, Ordering::Relaxed);
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        // SAFETY: as for `dealloc` and `alloc`.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
 
 /// Jobs in each backlog, whatever the lanes.
 const JOBS: usize = 50_000;
@@ -27,7 +62,7 @@ fn main() {
     for lanes in counts {
         // Round robin over the lanes on the queue: every lane backlogged from the start.
         let jobs: Vec<String> = (0..JOBS).map(|i| format!("t{}", i % lanes)).collect();
-        let best = (0..3).map(|_| drain(&settings, &jobs)).min_by_key(|figures| figures.took).expect("three runs");
+        let best = (0..3).map(|_| drain(&settings, &jobs, || {})).min_by_key(|figures| figures.took).expect("three runs");
         assert_eq!(best.dispatched, JOBS as u64, "every job dispatched");
         println!(
             "| {lanes} | {} | {} | {:.0} | {:.2} us | {:.1} s |",
@@ -37,5 +72,15 @@ fn main() {
             best.took.as_secs_f64() * 1e6 / best.dispatched as f64,
             best.drained_in.as_secs_f64()
         );
+    }
+    println!();
+    println!("| idle lanes | orchestrator memory held for them | per idle lane |");
+    println!("| ---: | ---: | ---: |");
+    for lanes in [1_000, 10_000] {
+        let jobs: Vec<String> = (0..lanes).map(|i| format!("t{i}")).collect();
+        let before = LIVE.load(Ordering::Relaxed);
+        let mut held = 0;
+        drain(&settings, &jobs, || held = LIVE.load(Ordering::Relaxed).saturating_sub(before));
+        println!("| {lanes} | {:.1} MB | {:.0} bytes |", held as f64 / 1e6, held as f64 / lanes as f64);
     }
 }

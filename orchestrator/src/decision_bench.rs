@@ -72,12 +72,13 @@ impl MemoryQueue {
 }
 
 /// Drains `jobs` (each a job's lane id, in queue order) through a stack of many lanes
-/// under `settings` (with `[lanes]`), every port answering at once.
+/// under `settings` (with `[lanes]`), every port answering at once; `at_end` is called
+/// once drained, while the machine still holds its lanes (to measure its memory), with
+/// the queue already dropped.
 ///
 /// # Panics
 /// If the run does not drain within a virtual day.
-#[must_use]
-pub fn drain(settings: &Settings, jobs: &[String]) -> DecisionFigures {
+pub fn drain(settings: &Settings, jobs: &[String], at_end: impl FnOnce()) -> DecisionFigures {
     let started = UnixMillis(1_800_000_000_000);
     let mut queue = MemoryQueue::default();
     for (seq, lane) in jobs.iter().enumerate() {
@@ -139,5 +140,9 @@ pub fn drain(settings: &Settings, jobs: &[String]) -> DecisionFigures {
         };
         machine.on_event(event, now).expect("every port answers");
     }
-    DecisionFigures { decisions, dispatched, took: clock.elapsed(), drained_in: now.since(started) }
+    let took = clock.elapsed();
+    drop(queue);
+    at_end();
+    drop(machine);
+    DecisionFigures { decisions, dispatched, took, drained_in: now.since(started) }
 }

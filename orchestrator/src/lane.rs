@@ -613,7 +613,7 @@ impl<'a> LaneMachine<'a> {
     /// The front message, if it did not parse: to the DLQ as malformed.
     pub fn take_malformed(&mut self) -> Option<LaneStep> {
         let why = self.buffer.front()?.job.as_ref().err()?.clone();
-        let in_hand = self.buffer.pop_front().expect("the message in hand");
+        let in_hand = self.pop_in_hand();
         Some(LaneStep::DeadLetter(in_hand.message, DeadLetterReason { cause: DeadLetterCause::Malformed, detail: why, outcome: None }, None))
     }
 
@@ -637,7 +637,7 @@ impl<'a> LaneMachine<'a> {
         let (slot, decision) = self.decide(cost, now.plus(extra_lead), not_before);
         match decision {
             Decision::Never { tier } => {
-                let in_hand = self.buffer.pop_front().expect("the message in hand");
+                let in_hand = self.pop_in_hand();
                 let detail = format!("cost {cost} exceeds the whole {tier} tier");
                 let job = in_hand.job.ok().map(Box::new);
                 LaneStep::DeadLetter(in_hand.message, DeadLetterReason { cause: DeadLetterCause::NeverFits, detail, outcome: None }, job)
@@ -651,7 +651,7 @@ impl<'a> LaneMachine<'a> {
                 if !needed.is_empty() {
                     return LaneStep::Reserve(needed);
                 }
-                let InHand { message, job, since } = self.buffer.pop_front().expect("the message in hand");
+                let InHand { message, job, since } = self.pop_in_hand();
                 let mut job = job.expect("parsed: checked above");
                 let enqueued = *job.enqueued_at.get_or_insert(message.enqueued_at);
                 self.figures.longest_wait_ms = self.figures.longest_wait_ms.max(slot.since(enqueued).as_millis() as u64);
@@ -845,7 +845,17 @@ impl<'a> LaneMachine<'a> {
 
     /// Gives up every message in hand (to be made visible again): their receipts.
     pub fn release_all(&mut self) -> Vec<String> {
-        self.buffer.drain(..).map(|held| held.message.receipt).collect()
+        std::mem::take(&mut self.buffer).into_iter().map(|held| held.message.receipt).collect()
+    }
+
+    /// Takes the front message out of hand; the buffer's memory goes with the last one
+    /// (a stack of many lanes keeps thousands of idle lanes).
+    fn pop_in_hand(&mut self) -> InHand {
+        let in_hand = self.buffer.pop_front().expect("the message in hand");
+        if self.buffer.is_empty() {
+            self.buffer = VecDeque::new();
+        }
+        in_hand
     }
 
     /// Calendar units were reserved (or not).

@@ -133,7 +133,7 @@ impl<'a> ManyLanes<'a> {
     }
 
     /// Settles every lane touched since the last decision (`lanes`: the stack's).
-    pub fn settle_touched(&mut self, lanes: &[LaneMachine<'_>]) {
+    pub fn settle_touched(&mut self, lanes: &[Box<LaneMachine<'_>>]) {
         for index in std::mem::take(&mut self.touched) {
             self.is_touched[index] = false;
             self.settle(index, &lanes[index]);

@@ -10,7 +10,7 @@
 //! lane's circuit is what the dispatch decision matches on: closed, jobs flow; open,
 //! messages in hand are released and a health check goes every interval.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -171,7 +171,10 @@ pub(crate) struct StackMachine<'a> {
     renew_sent_at: UnixMillis,
     /// The lanes this stack paces: one (`default`) without `[lanes]`, else each lane
     /// that had jobs in this run, by its index.
-    lanes: Vec<LaneMachine<'a>>,
+    /// (Boxed: a stack of 10,000 lanes keeps no room for thousands more in its `Vec`,
+    /// a kilobyte each; see the memory figures of `benches/scheduler.rs`.)
+    #[allow(clippy::vec_box)]
+    lanes: Vec<Box<LaneMachine<'a>>>,
     lane_index: HashMap<LaneId, usize>,
     /// With `[lanes]`: the shared quota and the scheduler.
     many: Option<ManyLanes<'a>>,
@@ -206,7 +209,11 @@ impl<'a> StackMachine<'a> {
             drain,
             lease,
             renew_sent_at: started,
-            lanes: if settings.lanes.is_some() { Vec::new() } else { vec![LaneMachine::new(settings, LaneId::default_lane(), 0, &settings.quota, started)] },
+            lanes: if settings.lanes.is_some() {
+                Vec::new()
+            } else {
+                vec![Box::new(LaneMachine::new(settings, LaneId::default_lane(), 0, &settings.quota, started))]
+            },
             lane_index: HashMap::new(),
             many: settings.lanes.as_ref().map(|config| ManyLanes::new(config, &settings.quota)),
             to_release: VecDeque::new(),
@@ -469,7 +476,7 @@ impl<'a> StackMachine<'a> {
                 return self.delete_batch();
             }
             // Our own answered hand-offs still count as in flight until deleted.
-            if self.in_flight.any() || self.lanes.iter().any(LaneMachine::health_check_in_flight) {
+            if self.in_flight.any() || self.lanes.iter().any(|lane| lane.health_check_in_flight()) {
                 return self.await_event();
             }
             return Action::CheckDrained;
@@ -613,7 +620,10 @@ impl<'a> StackMachine<'a> {
                     many.spend(hand_off.cost, hand_off.slot, upload);
                     many.scheduler.charge(index, hand_off.cost);
                     many.fairness.served(index, hand_off.cost, many.scheduler.weight(index));
-                    many.hidden[index].remove(&hand_off.message.message_id);
+                    let hidden = &mut many.hidden[index];
+                    if hidden.remove(&hand_off.message.message_id) && hidden.is_empty() {
+                        *hidden = HashSet::new(); // its memory too: the lane may stay idle
+                    }
                     many.dispatched[index] += 1;
                     many.touch(index);
                     return self.act_for_lane(index, LaneStep::Dispatch(hand_off, payload));
@@ -741,7 +751,7 @@ impl<'a> StackMachine<'a> {
         let many = self.many.as_mut().expect("many lanes");
         let settings = many.config.lane(&id);
         let index = many.add_lane(settings.weight);
-        self.lanes.push(LaneMachine::new(self.settings, id.clone(), index, &settings.quota, now));
+        self.lanes.push(Box::new(LaneMachine::new(self.settings, id.clone(), index, &settings.quota, now)));
         self.lane_index.insert(id, index);
         index
     }
@@ -787,6 +797,8 @@ impl<'a> StackMachine<'a> {
                 let pace = lane.pace_per_second().min(shared_pace * share);
                 self.report.released += surplus.len() as u64;
                 let returns = surplus_returns(surplus, &mut many.hidden[index], keep, pace, self.settings.orchestrator.visibility_timeout);
+                // Batches back on the queue by now are forgotten, not kept by idle lanes.
+                many.returning[index].retain(|(at, _)| *at > now);
                 many.returning[index].extend(returns.iter().map(|(receipts, after)| (now.plus(*after), receipts.clone())));
                 self.to_release.extend(returns);
             }

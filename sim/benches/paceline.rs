@@ -3,6 +3,8 @@
 //! 1. dispatch precision against the real clock at 1,000 jobs/s: the real orchestrator
 //!    on in-memory queue and store (no latency), dispatching 50 ms ahead; each hand-off's
 //!    worker waits for its slot and records when it calls. |call - slot| percentiles;
+//!    Then the same over 1,000 lanes (each 2/s, all sharing 1,000/s) on an in-memory
+//!    embedded store (`-- lanes` runs that part alone);
 //! 2. CPU time per job and peak RSS of the orchestrator alone at that rate;
 //! 3. wall time of simulations under virtual time, up to a million jobs;
 //! 4. the baselines beside Paceline on the same workloads.
@@ -12,9 +14,10 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use paceline_orchestrator::{Orchestrator, RunOptions, Settings};
-use paceline_shared::config::{CircuitConfig, OrchestratorConfig, RetryConfig, WorkerHost};
+use paceline_shared::adapters::embedded::EmbeddedStore;
+use paceline_shared::config::{CircuitConfig, Config, OrchestratorConfig, RetryConfig, WorkerHost};
 use paceline_shared::job::WorkerPayload;
-use paceline_shared::ports::{Invoker, PortResult};
+use paceline_shared::ports::{Invoker, JobQueue, OutgoingMessage, PortResult};
 use paceline_shared::quota::{chrono_tz, Quota};
 use paceline_shared::time::{system_since_epoch, Clock, SystemClock, TokioClock};
 use paceline_sim::aws::{SimQueue, SimStore, World};
@@ -108,10 +111,52 @@ impl Invoker for NoWorker {
 fn precision(jobs: usize) {
     let lateness_us = Arc::new(Mutex::new(Vec::with_capacity(jobs)));
     let wall = drain_at_1000_per_second(jobs, Arc::new(SlotRecorder { clock: Arc::new(SystemClock), lateness_us: lateness_us.clone() }));
-    let lateness = std::mem::take(&mut *lateness_us.lock().unwrap());
+    let title = format!("Dispatch precision, real clock, 1000 jobs/s ({jobs} jobs, dispatch ahead 50 ms)");
+    print_precision(&title, jobs, wall, &lateness_us.lock().unwrap());
+}
+
+/// Drains `jobs` jobs spread evenly over `lanes` lanes (each 2/s, all sharing 1,000/s),
+/// 50 ms ahead, through the real orchestrator on the real clock and an in-memory
+/// embedded store, on a runtime like `paceline run`'s; each worker waits for its slot.
+fn precision_over_lanes(jobs: usize, lanes: usize) {
+    let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"1000/s\"]\nsafety_margin = \"0ms\"\n[lanes]\ntiers = [\"2/s\"]\n[orchestrator]\ndispatch_ahead = \"50ms\"\n";
+    let config = Config::parse(text, std::path::Path::new("/bench"), &|_| None).unwrap();
+    let lateness_us = Arc::new(Mutex::new(Vec::with_capacity(jobs)));
+    // Multi-threaded, as `paceline run`'s runtime is: the store's work moves the
+    // waiting workers to the other thread (see `blocking` in the embedded store).
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let wall = runtime.block_on(async {
+        let clock = Arc::new(SystemClock);
+        let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap());
+        let messages: Vec<OutgoingMessage> = (0..jobs)
+            .map(|n| OutgoingMessage {
+                body: format!(r#"{{"id":"job-{n}","lane":"t{}","request":{{"method":"GET","path":"/jobs/{n}"}}}}"#, n % lanes),
+                attempt: 0,
+                delay: Duration::ZERO,
+                dedup_id: None,
+            })
+            .collect();
+        store.send(&messages).await.unwrap();
+        let recorder = Arc::new(SlotRecorder { clock: clock.clone(), lateness_us: lateness_us.clone() });
+        let settings = Settings::from_config(&config, WorkerHost::Lambda);
+        let orchestrator = Orchestrator::new(store.clone(), store.clone(), recorder, clock.clone(), settings).with_scoped_stores(store.clone());
+        let started = Instant::now();
+        let opts = RunOptions { holder: "bench".into(), deadline: clock.now().plus(Duration::from_secs(600)), drain: true, stop: None };
+        let report = orchestrator.run(&opts).await.unwrap();
+        assert_eq!(report.dispatched, jobs as u64);
+        let wall = started.elapsed();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        wall
+    });
+    let title = format!("Dispatch precision over {lanes} lanes, real clock, 1000 jobs/s shared ({jobs} jobs, each lane 2/s, embedded store in memory)");
+    print_precision(&title, jobs, wall, &lateness_us.lock().unwrap());
+}
+
+/// Prints |call - slot| percentiles of `lateness` (microseconds, late positive).
+fn print_precision(title: &str, jobs: usize, wall: Duration, lateness: &[i64]) {
     let early = lateness.iter().filter(|l| **l < 0).count();
     let p = Percentiles::of(lateness.iter().map(|l| u32::try_from(l.unsigned_abs()).unwrap_or(u32::MAX)).collect());
-    println!("## Dispatch precision, real clock, 1000 jobs/s ({jobs} jobs, dispatch ahead 50 ms)\n");
+    println!("## {title}\n");
     println!("|call - slot|, where each in-process worker waits for its slot and records when it calls.\n");
     println!("| calls | achieved rate | p50 | p99 | p99.9 | max | early calls |");
     println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
@@ -176,9 +221,14 @@ fn main() {
     if args.iter().any(|a| a == "--list") {
         return;
     }
+    if args.iter().any(|a| a == "lanes") {
+        precision_over_lanes(20_000, 1_000);
+        return;
+    }
     // `-- precision` runs the first parts alone.
     orchestrator_cost(20_000);
     precision(20_000);
+    precision_over_lanes(20_000, 1_000);
     if !args.iter().any(|a| a == "precision") {
         simulation_speed();
         baselines();
