@@ -260,7 +260,10 @@ impl Summary {
             let pace = if self.paced_by.as_deref() == Some(t.tier.as_str()) { " (set the pace)" } else { "" };
             tiers.add_row(vec![t.tier.clone(), t.units.to_string(), format!("{}/{}", t.peak_window, t.limit), format!("{used}{pace}")]);
         }
-        out += &format!("{tiers}\n");
+        // Lanes that share no quota ([quota] left out) have no shared tier to show.
+        if !self.tiers.is_empty() {
+            out += &format!("{tiers}\n");
+        }
         if !self.lanes.is_empty() {
             let heading =
                 if self.lanes.len() > LANES_SHOWN { format!("lanes (the {LANES_SHOWN} with most calls of {})", self.lanes.len()) } else { "lanes".to_owned() };

@@ -109,6 +109,7 @@ pub fn drain(settings: &Settings, jobs: &[String], at_end: impl FnOnce()) -> Dec
             Action::SwapCircuit { lane, next, .. } => Event::CircuitSwapped(lane, next, Ok(())),
             Action::Flush(..) => Event::Flushed(Ok(())),
             Action::Reserve(lane, needed) => Event::Reserved(lane, needed, Ok(())),
+            Action::ReserveShared(needed) => Event::SharedReserved(needed, Ok(())),
             Action::HydrateLane(lane) => Event::LaneHydrated(lane, Ok(LaneStart { snapshot: None, calendar_used: Vec::new(), shared: shared() })),
             Action::DeadLetter(message, ..) => {
                 queue.delete(std::slice::from_ref(&message.receipt));

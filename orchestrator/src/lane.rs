@@ -6,7 +6,7 @@
 //! inside. A lane never knows whether another lane exists.
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use paceline_shared::adaptive::{AdaptiveRate, EffectiveRate, ProviderReading, RateReason};
@@ -22,6 +22,7 @@ use tracing::{debug, info, warn};
 
 use crate::report::TierMeter;
 use crate::report::TierReport;
+use crate::reservations::Reservations;
 use crate::settings::{RunError, Settings};
 use crate::timers::{passing, timer_kind, Backoff, TimerTable};
 
@@ -33,8 +34,6 @@ use crate::timers::{passing, timer_kind, Backoff, TimerTable};
 const HAND_OFF_BATCH: Duration = Duration::from_millis(5);
 /// Retries of a store call that met a passing fault.
 pub(crate) const PORT_BACKOFF: Backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(8));
-/// Units reserved at a time when no rolling tier sets a pace.
-const RESERVATION_WITHOUT_PACE: u64 = 10;
 /// The circuit is re-read at most this often (see `LaneMachine::refresh_interval`).
 const FASTEST_REFRESH: Duration = Duration::from_millis(200);
 /// The orchestrator asks one call's worker this often to record the provider's
@@ -79,12 +78,23 @@ pub(crate) enum LaneStep {
     WaitUntil(UnixMillis),
     /// Reserve these calendar units before the next call spends them.
     Reserve(Vec<(String, u64)>),
+    /// Reserve these calendar units of the quota the stack's lanes share first.
+    ReserveShared(Vec<(String, u64)>),
     /// Move this message to the jobs DLQ with its reason; its job where it parsed.
     DeadLetter(QueuedMessage, DeadLetterReason, Option<Box<Job>>),
     /// Hand this job to a worker.
     Dispatch(HandOff, WorkerPayload),
     /// Hand this health check to a worker.
     HealthCheck(WorkerPayload),
+}
+
+/// The quota a stack's lanes share, as a lane's dispatch sees it: a job whose slot needs
+/// day or month units of it not yet reserved in the store waits for that reservation.
+#[derive(Clone, Copy)]
+pub(crate) struct SharedCalendar<'s> {
+    pub quota: &'s Quota,
+    pub pacer: &'s PacerState,
+    pub reserved: &'s Reservations,
 }
 
 /// A ramp from a share of the pace up to all of it (see `breaker::ramp_fraction`).
@@ -217,8 +227,8 @@ pub(crate) struct LaneMachine<'a> {
     own_hold: UnixMillis,
     circuit: Circuit,
     buffer: VecDeque<InHand>,
-    /// Calendar units reserved in the store and not yet spent, by usage key.
-    reserved: BTreeMap<String, u64>,
+    /// Calendar units reserved in the store and not yet spent.
+    reserved: Reservations,
     timers: TimerTable<LaneTimer, { LaneTimer::COUNT }>,
     refresh_backoff: Backoff,
     reserve_backoff: Backoff,
@@ -270,7 +280,7 @@ impl<'a> LaneMachine<'a> {
             own_hold: UnixMillis(0),
             circuit: Circuit::default(),
             buffer: VecDeque::new(),
-            reserved: BTreeMap::new(),
+            reserved: Reservations::default(),
             timers,
             refresh_backoff: PORT_BACKOFF,
             reserve_backoff: PORT_BACKOFF,
@@ -620,8 +630,9 @@ impl<'a> LaneMachine<'a> {
     /// The front job's next step at `now` (the front job parsed: see
     /// [`Self::take_malformed`]): wait for its spacing, a call slot or its pacer slot,
     /// reserve calendar units, dead-letter it if it can never fit, or hand it off.
-    /// `not_before`: no slot before it (what the stack's shared quota allows; 0 with none).
-    pub fn next_dispatch(&mut self, now: UnixMillis, not_before: UnixMillis) -> LaneStep {
+    /// `not_before`: no slot before it (what the stack's shared quota allows; 0 with
+    /// none); `shared`: that quota, whose day and month units are reserved too.
+    pub fn next_dispatch(&mut self, now: UnixMillis, not_before: UnixMillis, shared: Option<SharedCalendar<'_>>) -> LaneStep {
         if self.spaced_until > self.slot_at(now).plus(self.taken_early()) {
             return LaneStep::WaitUntil(self.hand_off_time(self.spaced_until, now));
         }
@@ -647,9 +658,8 @@ impl<'a> LaneMachine<'a> {
                 LaneStep::WaitUntil(self.hand_off_time(at.minus(extra_lead), now))
             }
             Decision::Allow => {
-                let needed = self.reservations_needed(cost, slot);
-                if !needed.is_empty() {
-                    return LaneStep::Reserve(needed);
+                if let Some(step) = self.reserve_first(cost, slot, shared) {
+                    return step;
                 }
                 let InHand { message, job, since } = self.pop_in_hand();
                 let mut job = job.expect("parsed: checked above");
@@ -678,7 +688,9 @@ impl<'a> LaneMachine<'a> {
 
     /// While the circuit is open: the health check's next step at `now`: wait until it is
     /// due or its slot comes, reserve calendar units for it, or send it.
-    pub fn next_health_check(&mut self, now: UnixMillis) -> LaneStep {
+    /// `shared`: the quota the stack's lanes share, whose day and month units are
+    /// reserved first (the health check spends one of them).
+    pub fn next_health_check(&mut self, now: UnixMillis, shared: Option<SharedCalendar<'_>>) -> LaneStep {
         // An operator's hold: no health check until an operator closes the circuit, which
         // the next re-read sees.
         if self.circuit.held {
@@ -693,9 +705,8 @@ impl<'a> LaneMachine<'a> {
         let slot = self.slot_at(now);
         match self.quota.decide(&self.pacer, 1, slot) {
             Decision::Allow => {
-                let needed = self.reservations_needed(1, slot);
-                if !needed.is_empty() {
-                    return LaneStep::Reserve(needed);
+                if let Some(step) = self.reserve_first(1, slot, shared) {
+                    return step;
                 }
                 // The slot is spent whatever the answer: a refused invoke may still have run.
                 self.commit(1, slot, Duration::ZERO, Duration::ZERO);
@@ -866,9 +877,7 @@ impl<'a> LaneMachine<'a> {
         match result {
             Ok(()) => {
                 self.reserve_backoff.succeeded();
-                for (key, units) in needed {
-                    *self.reserved.entry(key).or_default() += units;
-                }
+                self.reserved.add(needed);
                 Ok(())
             }
             Err(e) => self.retry_later(e, LaneTimer::Reserve, now, "could not reserve calendar units; nothing is dispatched meanwhile"),
@@ -947,25 +956,17 @@ impl<'a> LaneMachine<'a> {
         }
     }
 
-    /// Calendar units to reserve before `cost` units may be spent at `slot`: for each
-    /// calendar tier whose reservation does not cover them, a block of what the pace
-    /// uses in a flush interval, no more than the tier has left and no less than needed.
-    fn reservations_needed(&self, cost: u64, slot: UnixMillis) -> Vec<(String, u64)> {
-        let quota = &*self.quota;
-        let mut needed = Vec::new();
-        for (index, tier) in quota.tiers().iter().enumerate().filter(|(_, t)| t.is_calendar()) {
-            let key = tier.usage_key(quota.zone(), slot);
-            let have = self.reserved.get(&key).copied().unwrap_or(0);
-            if have >= cost {
-                continue; // the common case, on every dispatch: no work beyond the lookup
-            }
-            let rate = quota.pace_per_second();
-            let block =
-                if rate.is_finite() { (rate * self.settings.orchestrator.flush_interval.as_secs_f64()).ceil() as u64 } else { RESERVATION_WITHOUT_PACE };
-            let left = tier.limit.saturating_sub(self.pacer.usage(quota, slot)[index]).saturating_sub(have);
-            needed.push((key, block.min(left).max(cost - have)));
+    /// The reservation to make before `cost` units go at `slot`, if any: the lane's own
+    /// calendar units first, then the shared quota's.
+    fn reserve_first(&self, cost: u64, slot: UnixMillis, shared: Option<SharedCalendar<'_>>) -> Option<LaneStep> {
+        let block_for = self.settings.orchestrator.flush_interval;
+        let own = self.reserved.needed(&self.quota, &self.pacer, cost, slot, block_for);
+        if !own.is_empty() {
+            return Some(LaneStep::Reserve(own));
         }
-        needed
+        let shared = shared?;
+        let shared = shared.reserved.needed(shared.quota, shared.pacer, cost, slot, block_for);
+        (!shared.is_empty()).then_some(LaneStep::ReserveShared(shared))
     }
 
     /// Spends `cost` units at `now`, counted by rolling tiers as arriving up to `upload`
@@ -973,11 +974,7 @@ impl<'a> LaneMachine<'a> {
     fn commit(&mut self, cost: u64, now: UnixMillis, upload: Duration, paced: Duration) {
         let quota = &*self.quota;
         self.pacer.commit(quota, cost, now.plus(upload));
-        for tier in quota.tiers().iter().filter(|t| t.is_calendar()) {
-            if let Some(reserved) = self.reserved.get_mut(&tier.usage_key(quota.zone(), now)) {
-                *reserved = reserved.saturating_sub(cost);
-            }
-        }
+        self.reserved.spend(quota, cost, now);
         self.meter.record(now, cost, paced, self.last_hold.take());
         self.last_dispatch = Some(now);
     }
@@ -987,11 +984,7 @@ impl<'a> LaneMachine<'a> {
     pub fn give_back(&mut self, missed: MissedSlot) {
         let quota = &*self.quota;
         self.pacer.give_back(quota, missed.arrival, missed.cost);
-        for tier in quota.tiers().iter().filter(|t| t.is_calendar()) {
-            if let Some(reserved) = self.reserved.get_mut(&tier.usage_key(quota.zone(), missed.slot)) {
-                *reserved += missed.cost;
-            }
-        }
+        self.reserved.give_back(quota, missed.cost, missed.slot);
         self.meter.give_back(missed.slot, missed.cost);
         self.figures.slots_given_back += 1;
     }
@@ -1000,11 +993,7 @@ impl<'a> LaneMachine<'a> {
     /// units not spent (as negative deltas).
     pub fn leftovers(&mut self) -> (Vec<String>, Vec<(String, i64)>) {
         let in_hand = self.release_all();
-        let unspent = std::mem::take(&mut self.reserved)
-            .into_iter()
-            .filter(|(_, units)| *units > 0)
-            .map(|(key, units)| (key, -i64::try_from(units).unwrap_or(i64::MAX)))
-            .collect();
+        let unspent = self.reserved.take_unspent();
         (in_hand, unspent)
     }
 

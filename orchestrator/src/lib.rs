@@ -27,6 +27,7 @@ pub mod lambda;
 mod lane;
 mod many;
 mod report;
+mod reservations;
 mod schedule;
 mod settings;
 mod stack;
@@ -242,6 +243,11 @@ impl Orchestrator {
 
 /// Performs the decision step's actions through the ports: the ones the loop waits for
 /// inline, the hand-offs, health checks, receives and deletes in the background, so
+/// Units to reserve as the store's deltas.
+fn as_deltas(needed: &[(String, u64)]) -> Vec<(String, i64)> {
+    needed.iter().map(|(key, units)| (key.clone(), i64::try_from(*units).unwrap_or(i64::MAX))).collect()
+}
+
 /// that none of their latencies delays the next slot (pacing is about frequency).
 struct Executor<'a> {
     o: &'a Orchestrator,
@@ -257,7 +263,8 @@ impl Executor<'_> {
         if self.o.settings.lanes.is_some() {
             let stack = self.o.store_for(&StoreScope::Stack);
             let snapshot = stack.load_pacer().await?;
-            self.state.hydrate_shared(snapshot, self.o.clock.now());
+            let calendar_used = load_calendar_usage(stack.as_ref(), &self.o.settings.quota, self.o.clock.now()).await?;
+            self.state.hydrate_shared(snapshot, &calendar_used, self.o.clock.now());
             let marker = self.state.snapshots(false).pop().expect("the shared quota's snapshot").1;
             return self.mark_under_way(stack.as_ref(), &marker).await;
         }
@@ -400,9 +407,12 @@ impl Executor<'_> {
             }
             Action::Flush(lease, snapshots) => Event::Flushed(save_snapshots(o, &lease, &snapshots).await),
             Action::Reserve(lane, needed) => {
-                let deltas: Vec<(String, i64)> = needed.iter().map(|(key, units)| (key.clone(), i64::try_from(*units).unwrap_or(i64::MAX))).collect();
-                let result = o.store_for(&self.state.lane_scope(lane).0).add_usage(&deltas).await;
+                let result = o.store_for(&self.state.lane_scope(lane).0).add_usage(&as_deltas(&needed)).await;
                 Event::Reserved(lane, needed, result)
+            }
+            Action::ReserveShared(needed) => {
+                let result = o.store_for(&StoreScope::Stack).add_usage(&as_deltas(&needed)).await;
+                Event::SharedReserved(needed, result)
             }
             Action::DeadLetter(message, mut reason, job) => {
                 warn!(message_id = %message.message_id, cause = %reason.cause.label(), detail = %reason.detail, "dead-lettered");

@@ -17,8 +17,9 @@ use paceline_shared::quota::Quota;
 use paceline_shared::time::UnixMillis;
 
 use crate::fairness::FairnessMeter;
-use crate::lane::LaneMachine;
+use crate::lane::{LaneMachine, SharedCalendar};
 use crate::report::TierMeter;
+use crate::reservations::Reservations;
 use crate::schedule::Scheduler;
 use crate::stack::RECEIVE_BATCH;
 use crate::timers::LaneDeadlines;
@@ -29,6 +30,8 @@ pub(crate) struct ManyLanes<'a> {
     pub config: &'a LanesConfig,
     pub shared: &'a Quota,
     pub pacer: PacerState,
+    /// The shared day and month units reserved in the store and not yet spent.
+    pub reserved: Reservations,
     pub meter: TierMeter,
     pub scheduler: Scheduler,
     /// Per lane: read from the store yet (a lane dispatches nothing before).
@@ -75,6 +78,7 @@ impl<'a> ManyLanes<'a> {
             config,
             shared,
             pacer: PacerState::new(shared),
+            reserved: Reservations::default(),
             meter: TierMeter::new(shared),
             scheduler: Scheduler::default(),
             hydrated: Vec::new(),
@@ -184,6 +188,11 @@ impl<'a> ManyLanes<'a> {
         }
     }
 
+    /// The shared quota as a lane's dispatch sees it.
+    pub fn calendar(&self) -> SharedCalendar<'_> {
+        SharedCalendar { quota: self.shared, pacer: &self.pacer, reserved: &self.reserved }
+    }
+
     /// About how many unit-cost jobs the shared quota takes from `from` until `until`, at
     /// most `max` (see `Quota::room_estimate`).
     pub fn shared_room(&self, from: UnixMillis, until: UnixMillis, max: usize) -> usize {
@@ -200,6 +209,7 @@ impl<'a> ManyLanes<'a> {
         };
         let paced = self.last_slot.map_or(Duration::ZERO, |last| slot.since(last));
         self.pacer.commit(self.shared, cost, slot.plus(upload));
+        self.reserved.spend(self.shared, cost, slot);
         self.meter.record(slot, cost, paced, held);
         self.last_slot = Some(slot);
     }

@@ -75,6 +75,9 @@ pub(crate) enum Action {
     Flush(Lease, Vec<(StoreScope, PacerSnapshot)>),
     /// Add these calendar units to this lane's counters before they are spent (await it).
     Reserve(usize, Vec<(String, u64)>),
+    /// Add these calendar units to the shared quota's counters before they are spent
+    /// (await it).
+    ReserveShared(Vec<(String, u64)>),
     /// Read a lane's last snapshot, calendar usage and circuit, the first time it has
     /// jobs in this run (await it).
     HydrateLane(usize),
@@ -109,6 +112,7 @@ pub(crate) enum Event {
     CircuitSwapped(usize, Circuit, PortResult<()>),
     Flushed(PortResult<()>),
     Reserved(usize, Vec<(String, u64)>, PortResult<()>),
+    SharedReserved(Vec<(String, u64)>, PortResult<()>),
     LaneHydrated(usize, PortResult<LaneStart>),
     DeadLettered(QueuedMessage, PortResult<()>),
     Released(usize, PortResult<()>),
@@ -289,12 +293,19 @@ impl<'a> StackMachine<'a> {
     }
 
     /// With `[lanes]`: starts the shared quota's pacer from its last snapshot (held a
-    /// window of its longest tier after an unclean stop, as a lane's is).
-    pub fn hydrate_shared(&mut self, snapshot: Option<PacerSnapshot>, now: UnixMillis) {
-        if let (Some(many), Some(snapshot)) = (&mut self.many, snapshot) {
+    /// window of its longest tier after an unclean stop, as a lane's is) and its day and
+    /// month tiers from their counts in the store (`calendar_used`, by tier).
+    pub fn hydrate_shared(&mut self, snapshot: Option<PacerSnapshot>, calendar_used: &[u64], now: UnixMillis) {
+        let Some(many) = &mut self.many else { return };
+        if let Some(snapshot) = snapshot {
             many.pacer = PacerState::restored(many.shared, &snapshot.state);
             if !snapshot.at_exit {
                 many.pacer.hold_after_unclean_stop(many.shared, now);
+            }
+        }
+        for (index, tier) in many.shared.tiers().iter().enumerate() {
+            if tier.is_calendar() {
+                many.pacer.set_calendar_used(many.shared, index, calendar_used[index], now);
             }
         }
     }
@@ -434,6 +445,7 @@ impl<'a> StackMachine<'a> {
         match step {
             LaneStep::WaitUntil(at) => self.sleep_until(at),
             LaneStep::Reserve(needed) => Action::Reserve(index, needed),
+            LaneStep::ReserveShared(needed) => Action::ReserveShared(needed),
             LaneStep::DeadLetter(message, reason, job) => Action::DeadLetter(message, reason, job),
             LaneStep::Dispatch(hand_off, payload) => {
                 self.in_flight.hand_offs += 1;
@@ -460,7 +472,7 @@ impl<'a> StackMachine<'a> {
         if self.in_flight.hand_offs >= MAX_INVOKES_IN_FLIGHT {
             return self.await_event();
         }
-        let step = self.lanes[0].next_dispatch(now, UnixMillis(0));
+        let step = self.lanes[0].next_dispatch(now, UnixMillis(0), None);
         self.act_for_lane(0, step)
     }
 
@@ -506,7 +518,7 @@ impl<'a> StackMachine<'a> {
         if let Some(until) = self.dispatch_held_until(now) {
             return self.sleep_until(until);
         }
-        let step = self.lanes[0].next_health_check(now);
+        let step = self.lanes[0].next_health_check(now, None);
         self.act_for_lane(0, step)
     }
 
@@ -605,7 +617,8 @@ impl<'a> StackMachine<'a> {
                     break;
                 }
             };
-            match self.lanes[index].next_dispatch(now, not_before) {
+            let shared = self.many.as_ref().map(ManyLanes::calendar);
+            match self.lanes[index].next_dispatch(now, not_before, shared) {
                 LaneStep::WaitUntil(at) => {
                     let many = self.many.as_mut().expect("many lanes");
                     many.fairness.held_by_itself(index);
@@ -703,7 +716,8 @@ impl<'a> StackMachine<'a> {
             if self.shared_allows(index, 1, now).is_err() {
                 continue;
             }
-            match self.lanes[index].next_health_check(now) {
+            let shared = self.many.as_ref().map(ManyLanes::calendar);
+            match self.lanes[index].next_health_check(now, shared) {
                 LaneStep::WaitUntil(_) => {}
                 LaneStep::HealthCheck(payload) => {
                     let slot = self.lanes[index].earliest_slot(now);
@@ -855,6 +869,13 @@ impl<'a> StackMachine<'a> {
                 self.touch(lane);
                 self.lanes[lane].on_reserved(needed, result, now)
             }
+            Event::SharedReserved(needed, Ok(())) => {
+                self.many.as_mut().expect("many lanes").reserved.add(needed);
+                Ok(())
+            }
+            Event::SharedReserved(_, Err(e)) => {
+                self.retry_later(e, Timer::InvokeHold, now, "could not reserve the shared quota's calendar units; nothing is dispatched meanwhile")
+            }
             Event::DeadLettered(message, result) => self.on_dead_lettered(message, result),
             Event::Released(count, Ok(())) => {
                 self.report.released += count as u64;
@@ -904,6 +925,7 @@ impl<'a> StackMachine<'a> {
                     let Some(index) = index else { continue };
                     if let Some(many) = &mut self.many {
                         many.pacer.give_back(many.shared, slot.arrival, slot.cost);
+                        many.reserved.give_back(many.shared, slot.cost, slot.slot);
                     }
                     self.lanes[index].give_back(slot);
                     self.touch(index);
@@ -1078,6 +1100,12 @@ impl<'a> StackMachine<'a> {
         let deletes = std::mem::take(&mut self.pending_deletes);
         let mut in_hand: Vec<String> = self.to_release.drain(..).flat_map(|(receipts, _)| receipts).collect();
         let mut unspent = Vec::new();
+        if let Some(many) = &mut self.many {
+            let shared = many.reserved.take_unspent();
+            if !shared.is_empty() {
+                unspent.push((StoreScope::Stack, shared));
+            }
+        }
         for lane in &mut self.lanes {
             let (held, lane_unspent) = lane.leftovers();
             in_hand.extend(held);

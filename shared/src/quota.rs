@@ -303,6 +303,13 @@ impl Quota {
         Ok(Self { tiers, zone, safety_margin, spacing, max_in_flight: None })
     }
 
+    /// A quota of no tiers: it admits every call. The shared quota of lanes that are
+    /// different APIs with nothing in common (a config with `[lanes]` and no `[quota]`).
+    #[must_use]
+    pub fn unlimited(zone: Tz, safety_margin: Duration) -> Self {
+        Self { tiers: Vec::new(), zone, safety_margin, spacing: None, max_in_flight: None }
+    }
+
     /// The same quota with at most `max_in_flight` calls in flight at once (`None`: no
     /// cap). Each call then holds one of that many slots in the state store.
     #[must_use]

@@ -521,6 +521,19 @@ mod tests {
         assert!(fcfs.light_wait_p50_seconds >= 39.0, "{fcfs:?}");
     }
 
+    /// Lanes with nothing in common (`[quota]` left out): each goes at its own pace,
+    /// none waits for the others: 10 lanes of 50 jobs at 5/s drain in 10 s.
+    #[test]
+    fn lanes_without_a_shared_quota_each_go_at_their_own_pace() {
+        let text = "[api]\nbase_url = \"https://api.example.com\"\n[lanes]\ntiers = [\"5/s\"]\n[orchestrator]\ndispatch_ahead = \"0s\"\n";
+        let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
+        let settings = Settings::from_config(&config, paceline_shared::config::WorkerHost::InProcess);
+        let plan = LanesPlan { lanes: 10, skew: Skew::Zipf(0.0), jobs: 500, seed: 7, settings };
+        let paceline = simulate_lanes(&plan);
+        assert_eq!((paceline.lane_violations, paceline.shared_violations), (0, 0), "{paceline:?}");
+        assert!(paceline.seconds <= 11.0, "{paceline:?}");
+    }
+
     #[test]
     fn a_call_over_a_tier_in_any_of_its_windows_is_counted() {
         let quota = Quota::new(vec!["2/s".parse().unwrap()], paceline_shared::quota::chrono_tz::UTC, Duration::ZERO).unwrap();

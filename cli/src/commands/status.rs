@@ -223,7 +223,10 @@ impl StatusArgs {
                 tiers.push(usage);
             }
             let waiting = queue.visible + queue.not_visible;
-            drain_estimate_seconds = Some(quota.drain_estimate(waiting, &calendar_used, now).as_secs());
+            // Lanes that share no quota drain at their own paces: no estimate for the stack.
+            if !quota.tiers().is_empty() {
+                drain_estimate_seconds = Some(quota.drain_estimate(waiting, &calendar_used, now).as_secs());
+            }
         }
         // Nothing is dispatched before the cool-down ends.
         let drain_estimate_seconds = drain_estimate_seconds.map(|seconds| seconds + cool_down.since(now).as_secs());
@@ -296,7 +299,11 @@ fn print_status(status: &Status, now: UnixMillis) {
         }
     }
     if let Some(lanes) = &status.lanes {
-        println!("the tiers above are shared by every lane; {} lane(s):", lanes.len());
+        if status.tiers.is_empty() {
+            println!("no quota shared by the lanes ([quota] left out); {} lane(s):", lanes.len());
+        } else {
+            println!("the tiers above are shared by every lane; {} lane(s):", lanes.len());
+        }
         print_table(&lanes[..lanes.len().min(LANES_SHOWN)]);
         if lanes.len() > LANES_SHOWN {
             println!("... and {} more (`paceline lanes list`, or `status --json`)", lanes.len() - LANES_SHOWN);

@@ -713,10 +713,16 @@ async fn the_next_run_keeps_a_learned_margin_until_an_operator_clears_it() {
 
 /// A stack of many lanes from `lanes` (a `[lanes]` table), under a shared 100/s.
 fn lanes_stack(lanes: &str) -> Lane {
-    let text = format!("[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"100/s\"]\nsafety_margin = \"0ms\"\n{lanes}");
+    lanes_stack_sharing("\"100/s\"", lanes)
+}
+
+/// A stack of many lanes from `lanes`, under the shared `tiers` (TOML, `"10/s", "5/day"`).
+fn lanes_stack_sharing(tiers: &str, lanes: &str) -> Lane {
+    let text = format!("[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [{tiers}]\nsafety_margin = \"0ms\"\n{lanes}");
     let config = paceline_shared::config::Config::parse(&text, std::path::Path::new("/stack"), &|_| None).unwrap();
     let mut lane = lane_with_settings(&["100/s"], 0, |settings| {
         settings.lanes = config.lanes.clone();
+        settings.quota = config.quota.clone();
         settings.orchestrator.state_refresh = Duration::from_secs(1);
     });
     lane.orchestrator = lane.orchestrator.with_scoped_stores(lane.store.clone());
@@ -846,4 +852,40 @@ async fn a_held_circuit_sends_no_health_checks() {
     enqueue(&lane, (0..3).map(|i| job(&format!("j{i}")))).await;
     lane.orchestrator.run(&opts(false, Duration::from_secs(8))).await.unwrap();
     assert_eq!(offsets(&lane), Vec::<u64>::new(), "a held circuit let a call through: {:?}", lane.invoker.accepted());
+}
+
+async fn stack_day_usage(stack: &Lane, tier: &str) -> u64 {
+    let key = tier.parse::<paceline_shared::quota::Tier>().unwrap().usage_key(chrono_tz::UTC, T0);
+    stack.store.scoped(&StoreScope::Stack).load_usage(&[key]).await.unwrap()[0]
+}
+
+/// A day tier in `[quota]` with `[lanes]`: every lane's calls count against it, no more
+/// go that day whatever lane they are on, and a clean stop gives back what it reserved
+/// and did not spend, so the store holds exactly what was called.
+#[tokio::test(start_paused = true)]
+async fn a_shared_day_tier_holds_every_lane_and_the_store_counts_exactly_what_was_called() {
+    let stack = lanes_stack_sharing("\"100/s\", \"30/day\"", "[lanes]\ntiers = [\"10/s\"]\n");
+    enqueue(&stack, (0..25).flat_map(|i| [lane_job("acme", &format!("a{i}")), lane_job("globex", &format!("g{i}"))])).await;
+    let report = stack.orchestrator.run(&opts(false, Duration::from_secs(30))).await.unwrap();
+    assert_eq!(report.dispatched, 30);
+    assert_eq!(stack_day_usage(&stack, "30/day").await, 30);
+    let again = stack.orchestrator.run(&RunOptions { deadline: stack.clock.now().plus(Duration::from_secs(10)), ..opts(false, Duration::ZERO) }).await.unwrap();
+    assert_eq!(again.dispatched, 0, "the day is spent for every lane");
+}
+
+/// kill -9 in the middle of a run of many lanes: the shared day counter in the store is
+/// never under what was called, so the restart cannot overrun the day.
+#[tokio::test(start_paused = true)]
+async fn a_crash_never_leaves_the_shared_day_counter_under_what_was_dispatched() {
+    let stack = lanes_stack_sharing("\"10/s\", \"60/day\"", "[lanes]\ntiers = [\"5/s\"]\n");
+    enqueue(&stack, (0..50).flat_map(|i| [lane_job("acme", &format!("a{i}")), lane_job("globex", &format!("g{i}"))])).await;
+    let crashed = tokio::time::timeout(Duration::from_millis(3_700), stack.orchestrator.run(&opts(true, Duration::from_secs(600)))).await;
+    assert!(crashed.is_err(), "the run was meant to be cut off");
+    let dispatched = stack.invoker.accepted().len() as u64;
+    assert!(dispatched >= 30, "{dispatched} calls before the crash");
+    assert!(stack_day_usage(&stack, "60/day").await >= dispatched, "the shared day counter is under what the crashed run spent");
+    stack.store.clear_lease().unwrap();
+    let deadline = stack.clock.now().plus(Duration::from_secs(600));
+    stack.orchestrator.run(&RunOptions { deadline, ..opts(true, Duration::ZERO) }).await.unwrap();
+    assert!(stack.invoker.accepted().len() <= 60, "{} calls in a shared 60/day tier", stack.invoker.accepted().len());
 }

@@ -126,14 +126,6 @@ impl LanesConfig {
                 }
             }
         }
-        // The shared counters of a day or month are not yet reserved in the store before
-        // they are spent, as a lane's are: a restart could overrun them.
-        if let Some(tier) = shared.tiers().iter().find(|tier| tier.is_calendar()) {
-            return Err(ConfigProblem::at(
-                "quota.tiers",
-                format!("{tier}: with [lanes], the shared quota takes rolling tiers (s, min, h) for now; give day and month tiers to the lanes"),
-            ));
-        }
         let defaults_settings = defaults.clone().settings("lanes", shared)?;
         let mut named = BTreeMap::new();
         for (lane, raw) in overrides {
@@ -239,6 +231,9 @@ impl RawLane {
     fn settings(self, key: &str, shared: &Quota) -> Result<LaneSettings, ConfigProblem> {
         let quota = match self.tiers {
             Some(tiers) => Quota::new(tiers, shared.zone(), shared.safety_margin()).map_err(|e| ConfigProblem::at(format!("{key}.tiers"), e))?,
+            None if shared.tiers().is_empty() => {
+                return Err(ConfigProblem::at(format!("{key}.tiers"), "missing: without [quota], the lanes share no quota and each needs tiers of its own"));
+            }
             None => Quota::new(shared.tiers().to_vec(), shared.zone(), shared.safety_margin()).expect("the shared quota's tiers are checked"),
         };
         let max_in_flight = super::check_max_in_flight(self.max_in_flight).map_err(|e| ConfigProblem::at(format!("{key}.max_in_flight"), e))?;
@@ -303,6 +298,22 @@ mod tests {
         assert_eq!(lanes.on_429, CoolDownScope::Lane);
     }
 
+    /// Lanes that are different APIs with nothing in common: `[quota]` left out, the
+    /// shared quota has no tier, and every lane needs tiers of its own.
+    #[test]
+    fn without_quota_the_lanes_share_nothing_and_each_needs_tiers_of_its_own() {
+        let api = "[api]\nbase_url = \"https://api.example.com/v1\"\n";
+        let parse_alone = |text: &str| Config::parse(&format!("{api}{text}"), Path::new("/stack"), &env).map_err(|problem| problem.to_string());
+        let config = parse_alone("[lanes]\ntiers = [\"5/s\"]\n[lanes.crm]\ntiers = [\"2/s\", \"1000/day\"]\nbase_url = \"https://crm.example.com\"\n").unwrap();
+        assert!(config.quota.tiers().is_empty(), "no shared tier");
+        assert_eq!(config.lane_quota(&lane("crm")).tiers().len(), 2);
+        assert_eq!(config.lane_quota(&lane("other")).tiers()[0].to_string(), "5/s");
+        let no_tiers = parse_alone("[lanes]\n[lanes.crm]\ntiers = [\"2/s\"]\n").unwrap_err();
+        assert!(no_tiers.starts_with("lanes.tiers: missing: without [quota]"), "{no_tiers}");
+        let one_lane = parse_alone("").unwrap_err();
+        assert!(one_lane.starts_with("quota: missing"), "{one_lane}");
+    }
+
     #[test]
     fn a_lane_without_tiers_of_its_own_goes_under_the_shared_ones_and_a_stack_without_lanes_is_one_lane() {
         let stack = parse("[lanes]\non_429 = \"stack\"\n").unwrap();
@@ -350,8 +361,8 @@ mod tests {
             let problem = parse(lanes).unwrap_err();
             assert!(problem.starts_with(expected), "{lanes:?}: {problem}");
         }
-        let daily = Config::parse(&(STACK.replace("[\"20/s\"]", "[\"20/s\", \"1000/day\"]") + "[lanes]\n"), Path::new("/stack"), &env).unwrap_err();
-        assert!(daily.to_string().starts_with("quota.tiers: 1000/day: with [lanes]"), "{daily}");
+        let daily = Config::parse(&(STACK.replace("[\"20/s\"]", "[\"20/s\", \"1000/day\"]") + "[lanes]\n"), Path::new("/stack"), &env).unwrap();
+        assert_eq!(daily.quota.tiers().len(), 2, "a shared day tier is reserved in the store as a lane's is");
         let aws = "[backend]\nkind = \"aws\"\nqueue_url = \"q\"\ndlq_url = \"d\"\ntable = \"t\"\nworker_function = \"w\"\n[lanes]\n";
         let problem = parse(aws).unwrap_err();
         assert!(problem.contains("embedded backend"), "{problem}");

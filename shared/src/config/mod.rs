@@ -574,7 +574,8 @@ fn base_url<'de, D: Deserializer<'de>>(d: D) -> Result<url::Url, D::Error> {
 #[serde(deny_unknown_fields)]
 struct RawConfig {
     api: RawApi,
-    quota: RawQuota,
+    /// Left out only with `[lanes]` (lanes with nothing in common).
+    quota: Option<RawQuota>,
     #[serde(default)]
     circuit: CircuitConfig,
     #[serde(default)]
@@ -746,9 +747,21 @@ impl Config {
     /// type errors give no key; their message says the line and column.
     pub fn parse(text: &str, base_dir: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, ConfigProblem> {
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigProblem { key: None, message: e.to_string().trim_end().to_owned() })?;
-        let quota = Quota::new(raw.quota.tiers, raw.quota.time_zone, raw.quota.safety_margin).map_err(|e| ConfigProblem::at("quota.tiers", e))?;
-        let max_in_flight = check_max_in_flight(raw.quota.max_in_flight).map_err(|e| ConfigProblem::at("quota.max_in_flight", e))?;
-        let quota = quota.with_max_in_flight(max_in_flight);
+        let quota = match raw.quota {
+            Some(quota) => {
+                let max_in_flight = check_max_in_flight(quota.max_in_flight).map_err(|e| ConfigProblem::at("quota.max_in_flight", e))?;
+                Quota::new(quota.tiers, quota.time_zone, quota.safety_margin)
+                    .map_err(|e| ConfigProblem::at("quota.tiers", e))?
+                    .with_max_in_flight(max_in_flight)
+            }
+            None if raw.lanes.is_some() => Quota::unlimited(utc(), defaults::safety_margin()),
+            None => {
+                return Err(ConfigProblem::at(
+                    "quota",
+                    "missing: the API's quota, e.g. [quota] tiers = [\"10/s\"] (only a config with [lanes] may leave it out)",
+                ))
+            }
+        };
         let in_section = |section: &str, e: Invalid| ConfigProblem::at(format!("{section}.{}", e.field), e.problem);
         raw.circuit.check().map_err(|e| in_section("circuit", e))?;
         raw.retry.check().map_err(|e| in_section("retry", e))?;

@@ -1,0 +1,75 @@
+//! Day and month units reserved in the store before they are spent, a block at a time (a
+//! lane's own, or the quota its lanes share): a run that starts after a crash reads the
+//! store's count, which already holds every unit spent, so no restart overruns a tier.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use paceline_shared::pacer::PacerState;
+use paceline_shared::quota::Quota;
+use paceline_shared::time::UnixMillis;
+
+/// Units reserved at a time when no rolling tier sets a pace.
+const RESERVATION_WITHOUT_PACE: u64 = 10;
+
+/// Calendar units reserved in the store and not yet spent, by usage key.
+#[derive(Debug, Default)]
+pub(crate) struct Reservations {
+    reserved: BTreeMap<String, u64>,
+}
+
+impl Reservations {
+    /// What to add to the store before `cost` units go at `slot` under `quota` (`pacer`:
+    /// what it used so far): for each calendar tier whose reserved units fall short, a
+    /// block of what the pace uses in `block_for`, no more than the tier has left and
+    /// at least the shortfall. Empty in the common case, on every dispatch.
+    pub fn needed(&self, quota: &Quota, pacer: &PacerState, cost: u64, slot: UnixMillis, block_for: Duration) -> Vec<(String, u64)> {
+        let mut needed = Vec::new();
+        for (index, tier) in quota.tiers().iter().enumerate().filter(|(_, t)| t.is_calendar()) {
+            let key = tier.usage_key(quota.zone(), slot);
+            let have = self.reserved.get(&key).copied().unwrap_or(0);
+            if have >= cost {
+                continue;
+            }
+            let rate = quota.pace_per_second();
+            let block = if rate.is_finite() { (rate * block_for.as_secs_f64()).ceil() as u64 } else { RESERVATION_WITHOUT_PACE };
+            let left = tier.limit.saturating_sub(pacer.usage(quota, slot)[index]).saturating_sub(have);
+            needed.push((key, block.min(left).max(cost - have)));
+        }
+        needed
+    }
+
+    /// The store took `needed`.
+    pub fn add(&mut self, needed: Vec<(String, u64)>) {
+        for (key, units) in needed {
+            *self.reserved.entry(key).or_default() += units;
+        }
+    }
+
+    /// `cost` units went at `slot` under `quota`.
+    pub fn spend(&mut self, quota: &Quota, cost: u64, slot: UnixMillis) {
+        for tier in quota.tiers().iter().filter(|t| t.is_calendar()) {
+            if let Some(reserved) = self.reserved.get_mut(&tier.usage_key(quota.zone(), slot)) {
+                *reserved = reserved.saturating_sub(cost);
+            }
+        }
+    }
+
+    /// The `cost` units spent at `slot` were not used after all (a worker made no call).
+    pub fn give_back(&mut self, quota: &Quota, cost: u64, slot: UnixMillis) {
+        for tier in quota.tiers().iter().filter(|t| t.is_calendar()) {
+            if let Some(reserved) = self.reserved.get_mut(&tier.usage_key(quota.zone(), slot)) {
+                *reserved += cost;
+            }
+        }
+    }
+
+    /// The units reserved and not spent, as negative deltas for the store, forgotten here.
+    pub fn take_unspent(&mut self) -> Vec<(String, i64)> {
+        std::mem::take(&mut self.reserved)
+            .into_iter()
+            .filter(|(_, units)| *units > 0)
+            .map(|(key, units)| (key, -i64::try_from(units).unwrap_or(i64::MAX)))
+            .collect()
+    }
+}
