@@ -137,7 +137,14 @@ pub struct LanesReport {
     pub light_wait_p99_seconds: f64,
     /// Wall-clock seconds the simulation took.
     pub wall_seconds: f64,
+    /// Units called each second from the start: the [`PLOTTED_LANES`] lanes with most
+    /// calls (by id) and then all the others together; what `--plot` stacks.
+    #[serde(skip)]
+    pub calls_per_second: Vec<(String, Vec<u32>)>,
 }
+
+/// The lanes a plot shows one by one; the others are one band.
+pub const PLOTTED_LANES: usize = 6;
 
 /// Records every hand-off as the call it stands for: workers in one process call at the
 /// slot, which a hand-off without dispatch-ahead is.
@@ -193,6 +200,27 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
         calls
     });
     analyse(plan, "paceline (weighted fair lanes)", &job_lanes, calls, wall.elapsed())
+}
+
+/// The units called each second by the [`PLOTTED_LANES`] lanes with most calls, and by
+/// the others together (lanes unknown to the plan among them).
+fn plotted_calls(plan: &LanesPlan, calls: &[Call]) -> Vec<(String, Vec<u32>)> {
+    let seconds = calls.last().map_or(0, |call| call.at.since(SIM_START).as_secs() as usize + 1);
+    let mut units = vec![0_u64; plan.lanes];
+    for call in calls.iter().filter(|call| call.lane < plan.lanes) {
+        units[call.lane] += call.cost;
+    }
+    let mut busiest: Vec<usize> = (0..plan.lanes).filter(|lane| units[*lane] > 0).collect();
+    busiest.sort_by_key(|lane| (std::cmp::Reverse(units[*lane]), *lane));
+    busiest.truncate(PLOTTED_LANES);
+    let mut series: Vec<(String, Vec<u32>)> = busiest.iter().map(|lane| (plan.lane_id(*lane).to_string(), vec![0; seconds])).collect();
+    series.push(("the other lanes".to_owned(), vec![0; seconds]));
+    for call in calls {
+        let band = busiest.iter().position(|lane| *lane == call.lane).unwrap_or(series.len() - 1);
+        let second = call.at.since(SIM_START).as_secs() as usize;
+        series[band].1[second] += u32::try_from(call.cost).unwrap_or(u32::MAX);
+    }
+    series
 }
 
 /// Drains the plan's backlog first-come first-served over one queue: each job, in queue
@@ -405,7 +433,9 @@ fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: V
     let mut light: Vec<f64> =
         calls.iter().filter(|call| call.lane < plan.lanes && (jobs_of[call.lane] as f64) < mean).map(|call| call.at.since(SIM_START).as_secs_f64()).collect();
     light.sort_by(f64::total_cmp);
+    let calls_per_second = plotted_calls(plan, &calls);
     LanesReport {
+        calls_per_second,
         dispatcher: dispatcher.to_owned(),
         lanes: plan.lanes,
         jobs: plan.jobs,
@@ -506,6 +536,27 @@ mod tests {
         );
         let rr = round_robin(&plan);
         assert!(rr.jain_index_mean.is_some_and(|j| j >= 0.99), "{rr:?}");
+    }
+
+    /// The plot of a run of many lanes: one panel per shared tier, the six lanes with
+    /// most calls and the others as bands stacked in that order, the top band being all
+    /// the calls, never over the shared limit.
+    #[test]
+    fn the_lanes_plot_stacks_the_busiest_lanes_under_the_shared_limit() {
+        let plan = plan(40, 1_000);
+        let report = simulate_lanes(&plan);
+        let figure = crate::plot::lanes_figure(&report, &plan.settings.quota);
+        assert_eq!(figure.panels.len(), 1);
+        let panel = &figure.panels[0];
+        assert!(panel.stacked && panel.lines.len() == PLOTTED_LANES + 1, "{:?}", panel.lines.iter().map(|l| &l.name).collect::<Vec<_>>());
+        assert_eq!(panel.lines[0].name, "t01", "the busiest lane at the bottom");
+        for pair in panel.lines.windows(2) {
+            assert!(pair[0].mean.iter().zip(&pair[1].mean).all(|((_, below), (_, above))| below <= above), "each band includes the ones below it");
+        }
+        let top = &panel.lines.last().unwrap().mean;
+        assert!(top.iter().all(|(_, calls)| *calls <= panel.limit), "{top:?}");
+        let called: u32 = report.calls_per_second.iter().flat_map(|(_, calls)| calls).sum();
+        assert_eq!(called, 1_000, "every call in a band");
     }
 
     /// 20 light lanes' jobs behind a heavy lane's 2,000 on the queue: each goes within

@@ -2,7 +2,8 @@
 //! to PNG or SVG (by the file's extension). One panel per tier against its limit: a
 //! rolling tier as calls in its own window (mean and busiest per point), a calendar tier
 //! as cumulative use in its day or month. Outages are shaded, calls refused as over quota
-//! are marked, and baselines (`--baselines`) are overlaid.
+//! are marked, and baselines (`--baselines`) are overlaid. With `--lanes`, one panel per
+//! shared tier, the lanes with most calls stacked under its limit.
 
 use std::fmt;
 use std::path::Path;
@@ -14,6 +15,7 @@ use paceline_shared::time::UnixMillis;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
+use crate::lanes::LanesReport;
 use crate::report::SimReport;
 use crate::SIM_START;
 
@@ -33,6 +35,16 @@ const FAMILY: &str = "sans-serif";
 const LANE_COLOUR: RGBColor = RGBColor(31, 111, 235);
 const LIMIT_COLOUR: RGBColor = RGBColor(200, 30, 30);
 const OUTAGE_COLOUR: RGBColor = RGBColor(255, 150, 0);
+/// The bands of a stacked panel, the lane with most calls first.
+const STACK_COLOURS: [RGBColor; 7] = [
+    RGBColor(31, 111, 235),
+    RGBColor(230, 120, 0),
+    RGBColor(40, 150, 70),
+    RGBColor(140, 70, 170),
+    RGBColor(200, 60, 110),
+    RGBColor(0, 150, 160),
+    RGBColor(150, 150, 150),
+];
 const BASELINE_COLOURS: [RGBColor; 5] = [RGBColor(230, 120, 0), RGBColor(40, 150, 70), RGBColor(140, 70, 170), RGBColor(140, 90, 50), RGBColor(110, 110, 110)];
 
 /// Why a plot was not written.
@@ -102,6 +114,9 @@ pub struct Panel {
     pub y_unit: String,
     pub limit: f64,
     pub lines: Vec<Line>,
+    /// The lines are bands stacked from the first up (each line's values include the
+    /// ones below it), drawn as filled areas.
+    pub stacked: bool,
 }
 
 impl Panel {
@@ -135,7 +150,7 @@ pub fn figure(main: &SimReport, others: &[SimReport], quota: &Quota) -> Figure {
         .map(|tier| {
             let measure = Measure::of(tier, quota);
             let lines = reports.iter().map(|r| measure.line(r, seconds, bucket)).collect();
-            Panel { caption: measure.caption(tier), y_unit: measure.y_unit(), limit: measure.limit, lines }
+            Panel { caption: measure.caption(tier), y_unit: measure.y_unit(), limit: measure.limit, lines, stacked: false }
         })
         .collect();
     let drained = if main.drained { "drained in" } else { "not drained after" };
@@ -146,6 +161,69 @@ pub fn figure(main: &SimReport, others: &[SimReport], quota: &Quota) -> Figure {
         outages: main.failures.outages.iter().map(|o| (o.start.as_secs_f64(), (o.start + o.length).as_secs_f64())).collect(),
         panels,
     }
+}
+
+/// The figure of a simulation of many lanes (`--lanes`) under the shared `quota`: for
+/// each shared tier, the lanes with most calls and the others stacked, against its limit.
+#[must_use]
+pub fn lanes_figure(report: &LanesReport, quota: &Quota) -> Figure {
+    let seconds = report.calls_per_second.iter().map(|(_, calls)| calls.len()).max().unwrap_or(0).max(1);
+    let bucket = seconds.div_ceil(MAX_POINTS).max(1);
+    let panels = quota
+        .tiers()
+        .iter()
+        .map(|tier| {
+            let measure = Measure::of(tier, quota);
+            let calendar = matches!(measure.kind, MeasureKind::Calendar { .. });
+            let mut below = vec![0.0; seconds];
+            let lines = report
+                .calls_per_second
+                .iter()
+                .map(|(lane, calls)| {
+                    for (sum, value) in below.iter_mut().zip(measure.per_second(calls, seconds)) {
+                        *sum += value;
+                    }
+                    Line { name: lane.clone(), mean: bucketed(&below, bucket, seconds, calendar), busiest: Vec::new(), refused: Vec::new(), refused_total: 0 }
+                })
+                .collect();
+            let caption = format!("shared tier {tier}: the lanes with most calls, stacked, against the limit");
+            Panel { caption, y_unit: measure.y_unit(), limit: measure.limit, lines, stacked: true }
+        })
+        .collect();
+    let fairness = report.jain_index_mean.map_or(String::new(), |jain| format!("; Jain's index {jain:.4}"));
+    Figure {
+        title: format!(
+            "{} jobs over {} lanes, shared quota {}: drained in {}",
+            report.jobs,
+            report.lanes,
+            quota_label(quota),
+            clock_label(report.seconds, report.seconds)
+        ),
+        subtitle: format!(
+            "{}; {} calls over a lane's tier, {} over a shared tier{fairness}",
+            report.dispatcher, report.lane_violations, report.shared_violations
+        ),
+        seconds: seconds as f64,
+        outages: Vec::new(),
+        panels,
+    }
+}
+
+fn quota_label(quota: &Quota) -> String {
+    quota.tiers().iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+}
+
+/// `values` (one a second) in points of `bucket` seconds: each point's mean, or for a
+/// calendar tier the use at its end.
+fn bucketed(values: &[f64], bucket: usize, seconds: usize, calendar: bool) -> Vec<(f64, f64)> {
+    values
+        .chunks(bucket)
+        .enumerate()
+        .map(|(index, chunk)| {
+            let x = ((index * bucket) as f64).min(seconds as f64);
+            (x, if calendar { chunk.last().copied().unwrap_or(0.0) } else { chunk.iter().sum::<f64>() / chunk.len() as f64 })
+        })
+        .collect()
 }
 
 /// How a tier's use is measured each second.
@@ -210,11 +288,11 @@ impl Measure {
     fn line(&self, report: &SimReport, seconds: usize, bucket: usize) -> Line {
         let values = self.per_second(&report.admitted_per_second, seconds);
         let calendar = matches!(self.kind, MeasureKind::Calendar { .. });
-        let mut line = Line { name: report.dispatcher.clone(), mean: Vec::new(), busiest: Vec::new(), refused: Vec::new(), refused_total: report.violations() };
+        let mean = bucketed(&values, bucket, seconds, calendar);
+        let mut line =
+            Line { name: report.dispatcher.clone(), mean: mean.clone(), busiest: Vec::new(), refused: Vec::new(), refused_total: report.violations() };
         for (index, chunk) in values.chunks(bucket).enumerate() {
-            let x = ((index * bucket) as f64).min(seconds as f64);
-            let mean = if calendar { chunk.last().copied().unwrap_or(0.0) } else { chunk.iter().sum::<f64>() / chunk.len() as f64 };
-            line.mean.push((x, mean));
+            let (x, mean) = mean[index];
             if !calendar {
                 line.busiest.push((x, chunk.iter().copied().fold(0.0, f64::max)));
             }
@@ -375,6 +453,19 @@ where
         .axis_desc_style((FAMILY, 14))
         .draw()?;
     let mut legend = Vec::new();
+    if panel.stacked {
+        // The highest band first, each lower one drawn over it.
+        for (index, line) in panel.lines.iter().enumerate().rev() {
+            let colour = STACK_COLOURS[index % STACK_COLOURS.len()];
+            chart.draw_series(AreaSeries::new(line.mean.iter().map(|(x, y)| (x / unit, *y)), 0.0, colour.mix(0.75)))?;
+        }
+        legend.extend(
+            panel.lines.iter().enumerate().map(|(index, line)| (Swatch::Area(STACK_COLOURS[index % STACK_COLOURS.len()].mix(0.75)), line.name.clone())),
+        );
+        chart.draw_series(DashedLineSeries::new([(0.0, panel.limit), (x_max / unit, panel.limit)], 8, 5, LIMIT_COLOUR.stroke_width(2)))?;
+        legend.push((Swatch::Dashed(LIMIT_COLOUR.into()), format!("limit {}", count_label(panel.limit, panel.limit))));
+        return draw_legend(&legend_area, &legend);
+    }
     if !figure.outages.is_empty() {
         chart.draw_series(
             figure.outages.iter().map(|(start, end)| Rectangle::new([(*start / unit, 0.0), (*end / unit, y_max)], OUTAGE_COLOUR.mix(0.18).filled())),

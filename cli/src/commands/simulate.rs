@@ -149,8 +149,10 @@ impl SimulateArgs {
         let config = load_config_for_operations(&self.config.config)?;
         anyhow::ensure!(self.jobs > 0, "--jobs: need at least one job");
         anyhow::ensure!(lanes > 0, "--lanes: need at least one lane");
-        anyhow::ensure!(self.plot.is_none(), "--plot: the lanes' panel is not drawn yet; leave --plot out with --lanes");
         anyhow::ensure!(config.lanes.is_some(), "--lanes needs a [lanes] table in {} (each lane's own tiers and weight)", self.config.config.display());
+        if self.plot.is_some() {
+            anyhow::ensure!(!config.quota.tiers().is_empty(), "--plot: the lanes share no quota ([quota] left out), so there is no shared tier to draw");
+        }
         let mut orchestrator = config.orchestrator;
         // Workers in one process call at their slot.
         orchestrator.dispatch_ahead = Some(Duration::ZERO);
@@ -161,6 +163,10 @@ impl SimulateArgs {
     /// `--lanes`: runs the lanes' simulation (and its baselines) and reports.
     async fn run_lanes(&self, lanes: usize) -> anyhow::Result<()> {
         let plan = self.lanes_plan(lanes)?;
+        if let Some(path) = &self.plot {
+            plot::check_path(path)?;
+        }
+        let shared = plan.settings.quota.clone();
         let baselines = self.baselines;
         let reports = tokio::task::spawn_blocking(move || {
             let mut reports = vec![simulate_lanes(&plan)];
@@ -178,6 +184,12 @@ impl SimulateArgs {
             println!("{}", serde_json::to_string_pretty(&value)?);
         } else {
             print!("{}", render_lanes(&reports));
+        }
+        if let Some(path) = &self.plot {
+            plot::write(path, &plot::lanes_figure(&reports[0], &shared))?;
+            if !self.json {
+                println!("\nPlot written to {}", path.display());
+            }
         }
         match reports[0].lane_violations + reports[0].shared_violations {
             0 => Ok(()),
