@@ -13,8 +13,9 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
-use paceline_orchestrator::decision_bench::drain;
+use paceline_orchestrator::decision_bench::{drain, QueuedJob};
 use paceline_orchestrator::Settings;
 use paceline_shared::config::{Config, WorkerHost};
 
@@ -47,6 +48,9 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
+/// The longest a backlog may take to drain (virtual time).
+const DAY: Duration = Duration::from_secs(86_400);
+
 /// Jobs in each backlog, whatever the lanes.
 const JOBS: usize = 50_000;
 
@@ -61,8 +65,8 @@ fn main() {
     let counts = if asked.is_empty() { vec![10, 100, 1_000, 10_000] } else { asked };
     for lanes in counts {
         // Round robin over the lanes on the queue: every lane backlogged from the start.
-        let jobs: Vec<String> = (0..JOBS).map(|i| format!("t{}", i % lanes)).collect();
-        let best = (0..3).map(|_| drain(&settings, &jobs, || {})).min_by_key(|figures| figures.took).expect("three runs");
+        let jobs: Vec<QueuedJob> = (0..JOBS).map(|i| QueuedJob::of(format!("t{}", i % lanes))).collect();
+        let best = (0..3).map(|_| drain(&settings, &jobs, DAY, |_, _| {}, || {})).min_by_key(|figures| figures.took).expect("three runs");
         assert_eq!(best.dispatched, JOBS as u64, "every job dispatched");
         println!(
             "| {lanes} | {} | {} | {:.0} | {:.2} us | {:.1} s |",
@@ -77,10 +81,10 @@ fn main() {
     println!("| idle lanes | orchestrator memory held for them | per idle lane |");
     println!("| ---: | ---: | ---: |");
     for lanes in [1_000, 10_000] {
-        let jobs: Vec<String> = (0..lanes).map(|i| format!("t{i}")).collect();
+        let jobs: Vec<QueuedJob> = (0..lanes).map(|i| QueuedJob::of(format!("t{i}"))).collect();
         let before = LIVE.load(Ordering::Relaxed);
         let mut held = 0;
-        drain(&settings, &jobs, || held = LIVE.load(Ordering::Relaxed).saturating_sub(before));
+        drain(&settings, &jobs, DAY, |_, _| {}, || held = LIVE.load(Ordering::Relaxed).saturating_sub(before));
         println!("| {lanes} | {:.1} MB | {:.0} bytes |", held as f64 / 1e6, held as f64 / lanes as f64);
     }
 }

@@ -818,6 +818,16 @@ impl<'a> LaneMachine<'a> {
         self.quota.capacity_until(&self.pacer, self.slot_at(now), horizon, max)
     }
 
+    /// How long from `now` until the lane's tiers or holds let its next call go (zero
+    /// when one may go now).
+    pub fn held_for(&self, now: UnixMillis) -> Duration {
+        let slot = self.slot_at(now);
+        match self.quota.decide(&self.pacer, 1, slot) {
+            Decision::WaitUntil { at, .. } => at.since(slot),
+            Decision::Allow | Decision::Never { .. } => Duration::ZERO,
+        }
+    }
+
     /// About what [`Self::capacity_until`] says, in O(tiers) (see `Quota::room_estimate`).
     pub fn room_estimate(&self, now: UnixMillis, horizon: UnixMillis, max: usize) -> usize {
         self.quota.room_estimate(&self.pacer, self.slot_at(now), horizon, max)
@@ -846,6 +856,25 @@ impl<'a> LaneMachine<'a> {
     /// A refused hand-off's job goes back in hand, first.
     pub fn hand_back(&mut self, hand_off: HandOff, job: Job) {
         self.buffer.push_front(InHand { message: hand_off.message, job: Ok(job), since: hand_off.since });
+    }
+
+    /// How many jobs from the front of the hand together take no more than `units` of
+    /// the lane's pace: what a stack of many lanes lets a lane keep. A job takes its cost
+    /// as its tiers pack it (under 3/s, jobs of 2 go one a second: each takes 3), a
+    /// message that did not parse one.
+    pub fn jobs_within(&self, units: usize) -> usize {
+        let packed = |cost: u64| {
+            let rolling = self.quota.tiers().iter().filter(|tier| !tier.is_calendar() && cost <= tier.limit);
+            rolling.map(|tier| tier.limit as f64 / (tier.limit / cost) as f64).fold(cost as f64, f64::max)
+        };
+        let mut total = 0.0;
+        self.buffer
+            .iter()
+            .take_while(|held| {
+                total += held.job.as_ref().map_or(1.0, |job| packed(job.cost.max(1)));
+                total <= units as f64
+            })
+            .count()
     }
 
     /// Gives up the messages in hand past the first `keep` (to be made visible again

@@ -42,14 +42,20 @@ pub(crate) struct ManyLanes<'a> {
     pub dispatched: Vec<u64>,
     /// The slot of the last call on the shared quota.
     last_slot: Option<UnixMillis>,
+    /// Units spent on the shared quota in this run, and the last exact count of what it
+    /// takes in the next stretch: (from, units, units spent by then).
+    spent: u64,
+    capacity_seen: Option<(UnixMillis, usize, u64)>,
     /// Per lane: the ids of the messages it gave back to the queue and has not
     /// dispatched since (to tell a job given back before from one it had not seen).
     pub hidden: Vec<HashSet<String>>,
     /// Per lane: the receipts of what it gave back, by when each batch comes back; a
     /// lane that runs dry sooner (its share grew) brings the first back at once.
     pub returning: Vec<Vec<(UnixMillis, Vec<String>)>>,
-    /// Per lane: it asked for a batch back and has not received it yet.
+    /// Per lane: it asked for a batch back and has not received it yet; and when it
+    /// last did (a lane brings jobs back at most once a [`RECALL_STRETCH`]).
     pub recalling: Vec<bool>,
+    pub recalled_at: Vec<UnixMillis>,
     pub fairness: FairnessMeter,
     /// The lanes' own deadlines (re-reads, reservation holds), by when.
     pub deadlines: LaneDeadlines,
@@ -85,9 +91,12 @@ impl<'a> ManyLanes<'a> {
             to_hydrate: VecDeque::new(),
             dispatched: Vec::new(),
             last_slot: None,
+            spent: 0,
+            capacity_seen: None,
             hidden: Vec::new(),
             returning: Vec::new(),
             recalling: Vec::new(),
+            recalled_at: Vec::new(),
             fairness: FairnessMeter::default(),
             deadlines: LaneDeadlines::default(),
             touched: Vec::new(),
@@ -114,6 +123,7 @@ impl<'a> ManyLanes<'a> {
         self.hidden.push(HashSet::new());
         self.returning.push(Vec::new());
         self.recalling.push(false);
+        self.recalled_at.push(UnixMillis(0));
         self.is_touched.push(false);
         self.in_hand.push(0);
         self.is_starved.push(false);
@@ -199,6 +209,30 @@ impl<'a> ManyLanes<'a> {
         self.shared.room_estimate(&self.pacer, from, until, max)
     }
 
+    /// How many unit-cost jobs the shared quota takes from `from` until `from + stretch`,
+    /// at most `max`: counted slot by slot (exact, as a lane's keep must be: a longer
+    /// tier spent early holds the quota past the stretch) at most once a second, and in
+    /// between that count less what was spent since, which errs low by what the quota
+    /// freed meanwhile, never high.
+    pub fn shared_capacity(&mut self, from: UnixMillis, stretch: Duration, max: usize) -> usize {
+        if let Some((counted_from, units, spent_then)) = self.capacity_seen {
+            if from >= counted_from && from < counted_from.plus(Duration::from_secs(1)) {
+                return units.saturating_sub(usize::try_from(self.spent - spent_then).unwrap_or(usize::MAX));
+            }
+        }
+        let units = self.shared.capacity_until(&self.pacer, from, from.plus(stretch), max);
+        self.capacity_seen = Some((from, units, self.spent));
+        units
+    }
+
+    /// How long from `from` until the shared quota lets a call go (zero when one may).
+    pub fn shared_held_for(&self, from: UnixMillis) -> Duration {
+        match self.shared.decide(&self.pacer, 1, from) {
+            Decision::WaitUntil { at, .. } => at.since(from),
+            Decision::Allow | Decision::Never { .. } => Duration::ZERO,
+        }
+    }
+
     /// Spends `cost` units of the shared quota at `slot` (counted as arriving up to
     /// `upload` later), with the report's figures: how long since the last call, and
     /// which shared tier, if any, would have held it any earlier.
@@ -209,6 +243,7 @@ impl<'a> ManyLanes<'a> {
         };
         let paced = self.last_slot.map_or(Duration::ZERO, |last| slot.since(last));
         self.pacer.commit(self.shared, cost, slot.plus(upload));
+        self.spent += cost;
         self.reserved.spend(self.shared, cost, slot);
         self.meter.record(slot, cost, paced, held);
         self.last_slot = Some(slot);
@@ -230,7 +265,8 @@ pub(crate) const MAX_RELEASE_DELAY: Duration = Duration::from_secs(15 * 60);
 /// jobs and goes at `pace` a second; a job it gave back before (in `hidden`) comes
 /// right behind what it keeps, one it had not seen behind every job still hidden, and
 /// each comes back halfway to when it is due (`position / pace`): at least a second
-/// and at most [`MAX_RELEASE_DELAY`] later (or `visibility` when the pace is unknown).
+/// and at most [`MAX_RELEASE_DELAY`] later (or `visibility` when the pace is unknown),
+/// and not before the lane may call again (`held_for`: its day spent, a cool-down).
 /// A job is so looked at a few times before it goes, not once a second, and the
 /// lane's order holds. Jobs due within the same second come back together, ten at most.
 pub(crate) fn surplus_returns(
@@ -239,6 +275,7 @@ pub(crate) fn surplus_returns(
     kept: usize,
     pace: f64,
     visibility: Duration,
+    held_for: Duration,
 ) -> Vec<(Vec<String>, Duration)> {
     let behind_hidden = kept + hidden.len();
     let (mut again, mut first) = (0, 0);
@@ -258,7 +295,8 @@ pub(crate) fn surplus_returns(
             } else {
                 visibility
             };
-            (due.mul_f64(RETURN_EARLY).clamp(Duration::from_secs(1), MAX_RELEASE_DELAY), message.receipt)
+            let after = due.mul_f64(RETURN_EARLY).max(held_for);
+            (after.clamp(Duration::from_secs(1), MAX_RELEASE_DELAY), message.receipt)
         })
         .collect();
     timed.sort_by_key(|(after, _)| *after);
@@ -295,15 +333,15 @@ mod tests {
     fn a_lane_s_surplus_comes_back_a_little_before_it_is_due_and_in_the_lane_s_order() {
         let mut hidden: HashSet<String> = (0..50).map(|i| format!("h{i}")).collect();
         let surplus: Vec<QueuedMessage> = (0..12).map(|i| queued(&format!("n{i}"))).chain([queued("h3")]).collect();
-        let returns = surplus_returns(surplus, &mut hidden, 20, 10.0, Duration::from_secs(30));
+        let returns = surplus_returns(surplus, &mut hidden, 20, 10.0, Duration::from_secs(30), Duration::ZERO);
         let shown: Vec<(usize, Duration)> = returns.iter().map(|(receipts, after)| (receipts.len(), *after)).collect();
         // h3 at position 21 (2.1 s, half of it); n0 to n11 at 71 to 82 (3.55 to 4.1 s).
         assert_eq!(shown, [(1, Duration::from_millis(1_050)), (9, Duration::from_millis(3_550)), (3, Duration::from_millis(4_000))]);
         assert_eq!(returns[0].0[0], "r-h3", "the job given back before comes first");
         assert_eq!(hidden.len(), 62, "the new ones are hidden too");
-        let slow = surplus_returns(vec![queued("x")], &mut HashSet::new(), 0, 1e9, Duration::from_secs(30));
+        let slow = surplus_returns(vec![queued("x")], &mut HashSet::new(), 0, 1e9, Duration::from_secs(30), Duration::ZERO);
         assert_eq!(slow[0].1, Duration::from_secs(1), "at least a second");
-        let far = surplus_returns(vec![queued("y")], &mut hidden, 1_000_000, 1.0, Duration::from_secs(30));
+        let far = surplus_returns(vec![queued("y")], &mut hidden, 1_000_000, 1.0, Duration::from_secs(30), Duration::ZERO);
         assert_eq!(far[0].1, MAX_RELEASE_DELAY.mul_f64(RETURN_EARLY));
     }
 }

@@ -661,7 +661,17 @@ impl<'a> StackMachine<'a> {
         let many = self.many.as_mut().expect("many lanes");
         while let Some(index) = many.may_recall.pop_first() {
             let lane = &self.lanes[index];
-            if lane.jobs_in_hand() >= RECEIVE_BATCH || many.recalling[index] || lane.circuit().status == CircuitStatus::Open {
+            // What the lane can send in the next stretch, at its pace and the shared
+            // quota's: a held lane (its day spent, a cool-down) brings nothing back, and
+            // none brings jobs back more than once a stretch.
+            let from = now.plus(self.settings.dispatch_ahead());
+            let wanted = lane.room_estimate(now, now.plus(RECALL_STRETCH), MANY_LANES_IN_HAND).min(many.shared_room(
+                from,
+                from.plus(RECALL_STRETCH),
+                MANY_LANES_IN_HAND,
+            ));
+            let recalled_lately = many.recalled_at[index].plus(RECALL_STRETCH) > now;
+            if lane.jobs_in_hand() >= wanted.min(RECEIVE_BATCH) || many.recalling[index] || recalled_lately || lane.circuit().status == CircuitStatus::Open {
                 continue;
             }
             let returning = &mut many.returning[index];
@@ -671,13 +681,13 @@ impl<'a> StackMachine<'a> {
                 continue;
             }
             returning.sort_by_key(|(at, _)| std::cmp::Reverse(*at));
-            let wanted = (lane.pace_per_second().min(MANY_LANES_IN_HAND as f64) * RECALL_STRETCH.as_secs_f64()).ceil() as usize;
             let mut receipts = Vec::new();
             while receipts.len() < wanted.max(RECEIVE_BATCH) {
                 let Some((_, batch)) = returning.pop() else { break };
                 receipts.extend(batch);
             }
             many.recalling[index] = true;
+            many.recalled_at[index] = now;
             many.touch(index);
             self.timers.stop(Timer::Prefetch);
             return Some(Action::Release(receipts, Duration::ZERO));
@@ -794,8 +804,8 @@ impl<'a> StackMachine<'a> {
         // rest back to the queue, so the jobs of lanes further back are reached too.
         let lead = self.lead();
         let many = self.many.as_mut().expect("many lanes");
-        let stretch = horizon.min(now.plus(lead).plus(FAIR_SHARE_STRETCH));
-        let shared_room = many.shared_room(now.plus(lead), stretch, MANY_LANES_IN_HAND) as f64;
+        let stretch = horizon.since(now.plus(lead)).min(FAIR_SHARE_STRETCH);
+        let shared_room = many.shared_capacity(now.plus(lead), stretch, MANY_LANES_IN_HAND) as f64;
         let weights = many.weights_in_hand;
         let shared_pace = many.shared.pace_per_second();
         for (index, _) in by_lane {
@@ -803,14 +813,21 @@ impl<'a> StackMachine<'a> {
             let lane = &mut self.lanes[index];
             lane.set_shared_pace(shared_pace * share);
             let fair = (shared_room * share).ceil() as usize;
-            let keep = lane.room_estimate(now, horizon, lane.jobs_in_hand()).min(fair).max(RECEIVE_BATCH);
+            // In units (a job may cost more than one), so that what the lane keeps goes
+            // before its visibility timeout: nothing while it is held past it. Counted
+            // slot by slot (a longer tier spent early holds the lane past the horizon),
+            // no further than the estimate of its pace and its fair share.
+            let most = lane.room_estimate(now, horizon, MANY_LANES_IN_HAND).min(fair);
+            let keep = lane.jobs_within(lane.capacity_until(now, horizon, most));
             let surplus = lane.release_past(keep);
             many.touch(index);
             if !surplus.is_empty() {
                 many.fairness.gave_back(index);
                 let pace = lane.pace_per_second().min(shared_pace * share);
                 self.report.released += surplus.len() as u64;
-                let returns = surplus_returns(surplus, &mut many.hidden[index], keep, pace, self.settings.orchestrator.visibility_timeout);
+                let visibility = self.settings.orchestrator.visibility_timeout;
+                let held_for = lane.held_for(now).max(many.shared_held_for(now.plus(lead)));
+                let returns = surplus_returns(surplus, &mut many.hidden[index], keep, pace, visibility, held_for);
                 // Batches back on the queue by now are forgotten, not kept by idle lanes.
                 many.returning[index].retain(|(at, _)| *at > now);
                 many.returning[index].extend(returns.iter().map(|(receipts, after)| (now.plus(*after), receipts.clone())));
