@@ -88,14 +88,20 @@ fn drain_at_1000_per_second(jobs: usize, invoker: Arc<dyn Invoker>) -> Duration 
         queue.preload((0..jobs).map(|n| format!(r#"{{"id":"job-{n}","request":{{"method":"GET","path":"/jobs/{n}"}}}}"#)));
         let clock = Arc::new(SystemClock);
         let orchestrator = Orchestrator::new(queue, Arc::new(SimStore::new(world)), invoker, clock.clone(), settings(&["1000/s"], 0, 50));
-        let started = Instant::now();
-        let opts = RunOptions { holder: "bench".into(), deadline: clock.now().plus(Duration::from_secs(600)), drain: true, stop: None };
-        let report = orchestrator.run(&opts).await.unwrap();
-        assert_eq!(report.dispatched, jobs as u64);
-        let wall = started.elapsed();
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        wall
+        timed_drain(&orchestrator, jobs).await
     })
+}
+
+/// Drains the backlog of `jobs` jobs on the real clock: the wall time, once the workers
+/// waiting for the last slots have called.
+async fn timed_drain(orchestrator: &Orchestrator, jobs: usize) -> Duration {
+    let started = Instant::now();
+    let opts = RunOptions { holder: "bench".into(), deadline: SystemClock.now().plus(Duration::from_secs(600)), drain: true, stop: None };
+    let report = orchestrator.run(&opts).await.unwrap();
+    assert_eq!(report.dispatched, jobs as u64);
+    let wall = started.elapsed();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    wall
 }
 
 /// Hands off and forgets, as Lambda's `Event` invoke does.
@@ -139,14 +145,8 @@ fn precision_over_lanes(jobs: usize, lanes: usize) {
         store.send(&messages).await.unwrap();
         let recorder = Arc::new(SlotRecorder { clock: clock.clone(), lateness_us: lateness_us.clone() });
         let settings = Settings::from_config(&config, WorkerHost::Lambda);
-        let orchestrator = Orchestrator::new(store.clone(), store.clone(), recorder, clock.clone(), settings).with_scoped_stores(store.clone());
-        let started = Instant::now();
-        let opts = RunOptions { holder: "bench".into(), deadline: clock.now().plus(Duration::from_secs(600)), drain: true, stop: None };
-        let report = orchestrator.run(&opts).await.unwrap();
-        assert_eq!(report.dispatched, jobs as u64);
-        let wall = started.elapsed();
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        wall
+        let orchestrator = Orchestrator::new(store.clone(), store.clone(), recorder, clock, settings).with_scoped_stores(store.clone());
+        timed_drain(&orchestrator, jobs).await
     });
     let title = format!("Dispatch precision over {lanes} lanes, real clock, 1000 jobs/s shared ({jobs} jobs, each lane 2/s, embedded store in memory)");
     print_precision(&title, jobs, wall, &lateness_us.lock().unwrap());

@@ -142,17 +142,11 @@ pub struct Figure {
 #[must_use]
 pub fn figure(main: &SimReport, others: &[SimReport], quota: &Quota) -> Figure {
     let reports: Vec<&SimReport> = std::iter::once(main).chain(others).collect();
-    let seconds = reports.iter().map(|r| r.offered_per_second.len()).max().unwrap_or(0).max(1);
-    let bucket = seconds.div_ceil(MAX_POINTS).max(1);
-    let panels = quota
-        .tiers()
-        .iter()
-        .map(|tier| {
-            let measure = Measure::of(tier, quota);
-            let lines = reports.iter().map(|r| measure.line(r, seconds, bucket)).collect();
-            Panel { caption: measure.caption(tier), y_unit: measure.y_unit(), limit: measure.limit, lines, stacked: false }
-        })
-        .collect();
+    let (seconds, bucket) = time_axis(reports.iter().map(|r| r.offered_per_second.len()));
+    let panels = tier_panels(quota, |tier, measure| {
+        let lines = reports.iter().map(|r| measure.line(r, seconds, bucket)).collect();
+        Panel { caption: measure.caption(tier), y_unit: measure.y_unit(), limit: measure.limit, lines, stacked: false }
+    });
     let drained = if main.drained { "drained in" } else { "not drained after" };
     Figure {
         title: format!("{} jobs, quota {}: {drained} {}", main.jobs, main.quota.join(", "), clock_label(main.time_to_drain_s, main.time_to_drain_s)),
@@ -167,29 +161,23 @@ pub fn figure(main: &SimReport, others: &[SimReport], quota: &Quota) -> Figure {
 /// each shared tier, the lanes with most calls and the others stacked, against its limit.
 #[must_use]
 pub fn lanes_figure(report: &LanesReport, quota: &Quota) -> Figure {
-    let seconds = report.calls_per_second.iter().map(|(_, calls)| calls.len()).max().unwrap_or(0).max(1);
-    let bucket = seconds.div_ceil(MAX_POINTS).max(1);
-    let panels = quota
-        .tiers()
-        .iter()
-        .map(|tier| {
-            let measure = Measure::of(tier, quota);
-            let calendar = matches!(measure.kind, MeasureKind::Calendar { .. });
-            let mut below = vec![0.0; seconds];
-            let lines = report
-                .calls_per_second
-                .iter()
-                .map(|(lane, calls)| {
-                    for (sum, value) in below.iter_mut().zip(measure.per_second(calls, seconds)) {
-                        *sum += value;
-                    }
-                    Line { name: lane.clone(), mean: bucketed(&below, bucket, seconds, calendar), busiest: Vec::new(), refused: Vec::new(), refused_total: 0 }
-                })
-                .collect();
-            let caption = format!("shared tier {tier}: the lanes with most calls, stacked, against the limit");
-            Panel { caption, y_unit: measure.y_unit(), limit: measure.limit, lines, stacked: true }
-        })
-        .collect();
+    let (seconds, bucket) = time_axis(report.calls_per_second.iter().map(|(_, calls)| calls.len()));
+    let panels = tier_panels(quota, |tier, measure| {
+        let calendar = matches!(measure.kind, MeasureKind::Calendar { .. });
+        let mut below = vec![0.0; seconds];
+        let lines = report
+            .calls_per_second
+            .iter()
+            .map(|(lane, calls)| {
+                for (sum, value) in below.iter_mut().zip(measure.per_second(calls, seconds)) {
+                    *sum += value;
+                }
+                Line { name: lane.clone(), mean: bucketed(&below, bucket, seconds, calendar), busiest: Vec::new(), refused: Vec::new(), refused_total: 0 }
+            })
+            .collect();
+        let caption = format!("shared tier {tier}: the lanes with most calls, stacked, against the limit");
+        Panel { caption, y_unit: measure.y_unit(), limit: measure.limit, lines, stacked: true }
+    });
     let fairness = report.jain_index_mean.map_or(String::new(), |jain| format!("; Jain's index {jain:.4}"));
     Figure {
         title: format!(
@@ -207,6 +195,18 @@ pub fn lanes_figure(report: &LanesReport, quota: &Quota) -> Figure {
         outages: Vec::new(),
         panels,
     }
+}
+
+/// The x axis' length in seconds (the longest of `lengths`, at least one) and how many
+/// seconds each point gathers.
+fn time_axis(lengths: impl Iterator<Item = usize>) -> (usize, usize) {
+    let seconds = lengths.max().unwrap_or(0).max(1);
+    (seconds, seconds.div_ceil(MAX_POINTS).max(1))
+}
+
+/// One panel per tier of `quota`, each made by `panel` from the tier and its measure.
+fn tier_panels(quota: &Quota, panel: impl Fn(&Tier, Measure) -> Panel) -> Vec<Panel> {
+    quota.tiers().iter().map(|tier| panel(tier, Measure::of(tier, quota))).collect()
 }
 
 fn quota_label(quota: &Quota) -> String {
