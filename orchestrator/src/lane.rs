@@ -821,11 +821,7 @@ impl<'a> LaneMachine<'a> {
     /// How long from `now` until the lane's tiers or holds let its next call go (zero
     /// when one may go now).
     pub fn held_for(&self, now: UnixMillis) -> Duration {
-        let slot = self.slot_at(now);
-        match self.quota.decide(&self.pacer, 1, slot) {
-            Decision::WaitUntil { at, .. } => at.since(slot),
-            Decision::Allow | Decision::Never { .. } => Duration::ZERO,
-        }
+        self.quota.held_for(&self.pacer, self.slot_at(now))
     }
 
     /// About what [`Self::capacity_until`] says, in O(tiers) (see `Quota::room_estimate`).

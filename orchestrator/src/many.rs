@@ -227,10 +227,7 @@ impl<'a> ManyLanes<'a> {
 
     /// How long from `from` until the shared quota lets a call go (zero when one may).
     pub fn shared_held_for(&self, from: UnixMillis) -> Duration {
-        match self.shared.decide(&self.pacer, 1, from) {
-            Decision::WaitUntil { at, .. } => at.since(from),
-            Decision::Allow | Decision::Never { .. } => Duration::ZERO,
-        }
+        self.shared.held_for(&self.pacer, from)
     }
 
     /// Spends `cost` units of the shared quota at `slot` (counted as arriving up to

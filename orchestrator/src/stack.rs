@@ -658,13 +658,13 @@ impl<'a> StackMachine<'a> {
     /// share grew since) brings back at once what it may use in the next
     /// [`RECALL_STRETCH`] at its own pace, and the queue is looked at again now.
     fn recall_for_a_dry_lane(&mut self, now: UnixMillis) -> Option<Action> {
+        let from = now.plus(self.lead());
         let many = self.many.as_mut().expect("many lanes");
         while let Some(index) = many.may_recall.pop_first() {
             let lane = &self.lanes[index];
             // What the lane can send in the next stretch, at its pace and the shared
             // quota's: a held lane (its day spent, a cool-down) brings nothing back, and
             // none brings jobs back more than once a stretch.
-            let from = now.plus(self.settings.dispatch_ahead());
             let wanted = lane.room_estimate(now, now.plus(RECALL_STRETCH), MANY_LANES_IN_HAND).min(many.shared_room(
                 from,
                 from.plus(RECALL_STRETCH),

@@ -346,6 +346,16 @@ impl Quota {
         max
     }
 
+    /// How long from `from` until a unit-cost job may go: zero when one may go then (or
+    /// none ever could).
+    #[must_use]
+    pub fn held_for(&self, state: &PacerState, from: UnixMillis) -> Duration {
+        match self.decide(state, 1, from) {
+            Decision::WaitUntil { at, .. } => at.since(from),
+            Decision::Allow | Decision::Never { .. } => Duration::ZERO,
+        }
+    }
+
     /// About how many unit-cost jobs could be dispatched from `from` until `until` (at
     /// most `max`): from the first free slot on, at the long-run rate. O(tiers), where
     /// [`Self::capacity_until`] is exact but walks every slot: for sizing what many
