@@ -627,7 +627,7 @@ impl<'a> StackMachine<'a> {
                 LaneStep::Dispatch(hand_off, payload) => {
                     let upload = match &payload {
                         WorkerPayload::Job { job, .. } => job.request.upload_allowance(),
-                        WorkerPayload::HealthCheck { .. } => Duration::ZERO,
+                        WorkerPayload::HealthCheck { .. } | WorkerPayload::Batch { .. } => Duration::ZERO,
                     };
                     let many = self.many.as_mut().expect("many lanes");
                     many.spend(hand_off.cost, hand_off.slot, upload);
@@ -1041,7 +1041,7 @@ impl<'a> StackMachine<'a> {
                 let detail = format!("the worker payload is over the invoker's limit: {why}");
                 let job = match payload {
                     WorkerPayload::Job { job, .. } => Some(Box::new(job)),
-                    WorkerPayload::HealthCheck { .. } => None,
+                    WorkerPayload::HealthCheck { .. } | WorkerPayload::Batch { .. } => None,
                 };
                 self.to_dead_letter.push_back((hand_off.message, DeadLetterReason { cause: DeadLetterCause::Malformed, detail, outcome: None }, job));
                 Ok(())

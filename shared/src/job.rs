@@ -442,6 +442,22 @@ pub enum WorkerPayload {
         #[serde(default, skip_serializing_if = "LaneId::is_default")]
         lane: LaneId,
     },
+    /// Many jobs' calls in one invocation, each at its own slot. Each entry is a `job`
+    /// payload read on its own, so that an entry that cannot be read is dead-lettered
+    /// alone and the others are called (see [`WorkerPayload::batch_calls`]).
+    Batch {
+        /// Names the batch in logs and in the worker DLQ's view: the orchestrator's run
+        /// and a sequence number.
+        id: String,
+        calls: Vec<serde_json::Value>,
+    },
+}
+
+/// One entry of a batch that is not a job's payload: the entry as it came, and why.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UnreadableCall {
+    pub entry: serde_json::Value,
+    pub problem: String,
 }
 
 /// The second phase of a dispatch-ahead token: the orchestrator spent the pacer slot
@@ -492,6 +508,40 @@ pub enum PayloadError {
 }
 
 impl WorkerPayload {
+    /// A batch named `id` carrying `calls` (job payloads; anything else is refused when
+    /// the batch is read).
+    #[must_use]
+    pub fn batch(id: String, calls: &[Self]) -> Self {
+        Self::Batch { id, calls: calls.iter().map(|call| serde_json::to_value(call).unwrap_or_default()).collect() }
+    }
+
+    /// The job payloads of a batch, each read on its own: an entry that is not a job's
+    /// payload (a health check, a batch, something unreadable) comes back as an
+    /// [`UnreadableCall`]. A payload that is no batch is its own only call.
+    #[must_use]
+    pub fn batch_calls(&self) -> Vec<Result<Self, UnreadableCall>> {
+        let Self::Batch { calls, .. } = self else { return vec![Ok(self.clone())] };
+        calls
+            .iter()
+            .map(|entry| match serde_json::from_value::<Self>(entry.clone()) {
+                Ok(call @ Self::Job { .. }) => Ok(call),
+                Ok(_) => Err(UnreadableCall { entry: entry.clone(), problem: "a batch carries only job payloads".into() }),
+                Err(e) => Err(UnreadableCall { entry: entry.clone(), problem: e.to_string() }),
+            })
+            .collect()
+    }
+
+    /// How many jobs the payload carries: one for a job, none for a health check, a
+    /// batch's entries.
+    #[must_use]
+    pub fn job_count(&self) -> usize {
+        match self {
+            Self::Job { .. } => 1,
+            Self::HealthCheck { .. } => 0,
+            Self::Batch { calls, .. } => calls.len(),
+        }
+    }
+
     /// The versioned JSON form.
     #[must_use]
     pub fn to_json(&self) -> String {

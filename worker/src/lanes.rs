@@ -53,6 +53,7 @@ impl WorkerHandler for LaneWorkers {
         let lane = match &payload {
             WorkerPayload::Job { job, .. } => job.lane.clone(),
             WorkerPayload::HealthCheck { lane, .. } => lane.clone(),
+            WorkerPayload::Batch { .. } => return Err(crate::batch_refused()),
         };
         match self.worker(&lane) {
             Ok(worker) => worker.handle(payload).await,

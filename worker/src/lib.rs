@@ -22,6 +22,7 @@
 //! calls in flight (`quota.max_in_flight`), each call holds one of the cap's slots in the
 //! state store; a worker that finds none free re-queues its job without calling.
 
+pub mod batch;
 pub mod classify;
 pub mod http;
 #[cfg(feature = "lambda")]
@@ -47,6 +48,7 @@ use paceline_shared::time::{Clock, UnixMillis};
 use serde::Serialize;
 use tracing::{info, warn};
 
+pub use batch::Batches;
 pub use classify::{classify, failure_label, provider_reading, CallResult, CappedBody, Outcome};
 
 /// A job that found every call slot held comes back within this long (a random share).
@@ -761,8 +763,14 @@ impl WorkerHandler for Worker {
                 }
                 Ok(None)
             }
+            WorkerPayload::Batch { .. } => Err(batch_refused()),
         }
     }
+}
+
+/// What a handler of one job's payload says of a batch: [`Batches`] runs batches.
+pub(crate) fn batch_refused() -> PortError {
+    PortError::Fatal("a batch reached a handler of one job's payload: run batches through `Batches`".into())
 }
 
 /// The answer as an outcome record sees it (no answer for a timeout or a dead

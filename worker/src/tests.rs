@@ -510,3 +510,49 @@ async fn a_call_whose_follow_up_failed_is_not_done_so_the_retried_event_calls_ag
     assert_eq!(seen.lock().unwrap().len(), 2, "called again, the job re-queued this time");
     assert_eq!(requeued(&store).await, vec![("job-503".to_string(), 1)]);
 }
+
+/// Collects the outcome records sent to it, as the results queue would.
+#[derive(Default)]
+struct Results(Mutex<Vec<OutcomeRecord>>);
+
+#[async_trait::async_trait]
+impl paceline_shared::ports::OutcomeSink for Results {
+    async fn record_outcome(&self, record: &OutcomeRecord) -> PortResult<()> {
+        self.0.lock().unwrap().push(record.clone());
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_batch_calls_each_job_at_its_slot_in_one_invocation_and_settles_each_alone() {
+    let (mut worker, store) = new_worker("http://127.0.0.1:9/v1");
+    let api = Arc::new(InstantApi::new(worker.clock.clone()));
+    worker.api = api.clone();
+    let t0 = worker.clock.now();
+    let at = |ms: u64| t0.plus(Duration::from_millis(ms));
+    let slotted = |n: u64| {
+        let job = Job::parse(&format!(r#"{{"id":"b-{n}","request":{{"method":"GET","path":"/status/200"}}}}"#)).unwrap();
+        let slot = Some(CallSlot { not_before: at(100 * n), call_by: at(100 * n + 5) });
+        WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: t0, slot, trip: None, report_limits: false }
+    };
+    let WorkerPayload::Batch { id, mut calls } = WorkerPayload::batch("run-1#1".into(), &[slotted(3), slotted(1), slotted(2)]) else { unreachable!() };
+    calls.insert(1, serde_json::json!({"kind": "job", "job": "{\"id\":\"b-bad\",\"request\":7}", "attempt": 2}));
+    let batch = WorkerPayload::Batch { id, calls };
+    let store_queue: Arc<dyn JobQueue> = store.clone();
+    let results = Arc::new(Results::default());
+    let batches = crate::Batches::new(Arc::new(worker), store_queue).with_results(results.clone());
+
+    assert_eq!(batches.handle(batch.clone()).await.unwrap(), None, "a batch's records go to the results sink");
+    assert_eq!(api.calls(), vec![at(100), at(200), at(300)], "each at its own slot, overlapping in one invocation");
+    let mut ended: Vec<_> = results.0.lock().unwrap().iter().map(|r| r.job_id.clone()).collect();
+    ended.sort();
+    assert_eq!(ended, ["b-1", "b-2", "b-3"], "one outcome record per job");
+    let dead = store.dead_letters().unwrap();
+    assert_eq!(dead.len(), 1, "the unreadable entry alone: {dead:?}");
+    assert_eq!((dead[0].message_id.as_str(), dead[0].attempt, &dead[0].reason.cause), ("b-bad", 2, &DeadLetterCause::Malformed));
+    assert!(dead[0].reason.detail.starts_with("entry 1 of batch run-1#1 is not a job's payload"), "{}", dead[0].reason.detail);
+
+    // Lambda delivers the event again: no call is made twice.
+    batches.handle(batch).await.unwrap();
+    assert_eq!(api.calls().len(), 3);
+}
