@@ -19,6 +19,7 @@
 //! (the slot) instead of `now`; the job goes out with that slot in its payload and the
 //! worker calls at the slot, so the worker's start-up delay no longer moves the call.
 
+mod batching;
 #[doc(hidden)]
 pub mod decision_bench;
 mod fairness;
@@ -48,6 +49,7 @@ use paceline_shared::time::{Clock, UnixMillis};
 use tokio::task::{JoinError, JoinSet};
 use tracing::{info, warn};
 
+pub use batching::{BatchingInvoker, MAX_BATCH_BYTES};
 pub use fairness::{jain_index, FAIRNESS_WINDOW};
 pub use report::{Fairness, LaneReport, Progress, RunReport, StopReason, TierReport};
 pub use settings::{RunError, Settings};
@@ -228,7 +230,7 @@ impl Orchestrator {
         info!(epoch = lease.epoch, "lease taken");
         let mut run = Executor {
             o: self,
-            state: StackMachine::new(&self.settings, &self.progress, lease, started, opts.deadline, opts.drain),
+            state: StackMachine::new(&self.settings, &self.progress, lease, started, opts.deadline, opts.drain).with_pipeline(self.invoker.pipeline()),
             background: JoinSet::new(),
             stop: opts.stop.clone(),
         };

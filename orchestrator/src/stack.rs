@@ -45,9 +45,6 @@ const MAX_RECEIVES_IN_FLIGHT: usize = 4;
 const PREFETCH_PAUSE: Duration = Duration::from_secs(1);
 /// Receipts deleted in one call at most (SQS batch size).
 pub(crate) const DELETE_BATCH: usize = 10;
-/// Hand-offs awaiting their answer at once at most. Invokes are pipelined so that the
-/// invoke's own latency never delays the next slot: pacing is about frequency.
-const MAX_INVOKES_IN_FLIGHT: usize = 256;
 /// Retries of a refused hand-off: quick, since slots are waiting.
 const INVOKE_BACKOFF: Backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(5));
 /// Lease renewals retry at most a second apart: the lease runs out otherwise.
@@ -190,6 +187,9 @@ pub(crate) struct StackMachine<'a> {
     timers: TimerTable<Timer, { Timer::COUNT }>,
     backoffs: Backoffs,
     in_flight: InFlight,
+    /// Hand-offs awaiting their answer at once at most (the invoker's pipeline). Invokes
+    /// are pipelined so that the invoke's own latency never delays the next slot.
+    pipeline: usize,
     /// How long a receive takes, smoothed: the prefetch keeps that much work in hand.
     receive_latency: Duration,
     /// Draining: the last long poll found the queue empty.
@@ -226,11 +226,17 @@ impl<'a> StackMachine<'a> {
             timers,
             backoffs: Backoffs { renew: RENEW_BACKOFF, flush: crate::lane::PORT_BACKOFF, receive: crate::lane::PORT_BACKOFF, invoke: INVOKE_BACKOFF },
             in_flight: InFlight::default(),
+            pipeline: paceline_shared::ports::DEFAULT_PIPELINE,
             receive_latency: Duration::ZERO,
             queue_seen_empty: false,
             stop: None,
             report: RunReport::starting_at(started),
         }
+    }
+
+    /// The same machine keeping up to `pipeline` hand-offs awaiting their answer.
+    pub fn with_pipeline(self, pipeline: usize) -> Self {
+        Self { pipeline, ..self }
     }
 
     /// How far ahead of its slot a job is handed off.
@@ -469,7 +475,7 @@ impl<'a> StackMachine<'a> {
         if let Some(until) = self.dispatch_held_until(now) {
             return self.sleep_until(until);
         }
-        if self.in_flight.hand_offs >= MAX_INVOKES_IN_FLIGHT {
+        if self.in_flight.hand_offs >= self.pipeline {
             return self.await_event();
         }
         let step = self.lanes[0].next_dispatch(now, UnixMillis(0), None);
@@ -583,7 +589,7 @@ impl<'a> StackMachine<'a> {
         if let Some(until) = self.timers.get(Timer::InvokeHold).filter(|at| *at > now) {
             return self.sleep_until(until);
         }
-        if self.in_flight.hand_offs >= MAX_INVOKES_IN_FLIGHT {
+        if self.in_flight.hand_offs >= self.pipeline {
             return self.await_event();
         }
         if let Some(check) = self.next_health_check(now) {

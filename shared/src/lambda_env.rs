@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::config::{
     check_health_request, check_idempotency_header, check_max_in_flight, check_timeout, defaults, parse_base_url, parse_size, resolve_headers, ApiConfig,
-    CircuitConfig, HeaderSource, Invalid, OrchestratorConfig, RetryConfig, LAMBDA_DISPATCH_AHEAD,
+    CircuitConfig, HeaderSource, Invalid, OrchestratorConfig, RetryConfig, LAMBDA_DISPATCH_AHEAD, LAMBDA_WORKER_BATCH,
 };
 use crate::outcome::{OutcomeSettings, RecordOutcomes};
 use crate::quota::{Quota, Tier};
@@ -140,7 +140,8 @@ impl<'a> Env<'a> {
     }
 
     /// `PACELINE_LEASE_TTL`, `PACELINE_VISIBILITY_TIMEOUT`, `PACELINE_FLUSH_INTERVAL`,
-    /// `PACELINE_STATE_REFRESH`, `PACELINE_DEADLINE_MARGIN`, `PACELINE_DISPATCH_AHEAD`.
+    /// `PACELINE_STATE_REFRESH`, `PACELINE_DEADLINE_MARGIN`, `PACELINE_DISPATCH_AHEAD`,
+    /// `PACELINE_WORKER_BATCH`, `PACELINE_BATCH_WINDOW`.
     ///
     /// # Errors
     /// Names the variable and the problem.
@@ -152,6 +153,10 @@ impl<'a> Env<'a> {
             state_refresh: self.duration("PACELINE_STATE_REFRESH", defaults::state_refresh())?,
             deadline_margin: self.duration("PACELINE_DEADLINE_MARGIN", defaults::deadline_margin())?,
             dispatch_ahead: Some(self.duration("PACELINE_DISPATCH_AHEAD", LAMBDA_DISPATCH_AHEAD)?),
+            worker_batch: Some(
+                self.parsed("PACELINE_WORKER_BATCH", LAMBDA_WORKER_BATCH, |t| t.parse::<u32>().map_err(|_| format!("`{t}` is not a whole number")))?,
+            ),
+            batch_window: self.duration("PACELINE_BATCH_WINDOW", defaults::batch_window())?,
         };
         config.check().map_err(|e| Self::named("", e))?;
         Ok(config)

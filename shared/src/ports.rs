@@ -544,7 +544,17 @@ pub trait Invoker: Send + Sync {
     fn in_flight(&self) -> usize {
         0
     }
+
+    /// How many hand-offs the drain loop may have awaiting their answer at once: enough
+    /// that an invoke's own latency never delays the next slot (an invoker that gathers
+    /// hand-offs into batches holds a batch's worth awaiting).
+    fn pipeline(&self) -> usize {
+        DEFAULT_PIPELINE
+    }
 }
+
+/// Hand-offs awaiting their answer at once at most, for an invoker that sends each alone.
+pub const DEFAULT_PIPELINE: usize = 256;
 
 /// Runs one payload: what an in-process invoker calls.
 #[async_trait]

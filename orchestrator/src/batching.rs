@@ -1,0 +1,314 @@
+//! Hands jobs to Lambda workers in batches: an invoker over another that gathers the
+//! jobs handed off ahead of their slots into one payload, sent when its first job must
+//! go (its slot less the hand-off's lead), or at once when it is full (`worker_batch`
+//! jobs, or the async invoke's payload limit). Each job's hand-off is answered when its
+//! batch's invoke is: the drain loop above sees one hand-off per job, as without
+//! batches, and deletes each job's message once Lambda took its batch.
+//!
+//! Nothing waits for a batch to fill: a slow lane's job goes at the time it would have
+//! gone alone, in a batch of one (sent as a plain job payload). A batch Lambda refuses as
+//! too large is split in two and each half sent, down to single jobs, whose refusal is
+//! then the job's own (the loop dead-letters it).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use paceline_shared::job::WorkerPayload;
+use paceline_shared::ports::{Invoker, PortError, PortResult};
+use paceline_shared::time::{Clock, UnixMillis};
+use tokio::sync::oneshot;
+
+/// Lambda's limit on an asynchronous invoke's payload, less room for the batch's own
+/// fields.
+pub const MAX_BATCH_BYTES: usize = 1_000_000;
+
+/// Hand-offs the drain loop may have awaiting their answer beside a batch's jobs.
+const UNBATCHED_PIPELINE: usize = 256;
+
+/// Jobs gathered for one invoke.
+struct OpenBatch {
+    number: u64,
+    /// When it goes at the latest.
+    send_by: UnixMillis,
+    calls: Vec<WorkerPayload>,
+    bytes: usize,
+    answers: Vec<oneshot::Sender<PortResult<()>>>,
+}
+
+/// An [`Invoker`] that sends jobs handed off ahead of their slots in batches.
+pub struct BatchingInvoker(Arc<Batcher>);
+
+/// What the invoker and its batches' timers share.
+struct Batcher {
+    inner: Arc<dyn Invoker>,
+    clock: Arc<dyn Clock>,
+    /// A batch goes this long before its first job's slot.
+    lead: Duration,
+    max_calls: usize,
+    max_bytes: usize,
+    /// Names the batches: `{prefix}#{number}`, the prefix telling this invoker's from
+    /// an earlier one's (the time it was built).
+    prefix: String,
+    numbers: AtomicU64,
+    open: Mutex<Option<OpenBatch>>,
+}
+
+impl BatchingInvoker {
+    /// Batches of at most `max_calls` jobs over `inner`, each sent `lead` before its
+    /// first job's slot.
+    #[must_use]
+    pub fn new(inner: Arc<dyn Invoker>, clock: Arc<dyn Clock>, lead: Duration, max_calls: u32) -> Self {
+        let prefix = format!("batch-{}", clock.now().0);
+        Self(Arc::new(Batcher {
+            inner,
+            clock,
+            lead,
+            max_calls: usize::try_from(max_calls).unwrap_or(usize::MAX).max(1),
+            max_bytes: MAX_BATCH_BYTES,
+            prefix,
+            numbers: AtomicU64::new(0),
+            open: Mutex::default(),
+        }))
+    }
+
+    /// The same invoker holding batches to `max_bytes` of payload.
+    ///
+    /// # Panics
+    /// Once a batch was gathered (the invoker is shared then).
+    #[must_use]
+    pub fn with_max_bytes(self, max_bytes: usize) -> Self {
+        let mut batcher = Arc::into_inner(self.0).expect("set before use");
+        batcher.max_bytes = max_bytes;
+        Self(Arc::new(batcher))
+    }
+}
+
+impl Batcher {
+    fn open(&self) -> MutexGuard<'_, Option<OpenBatch>> {
+        self.open.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Adds `call` (due to go by `send_by`) to the open batch, opening one (and the timer
+    /// that sends it) if none is. Returns the answer to wait for, and a batch to send now
+    /// if adding it filled one.
+    fn gather(self: &Arc<Self>, call: WorkerPayload, send_by: UnixMillis) -> (oneshot::Receiver<PortResult<()>>, Option<OpenBatch>) {
+        let bytes = call.to_json().len();
+        let (answer, answered) = oneshot::channel();
+        let mut open = self.open();
+        // A call that would take the batch over its payload limit starts the next one.
+        let overflowing = open.as_ref().is_some_and(|batch| batch.bytes + bytes > self.max_bytes);
+        let full_before = if overflowing { open.take() } else { None };
+        let batch = open.get_or_insert_with(|| {
+            let number = self.numbers.fetch_add(1, Ordering::Relaxed) + 1;
+            OpenBatch { number, send_by: UnixMillis(u64::MAX), calls: Vec::new(), bytes: 0, answers: Vec::new() }
+        });
+        // The batch goes when its most pressing job must: a job handed off later may have
+        // an earlier slot (its worker once started late, so it goes earlier).
+        if send_by < batch.send_by {
+            batch.send_by = send_by;
+            self.arm(batch.number, send_by);
+        }
+        batch.calls.push(call);
+        batch.bytes += bytes;
+        batch.answers.push(answer);
+        let full = batch.calls.len() >= self.max_calls || batch.bytes >= self.max_bytes;
+        let send_now = if full { open.take() } else { None };
+        drop(open);
+        if let Some(earlier) = full_before {
+            let this = self.clone();
+            tokio::spawn(async move { this.send(earlier).await });
+        }
+        (answered, send_now)
+    }
+
+    /// Sends batch `number` at `at`, unless it went before.
+    fn arm(self: &Arc<Self>, number: u64, at: UnixMillis) {
+        let this = self.clone();
+        tokio::spawn(async move {
+            this.clock.sleep_until(at).await;
+            let due = {
+                let mut open = this.open();
+                if open.as_ref().is_some_and(|batch| batch.number == number) {
+                    open.take()
+                } else {
+                    None
+                }
+            };
+            if let Some(batch) = due {
+                this.send(batch).await;
+            }
+        });
+    }
+
+    /// Sends a batch and answers each of its jobs' hand-offs with the outcome.
+    async fn send(&self, batch: OpenBatch) {
+        let id = format!("{}#{}", self.prefix, batch.number);
+        let mut parts = vec![(id, batch.calls, batch.answers)];
+        while let Some((id, calls, answers)) = parts.pop() {
+            let payload = if calls.len() == 1 { calls[0].clone() } else { WorkerPayload::batch(id.clone(), &calls) };
+            match self.inner.invoke(&payload, None).await {
+                Err(PortError::TooLarge(why)) if calls.len() > 1 => {
+                    tracing::info!(batch = %id, calls = calls.len(), %why, "batch over the invoke's limit: sent in two halves");
+                    let (mut calls, mut answers) = (calls, answers);
+                    let (later_calls, later_answers) = (calls.split_off(calls.len() / 2), answers.split_off(answers.len() / 2));
+                    parts.push((format!("{id}b"), later_calls, later_answers));
+                    parts.push((format!("{id}a"), calls, answers));
+                }
+                result => {
+                    for answer in answers {
+                        // A hand-off no one waits for any more (the run ended) needs no answer.
+                        let _ = answer.send(result.clone());
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Invoker for BatchingInvoker {
+    async fn invoke(&self, payload: &WorkerPayload, from_receipt: Option<&str>) -> PortResult<()> {
+        let this = &self.0;
+        let send_by = match payload {
+            WorkerPayload::Job { slot: Some(slot), .. } => slot.not_before.minus(this.lead),
+            // At its slot already, or a health check: nothing to gather it with.
+            _ => return this.inner.invoke(payload, from_receipt).await,
+        };
+        let (answered, send_now) = this.gather(payload.clone(), send_by.max(this.clock.now()));
+        if let Some(batch) = send_now {
+            this.send(batch).await;
+        }
+        answered.await.unwrap_or_else(|_| Err(PortError::Transient("the batch was not sent (the run ended)".into())))
+    }
+
+    fn in_flight(&self) -> usize {
+        self.0.inner.in_flight()
+    }
+
+    fn pipeline(&self) -> usize {
+        UNBATCHED_PIPELINE + 2 * self.0.max_calls
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use paceline_shared::adapters::memory::RecordingInvoker;
+    use paceline_shared::job::{CallSlot, Job};
+    use paceline_shared::time::TokioClock;
+
+    use super::*;
+
+    const LEAD: Duration = Duration::from_millis(400);
+
+    fn slotted(n: u64, not_before: UnixMillis) -> WorkerPayload {
+        let job = Job::parse(&format!(r#"{{"id":"j-{n}","request":{{"method":"GET","path":"/{n}"}}}}"#)).unwrap();
+        let slot = Some(CallSlot { not_before, call_by: not_before.plus(Duration::from_millis(5)) });
+        WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot, trip: None, report_limits: false }
+    }
+
+    /// Hands `calls` off at once, each on its own task as the drain loop does; returns
+    /// when every hand-off was answered, with the answers.
+    async fn hand_off(invoker: &Arc<BatchingInvoker>, calls: Vec<WorkerPayload>) -> Vec<PortResult<()>> {
+        let mut tasks = tokio::task::JoinSet::new();
+        for (i, call) in calls.into_iter().enumerate() {
+            let invoker = invoker.clone();
+            tasks.spawn(async move { (i, invoker.invoke(&call, None).await) });
+        }
+        let mut answers: Vec<_> = tasks.join_all().await;
+        answers.sort_by_key(|(i, _)| *i);
+        answers.into_iter().map(|(_, answer)| answer).collect()
+    }
+
+    /// The jobs' ids of each payload sent, with when it was sent.
+    fn sent(inner: &RecordingInvoker) -> Vec<(UnixMillis, Vec<String>)> {
+        let ids = |payload: &WorkerPayload| {
+            payload.batch_calls().into_iter().map(|call| match call.unwrap() {
+                WorkerPayload::Job { job, .. } => job.id.to_string(),
+                other => panic!("not a job: {other:?}"),
+            })
+        };
+        inner.accepted().iter().map(|(at, payload)| (*at, ids(payload).collect())).collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn jobs_handed_off_ahead_go_in_one_batch_sent_when_its_first_job_must_go() {
+        let clock = Arc::new(TokioClock::new());
+        let t0 = clock.now();
+        let inner = Arc::new(RecordingInvoker::new(clock.clone()));
+        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100));
+        let calls = vec![
+            slotted(1, t0.plus(Duration::from_millis(1_000))),
+            slotted(2, t0.plus(Duration::from_millis(1_100))),
+            slotted(3, t0.plus(Duration::from_millis(1_900))),
+        ];
+        let answers = hand_off(&invoker, calls).await;
+        assert!(answers.iter().all(Result::is_ok), "{answers:?}");
+        assert_eq!(sent(&inner), vec![(t0.plus(Duration::from_millis(600)), vec!["j-1".into(), "j-2".into(), "j-3".into()])]);
+        assert!(matches!(inner.accepted()[0].1, WorkerPayload::Batch { .. }));
+
+        // Alone, a job goes as a plain job payload at its own time: nothing waits to fill.
+        let t1 = clock.now();
+        hand_off(&invoker, vec![slotted(4, t1.plus(LEAD))]).await;
+        assert_eq!(inner.accepted()[1], (t1, slotted(4, t1.plus(LEAD))));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_goes_when_its_most_pressing_job_must_whatever_order_they_came_in() {
+        let clock = Arc::new(TokioClock::new());
+        let t0 = clock.now();
+        let inner = Arc::new(RecordingInvoker::new(clock.clone()));
+        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100));
+        let calls = vec![slotted(1, t0.plus(Duration::from_millis(1_400))), slotted(2, t0.plus(Duration::from_millis(900)))];
+        hand_off(&invoker, calls).await;
+        assert_eq!(sent(&inner), vec![(t0.plus(Duration::from_millis(500)), vec!["j-1".into(), "j-2".into()])]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_batch_goes_at_once_and_the_next_job_opens_another() {
+        let clock = Arc::new(TokioClock::new());
+        let t0 = clock.now();
+        let inner = Arc::new(RecordingInvoker::new(clock.clone()));
+        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 2));
+        let calls = (1..=3).map(|n| slotted(n, t0.plus(Duration::from_millis(1_000 + n)))).collect();
+        hand_off(&invoker, calls).await;
+        let at = |ms| t0.plus(Duration::from_millis(ms));
+        assert_eq!(sent(&inner), vec![(at(0), vec!["j-1".into(), "j-2".into()]), (at(603), vec!["j-3".into()])]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_over_the_payload_limit_is_split_never_dropped() {
+        let clock = Arc::new(TokioClock::new());
+        let t0 = clock.now();
+        let inner = Arc::new(RecordingInvoker::new(clock.clone()));
+        // Lambda refuses the first two sends as too large: the batch of four, then its
+        // first half.
+        inner.fail_next([PortError::TooLarge("over 1 MB".into()), PortError::TooLarge("over 1 MB".into())]);
+        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100));
+        let calls = (1..=4).map(|n| slotted(n, t0.plus(Duration::from_secs(1)))).collect();
+        let answers = hand_off(&invoker, calls).await;
+        assert!(answers.iter().all(Result::is_ok), "{answers:?}");
+        let mut sent: Vec<_> = sent(&inner).into_iter().map(|(_, ids)| ids).collect();
+        sent.sort();
+        assert_eq!(sent, vec![vec!["j-1".to_string()], vec!["j-2".into()], vec!["j-3".into(), "j-4".into()]]);
+
+        // By its own bytes: a call that would take the batch over the limit starts the next.
+        let bytes = slotted(5, t0).to_json().len();
+        let small = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100).with_max_bytes(bytes * 2 + 1));
+        let t1 = clock.now();
+        hand_off(&small, (5..=7).map(|n| slotted(n, t1.plus(Duration::from_secs(1)))).collect()).await;
+        assert_eq!(inner.accepted().len(), 3 + 2, "two batches: of two, then of one");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_batch_answers_each_of_its_jobs_with_the_refusal() {
+        let clock = Arc::new(TokioClock::new());
+        let inner = Arc::new(RecordingInvoker::new(clock.clone()));
+        inner.fail_next([PortError::Throttled("rate exceeded".into())]);
+        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100));
+        let t0 = clock.now();
+        let answers = hand_off(&invoker, (1..=3).map(|n| slotted(n, t0.plus(Duration::from_secs(1)))).collect()).await;
+        assert_eq!(answers, vec![Err(PortError::Throttled("rate exceeded".into())); 3], "each job goes back in hand and goes again");
+    }
+}
