@@ -23,7 +23,8 @@ use paceline_shared::breaker::Circuit;
 use paceline_shared::config::{CircuitConfig, OrchestratorConfig, WorkerHost};
 use paceline_shared::job::{DeadLetterReason, WorkerPayload};
 use paceline_shared::ports::{
-    CallClaim, Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortResult, QueueDepth, QueuedMessage, StateStore,
+    BatchClaim, BatchProgress, CallClaim, Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortResult, QueueDepth, QueuedMessage,
+    StateStore,
 };
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
@@ -145,6 +146,14 @@ impl StateStore for Counting<EmbeddedStore> {
     async fn finish_call(&self, key: &str, keep_until: UnixMillis) -> PortResult<()> {
         self.count("dynamodb:UpdateItem", 1);
         self.inner.finish_call(key, keep_until).await
+    }
+    async fn claim_batch(&self, key: &str, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<BatchClaim> {
+        self.count("dynamodb:UpdateItem", 1);
+        self.inner.claim_batch(key, holder, now, expires_at).await
+    }
+    async fn save_batch(&self, key: &str, holder: &str, progress: &BatchProgress, expires_at: UnixMillis) -> PortResult<()> {
+        self.count("dynamodb:UpdateItem", 1);
+        self.inner.save_batch(key, holder, progress, expires_at).await
     }
     async fn release_call(&self, key: &str, holder: &str) -> PortResult<()> {
         self.count("dynamodb:DeleteItem", 1);

@@ -582,6 +582,10 @@ pub enum DeadLetterCause {
     /// Its lane's credentials could not be read (a header's environment variable is not
     /// set): never called without them.
     Credentials,
+    /// A worker batch's earlier delivery claimed its call and stopped (a crash, a
+    /// timeout, a write that failed) before it said the call settled: the call may have
+    /// been made, so it is not made again unless an operator redrives it.
+    CallInDoubt,
 }
 
 impl DeadLetterCause {
@@ -595,6 +599,7 @@ impl DeadLetterCause {
             Self::AttemptsExhausted { last_failure: Some(last) } => format!("attempts_exhausted:{last}"),
             Self::NeverFits => "never_fits".into(),
             Self::Credentials => "credentials".into(),
+            Self::CallInDoubt => "call_in_doubt".into(),
         }
     }
 }

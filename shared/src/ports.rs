@@ -276,6 +276,66 @@ pub enum CallClaim {
     Calling,
     /// Another delivery called and has its answer.
     Done,
+    /// The claimant itself holds it, from an earlier delivery of the same payload that
+    /// has not finished (it runs still, or stopped without saying how far it got).
+    ClaimedBefore,
+}
+
+/// The key of the progress record of worker batch `batch_id` (see
+/// [`StateStore::claim_batch`]).
+#[must_use]
+pub fn batch_record_key(batch_id: &str) -> String {
+    format!("call#batch#{batch_id}")
+}
+
+/// How far the deliveries of a worker batch got: which of its calls (by index) settled,
+/// and whether every one did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BatchProgress {
+    pub settled: std::collections::BTreeSet<u32>,
+    pub done: bool,
+}
+
+impl BatchProgress {
+    /// The settled calls as a bitmap in hex (a thousand calls in 250 characters: one
+    /// DynamoDB write unit).
+    #[must_use]
+    pub fn settled_bits(&self) -> String {
+        let Some(last) = self.settled.last() else { return String::new() };
+        let mut nibbles = vec![0_u8; *last as usize / 4 + 1];
+        for index in &self.settled {
+            nibbles[*index as usize / 4] |= 1 << (index % 4);
+        }
+        nibbles.iter().map(|n| char::from_digit(u32::from(*n), 16).unwrap_or('0')).collect()
+    }
+
+    /// Reads [`Self::settled_bits`] back; `None` for text that is not such a bitmap.
+    #[must_use]
+    pub fn from_bits(bits: &str, done: bool) -> Option<Self> {
+        let mut settled = std::collections::BTreeSet::new();
+        for (at, digit) in bits.chars().enumerate() {
+            let nibble = digit.to_digit(16)?;
+            for bit in 0..4 {
+                if nibble & (1 << bit) != 0 {
+                    settled.insert(u32::try_from(at * 4).ok()? + bit);
+                }
+            }
+        }
+        Some(Self { settled, done })
+    }
+}
+
+/// What a delivery of a worker batch found when it claimed the batch
+/// ([`StateStore::claim_batch`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BatchClaim {
+    /// The claimant runs the batch: from the start, or from where an earlier delivery
+    /// that stopped (a crash, a timeout, a write that failed) last said it was.
+    Taken { before: Option<BatchProgress> },
+    /// Another delivery runs it (its claim has not expired).
+    Running,
+    /// A delivery settled every call of it.
+    Done,
 }
 
 /// The key of the call record of `attempt` of job `job_id`: the job id is the
@@ -426,6 +486,23 @@ pub trait StateStore: Send + Sync {
     /// # Errors
     /// Transport errors only.
     async fn release_call(&self, key: &str, holder: &str) -> PortResult<()>;
+
+    /// Claims worker batch `key` (see [`batch_record_key`]) for `holder`, one delivery of
+    /// it, until `expires_at`, in one atomic step: taken when there is no record, or the
+    /// claim of an earlier delivery expired (it stopped; its progress comes back with
+    /// the claim).
+    ///
+    /// # Errors
+    /// Transport errors only.
+    async fn claim_batch(&self, key: &str, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<BatchClaim>;
+
+    /// Saves how far `holder`'s delivery of batch `key` got, its claim now lasting until
+    /// `expires_at` (a done batch's record is kept that long). A delivery whose claim was
+    /// taken over saves nothing.
+    ///
+    /// # Errors
+    /// `Conflict` when another delivery holds the batch; transport errors.
+    async fn save_batch(&self, key: &str, holder: &str, progress: &BatchProgress, expires_at: UnixMillis) -> PortResult<()>;
 
     /// Deletes record `key` whatever its state: a redrive gives a job its attempts again.
     ///

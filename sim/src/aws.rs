@@ -12,8 +12,8 @@ use paceline_shared::adaptive::ProviderReading;
 use paceline_shared::breaker::Circuit;
 use paceline_shared::job::{DeadLetterReason, WorkerPayload};
 use paceline_shared::ports::{
-    slot_probe_start, CallClaim, Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth, QueuedMessage,
-    StateStore, WorkerHandler,
+    slot_probe_start, BatchClaim, BatchProgress, CallClaim, Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult,
+    QueueDepth, QueuedMessage, StateStore, WorkerHandler,
 };
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 
@@ -299,6 +299,8 @@ struct StoreState {
     calls: BTreeMap<String, (CallClaim, String, UnixMillis)>,
     /// Call slots by index: holder and expiry.
     call_slots: BTreeMap<u32, (String, UnixMillis)>,
+    /// Worker batches' records by key: holder, expiry and progress.
+    batches: BTreeMap<String, (String, UnixMillis, BatchProgress)>,
 }
 
 /// The DynamoDB state table, with the calls (and capacity units) the DynamoDB adapter
@@ -483,6 +485,7 @@ impl StateStore for SimStore {
             let mut state = self.state();
             match state.calls.get(key) {
                 Some((CallClaim::Done, ..)) => CallClaim::Done,
+                Some((_, who, until)) if *until > now && who == holder => CallClaim::ClaimedBefore,
                 Some((_, _, until)) if *until > now => CallClaim::Calling,
                 _ => {
                     state.calls.insert(key.to_owned(), (CallClaim::Calling, holder.to_owned(), expires_at));
@@ -501,6 +504,39 @@ impl StateStore for SimStore {
         self.record_write("dynamodb:UpdateItem").await;
         self.state().calls.insert(key.to_owned(), (CallClaim::Done, String::new(), keep_until));
         Ok(())
+    }
+
+    async fn claim_batch(&self, key: &str, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<BatchClaim> {
+        self.record_write("dynamodb:UpdateItem").await;
+        let found = {
+            let mut state = self.state();
+            match state.batches.get(key) {
+                Some((_, _, progress)) if progress.done => BatchClaim::Done,
+                Some((_, until, _)) if *until > now => BatchClaim::Running,
+                earlier => {
+                    let before = earlier.map(|(_, _, progress)| progress.clone());
+                    let progress = before.clone().unwrap_or_default();
+                    state.batches.insert(key.to_owned(), (holder.to_owned(), expires_at, progress));
+                    BatchClaim::Taken { before }
+                }
+            }
+        };
+        if !matches!(found, BatchClaim::Taken { .. }) {
+            self.record_read().await;
+        }
+        Ok(found)
+    }
+
+    async fn save_batch(&self, key: &str, holder: &str, progress: &BatchProgress, expires_at: UnixMillis) -> PortResult<()> {
+        self.record_write("dynamodb:UpdateItem").await;
+        let mut state = self.state();
+        match state.batches.get_mut(key) {
+            Some(record) if record.0 == holder => {
+                *record = (holder.to_owned(), expires_at, progress.clone());
+                Ok(())
+            }
+            _ => Err(PortError::Conflict(format!("batch {key} is held by another delivery"))),
+        }
     }
 
     async fn release_call(&self, key: &str, holder: &str) -> PortResult<()> {
@@ -570,11 +606,19 @@ pub fn job_number(payload: &WorkerPayload) -> Option<u64> {
     match payload {
         WorkerPayload::Job { job, .. } => job.id.as_str().strip_prefix("job-").and_then(|n| n.parse().ok()),
         WorkerPayload::HealthCheck { .. } => None,
+        // A batch draws as its first job.
+        WorkerPayload::Batch { .. } => payload.batch_calls().first().and_then(|call| call.as_ref().ok()).and_then(job_number),
     }
 }
 
 /// Lambda's `Event` invoke of the worker: answers 202 after the invoke latency, then
 /// runs the real worker after the async start delay, and bills its run time.
+///
+/// The account runs at most `concurrency` executions at once (Lambda's default, 1,000).
+/// An event that finds them all busy is throttled: Lambda keeps it and tries again
+/// after 1 s, 2 s, 4 s... (at most 5 min apart) until it is older than the function's
+/// `MaximumEventAgeInSeconds`, when it goes to the on-failure destination unrun (its
+/// jobs counted in `aged_out_jobs`).
 pub struct SimLambda {
     world: Arc<World>,
     worker: Arc<dyn WorkerHandler>,
@@ -583,13 +627,28 @@ pub struct SimLambda {
     health_checks: AtomicU64,
     /// When each job was last handed off (for dispatch-to-call delays).
     dispatched_at: Arc<Mutex<Vec<UnixMillis>>>,
-    /// Workers started and not yet finished.
+    /// Events accepted and not yet finished (running, starting, or throttled).
     pub running: Arc<AtomicU64>,
-    /// Payloads whose worker failed (Lambda would retry, then send them to the worker DLQ).
+    /// Payloads whose worker failed (Lambda would retry, then send them to the worker
+    /// DLQ), counted by the jobs they carried.
     pub worker_errors: Arc<AtomicU64>,
     /// Share of events delivered twice, and of hand-offs whose 202 is lost.
     duplicate_delivery: f64,
+    concurrency: u64,
+    max_event_age: Duration,
+    /// Executions under way now, and the most at once.
+    executing: Arc<AtomicU64>,
+    pub peak_executing: Arc<AtomicU64>,
+    /// Times an event was throttled, and jobs whose events aged out unrun.
+    pub throttles: Arc<AtomicU64>,
+    pub aged_out_jobs: Arc<AtomicU64>,
 }
+
+/// Lambda's default concurrent executions per account and Region.
+pub const DEFAULT_LAMBDA_CONCURRENCY: u64 = 1_000;
+
+/// The longest Lambda waits between tries of a throttled async event.
+const THROTTLE_RETRY_MAX: Duration = Duration::from_secs(300);
 
 impl SimLambda {
     #[must_use]
@@ -603,6 +662,12 @@ impl SimLambda {
             running: Arc::default(),
             worker_errors: Arc::default(),
             duplicate_delivery: 0.0,
+            concurrency: DEFAULT_LAMBDA_CONCURRENCY,
+            max_event_age: Duration::from_secs(21_600),
+            executing: Arc::default(),
+            peak_executing: Arc::default(),
+            throttles: Arc::default(),
+            aged_out_jobs: Arc::default(),
         }
     }
 
@@ -613,19 +678,45 @@ impl SimLambda {
         Self { duplicate_delivery: share, ..self }
     }
 
+    /// The same Lambda running at most `concurrency` executions at once, keeping a
+    /// throttled event up to `max_event_age`.
+    #[must_use]
+    pub fn with_concurrency(self, concurrency: u64, max_event_age: Duration) -> Self {
+        Self { concurrency: concurrency.max(1), max_event_age, ..self }
+    }
+
     /// Runs the worker on `payload` after its async start, as one delivery of the event.
     fn deliver(&self, payload: WorkerPayload, key: u64) {
         let (world, worker) = (self.world.clone(), self.worker.clone());
         let (running, errors) = (self.running.clone(), self.worker_errors.clone());
+        let (executing, peak, throttles, aged_out) = (self.executing.clone(), self.peak_executing.clone(), self.throttles.clone(), self.aged_out_jobs.clone());
+        let (concurrency, max_age) = (self.concurrency, self.max_event_age);
         running.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
+            let accepted = world.clock.now();
             world.wait(Stream::AsyncStart, key).await;
+            let mut retry = crate::THROTTLE_RETRY;
+            // Single-threaded runtime: nothing runs between the read and the add.
+            while executing.load(Ordering::Relaxed) >= concurrency {
+                throttles.fetch_add(1, Ordering::Relaxed);
+                if world.clock.now().plus(retry).since(accepted) > max_age {
+                    aged_out.fetch_add(payload.job_count() as u64, Ordering::Relaxed);
+                    running.fetch_sub(1, Ordering::Relaxed);
+                    return;
+                }
+                world.clock.sleep_until(world.clock.now().plus(retry)).await;
+                retry = (retry * 2).min(THROTTLE_RETRY_MAX);
+            }
+            let now_executing = executing.fetch_add(1, Ordering::Relaxed) + 1;
+            peak.fetch_max(now_executing, Ordering::Relaxed);
             let started = world.clock.now();
+            let jobs = payload.job_count() as u64;
             let outcome = worker.handle(payload).await;
             world.ledger.worker_ms.fetch_add(world.clock.now().since(started).as_millis() as u64, Ordering::Relaxed);
+            executing.fetch_sub(1, Ordering::Relaxed);
             if let Err(e) = outcome {
                 tracing::warn!(error = %e, "simulated worker failed");
-                errors.fetch_add(1, Ordering::Relaxed);
+                errors.fetch_add(jobs, Ordering::Relaxed);
             }
             running.fetch_sub(1, Ordering::Relaxed);
         });
@@ -652,9 +743,13 @@ impl SimLambda {
 impl Invoker for SimLambda {
     async fn invoke(&self, payload: &WorkerPayload, _from_receipt: Option<&str>) -> PortResult<()> {
         self.world.ledger.count("lambda:Invoke", 1);
-        if let Some(n) = job_number(payload) {
-            if let Some(at) = lock(&self.dispatched_at).get_mut(usize::try_from(n).unwrap_or(usize::MAX)) {
-                *at = self.world.clock.now();
+        {
+            let now = self.world.clock.now();
+            let mut dispatched_at = lock(&self.dispatched_at);
+            for n in payload.batch_calls().iter().flatten().filter_map(job_number) {
+                if let Some(at) = usize::try_from(n).ok().and_then(|n| dispatched_at.get_mut(n)) {
+                    *at = now;
+                }
             }
         }
         let key = self.key(payload);

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use paceline_orchestrator::{handover_deadline, Orchestrator, RunOptions, Settings};
+use paceline_orchestrator::{handover_deadline, BatchingInvoker, Orchestrator, RunOptions, Settings};
 use paceline_shared::config::RetryConfig;
 use paceline_shared::job::ApiRequest;
 use paceline_shared::ports::WorkerHandler;
@@ -39,7 +39,7 @@ pub const SIM_START: UnixMillis = UnixMillis(1_798_761_600_000); // 2027-01-01T0
 const SIM_API_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Lambda's first retry of a throttled async event, doubled on each retry.
-const THROTTLE_RETRY: Duration = Duration::from_secs(1);
+pub(crate) const THROTTLE_RETRY: Duration = Duration::from_secs(1);
 /// How long Lambda keeps retrying a throttled scheduled kick (the template's maximum
 /// event age).
 const KICK_MAX_AGE: Duration = Duration::from_secs(60);
@@ -119,6 +119,11 @@ pub struct Plan {
     pub memory: FunctionMemory,
     /// Give up (and report "not drained") after this much simulated time.
     pub time_limit: Duration,
+    /// The account's concurrent Lambda executions (`--lambda-concurrency`).
+    pub lambda_concurrency: u64,
+    /// How long Lambda keeps a worker event it cannot run yet (the template's
+    /// `WorkerMaxEventAgeSeconds`).
+    pub worker_max_event_age: Duration,
     /// Counts up the jobs that settle, across every simulation it is given to (for a
     /// progress bar).
     pub progress: Option<Arc<AtomicU64>>,
@@ -141,6 +146,8 @@ impl Plan {
             schedule: Duration::from_secs(60),
             memory: FunctionMemory::default(),
             time_limit: Duration::from_secs(400 * 86_400),
+            lambda_concurrency: aws::DEFAULT_LAMBDA_CONCURRENCY,
+            worker_max_event_age: Duration::from_secs(21_600),
             progress: None,
         }
     }
@@ -188,7 +195,11 @@ impl Lane {
             Worker::new(provider.clone(), queue.clone(), store.clone(), clock, plan.retry, health_check).with_stats(stats.clone()).with_call_slots(call_slots),
         );
         let handler: Arc<dyn WorkerHandler> = Arc::new(Notifying { worker, finished: finished.clone() });
-        let lambda = Arc::new(SimLambda::new(world.clone(), handler, dispatched_at, plan.jobs).with_duplicate_delivery(plan.failures.rate_duplicate_delivery));
+        let lambda = Arc::new(
+            SimLambda::new(world.clone(), handler, dispatched_at, plan.jobs)
+                .with_duplicate_delivery(plan.failures.rate_duplicate_delivery)
+                .with_concurrency(plan.lambda_concurrency, plan.worker_max_event_age),
+        );
         queue.preload(job_bodies(plan.jobs));
         Self {
             world,
@@ -205,9 +216,14 @@ impl Lane {
         }
     }
 
-    /// Jobs that reached an end: succeeded, dead-lettered, or lost by a failing worker.
+    /// Jobs that reached an end: succeeded, dead-lettered, lost by a failing worker, or
+    /// in an event Lambda could not run before it aged out (both in the worker DLQ).
     fn settled(&self) -> u64 {
-        WorkerStats::get(&self.stats.succeeded) + self.queue.dead_count() + self.lambda.worker_errors.load(Ordering::Relaxed)
+        let lambda = &self.lambda;
+        WorkerStats::get(&self.stats.succeeded)
+            + self.queue.dead_count()
+            + lambda.worker_errors.load(Ordering::Relaxed)
+            + lambda.aged_out_jobs.load(Ordering::Relaxed)
     }
 
     fn done(&self) -> bool {
@@ -269,7 +285,12 @@ impl WorkerHandler for Notifying {
 /// 2 s, 4 s... until it is a minute old. Returns when every job settled or time is up.
 async fn run_paceline(plan: &Plan, lane: &Lane) -> (bool, u64) {
     let settings = plan.settings.clone();
-    let orchestrator = Arc::new(Orchestrator::new(lane.queue.clone(), lane.store.clone(), lane.lambda.clone(), lane.world.clock.clone(), settings));
+    let invoker: Arc<dyn paceline_shared::ports::Invoker> = if settings.worker_batch() > 1 && !settings.hand_off_lead().is_zero() {
+        Arc::new(BatchingInvoker::new(lane.lambda.clone(), lane.world.clock.clone(), settings.hand_off_lead(), settings.worker_batch()))
+    } else {
+        lane.lambda.clone()
+    };
+    let orchestrator = Arc::new(Orchestrator::new(lane.queue.clone(), lane.store.clone(), invoker, lane.world.clock.clone(), settings));
     let clock = lane.world.clock.clone();
     let give_up = lane.world.start.plus(plan.time_limit);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

@@ -39,6 +39,8 @@ pub struct CostLine {
     pub unit: &'static str,
     #[serde(serialize_with = "paceline_shared::figures::six_digits")]
     pub usd: f64,
+    #[serde(serialize_with = "paceline_shared::figures::six_digits")]
+    pub per_million_jobs_usd: f64,
 }
 
 /// What the simulated run would cost on AWS, and per million jobs.
@@ -78,13 +80,20 @@ pub fn estimate(ledger: &Ledger, memory: FunctionMemory, jobs: u64) -> CostEstim
     let worker_gbs = gb_seconds(ledger.worker_ms.load(load), memory.worker_mb);
     let orchestrator_gbs = gb_seconds(ledger.orchestrator_ms.load(load), memory.orchestrator_mb);
     let (wru, rru) = (ledger.dynamodb_write_units.load(load) as f64, ledger.dynamodb_read_units.load(load) as f64);
+    let line = |item: &str, quantity: f64, unit: &'static str, usd: f64| CostLine {
+        item: item.into(),
+        quantity,
+        unit,
+        usd,
+        per_million_jobs_usd: if jobs == 0 { 0.0 } else { usd / jobs as f64 * 1e6 },
+    };
     let lines = vec![
-        CostLine { item: "SQS requests".into(), quantity: sqs, unit: "requests", usd: sqs / 1e6 * p.sqs_per_million_requests },
-        CostLine { item: "Lambda requests".into(), quantity: invokes, unit: "requests", usd: invokes / 1e6 * p.lambda_per_million_requests },
-        CostLine { item: "Lambda worker compute".into(), quantity: worker_gbs, unit: "GB-s", usd: worker_gbs * p.lambda_per_gb_second },
-        CostLine { item: "Lambda orchestrator compute".into(), quantity: orchestrator_gbs, unit: "GB-s", usd: orchestrator_gbs * p.lambda_per_gb_second },
-        CostLine { item: "DynamoDB writes".into(), quantity: wru, unit: "write units", usd: wru / 1e6 * p.dynamodb_per_million_write_units },
-        CostLine { item: "DynamoDB reads".into(), quantity: rru, unit: "read units", usd: rru / 1e6 * p.dynamodb_per_million_read_units },
+        line("SQS requests", sqs, "requests", sqs / 1e6 * p.sqs_per_million_requests),
+        line("Lambda requests", invokes, "requests", invokes / 1e6 * p.lambda_per_million_requests),
+        line("Lambda worker compute", worker_gbs, "GB-s", worker_gbs * p.lambda_per_gb_second),
+        line("Lambda orchestrator compute", orchestrator_gbs, "GB-s", orchestrator_gbs * p.lambda_per_gb_second),
+        line("DynamoDB writes", wru, "write units", wru / 1e6 * p.dynamodb_per_million_write_units),
+        line("DynamoDB reads", rru, "read units", rru / 1e6 * p.dynamodb_per_million_read_units),
     ];
     let total_usd: f64 = lines.iter().map(|l| l.usd).sum();
     let per_million_jobs_usd = if jobs == 0 { 0.0 } else { total_usd / jobs as f64 * 1e6 };

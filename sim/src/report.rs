@@ -55,6 +55,26 @@ pub struct Outcomes {
     pub orchestrator_runs: u64,
 }
 
+/// The worker function as Lambda ran it: invocations, the most executions at once
+/// against the account's limit, and throttling.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct LambdaFigures {
+    /// Worker invocations (hand-offs of one job, of a batch, and health checks).
+    pub invocations: u64,
+    #[serde(serialize_with = "paceline_shared::figures::six_digits")]
+    pub invocations_per_job: f64,
+    /// The account's concurrent executions (`--lambda-concurrency`).
+    pub concurrency_limit: u64,
+    pub peak_concurrent: u64,
+    /// Times an event found every execution busy and was put off.
+    pub throttled: u64,
+    /// Jobs whose events aged out before they could run (to the worker DLQ, unrun).
+    pub aged_out_jobs: u64,
+    /// DynamoDB requests per job, all callers.
+    #[serde(serialize_with = "paceline_shared::figures::six_digits")]
+    pub dynamodb_requests_per_job: f64,
+}
+
 /// One simulation's findings.
 #[derive(Clone, Debug, Serialize)]
 pub struct SimReport {
@@ -80,6 +100,8 @@ pub struct SimReport {
     pub health_checks: u64,
     /// From the hand-off (the orchestrator's invoke) to the call reaching the provider.
     pub dispatch_to_call_ms: Percentiles,
+    /// The worker function as Lambda ran it.
+    pub lambda: LambdaFigures,
     /// AWS requests by operation.
     pub aws_requests: BTreeMap<String, u64>,
     pub cost: CostEstimate,
@@ -146,12 +168,30 @@ pub(crate) fn build(plan: &Plan, dispatcher: String, lane: &Lane, drained: bool,
         answers: seen.answers,
         health_checks: seen.health_checks,
         dispatch_to_call_ms: Percentiles::of(seen.delays_ms),
+        lambda: lambda_figures(plan, lane),
         aws_requests: lane.world.ledger.requests().into_iter().map(|(op, n)| (op.to_owned(), n)).collect(),
         cost: estimate(&lane.world.ledger, plan.memory, plan.jobs as u64),
         wall_seconds: wall.as_secs_f64(),
         admitted_per_second: seen.admitted_per_second,
         offered_per_second: seen.offered_per_second,
         refused_per_second: seen.refused_per_second,
+    }
+}
+
+fn lambda_figures(plan: &Plan, lane: &Lane) -> LambdaFigures {
+    let requests = lane.world.ledger.requests();
+    let jobs = plan.jobs.max(1) as f64;
+    let invocations = requests.get("lambda:Invoke").copied().unwrap_or(0);
+    let dynamodb: u64 = requests.iter().filter(|(op, _)| op.starts_with("dynamodb:")).map(|(_, n)| n).sum();
+    let l = &lane.lambda;
+    LambdaFigures {
+        invocations,
+        invocations_per_job: invocations as f64 / jobs,
+        concurrency_limit: plan.lambda_concurrency,
+        peak_concurrent: l.peak_executing.load(Ordering::Relaxed),
+        throttled: l.throttles.load(Ordering::Relaxed),
+        aged_out_jobs: l.aged_out_jobs.load(Ordering::Relaxed),
+        dynamodb_requests_per_job: dynamodb as f64 / jobs,
     }
 }
 
@@ -203,6 +243,12 @@ pub fn render(r: &SimReport) -> String {
     );
     let d = &r.dispatch_to_call_ms;
     let _ = writeln!(out, "\nDispatch to call (ms): p50 {} p90 {} p99 {} p99.9 {} max {} ({} calls)", d.p50, d.p90, d.p99, d.p999, d.max, d.count);
+    let l = &r.lambda;
+    let _ = writeln!(
+        out,
+        "\nWorker Lambda: {} invocations ({:.4} per job), at most {} running at once (limit {}), {} throttled, {} jobs aged out unrun",
+        l.invocations, l.invocations_per_job, l.peak_concurrent, l.concurrency_limit, l.throttled, l.aged_out_jobs
+    );
     let _ = writeln!(out, "\nAWS requests:");
     let mut requests = text_table(&["operation", "requests", "per job"], &[1, 2]);
     for (op, n) in &r.aws_requests {
@@ -211,9 +257,10 @@ pub fn render(r: &SimReport) -> String {
     let _ = writeln!(out, "{requests}");
     let c = &r.cost;
     let _ = writeln!(out, "\nEstimated AWS cost ({} list prices, {}; excludes {}):", c.prices.region, c.prices.as_of, c.prices.excludes);
-    let mut cost = text_table(&["item", "quantity", "unit", "USD"], &[1, 3]);
+    let mut cost = text_table(&["item", "quantity", "unit", "USD", "per million jobs"], &[1, 3, 4]);
     for line in &c.lines {
-        cost.add_row(vec![line.item.to_owned(), format!("{:.1}", line.quantity), line.unit.to_owned(), format!("{:.4}", line.usd)]);
+        let per_million = format!("${:.3}", line.per_million_jobs_usd);
+        cost.add_row(vec![line.item.to_owned(), format!("{:.1}", line.quantity), line.unit.to_owned(), format!("{:.4}", line.usd), per_million]);
     }
     let _ = writeln!(out, "{cost}");
     let _ = writeln!(out, "  total ${:.4}, per million jobs ${:.2}", c.total_usd, c.per_million_jobs_usd);

@@ -91,9 +91,10 @@ impl Lane {
         self.lambda
             .invocations()
             .into_iter()
-            .filter_map(|i| match i.payload {
-                WorkerPayload::Job { job, .. } => Some(job.id.to_string()),
-                WorkerPayload::HealthCheck { .. } => None,
+            .flat_map(|i| i.payload.batch_calls())
+            .filter_map(|call| match call {
+                Ok(WorkerPayload::Job { job, .. }) => Some(job.id.to_string()),
+                _ => None,
             })
             .collect()
     }

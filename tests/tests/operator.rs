@@ -272,9 +272,10 @@ async fn after_an_outage_dlq_summary_groups_causes_and_redrive_moves_exactly_tho
     let invoked: BTreeSet<String> = lambda
         .invocations()
         .into_iter()
-        .filter_map(|i| match i.payload {
-            WorkerPayload::Job { job, .. } => Some(job.id.to_string()),
-            WorkerPayload::HealthCheck { .. } => None,
+        .flat_map(|i| i.payload.batch_calls())
+        .filter_map(|call| match call {
+            Ok(WorkerPayload::Job { job, .. }) => Some(job.id.to_string()),
+            _ => None,
         })
         .collect();
     assert_eq!(invoked.len(), 42, "{invoked:?}");

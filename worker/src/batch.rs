@@ -1,50 +1,208 @@
-//! A batch: many jobs' calls carried by one worker invocation. Each call runs on a task
-//! of its own and waits for its own slot, so the calls overlap in one execution instead
-//! of taking one execution each; each settles alone, exactly as a payload of one job
-//! would (its call record, outcome record, re-queue, back-off, dead letter, circuit and
-//! cool-down signals). An entry that cannot be read is dead-lettered alone with its
-//! reason and the others are called.
+//! A batch: many jobs' calls carried by one worker invocation. Each call waits for its
+//! own slot and the calls overlap in one execution instead of taking one execution each;
+//! each settles alone, exactly as a payload of one job would (its outcome record,
+//! re-queue, back-off, dead letter, circuit and cool-down signals). An entry that cannot
+//! be read is dead-lettered alone with its reason and the others are called.
+//!
+//! One DynamoDB write per job. A lone job's call record is claimed, then marked done; a
+//! batch's calls are claimed only (by the batch, just before each slot), and the batch's
+//! own record says which of them settled: one delivery claims the batch, saves its
+//! progress every quarter second, and marks it done at the end. So:
+//! - a repeated delivery of a done batch does nothing, and one that comes while another
+//!   runs it fails, for Lambda to retry later, as a lone job's does;
+//! - a delivery that takes over from one that stopped (a crash, a timeout, a write that
+//!   failed) skips the calls that settled, calls those never claimed whose slots are
+//!   still ahead (the others go back on the queue without a call), and dead-letters the
+//!   few claimed since the last save with reason `call_in_doubt`: they may have been
+//!   made, and no call is made twice;
+//! - a job another payload holds (handed off twice after a lost answer from Lambda) is
+//!   left to that payload.
 //!
 //! A batch has no function result of its own to carry the jobs' outcome records, so each
-//! record goes to the results sink one by one (on AWS, the results queue). When any call
-//! could not write what its answer called for, the batch fails once every call is over:
-//! Lambda runs it again, and the calls already made find their call records and are not
-//! made twice.
+//! goes to the results sink (on AWS, the results queue) once its call settled.
 
-use std::sync::Arc;
+use std::collections::BTreeSet;
+use std::hash::{BuildHasher as _, Hasher as _};
+use std::sync::Mutex;
+use std::time::Duration;
 
-use async_trait::async_trait;
-use paceline_shared::job::{DeadLetterCause, DeadLetterReason, JobId, UnreadableCall, WorkerPayload};
-use paceline_shared::outcome::OutcomeRecord;
-use paceline_shared::ports::{JobQueue, OutcomeSink, PortError, PortResult, WorkerHandler};
-use tokio::task::JoinSet;
+use futures_util::stream::{FuturesUnordered, StreamExt as _};
+use paceline_shared::job::{DeadLetterCause, DeadLetterReason, Job, JobId, UnreadableCall, WorkerPayload};
+use paceline_shared::outcome::{Answer, OutcomeRecord, OutcomeTimes};
+use paceline_shared::ports::{batch_record_key, call_record_key, BatchClaim, BatchProgress, CallClaim, PortError, PortResult};
+use paceline_shared::time::UnixMillis;
 use tracing::{info, warn};
 
-/// Runs batches through a handler of one job's payload; other payloads go straight to it.
-pub struct Batches {
-    calls: Arc<dyn WorkerHandler>,
-    /// Where an unreadable entry is dead-lettered.
-    queue: Arc<dyn JobQueue>,
-    /// Where each job's outcome record goes (none: records are not kept beyond the
-    /// worker's own sink).
-    results: Option<Arc<dyn OutcomeSink>>,
+use crate::{Attempted, CallRecordEnd, JobCall, Worker, WorkerStats, CALL_RECORD_KEEP};
+
+/// How often a running batch saves which of its calls settled: a delivery that stops
+/// leaves at most this long's settled calls in doubt (and those in flight).
+pub const BATCH_PROGRESS_EVERY: Duration = Duration::from_millis(250);
+
+/// A batch's call claims its record this long before its slot: the claim's write never
+/// delays the call, and a crash leaves few claims whose call was not made.
+const CLAIM_LEAD: Duration = Duration::from_millis(50);
+
+/// Where a batch's run stands, shared by its calls.
+struct Run {
+    progress: Mutex<BatchProgress>,
+    /// Calls settled by earlier deliveries.
+    settled_before: BTreeSet<u32>,
+    /// The batch's id: the holder of its calls' claims, the same in every delivery.
+    id: String,
 }
 
-impl Batches {
-    /// Batches whose calls `calls` runs, dead-lettering unreadable entries to `queue`.
-    #[must_use]
-    pub fn new(calls: Arc<dyn WorkerHandler>, queue: Arc<dyn JobQueue>) -> Self {
-        Self { calls, queue, results: None }
+impl Run {
+    fn settled(&self, index: u32) {
+        self.progress.lock().unwrap_or_else(std::sync::PoisonError::into_inner).settled.insert(index);
     }
 
-    /// The same, sending each job's outcome record to `results`.
-    #[must_use]
-    pub fn with_results(self, results: Arc<dyn OutcomeSink>) -> Self {
-        Self { results: Some(results), ..self }
+    fn progress(&self) -> BatchProgress {
+        self.progress.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+}
+
+/// A name no other delivery of the batch has: its id, the time and a random number.
+fn delivery_name(batch: &str, now: UnixMillis) -> String {
+    let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    format!("{batch}@{}#{random:016x}", now.0)
+}
+
+impl Worker {
+    /// Runs batch `id` (`payload`): claims it, runs its calls at their slots, saves its
+    /// progress, sends each job's outcome record to the results sink.
+    pub(crate) async fn run_batch(&self, id: &str, payload: &WorkerPayload) -> PortResult<Option<OutcomeRecord>> {
+        let mut calls = payload.batch_calls();
+        if let [Ok(_)] = calls.as_slice() {
+            // A batch of one is a lone job's payload: its call record marked done after
+            // the call, as two writes cost no more than a claim and a batch record.
+            let Some(Ok(lone)) = calls.pop() else { unreachable!() };
+            let record = Box::pin(self.handle_one(lone)).await?;
+            return self.send_results(record.into_iter().collect()).await;
+        }
+        let now = self.clock.now();
+        let last_slot = calls.iter().flatten().filter_map(|call| match call {
+            WorkerPayload::Job { slot: Some(slot), .. } => Some(slot.call_by),
+            _ => None,
+        });
+        // The claim outlasts the batch's last possible call.
+        let runs_until = last_slot.max().unwrap_or(now).max(now).plus(self.claim_for);
+        let (key, delivery) = (batch_record_key(id), delivery_name(id, now));
+        let before = match self.store.claim_batch(&key, &delivery, now, runs_until).await? {
+            BatchClaim::Done => {
+                info!(batch = %id, "a repeated delivery of a batch already done: nothing to do");
+                self.stats.repeats_skipped.fetch_add(payload.job_count() as u64, std::sync::atomic::Ordering::Relaxed);
+                return Ok(None);
+            }
+            BatchClaim::Running => return Err(PortError::Transient(format!("another delivery of batch {id} runs it"))),
+            BatchClaim::Taken { before } => before,
+        };
+        if let Some(before) = &before {
+            warn!(batch = %id, settled = before.settled.len(), "taking over a batch whose earlier delivery stopped");
+        }
+        let settled_before = before.map(|b| b.settled).unwrap_or_default();
+        let run = Run { progress: Mutex::new(BatchProgress { settled: settled_before.clone(), done: false }), settled_before, id: id.to_owned() };
+        let mut running: FuturesUnordered<_> =
+            calls.into_iter().enumerate().map(|(index, call)| self.batch_call(u32::try_from(index).unwrap_or(u32::MAX), call, &run)).collect();
+        let (mut failed, mut records) = (None::<PortError>, Vec::new());
+        let mut saved = run.progress();
+        let mut next_save = self.clock.now().plus(BATCH_PROGRESS_EVERY);
+        loop {
+            tokio::select! {
+                done = running.next() => match done {
+                    Some(Ok(record)) => records.extend(record),
+                    Some(Err(e)) => { failed.get_or_insert(e); }
+                    None => break,
+                },
+                () = self.clock.sleep_until(next_save) => {
+                    let progress = run.progress();
+                    if progress != saved {
+                        self.save_progress(&key, &delivery, &progress, runs_until).await;
+                        saved = progress;
+                    }
+                    next_save = self.clock.now().plus(BATCH_PROGRESS_EVERY);
+                }
+            }
+        }
+        drop(running);
+        let mut progress = run.progress();
+        progress.done = failed.is_none();
+        let keep = if progress.done { self.clock.now().plus(CALL_RECORD_KEEP) } else { runs_until };
+        if let Err(e) = self.store.save_batch(&key, &delivery, &progress, keep).await {
+            failed.get_or_insert(e);
+        }
+        info!(batch = %id, calls = payload.job_count(), settled = progress.settled.len(), done = progress.done, "batch ended");
+        let sent = self.send_results(records).await;
+        failed.map_or(sent, Err)
+    }
+
+    /// Sends a batch's outcome records to the results sink, if there is one.
+    async fn send_results(&self, records: Vec<OutcomeRecord>) -> PortResult<Option<OutcomeRecord>> {
+        if let Some(results) = &self.batch_results {
+            for record in &records {
+                results.record_outcome(record).await?;
+            }
+        }
+        Ok(None)
+    }
+
+    /// Saves a batch's progress; a failure is only logged (the next save, or the last,
+    /// says as much).
+    async fn save_progress(&self, key: &str, delivery: &str, progress: &BatchProgress, runs_until: UnixMillis) {
+        if let Err(e) = self.store.save_batch(key, delivery, progress, runs_until).await {
+            warn!(error = %e, batch_record = key, "could not save the batch's progress");
+        }
+    }
+
+    /// Runs call `index` of the batch: skips it if an earlier delivery settled it,
+    /// dead-letters it if it is no job's payload or its call is in doubt, and otherwise
+    /// claims it just before its slot, calls and settles it.
+    async fn batch_call(&self, index: u32, call: Result<WorkerPayload, UnreadableCall>, run: &Run) -> PortResult<Option<OutcomeRecord>> {
+        if run.settled_before.contains(&index) {
+            return Ok(None);
+        }
+        let ended = match call {
+            Err(unreadable) => self.dead_letter_unreadable(&run.id, index, unreadable).await.map(|()| None),
+            Ok(WorkerPayload::Job { job, attempt, circuit_epoch, slot, trip, dispatched_at, report_limits }) => {
+                if let Some(slot) = slot {
+                    self.clock.sleep_until(slot.not_before.minus(CLAIM_LEAD)).await;
+                }
+                let record = call_record_key(job.id.as_str(), attempt);
+                let now = self.clock.now();
+                match self.store.claim_call(&record, &run.id, now, now.plus(CALL_RECORD_KEEP)).await? {
+                    CallClaim::Taken => {
+                        let call = JobCall { attempt, circuit_epoch, trip, report_limits, record: Some(record), dispatched_at, slotted: dispatched_at };
+                        self.call_in_slot(&job, call, slot, run.id.clone(), CallRecordEnd::LeaveClaimed).await
+                    }
+                    CallClaim::Done | CallClaim::Calling => {
+                        WorkerStats::bump(&self.stats.repeats_skipped);
+                        info!(job_id = %job.id, attempt, batch = %run.id, "another payload holds this attempt's call: not calling");
+                        Ok(None)
+                    }
+                    CallClaim::ClaimedBefore => self.dead_letter_in_doubt(&job, attempt, &run.id).await,
+                }
+            }
+            Ok(_) => unreachable!("a batch's calls are job payloads (see WorkerPayload::batch_calls)"),
+        };
+        if ended.is_ok() {
+            run.settled(index);
+        }
+        ended
+    }
+
+    /// An earlier delivery of batch `batch` claimed this call and stopped before saying
+    /// it settled: the job goes to the DLQ rather than risk a second call.
+    async fn dead_letter_in_doubt(&self, job: &Job, attempt: u32, batch: &str) -> PortResult<Option<OutcomeRecord>> {
+        let detail = format!(
+            "an earlier delivery of batch {batch} claimed this call and stopped before it recorded the answer: the call may have been made \
+             (check the API before a redrive, which calls it again)"
+        );
+        let attempted = Attempted { calls: attempt, answer: Answer::default(), times: OutcomeTimes { enqueued: job.enqueued_at, ..OutcomeTimes::default() } };
+        self.dead_letter(job, attempt, DeadLetterCause::CallInDoubt, detail, &attempted).await
     }
 
     /// Dead-letters entry `index` of batch `batch`, which is no job's payload.
-    async fn dead_letter(&self, batch: &str, index: usize, unreadable: UnreadableCall) -> PortResult<()> {
+    async fn dead_letter_unreadable(&self, batch: &str, index: u32, unreadable: UnreadableCall) -> PortResult<()> {
         let entry = &unreadable.entry;
         let body = entry.get("job").and_then(serde_json::Value::as_str).map_or_else(|| entry.to_string(), str::to_owned);
         let message_id = JobId::named_in(&body).map_or_else(|| format!("{batch}#{index}"), |id| id.as_str().to_owned());
@@ -52,49 +210,8 @@ impl Batches {
         let detail = format!("entry {index} of batch {batch} is not a job's payload: {}", unreadable.problem);
         warn!(%message_id, %detail, "dead-lettered");
         let reason = DeadLetterReason { cause: DeadLetterCause::Malformed, detail, outcome: None };
-        self.queue.dead_letter(&message_id, &body, attempt, &reason).await
-    }
-}
-
-#[async_trait]
-impl WorkerHandler for Batches {
-    async fn handle(&self, payload: WorkerPayload) -> PortResult<Option<OutcomeRecord>> {
-        let WorkerPayload::Batch { id, .. } = &payload else { return self.calls.handle(payload).await };
-        let mut running = JoinSet::new();
-        let mut failed: Option<PortError> = None;
-        for (index, call) in payload.batch_calls().into_iter().enumerate() {
-            match call {
-                Ok(call) => {
-                    let calls = self.calls.clone();
-                    running.spawn(async move { calls.handle(call).await });
-                }
-                Err(unreadable) => {
-                    if let Err(e) = self.dead_letter(id, index, unreadable).await {
-                        failed.get_or_insert(e);
-                    }
-                }
-            }
-        }
-        let mut records = Vec::new();
-        while let Some(done) = running.join_next().await {
-            match done {
-                Ok(Ok(record)) => records.extend(record),
-                Ok(Err(e)) => {
-                    failed.get_or_insert(e);
-                }
-                Err(e) => {
-                    failed.get_or_insert(PortError::Transient(format!("a call of batch {id} did not finish: {e}")));
-                }
-            }
-        }
-        if let Some(results) = &self.results {
-            for record in &records {
-                if let Err(e) = results.record_outcome(record).await {
-                    failed.get_or_insert(e);
-                }
-            }
-        }
-        info!(batch = %id, calls = payload.job_count(), records = records.len(), failed = failed.is_some(), "batch done");
-        failed.map_or(Ok(None), Err)
+        self.queue.dead_letter(&message_id, &body, attempt, &reason).await?;
+        WorkerStats::bump(&self.stats.dead_lettered);
+        Ok(())
     }
 }

@@ -47,13 +47,42 @@ impl LaneWorkers {
     }
 }
 
+impl LaneWorkers {
+    /// Runs each lane's share of batch `id` on its own worker, all at once.
+    async fn split_by_lane(&self, id: &str, payload: &WorkerPayload) -> PortResult<Option<OutcomeRecord>> {
+        let mut shares: HashMap<LaneId, Vec<WorkerPayload>> = HashMap::new();
+        let mut unreadable = Vec::new();
+        for call in payload.batch_calls() {
+            match call {
+                Ok(call) => {
+                    let lane = match &call {
+                        WorkerPayload::Job { job, .. } => job.lane.clone(),
+                        _ => LaneId::default(),
+                    };
+                    shares.entry(lane).or_default().push(call);
+                }
+                Err(entry) => unreadable.push(entry.entry),
+            }
+        }
+        if !unreadable.is_empty() {
+            // The default lane's worker dead-letters what no lane can be read from.
+            self.handle(WorkerPayload::Batch { id: format!("{id}/unreadable"), calls: unreadable }).await?;
+        }
+        let runs: futures_util::stream::FuturesUnordered<_> =
+            shares.into_iter().map(|(lane, calls)| self.handle(WorkerPayload::batch(format!("{id}/{lane}"), &calls))).collect();
+        let ended: Vec<PortResult<Option<OutcomeRecord>>> = futures_util::StreamExt::collect(runs).await;
+        ended.into_iter().find(Result::is_err).unwrap_or(Ok(None))
+    }
+}
+
 #[async_trait]
 impl WorkerHandler for LaneWorkers {
     async fn handle(&self, payload: WorkerPayload) -> PortResult<Option<OutcomeRecord>> {
         let lane = match &payload {
             WorkerPayload::Job { job, .. } => job.lane.clone(),
             WorkerPayload::HealthCheck { lane, .. } => lane.clone(),
-            WorkerPayload::Batch { .. } => return Err(crate::batch_refused()),
+            // A lane's worker keeps its own batch records: each lane's share goes to it.
+            WorkerPayload::Batch { id, .. } => return self.split_by_lane(&id, &payload).await,
         };
         match self.worker(&lane) {
             Ok(worker) => worker.handle(payload).await,

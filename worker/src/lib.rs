@@ -48,7 +48,6 @@ use paceline_shared::time::{Clock, UnixMillis};
 use serde::Serialize;
 use tracing::{info, warn};
 
-pub use batch::Batches;
 pub use classify::{classify, failure_label, provider_reading, CallResult, CappedBody, Outcome};
 
 /// A job that found every call slot held comes back within this long (a random share).
@@ -257,11 +256,24 @@ pub struct Worker {
     outcomes: OutcomeSettings,
     /// Where outcome records are kept besides the function result (the embedded store).
     outcome_sink: Option<Arc<dyn OutcomeSink>>,
+    /// Where a batch's outcome records go, a batch having no function result to carry
+    /// them (on AWS, the results queue).
+    batch_results: Option<Arc<dyn OutcomeSink>>,
     /// How long writing what an answer calls for is retried (see [`SETTLE_RETRY_FOR`]).
     settle_retry_for: std::time::Duration,
     /// Where a slot this worker made no call at is reported, when the orchestrator runs
     /// in this process and can give it back to its pacer.
     missed_slots: Option<Arc<MissedSlots>>,
+}
+
+/// What becomes of a call record once its call settled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CallRecordEnd {
+    /// Marked done: a lone job's payload (a repeated delivery then finds it done).
+    MarkDone,
+    /// Left claimed: a batch's call, whose batch record says it settled (one write per
+    /// job instead of two).
+    LeaveClaimed,
 }
 
 /// Which payloads claim their call record before calling.
@@ -300,6 +312,7 @@ impl Worker {
             call_records: CallRecords::Always,
             outcomes: OutcomeSettings::default(),
             outcome_sink: None,
+            batch_results: None,
             settle_retry_for: SETTLE_RETRY_FOR,
             missed_slots: None,
         }
@@ -309,6 +322,12 @@ impl Worker {
     #[must_use]
     pub fn with_outcomes(self, settings: OutcomeSettings, sink: Option<Arc<dyn OutcomeSink>>) -> Self {
         Self { outcomes: settings, outcome_sink: sink, ..self }
+    }
+
+    /// The same worker sending the outcome records of a batch's jobs to `results`.
+    #[must_use]
+    pub fn with_batch_results(self, results: Arc<dyn OutcomeSink>) -> Self {
+        Self { batch_results: Some(results), ..self }
     }
 
     /// The same worker claiming call records for `which` payloads.
@@ -661,7 +680,9 @@ impl Worker {
                 info!(job_id = %job.id, attempt, "a repeated delivery of an attempt already called: not calling again");
                 Ok(false)
             }
-            CallClaim::Calling => Err(PortError::Transient(format!("another delivery of job {} attempt {attempt} is calling the API", job.id))),
+            CallClaim::Calling | CallClaim::ClaimedBefore => {
+                Err(PortError::Transient(format!("another delivery of job {} attempt {attempt} is calling the API", job.id)))
+            }
         }
     }
 
@@ -670,6 +691,37 @@ impl Worker {
         match record {
             Some(record) => self.store.release_call(record, holder).await,
             None => Ok(()),
+        }
+    }
+
+    /// Takes a call slot, waits for the job's pacer slot and calls, then does what the
+    /// answer calls for; the call record `call.record` (claimed by `holder`) is marked
+    /// done after or not as `end` says. A job that finds every call slot held, or whose
+    /// pacer slot passed, goes back on the queue without a call (its claim given up).
+    async fn call_in_slot(&self, job: &Job, call: JobCall, slot: Option<CallSlot>, holder: String, end: CallRecordEnd) -> PortResult<Option<OutcomeRecord>> {
+        let Some(held) = self.take_call_slot(holder.clone(), slot).await? else {
+            self.release_call(call.record.as_deref(), &holder).await?;
+            return self.turned_away(job, call.attempt).await;
+        };
+        if let Err(late) = self.wait_for_slot(slot).await {
+            if let (Some(missed), Some(slot)) = (&self.missed_slots, slot) {
+                missed.push(MissedSlot {
+                    slot: slot.not_before,
+                    arrival: slot.not_before.plus(job.request.upload_allowance()),
+                    cost: job.cost,
+                    lane: job.lane.clone(),
+                });
+            }
+            self.release_call_slot(held).await;
+            self.release_call(call.record.as_deref(), &holder).await?;
+            // Handed off earlier next time by as much: it does not miss for ever.
+            self.requeue_unattempted(&job.clone().started_late_by(late), call.attempt, std::time::Duration::ZERO).await?;
+            return Ok(None);
+        }
+        let call = JobCall { slotted: slot.map_or(call.dispatched_at, |slot| slot.not_before), ..call };
+        match end {
+            CallRecordEnd::MarkDone => self.run_job(job, call, held).await,
+            CallRecordEnd::LeaveClaimed => self.call_and_settle(job, call, held).await,
         }
     }
 
@@ -718,6 +770,16 @@ impl Worker {
 impl WorkerHandler for Worker {
     async fn handle(&self, payload: WorkerPayload) -> PortResult<Option<OutcomeRecord>> {
         match payload {
+            WorkerPayload::Batch { ref id, .. } => self.run_batch(id, &payload).await,
+            one => self.handle_one(one).await,
+        }
+    }
+}
+
+impl Worker {
+    /// Runs a job's or a health check's payload.
+    async fn handle_one(&self, payload: WorkerPayload) -> PortResult<Option<OutcomeRecord>> {
+        match payload {
             WorkerPayload::Job { job, attempt, circuit_epoch, slot, trip, dispatched_at, report_limits } => {
                 let holder = format!("{}#{attempt}#{}", job.id.as_str(), dispatched_at.0);
                 let record = self.call_record(&job, attempt, slot);
@@ -726,27 +788,8 @@ impl WorkerHandler for Worker {
                         return Ok(None);
                     }
                 }
-                let Some(held) = self.take_call_slot(holder.clone(), slot).await? else {
-                    self.release_call(record.as_deref(), &holder).await?;
-                    return self.turned_away(&job, attempt).await;
-                };
-                if let Err(late) = self.wait_for_slot(slot).await {
-                    if let (Some(missed), Some(slot)) = (&self.missed_slots, slot) {
-                        missed.push(MissedSlot {
-                            slot: slot.not_before,
-                            arrival: slot.not_before.plus(job.request.upload_allowance()),
-                            cost: job.cost,
-                            lane: job.lane.clone(),
-                        });
-                    }
-                    self.release_call_slot(held).await;
-                    self.release_call(record.as_deref(), &holder).await?;
-                    // Handed off earlier next time by as much: it does not miss for ever.
-                    self.requeue_unattempted(&job.started_late_by(late), attempt, std::time::Duration::ZERO).await?;
-                    return Ok(None);
-                }
-                let slotted = slot.map_or(dispatched_at, |slot| slot.not_before);
-                self.run_job(&job, JobCall { attempt, circuit_epoch, trip, report_limits, record, dispatched_at, slotted }, held).await
+                let call = JobCall { attempt, circuit_epoch, trip, report_limits, record, dispatched_at, slotted: dispatched_at };
+                self.call_in_slot(&job, call, slot, holder, CallRecordEnd::MarkDone).await
             }
             WorkerPayload::HealthCheck { circuit_epoch, slot, sent_at, .. } => {
                 // A health check that is missed or finds no call slot is simply not made:
@@ -763,14 +806,9 @@ impl WorkerHandler for Worker {
                 }
                 Ok(None)
             }
-            WorkerPayload::Batch { .. } => Err(batch_refused()),
+            WorkerPayload::Batch { .. } => Err(PortError::Fatal("a batch inside a batch".into())),
         }
     }
-}
-
-/// What a handler of one job's payload says of a batch: [`Batches`] runs batches.
-pub(crate) fn batch_refused() -> PortError {
-    PortError::Fatal("a batch reached a handler of one job's payload: run batches through `Batches`".into())
 }
 
 /// The answer as an outcome record sees it (no answer for a timeout or a dead

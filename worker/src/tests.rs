@@ -77,6 +77,7 @@ fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
         call_records: CallRecords::Always,
         outcomes: OutcomeSettings::default(),
         outcome_sink: Some(store.clone()),
+        batch_results: None,
         settle_retry_for: SETTLE_RETRY_FOR,
         missed_slots: None,
     };
@@ -538,9 +539,8 @@ async fn a_batch_calls_each_job_at_its_slot_in_one_invocation_and_settles_each_a
     let WorkerPayload::Batch { id, mut calls } = WorkerPayload::batch("run-1#1".into(), &[slotted(3), slotted(1), slotted(2)]) else { unreachable!() };
     calls.insert(1, serde_json::json!({"kind": "job", "job": "{\"id\":\"b-bad\",\"request\":7}", "attempt": 2}));
     let batch = WorkerPayload::Batch { id, calls };
-    let store_queue: Arc<dyn JobQueue> = store.clone();
     let results = Arc::new(Results::default());
-    let batches = crate::Batches::new(Arc::new(worker), store_queue).with_results(results.clone());
+    let batches = worker.with_batch_results(results.clone());
 
     assert_eq!(batches.handle(batch.clone()).await.unwrap(), None, "a batch's records go to the results sink");
     assert_eq!(api.calls(), vec![at(100), at(200), at(300)], "each at its own slot, overlapping in one invocation");
@@ -555,4 +555,61 @@ async fn a_batch_calls_each_job_at_its_slot_in_one_invocation_and_settles_each_a
     // Lambda delivers the event again: no call is made twice.
     batches.handle(batch).await.unwrap();
     assert_eq!(api.calls().len(), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_batch_taken_over_after_its_worker_died_calls_no_job_twice_and_loses_none() {
+    let (mut worker, store) = new_worker("http://127.0.0.1:9/v1");
+    let api = Arc::new(InstantApi::new(worker.clock.clone()));
+    worker.api = api.clone();
+    let t0 = worker.clock.now();
+    let at = |ms: u64| t0.plus(Duration::from_millis(ms));
+    let slotted = |ms: u64| {
+        let job = Job::parse(&format!(r#"{{"id":"at-{ms}","request":{{"method":"GET","path":"/status/200"}}}}"#)).unwrap();
+        let slot = Some(CallSlot { not_before: at(ms), call_by: at(ms + 5) });
+        WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: t0, slot, trip: None, report_limits: false }
+    };
+    let batch = WorkerPayload::batch("run-1#7".into(), &[slotted(100), slotted(200), slotted(300), slotted(400), slotted(2_000)]);
+
+    // The worker dies at 320 ms: three calls made, the last since its progress was saved
+    // (every 250 ms), the fourth not yet claimed.
+    tokio::select! {
+        _ = worker.handle(batch.clone()) => panic!("the batch ran to its end"),
+        () = tokio::time::sleep_until(tokio::time::Instant::now() + Duration::from_millis(320)) => {}
+    }
+    assert_eq!(api.calls(), vec![at(100), at(200), at(300)]);
+    // Lambda retries a while later: once the claim of the dead delivery expired.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    worker.handle(batch.clone()).await.unwrap();
+    assert_eq!(api.calls().len(), 3, "no call made twice");
+    let dead = store.dead_letters().unwrap();
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!((dead[0].message_id.as_str(), &dead[0].reason.cause), ("at-300", &DeadLetterCause::CallInDoubt), "made after the last save: in doubt");
+    let mut back = requeued(&store).await;
+    back.sort();
+    assert_eq!(back, vec![("at-2000".to_string(), 0), ("at-400".to_string(), 0)], "never claimed, slots passed: back on the queue, no call");
+    assert_eq!(WorkerStats::get(&worker.stats.succeeded), 3);
+
+    // A third delivery finds the batch done.
+    worker.handle(batch).await.unwrap();
+    assert_eq!((api.calls().len(), store.dead_letters().unwrap().len()), (3, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_job_handed_off_in_two_batches_is_called_by_the_first_only() {
+    let (mut worker, _store) = new_worker("http://127.0.0.1:9/v1");
+    let api = Arc::new(InstantApi::new(worker.clock.clone()));
+    worker.api = api.clone();
+    let t0 = worker.clock.now();
+    let job = Job::parse(r#"{"id":"twice","request":{"method":"GET","path":"/status/200"}}"#).unwrap();
+    let slotted = |job: &Job, ms: u64| {
+        let slot = Some(CallSlot { not_before: t0.plus(Duration::from_millis(ms)), call_by: t0.plus(Duration::from_millis(ms + 5)) });
+        WorkerPayload::Job { job: job.clone(), attempt: 0, circuit_epoch: 0, dispatched_at: t0, slot, trip: None, report_limits: false }
+    };
+    let other = |n: u32| Job::parse(&format!(r#"{{"id":"other-{n}","request":{{"method":"GET","path":"/status/200"}}}}"#)).unwrap();
+    // Lambda's 202 for the first batch was lost: the orchestrator handed the job off again.
+    worker.handle(WorkerPayload::batch("run-1#1".into(), &[slotted(&job, 100), slotted(&other(1), 150)])).await.unwrap();
+    worker.handle(WorkerPayload::batch("run-1#2".into(), &[slotted(&job, 1_000), slotted(&other(2), 1_050)])).await.unwrap();
+    assert_eq!(api.calls().len(), 3, "the job once, each other job once");
+    assert_eq!(WorkerStats::get(&worker.stats.repeats_skipped), 1);
 }

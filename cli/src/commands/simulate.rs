@@ -81,6 +81,15 @@ pub struct SimulateArgs {
     /// for Lambda workers).
     #[arg(long, value_parser = humantime::parse_duration)]
     pub dispatch_ahead: Option<Duration>,
+    /// Override the config's `orchestrator.worker_batch`: the most jobs one worker
+    /// invocation carries (1 hands each job to an invocation of its own, as before
+    /// batches; unset, 1,000 as for Lambda workers).
+    #[arg(long, value_name = "N")]
+    pub worker_batch: Option<u32>,
+    /// The account's concurrent Lambda executions: an event that finds them all busy is
+    /// throttled, retried with back-off, and aged out past the worker's maximum event age.
+    #[arg(long, value_name = "N", default_value_t = paceline_sim::aws::DEFAULT_LAMBDA_CONCURRENCY)]
+    pub lambda_concurrency: u64,
     /// Also run the baselines on the same workload: Paceline without dispatch-ahead, a
     /// per-second token bucket, a fixed-window counter and a concurrency cap alone.
     #[arg(long)]
@@ -117,6 +126,11 @@ impl SimulateArgs {
             anyhow::ensure!(ahead <= MAX_DISPATCH_AHEAD, "--dispatch-ahead: at most {}", humantime::format_duration(MAX_DISPATCH_AHEAD));
             orchestrator.dispatch_ahead = Some(ahead);
         }
+        if let Some(batch) = self.worker_batch {
+            orchestrator.worker_batch = Some(batch);
+        }
+        orchestrator.check().map_err(|e| anyhow::anyhow!("--{}: {}", e.field.replace('_', "-"), e.problem))?;
+        anyhow::ensure!(self.lambda_concurrency > 0, "--lambda-concurrency: need at least one execution");
         let mut profile = LatencyProfile::default();
         for assignment in &self.latencies {
             profile.set(assignment).map_err(|e| anyhow::anyhow!("--latency {e}"))?;
@@ -141,6 +155,7 @@ impl SimulateArgs {
         plan.provider = self.provider;
         plan.rate_limit_headers = !self.no_rate_limit_headers;
         plan.time_limit = self.time_limit;
+        plan.lambda_concurrency = self.lambda_concurrency;
         Ok(plan)
     }
 

@@ -27,8 +27,8 @@ use crate::job::{DeadLetterReason, WorkerPayload};
 use crate::keys::{StoreScope, LANE_CHANGE};
 use crate::lane::LaneId;
 use crate::ports::{
-    redrive_messages, CallClaim, DeadLetter, DeadLetterQueues, Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth,
-    QueuedMessage, StateStore, WorkerHandler,
+    redrive_messages, BatchClaim, BatchProgress, CallClaim, DeadLetter, DeadLetterQueues, Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError,
+    PortResult, QueueDepth, QueuedMessage, StateStore, WorkerHandler,
 };
 use crate::retry;
 use crate::time::{Clock, UnixMillis};
@@ -111,6 +111,15 @@ struct CallRecord {
     state: CallClaim,
     holder: String,
     expires_at: UnixMillis,
+}
+
+/// A worker batch's progress record as the kv table keeps it.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct BatchRecord {
+    holder: String,
+    expires_at: UnixMillis,
+    settled: String,
+    done: bool,
 }
 
 /// The embedded store: queue, DLQ and state in one SQLite database.
@@ -945,6 +954,7 @@ impl StateStore for EmbeddedStore {
             let current: Option<CallRecord> = stored.and_then(|t| serde_json::from_str(&t).ok());
             match current {
                 Some(record) if record.state == CallClaim::Done => return Ok(CallClaim::Done),
+                Some(record) if record.expires_at > now && record.holder == holder => return Ok(CallClaim::ClaimedBefore),
                 Some(record) if record.expires_at > now => return Ok(CallClaim::Calling),
                 _ => {}
             }
@@ -965,6 +975,41 @@ impl StateStore for EmbeddedStore {
             )
             .map_err(sql_err)?;
             Self::put_kv(&conn, &self.key(key), &CallRecord { state: CallClaim::Done, holder: String::new(), expires_at: keep_until })
+        })
+    }
+
+    async fn claim_batch(&self, key: &str, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<BatchClaim> {
+        self.on_db(|| {
+            let mut conn = self.conn();
+            let tx = conn.transaction().map_err(sql_err)?;
+            let key = self.key(key);
+            let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = ?1", [&key], |r| r.get(0)).optional().map_err(sql_err)?;
+            let current: Option<BatchRecord> = stored.and_then(|t| serde_json::from_str(&t).ok());
+            let before = match current {
+                Some(record) if record.done => return Ok(BatchClaim::Done),
+                Some(record) if record.expires_at > now => return Ok(BatchClaim::Running),
+                Some(record) => BatchProgress::from_bits(&record.settled, false),
+                None => None,
+            };
+            let settled = before.as_ref().map(BatchProgress::settled_bits).unwrap_or_default();
+            Self::put_kv(&tx, &key, &BatchRecord { holder: holder.to_owned(), expires_at, settled, done: false })?;
+            tx.commit().map_err(sql_err)?;
+            Ok(BatchClaim::Taken { before })
+        })
+    }
+
+    async fn save_batch(&self, key: &str, holder: &str, progress: &BatchProgress, expires_at: UnixMillis) -> PortResult<()> {
+        self.on_db(|| {
+            let mut conn = self.conn();
+            let tx = conn.transaction().map_err(sql_err)?;
+            let key = self.key(key);
+            let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = ?1", [&key], |r| r.get(0)).optional().map_err(sql_err)?;
+            if stored.and_then(|t| serde_json::from_str::<BatchRecord>(&t).ok()).is_none_or(|record| record.holder != holder) {
+                return Err(PortError::Conflict(format!("batch {key} is held by another delivery")));
+            }
+            let record = BatchRecord { holder: holder.to_owned(), expires_at, settled: progress.settled_bits(), done: progress.done };
+            Self::put_kv(&tx, &key, &record)?;
+            tx.commit().map_err(sql_err)
         })
     }
 

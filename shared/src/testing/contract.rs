@@ -13,7 +13,9 @@ use crate::breaker::Circuit;
 use crate::dlq::DlqSource;
 use crate::job::{DeadLetterCause, DeadLetterReason, WorkerPayload};
 use crate::pacer::PacerState;
-use crate::ports::{CallClaim, DeadLetterQueues, Invoker, JobQueue, LaneSignals, OutgoingMessage, PacerSnapshot, PortError, StateStore};
+use crate::ports::{
+    BatchClaim, BatchProgress, CallClaim, DeadLetterQueues, Invoker, JobQueue, LaneSignals, OutgoingMessage, PacerSnapshot, PortError, StateStore,
+};
 use crate::quota::Quota;
 use crate::time::{Clock, UnixMillis};
 
@@ -223,6 +225,20 @@ pub async fn state_store(store: Arc<dyn StateStore>, quota: &Quota) {
     assert_eq!(store.claim_call(&next, "d", at(50_000), at(50_010)).await.unwrap(), CallClaim::Taken, "the next attempt is its own");
     crate::ports::forget_calls(store.as_ref(), "job-1", 1).await.unwrap();
     assert_eq!(store.claim_call(&key, "e", at(50_001), at(50_011)).await.unwrap(), CallClaim::Taken, "a redriven job calls again");
+    assert_eq!(store.claim_call(&key, "e", at(50_002), at(50_012)).await.unwrap(), CallClaim::ClaimedBefore, "the holder's own earlier claim");
+
+    // Worker batches: one delivery at a time; a stopped one's progress is the next one's.
+    let batch = crate::ports::batch_record_key("run-1#1");
+    let taken = |before| BatchClaim::Taken { before };
+    assert_eq!(store.claim_batch(&batch, "d1", at(600), at(700)).await.unwrap(), taken(None));
+    assert_eq!(store.claim_batch(&batch, "d2", at(650), at(750)).await.unwrap(), BatchClaim::Running, "a delivery runs it");
+    let partway = BatchProgress { settled: [0, 2, 5, 1_001].into_iter().collect(), done: false };
+    store.save_batch(&batch, "d1", &partway, at(700)).await.unwrap();
+    assert!(matches!(store.save_batch(&batch, "d2", &partway, at(700)).await, Err(PortError::Conflict(_))), "only the holder saves");
+    assert_eq!(store.claim_batch(&batch, "d2", at(700), at(800)).await.unwrap(), taken(Some(partway.clone())), "taken over with its progress");
+    assert!(matches!(store.save_batch(&batch, "d1", &partway, at(800)).await, Err(PortError::Conflict(_))), "the stopped delivery saves no more");
+    store.save_batch(&batch, "d2", &BatchProgress { done: true, ..partway }, at(100_000)).await.unwrap();
+    assert_eq!(store.claim_batch(&batch, "d3", at(900), at(1_000)).await.unwrap(), BatchClaim::Done, "a done batch is never run again");
 
     // Call slots (`quota.max_in_flight`).
     let (now, until) = (at(300), at(310));

@@ -10,7 +10,10 @@ use async_trait::async_trait;
 use crate::adaptive::ProviderReading;
 use crate::breaker::Circuit;
 use crate::job::{DeadLetterReason, WorkerPayload};
-use crate::ports::{CallClaim, Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth, QueuedMessage, StateStore};
+use crate::ports::{
+    BatchClaim, BatchProgress, CallClaim, Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth, QueuedMessage,
+    StateStore,
+};
 use crate::time::UnixMillis;
 
 /// A port method, by name.
@@ -39,6 +42,8 @@ pub enum Method {
     RecordProviderReading,
     ClaimCall,
     FinishCall,
+    ClaimBatch,
+    SaveBatch,
     ReleaseCall,
     ForgetCall,
     TakeCallSlot,
@@ -197,6 +202,14 @@ impl<T: StateStore + ?Sized> StateStore for Faulty<T> {
     async fn finish_call(&self, key: &str, keep_until: UnixMillis) -> PortResult<()> {
         self.call(Method::FinishCall)?;
         self.inner.finish_call(key, keep_until).await
+    }
+    async fn claim_batch(&self, key: &str, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<BatchClaim> {
+        self.call(Method::ClaimBatch)?;
+        self.inner.claim_batch(key, holder, now, expires_at).await
+    }
+    async fn save_batch(&self, key: &str, holder: &str, progress: &BatchProgress, expires_at: UnixMillis) -> PortResult<()> {
+        self.call(Method::SaveBatch)?;
+        self.inner.save_batch(key, holder, progress, expires_at).await
     }
     async fn release_call(&self, key: &str, holder: &str) -> PortResult<()> {
         self.call(Method::ReleaseCall)?;

@@ -14,7 +14,7 @@ use aws_sdk_dynamodb::Client;
 use super::{build_error, map_sdk_error};
 use crate::adaptive::ProviderReading;
 use crate::breaker::{Circuit, FAILURE_BUCKET_PREFIX, FAILURE_BUCKET_TTL};
-use crate::ports::{slot_probe_start, CallClaim, LaneSignals, Lease, PacerSnapshot, PortError, PortResult, StateStore};
+use crate::ports::{slot_probe_start, BatchClaim, BatchProgress, CallClaim, LaneSignals, Lease, PacerSnapshot, PortError, PortResult, StateStore};
 use crate::time::UnixMillis;
 
 const LEASE: &str = "lease";
@@ -306,10 +306,11 @@ impl StateStore for DynamoStateStore {
         match result.map_err(|e| map_sdk_error("dynamodb UpdateItem (call record)", &e)) {
             Ok(_) => Ok(CallClaim::Taken),
             // Someone has it: a read tells which (only repeated deliveries come here).
-            Err(PortError::Conflict(_)) => {
-                let done = self.get(key).await?.is_some_and(|item| get_s(&item, "state") == "done");
-                Ok(if done { CallClaim::Done } else { CallClaim::Calling })
-            }
+            Err(PortError::Conflict(_)) => Ok(match self.get(key).await? {
+                Some(item) if get_s(&item, "state") == "done" => CallClaim::Done,
+                Some(item) if get_s(&item, "holder") == holder => CallClaim::ClaimedBefore,
+                _ => CallClaim::Calling,
+            }),
             Err(e) => Err(e),
         }
     }
@@ -327,6 +328,53 @@ impl StateStore for DynamoStateStore {
             .send()
             .await
             .map_err(|e| map_sdk_error("dynamodb UpdateItem (call record)", &e))?;
+        Ok(())
+    }
+
+    async fn claim_batch(&self, key: &str, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<BatchClaim> {
+        let result = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("pk", s(key))
+            .update_expression("SET #state = :calling, holder = :h, expires_at = :x, expires_at_seconds = :xs")
+            .condition_expression("attribute_not_exists(#state) OR (#state = :calling AND expires_at <= :now)")
+            .expression_attribute_names("#state", "state")
+            .expression_attribute_values(":calling", s("calling"))
+            .expression_attribute_values(":h", s(holder))
+            .expression_attribute_values(":x", n(expires_at.0))
+            .expression_attribute_values(":xs", n(expires_at.plus(FAILURE_BUCKET_TTL).0 / 1_000))
+            .expression_attribute_values(":now", n(now.0))
+            .return_values(aws_sdk_dynamodb::types::ReturnValue::AllOld)
+            .send()
+            .await;
+        match result.map_err(|e| map_sdk_error("dynamodb UpdateItem (batch record)", &e)) {
+            // Where an earlier delivery stopped, its progress is the old item's.
+            Ok(out) => Ok(BatchClaim::Taken { before: out.attributes().and_then(|old| BatchProgress::from_bits(get_s(old, "settled"), false)) }),
+            Err(PortError::Conflict(_)) => {
+                let done = self.get(key).await?.is_some_and(|item| get_s(&item, "state") == "done");
+                Ok(if done { BatchClaim::Done } else { BatchClaim::Running })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn save_batch(&self, key: &str, holder: &str, progress: &BatchProgress, expires_at: UnixMillis) -> PortResult<()> {
+        self.client
+            .update_item()
+            .table_name(&self.table)
+            .key("pk", s(key))
+            .update_expression("SET #state = :state, settled = :settled, expires_at = :x, expires_at_seconds = :xs")
+            .condition_expression("holder = :h")
+            .expression_attribute_names("#state", "state")
+            .expression_attribute_values(":state", s(if progress.done { "done" } else { "calling" }))
+            .expression_attribute_values(":settled", s(progress.settled_bits()))
+            .expression_attribute_values(":h", s(holder))
+            .expression_attribute_values(":x", n(expires_at.0))
+            .expression_attribute_values(":xs", n(expires_at.plus(FAILURE_BUCKET_TTL).0 / 1_000))
+            .send()
+            .await
+            .map_err(|e| map_sdk_error("dynamodb UpdateItem (batch record)", &e))?;
         Ok(())
     }
 
