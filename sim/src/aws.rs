@@ -31,6 +31,8 @@ pub struct Ledger {
     pub dynamodb_write_units: AtomicU64,
     /// Milliseconds the worker function ran, summed over invocations.
     pub worker_ms: AtomicU64,
+    /// DynamoDB requests for call and batch records (the workers' part).
+    pub call_record_requests: AtomicU64,
     /// Milliseconds the orchestrator function ran, summed over runs.
     pub orchestrator_ms: AtomicU64,
 }
@@ -339,12 +341,14 @@ impl SimStore {
     /// A write of a call record: counted as any, its latency drawn apart.
     async fn record_write(&self, operation: &'static str) {
         self.count_write(operation, 1, 1);
+        self.world.ledger.call_record_requests.fetch_add(1, Ordering::Relaxed);
         self.world.record_call().await;
     }
 
     /// A read of a call record, likewise.
     async fn record_read(&self) {
         self.count_read(1);
+        self.world.ledger.call_record_requests.fetch_add(1, Ordering::Relaxed);
         self.world.record_call().await;
     }
 
@@ -613,35 +617,49 @@ pub fn job_number(payload: &WorkerPayload) -> Option<u64> {
 
 /// Lambda's `Event` invoke of the worker: answers 202 after the invoke latency, then
 /// runs the real worker after the async start delay, and bills its run time.
-///
-/// The account runs at most `concurrency` executions at once (Lambda's default, 1,000).
-/// An event that finds them all busy is throttled: Lambda keeps it and tries again
-/// after 1 s, 2 s, 4 s... (at most 5 min apart) until it is older than the function's
-/// `MaximumEventAgeInSeconds`, when it goes to the on-failure destination unrun (its
-/// jobs counted in `aged_out_jobs`).
 pub struct SimLambda {
     world: Arc<World>,
-    worker: Arc<dyn WorkerHandler>,
     /// Hand-offs per job so far, so each sees its own draws.
     invokes_per_job: Mutex<Vec<u32>>,
     health_checks: AtomicU64,
     /// When each job was last handed off (for dispatch-to-call delays).
     dispatched_at: Arc<Mutex<Vec<UnixMillis>>>,
-    /// Events accepted and not yet finished (running, starting, or throttled).
-    pub running: Arc<AtomicU64>,
-    /// Payloads whose worker failed (Lambda would retry, then send them to the worker
-    /// DLQ), counted by the jobs they carried.
-    pub worker_errors: Arc<AtomicU64>,
     /// Share of events delivered twice, and of hand-offs whose 202 is lost.
     duplicate_delivery: f64,
+    /// Where events run.
+    executions: Arc<Executions>,
+}
+
+/// Lambda's side of an accepted event: runs it when an execution is free, retries it
+/// when it fails, and counts.
+///
+/// The account runs at most `concurrency` executions at once (Lambda's default, 1,000).
+/// An event that finds them all busy is throttled: Lambda keeps it and tries again after
+/// 1 s, 2 s, 4 s... (at most 5 min apart) until it is older than the function's
+/// `MaximumEventAgeInSeconds`, when it goes to the on-failure destination unrun. An
+/// execution that fails (an error, or killed part-way: `crash_share` of the executions
+/// of a batch) is tried again a minute later, then two, and then goes to the on-failure
+/// destination.
+pub struct Executions {
+    world: Arc<World>,
+    worker: Arc<dyn WorkerHandler>,
     concurrency: u64,
     max_event_age: Duration,
+    crash_share: f64,
+    /// Events accepted and not yet finished (running, starting, throttled or waiting
+    /// for a retry).
+    pub running: AtomicU64,
     /// Executions under way now, and the most at once.
-    executing: Arc<AtomicU64>,
-    pub peak_executing: Arc<AtomicU64>,
-    /// Times an event was throttled, and jobs whose events aged out unrun.
-    pub throttles: Arc<AtomicU64>,
-    pub aged_out_jobs: Arc<AtomicU64>,
+    executing: AtomicU64,
+    pub peak_executing: AtomicU64,
+    /// Times an event was throttled.
+    pub throttles: AtomicU64,
+    /// Jobs whose events aged out unrun, and whose events failed every try (both in the
+    /// worker DLQ).
+    pub aged_out_jobs: AtomicU64,
+    pub worker_errors: AtomicU64,
+    /// Executions killed part-way.
+    pub crashes: AtomicU64,
 }
 
 /// Lambda's default concurrent executions per account and Region.
@@ -650,24 +668,95 @@ pub const DEFAULT_LAMBDA_CONCURRENCY: u64 = 1_000;
 /// The longest Lambda waits between tries of a throttled async event.
 const THROTTLE_RETRY_MAX: Duration = Duration::from_secs(300);
 
+/// Lambda's retries of a failed async event (the template's `MaximumRetryAttempts`), the
+/// first a minute after the failure, the second two.
+const FAILED_EVENT_RETRIES: u32 = 2;
+
+impl Executions {
+    /// Runs `payload` (try `tries` of the event, first accepted at `accepted`) after
+    /// its async start.
+    fn deliver(self: &Arc<Self>, payload: WorkerPayload, key: u64, accepted: UnixMillis, tries: u32) {
+        let this = self.clone();
+        this.running.fetch_add(1, Ordering::Relaxed);
+        tokio::spawn(async move {
+            let world = &this.world;
+            world.wait(Stream::AsyncStart, key).await;
+            let mut retry = crate::THROTTLE_RETRY;
+            // Single-threaded runtime: nothing runs between the read and the add.
+            while this.executing.load(Ordering::Relaxed) >= this.concurrency {
+                this.throttles.fetch_add(1, Ordering::Relaxed);
+                if world.clock.now().plus(retry).since(accepted) > this.max_event_age {
+                    this.aged_out_jobs.fetch_add(payload.job_count() as u64, Ordering::Relaxed);
+                    this.running.fetch_sub(1, Ordering::Relaxed);
+                    return;
+                }
+                world.clock.sleep_until(world.clock.now().plus(retry)).await;
+                retry = (retry * 2).min(THROTTLE_RETRY_MAX);
+            }
+            let now_executing = this.executing.fetch_add(1, Ordering::Relaxed) + 1;
+            this.peak_executing.fetch_max(now_executing, Ordering::Relaxed);
+            let started = world.clock.now();
+            let crash_draw = world.sampler.uniform(Stream::Delivery, key ^ (1 << 61) ^ u64::from(tries));
+            let crashes = payload.job_count() > 1 && crash_draw < this.crash_share;
+            let finished = if crashes {
+                // Killed somewhere in the first 1.5 s: amid a batch's calls.
+                let killed_at = started.plus(Duration::from_secs_f64(crash_draw / this.crash_share * 1.5));
+                tokio::select! {
+                    biased;
+                    result = this.worker.handle(payload.clone()) => result.is_ok(),
+                    () = world.clock.sleep_until(killed_at) => {
+                        this.crashes.fetch_add(1, Ordering::Relaxed);
+                        false
+                    }
+                }
+            } else {
+                match this.worker.handle(payload.clone()).await {
+                    Ok(_) => true,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "simulated worker failed");
+                        false
+                    }
+                }
+            };
+            world.ledger.worker_ms.fetch_add(world.clock.now().since(started).as_millis() as u64, Ordering::Relaxed);
+            this.executing.fetch_sub(1, Ordering::Relaxed);
+            if !finished {
+                if tries < FAILED_EVENT_RETRIES {
+                    world.clock.sleep_until(world.clock.now().plus(Duration::from_secs(60 * u64::from(tries + 1)))).await;
+                    this.deliver(payload, key ^ (u64::from(tries + 1) << 40), accepted, tries + 1);
+                } else {
+                    this.worker_errors.fetch_add(payload.job_count() as u64, Ordering::Relaxed);
+                }
+            }
+            this.running.fetch_sub(1, Ordering::Relaxed);
+        });
+    }
+}
+
 impl SimLambda {
     #[must_use]
     pub fn new(world: Arc<World>, worker: Arc<dyn WorkerHandler>, dispatched_at: Arc<Mutex<Vec<UnixMillis>>>, jobs: usize) -> Self {
+        let executions = Executions {
+            world: world.clone(),
+            worker,
+            concurrency: DEFAULT_LAMBDA_CONCURRENCY,
+            max_event_age: Duration::from_secs(21_600),
+            crash_share: 0.0,
+            running: AtomicU64::default(),
+            executing: AtomicU64::default(),
+            peak_executing: AtomicU64::default(),
+            throttles: AtomicU64::default(),
+            aged_out_jobs: AtomicU64::default(),
+            worker_errors: AtomicU64::default(),
+            crashes: AtomicU64::default(),
+        };
         Self {
             world,
-            worker,
             invokes_per_job: Mutex::new(vec![0; jobs]),
             health_checks: AtomicU64::new(0),
             dispatched_at,
-            running: Arc::default(),
-            worker_errors: Arc::default(),
             duplicate_delivery: 0.0,
-            concurrency: DEFAULT_LAMBDA_CONCURRENCY,
-            max_event_age: Duration::from_secs(21_600),
-            executing: Arc::default(),
-            peak_executing: Arc::default(),
-            throttles: Arc::default(),
-            aged_out_jobs: Arc::default(),
+            executions: Arc::new(executions),
         }
     }
 
@@ -679,47 +768,24 @@ impl SimLambda {
     }
 
     /// The same Lambda running at most `concurrency` executions at once, keeping a
-    /// throttled event up to `max_event_age`.
+    /// throttled event up to `max_event_age`, and killing `crash_share` of the
+    /// executions of a batch part-way.
+    ///
+    /// # Panics
+    /// Once an event was delivered.
     #[must_use]
-    pub fn with_concurrency(self, concurrency: u64, max_event_age: Duration) -> Self {
-        Self { concurrency: concurrency.max(1), max_event_age, ..self }
+    pub fn with_executions(self, concurrency: u64, max_event_age: Duration, crash_share: f64) -> Self {
+        let mut executions = Arc::into_inner(self.executions).expect("set before use");
+        executions.concurrency = concurrency.max(1);
+        executions.max_event_age = max_event_age;
+        executions.crash_share = crash_share;
+        Self { executions: Arc::new(executions), ..self }
     }
 
-    /// Runs the worker on `payload` after its async start, as one delivery of the event.
-    fn deliver(&self, payload: WorkerPayload, key: u64) {
-        let (world, worker) = (self.world.clone(), self.worker.clone());
-        let (running, errors) = (self.running.clone(), self.worker_errors.clone());
-        let (executing, peak, throttles, aged_out) = (self.executing.clone(), self.peak_executing.clone(), self.throttles.clone(), self.aged_out_jobs.clone());
-        let (concurrency, max_age) = (self.concurrency, self.max_event_age);
-        running.fetch_add(1, Ordering::Relaxed);
-        tokio::spawn(async move {
-            let accepted = world.clock.now();
-            world.wait(Stream::AsyncStart, key).await;
-            let mut retry = crate::THROTTLE_RETRY;
-            // Single-threaded runtime: nothing runs between the read and the add.
-            while executing.load(Ordering::Relaxed) >= concurrency {
-                throttles.fetch_add(1, Ordering::Relaxed);
-                if world.clock.now().plus(retry).since(accepted) > max_age {
-                    aged_out.fetch_add(payload.job_count() as u64, Ordering::Relaxed);
-                    running.fetch_sub(1, Ordering::Relaxed);
-                    return;
-                }
-                world.clock.sleep_until(world.clock.now().plus(retry)).await;
-                retry = (retry * 2).min(THROTTLE_RETRY_MAX);
-            }
-            let now_executing = executing.fetch_add(1, Ordering::Relaxed) + 1;
-            peak.fetch_max(now_executing, Ordering::Relaxed);
-            let started = world.clock.now();
-            let jobs = payload.job_count() as u64;
-            let outcome = worker.handle(payload).await;
-            world.ledger.worker_ms.fetch_add(world.clock.now().since(started).as_millis() as u64, Ordering::Relaxed);
-            executing.fetch_sub(1, Ordering::Relaxed);
-            if let Err(e) = outcome {
-                tracing::warn!(error = %e, "simulated worker failed");
-                errors.fetch_add(jobs, Ordering::Relaxed);
-            }
-            running.fetch_sub(1, Ordering::Relaxed);
-        });
+    /// Where events run, and what they came to.
+    #[must_use]
+    pub fn executions(&self) -> &Executions {
+        &self.executions
     }
 
     /// The draw key of this hand-off: per job and occurrence, or per health check.
@@ -754,11 +820,12 @@ impl Invoker for SimLambda {
         }
         let key = self.key(payload);
         self.world.wait(Stream::Invoke, key).await;
-        self.deliver(payload.clone(), key);
+        let now = self.world.clock.now();
+        self.executions.deliver(payload.clone(), key, now, 0);
         let draw = |salt: u64| self.duplicate_delivery > 0.0 && self.world.sampler.uniform(Stream::Delivery, key ^ salt) < self.duplicate_delivery;
         if draw(0) {
             // Lambda delivers the event again (its own async start).
-            self.deliver(payload.clone(), key ^ (1 << 63));
+            self.executions.deliver(payload.clone(), key ^ (1 << 63), now, 0);
         }
         if draw(1 << 62) {
             return Err(PortError::Transient("the invoke's 202 was lost".into()));

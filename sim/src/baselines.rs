@@ -123,7 +123,7 @@ pub async fn dispatch_loop(world: Arc<World>, queue: Arc<SimQueue>, lambda: Arc<
             let Ok(job) = Job::parse(&message.body) else { continue };
             loop {
                 let now = world.clock.now();
-                match admission.admit(now, lambda.running.load(Ordering::Relaxed)) {
+                match admission.admit(now, lambda.executions().running.load(Ordering::Relaxed)) {
                     Ok(()) => break,
                     Err(at) => world.clock.sleep_until(at).await,
                 }

@@ -195,11 +195,12 @@ impl Lane {
             Worker::new(provider.clone(), queue.clone(), store.clone(), clock, plan.retry, health_check).with_stats(stats.clone()).with_call_slots(call_slots),
         );
         let handler: Arc<dyn WorkerHandler> = Arc::new(Notifying { worker, finished: finished.clone() });
-        let lambda = Arc::new(
-            SimLambda::new(world.clone(), handler, dispatched_at, plan.jobs)
-                .with_duplicate_delivery(plan.failures.rate_duplicate_delivery)
-                .with_concurrency(plan.lambda_concurrency, plan.worker_max_event_age),
-        );
+        let lambda =
+            Arc::new(
+                SimLambda::new(world.clone(), handler, dispatched_at, plan.jobs)
+                    .with_duplicate_delivery(plan.failures.rate_duplicate_delivery)
+                    .with_executions(plan.lambda_concurrency, plan.worker_max_event_age, plan.failures.rate_worker_crash),
+            );
         queue.preload(job_bodies(plan.jobs));
         Self {
             world,
@@ -219,7 +220,7 @@ impl Lane {
     /// Jobs that reached an end: succeeded, dead-lettered, lost by a failing worker, or
     /// in an event Lambda could not run before it aged out (both in the worker DLQ).
     fn settled(&self) -> u64 {
-        let lambda = &self.lambda;
+        let lambda = self.lambda.executions();
         WorkerStats::get(&self.stats.succeeded)
             + self.queue.dead_count()
             + lambda.worker_errors.load(Ordering::Relaxed)
@@ -227,7 +228,7 @@ impl Lane {
     }
 
     fn done(&self) -> bool {
-        self.settled() >= self.jobs && self.lambda.running.load(Ordering::Relaxed) == 0
+        self.settled() >= self.jobs && self.lambda.executions().running.load(Ordering::Relaxed) == 0
     }
 
     /// Adds the jobs settled since the last report to the plan's progress counter.

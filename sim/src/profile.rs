@@ -176,6 +176,9 @@ pub struct Failures {
     /// Share of worker events Lambda delivers twice, and of hand-offs whose 202 is lost
     /// (the orchestrator sends them again).
     pub rate_duplicate_delivery: f64,
+    /// Share of the executions of a worker batch killed part-way (Lambda retries the
+    /// event a minute later).
+    pub rate_worker_crash: f64,
 }
 
 impl Failures {
@@ -189,6 +192,7 @@ impl Failures {
             ("5xx rate", self.rate_5xx),
             ("foreign load", self.foreign_load),
             ("duplicate delivery rate", self.rate_duplicate_delivery),
+            ("worker crash rate", self.rate_worker_crash),
         ];
         for (name, rate) in rates {
             if !(0.0..=1.0).contains(&rate) {

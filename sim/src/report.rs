@@ -70,9 +70,14 @@ pub struct LambdaFigures {
     pub throttled: u64,
     /// Jobs whose events aged out before they could run (to the worker DLQ, unrun).
     pub aged_out_jobs: u64,
+    /// Executions killed part-way (`--rate-worker-crash`).
+    pub killed: u64,
     /// DynamoDB requests per job, all callers.
     #[serde(serialize_with = "paceline_shared::figures::six_digits")]
     pub dynamodb_requests_per_job: f64,
+    /// The workers' part of them: call and batch records.
+    #[serde(serialize_with = "paceline_shared::figures::six_digits")]
+    pub call_record_requests_per_job: f64,
 }
 
 /// One simulation's findings.
@@ -145,7 +150,7 @@ pub(crate) fn build(plan: &Plan, dispatcher: String, lane: &Lane, drained: bool,
         requeued: WorkerStats::get(&stats.requeued),
         missed_slots: WorkerStats::get(&stats.missed_slots),
         circuit_opened: WorkerStats::get(&stats.circuit_opened),
-        worker_errors: lane.lambda.worker_errors.load(Ordering::Relaxed),
+        worker_errors: lane.lambda.executions().worker_errors.load(Ordering::Relaxed),
         orchestrator_runs: runs,
     };
     let quota = &plan.settings.quota;
@@ -183,7 +188,7 @@ fn lambda_figures(plan: &Plan, lane: &Lane) -> LambdaFigures {
     let jobs = plan.jobs.max(1) as f64;
     let invocations = requests.get("lambda:Invoke").copied().unwrap_or(0);
     let dynamodb: u64 = requests.iter().filter(|(op, _)| op.starts_with("dynamodb:")).map(|(_, n)| n).sum();
-    let l = &lane.lambda;
+    let l = lane.lambda.executions();
     LambdaFigures {
         invocations,
         invocations_per_job: invocations as f64 / jobs,
@@ -191,7 +196,9 @@ fn lambda_figures(plan: &Plan, lane: &Lane) -> LambdaFigures {
         peak_concurrent: l.peak_executing.load(Ordering::Relaxed),
         throttled: l.throttles.load(Ordering::Relaxed),
         aged_out_jobs: l.aged_out_jobs.load(Ordering::Relaxed),
+        killed: l.crashes.load(Ordering::Relaxed),
         dynamodb_requests_per_job: dynamodb as f64 / jobs,
+        call_record_requests_per_job: lane.world.ledger.call_record_requests.load(Ordering::Relaxed) as f64 / jobs,
     }
 }
 
@@ -246,8 +253,13 @@ pub fn render(r: &SimReport) -> String {
     let l = &r.lambda;
     let _ = writeln!(
         out,
-        "\nWorker Lambda: {} invocations ({:.4} per job), at most {} running at once (limit {}), {} throttled, {} jobs aged out unrun",
-        l.invocations, l.invocations_per_job, l.peak_concurrent, l.concurrency_limit, l.throttled, l.aged_out_jobs
+        "\nWorker Lambda: {} invocations ({:.4} per job), at most {} running at once (limit {}), {} throttled, {} jobs aged out unrun, {} executions killed",
+        l.invocations, l.invocations_per_job, l.peak_concurrent, l.concurrency_limit, l.throttled, l.aged_out_jobs, l.killed
+    );
+    let _ = writeln!(
+        out,
+        "  DynamoDB requests per job: {:.4} ({:.4} for the workers' call and batch records)",
+        l.dynamodb_requests_per_job, l.call_record_requests_per_job
     );
     let _ = writeln!(out, "\nAWS requests:");
     let mut requests = text_table(&["operation", "requests", "per job"], &[1, 2]);

@@ -7,7 +7,7 @@
 //! One DynamoDB write per job. A lone job's call record is claimed, then marked done; a
 //! batch's calls are claimed only (by the batch, just before each slot), and the batch's
 //! own record says which of them settled: one delivery claims the batch, saves its
-//! progress every quarter second, and marks it done at the end. So:
+//! progress each time another 50 calls settled, and marks it done at the end. So:
 //! - a repeated delivery of a done batch does nothing, and one that comes while another
 //!   runs it fails, for Lambda to retry later, as a lone job's does;
 //! - a delivery that takes over from one that stopped (a crash, a timeout, a write that
@@ -35,9 +35,13 @@ use tracing::{info, warn};
 
 use crate::{Attempted, CallRecordEnd, JobCall, Worker, WorkerStats, CALL_RECORD_KEEP};
 
-/// How often a running batch saves which of its calls settled: a delivery that stops
-/// leaves at most this long's settled calls in doubt (and those in flight).
-pub const BATCH_PROGRESS_EVERY: Duration = Duration::from_millis(250);
+/// How often a running batch looks whether to save which of its calls settled.
+pub const BATCH_PROGRESS_EVERY: Duration = Duration::from_millis(100);
+
+/// A batch saves its progress once this many more of its calls settled: a delivery that
+/// stops leaves at most these in doubt, beside those in flight, and the saves cost at most
+/// one write per this many jobs.
+pub const SAVE_AFTER_SETTLED: usize = 50;
 
 /// A batch's call claims its record this long before its slot: the claim's write never
 /// delays the call, and a crash leaves few claims whose call was not made.
@@ -102,29 +106,37 @@ impl Worker {
         }
         let settled_before = before.map(|b| b.settled).unwrap_or_default();
         let run = Run { progress: Mutex::new(BatchProgress { settled: settled_before.clone(), done: false }), settled_before, id: id.to_owned() };
-        let mut running: FuturesUnordered<_> =
+        let running: FuturesUnordered<_> =
             calls.into_iter().enumerate().map(|(index, call)| self.batch_call(u32::try_from(index).unwrap_or(u32::MAX), call, &run)).collect();
+        let ended = std::sync::atomic::AtomicBool::new(false);
+        // The calls and the saves of their progress run side by side in this task: a save
+        // never holds a call back from its slot.
+        let calls_ended = async {
+            let ended_calls: Vec<PortResult<Option<OutcomeRecord>>> = running.collect().await;
+            ended.store(true, std::sync::atomic::Ordering::Relaxed);
+            ended_calls
+        };
+        let saving = async {
+            let mut saved = run.progress().settled.len();
+            while !ended.load(std::sync::atomic::Ordering::Relaxed) {
+                self.clock.sleep_until(self.clock.now().plus(BATCH_PROGRESS_EVERY)).await;
+                let progress = run.progress();
+                if progress.settled.len() >= saved + SAVE_AFTER_SETTLED && !ended.load(std::sync::atomic::Ordering::Relaxed) {
+                    self.save_progress(&key, &delivery, &progress, runs_until).await;
+                    saved = progress.settled.len();
+                }
+            }
+        };
+        let (ended_calls, ()) = tokio::join!(calls_ended, saving);
         let (mut failed, mut records) = (None::<PortError>, Vec::new());
-        let mut saved = run.progress();
-        let mut next_save = self.clock.now().plus(BATCH_PROGRESS_EVERY);
-        loop {
-            tokio::select! {
-                done = running.next() => match done {
-                    Some(Ok(record)) => records.extend(record),
-                    Some(Err(e)) => { failed.get_or_insert(e); }
-                    None => break,
-                },
-                () = self.clock.sleep_until(next_save) => {
-                    let progress = run.progress();
-                    if progress != saved {
-                        self.save_progress(&key, &delivery, &progress, runs_until).await;
-                        saved = progress;
-                    }
-                    next_save = self.clock.now().plus(BATCH_PROGRESS_EVERY);
+        for ended in ended_calls {
+            match ended {
+                Ok(record) => records.extend(record),
+                Err(e) => {
+                    failed.get_or_insert(e);
                 }
             }
         }
-        drop(running);
         let mut progress = run.progress();
         progress.done = failed.is_none();
         let keep = if progress.done { self.clock.now().plus(CALL_RECORD_KEEP) } else { runs_until };

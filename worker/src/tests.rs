@@ -569,30 +569,34 @@ async fn a_batch_taken_over_after_its_worker_died_calls_no_job_twice_and_loses_n
         let slot = Some(CallSlot { not_before: at(ms), call_by: at(ms + 5) });
         WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: t0, slot, trip: None, report_limits: false }
     };
-    let batch = WorkerPayload::batch("run-1#7".into(), &[slotted(100), slotted(200), slotted(300), slotted(400), slotted(2_000)]);
+    // Fifty-five calls a millisecond apart from 100 ms (their progress saved at the check
+    // after they settled), one at 305 ms, and two the worker will not live to claim.
+    let mut calls: Vec<WorkerPayload> = (100..155).map(slotted).collect();
+    calls.extend([slotted(305), slotted(400), slotted(2_000)]);
+    let batch = WorkerPayload::batch("run-1#7".into(), &calls);
 
-    // The worker dies at 320 ms: three calls made, the last since its progress was saved
-    // (every 250 ms), the fourth not yet claimed.
+    // The worker dies at 320 ms.
     tokio::select! {
         _ = worker.handle(batch.clone()) => panic!("the batch ran to its end"),
         () = tokio::time::sleep_until(tokio::time::Instant::now() + Duration::from_millis(320)) => {}
     }
-    assert_eq!(api.calls(), vec![at(100), at(200), at(300)]);
+    assert_eq!(api.calls().len(), 56);
+    assert_eq!(api.calls().last(), Some(&at(305)));
     // Lambda retries a while later: once the claim of the dead delivery expired.
     tokio::time::sleep(Duration::from_secs(60)).await;
     worker.handle(batch.clone()).await.unwrap();
-    assert_eq!(api.calls().len(), 3, "no call made twice");
+    assert_eq!(api.calls().len(), 56, "no call made twice");
     let dead = store.dead_letters().unwrap();
     assert_eq!(dead.len(), 1, "{dead:?}");
-    assert_eq!((dead[0].message_id.as_str(), &dead[0].reason.cause), ("at-300", &DeadLetterCause::CallInDoubt), "made after the last save: in doubt");
+    assert_eq!((dead[0].message_id.as_str(), &dead[0].reason.cause), ("at-305", &DeadLetterCause::CallInDoubt), "made since the last save: in doubt");
     let mut back = requeued(&store).await;
     back.sort();
     assert_eq!(back, vec![("at-2000".to_string(), 0), ("at-400".to_string(), 0)], "never claimed, slots passed: back on the queue, no call");
-    assert_eq!(WorkerStats::get(&worker.stats.succeeded), 3);
+    assert_eq!(WorkerStats::get(&worker.stats.succeeded), 56);
 
     // A third delivery finds the batch done.
     worker.handle(batch).await.unwrap();
-    assert_eq!((api.calls().len(), store.dead_letters().unwrap().len()), (3, 1));
+    assert_eq!((api.calls().len(), store.dead_letters().unwrap().len()), (56, 1));
 }
 
 #[tokio::test(start_paused = true)]

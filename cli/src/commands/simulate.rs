@@ -66,6 +66,11 @@ pub struct SimulateArgs {
     /// and are sent again (0 to 1): `answers.duplicate_calls` counts the calls repeated.
     #[arg(long, default_value_t = 0.0, value_name = "SHARE")]
     pub rate_duplicate_delivery: f64,
+    /// Share of the worker executions carrying a batch that are killed part-way (0 to
+    /// 1): Lambda runs the event again a minute later; `answers.duplicate_calls` counts
+    /// any call made twice.
+    #[arg(long, default_value_t = 0.0, value_name = "SHARE")]
+    pub rate_worker_crash: f64,
     /// How the simulated provider counts each rolling tier: sliding-window (no window of
     /// the tier's length holds more than its limit), fixed-window (windows aligned on
     /// the clock) or leaky-bucket (strict, room for one call). A tier with `burst=N` is
@@ -141,8 +146,9 @@ impl SimulateArgs {
             rate_5xx: self.rate_5xx,
             foreign_load: self.foreign_load,
             rate_duplicate_delivery: self.rate_duplicate_delivery,
+            rate_worker_crash: self.rate_worker_crash,
         };
-        failures.check().map_err(|e| anyhow::anyhow!("--rate-429/--rate-5xx/--foreign-load/--rate-duplicate-delivery: {e}"))?;
+        failures.check().map_err(|e| anyhow::anyhow!("--rate-429/--rate-5xx/--foreign-load/--rate-duplicate-delivery/--rate-worker-crash: {e}"))?;
         // The simulated Lambda stack paces one lane, as the AWS backend does today.
         anyhow::ensure!(
             config.lanes.is_none(),
