@@ -10,43 +10,16 @@
 //! lanes, drained, and the bytes the machine still holds for them (counted by the
 //! global allocator) divided by the lanes.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use paceline_orchestrator::decision_bench::{drain, QueuedJob};
 use paceline_orchestrator::Settings;
 use paceline_shared::config::{Config, WorkerHost};
-
-/// The system allocator, counting the bytes allocated and not yet freed.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size(), Ordering::Relaxed);
-        // SAFETY: the caller's contract is the system allocator's.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-        // SAFETY: `ptr` came from `alloc` above with this layout.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(new_size, Ordering::Relaxed);
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-        // SAFETY: as for `dealloc` and `alloc`.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+use paceline_shared::testing::alloc::CountingAllocator;
 
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
+static ALLOCATOR: CountingAllocator = CountingAllocator::new();
 
 /// The longest a backlog may take to drain (virtual time).
 const DAY: Duration = Duration::from_secs(86_400);
@@ -82,9 +55,9 @@ fn main() {
     println!("| ---: | ---: | ---: |");
     for lanes in [1_000, 10_000] {
         let jobs: Vec<QueuedJob> = (0..lanes).map(|i| QueuedJob::of(format!("t{i}"))).collect();
-        let before = LIVE.load(Ordering::Relaxed);
+        let before = ALLOCATOR.live();
         let mut held = 0;
-        drain(&settings, &jobs, DAY, |_, _| {}, || held = LIVE.load(Ordering::Relaxed).saturating_sub(before));
+        drain(&settings, &jobs, DAY, |_, _| {}, || held = ALLOCATOR.live().saturating_sub(before));
         println!("| {lanes} | {:.1} MB | {:.0} bytes |", held as f64 / 1e6, held as f64 / lanes as f64);
     }
 }

@@ -1,7 +1,9 @@
 //! Hands jobs to Lambda workers in batches: an invoker over another that gathers the
 //! jobs handed off ahead of their slots into one payload, sent when its first job must
 //! go (its slot less the hand-off's lead), or at once when it is full (`worker_batch`
-//! jobs, or the async invoke's payload limit). Each job's hand-off is answered when its
+//! jobs, or the async invoke's payload limit). Where the pace is more than one worker
+//! should call at (`worker_pace`), several batches gather at once, in stripes: each job
+//! goes to the next, so each worker calls at its share of the pace. Each job's hand-off is answered when its
 //! batch's invoke is: the drain loop above sees one hand-off per job, as without
 //! batches, and deletes each job's message once Lambda took its batch.
 //!
@@ -52,14 +54,17 @@ struct Batcher {
     /// an earlier one's (the time it was built).
     prefix: String,
     numbers: AtomicU64,
-    open: Mutex<Option<OpenBatch>>,
+    /// The batches gathering, one a stripe: jobs go to them in turn, so that no worker
+    /// is given more than its share of the pace.
+    open: Mutex<Vec<Option<OpenBatch>>>,
+    next_stripe: AtomicU64,
 }
 
 impl BatchingInvoker {
     /// Batches of at most `max_calls` jobs over `inner`, each sent `lead` before its
-    /// first job's slot.
+    /// first job's slot, `stripes` of them gathering at once (each job to the next).
     #[must_use]
-    pub fn new(inner: Arc<dyn Invoker>, clock: Arc<dyn Clock>, lead: Duration, max_calls: u32) -> Self {
+    pub fn new(inner: Arc<dyn Invoker>, clock: Arc<dyn Clock>, lead: Duration, max_calls: u32, stripes: usize) -> Self {
         let prefix = format!("batch-{}", clock.now().0);
         Self(Arc::new(Batcher {
             inner,
@@ -69,8 +74,16 @@ impl BatchingInvoker {
             max_bytes: MAX_BATCH_BYTES,
             prefix,
             numbers: AtomicU64::new(0),
-            open: Mutex::default(),
+            open: Mutex::new((0..stripes.max(1)).map(|_| None).collect()),
+            next_stripe: AtomicU64::new(0),
         }))
+    }
+
+    /// Batches over `inner` as `settings` say: sent the hand-off's lead before their first
+    /// slot, of at most `worker_batch` jobs, in as many stripes as the pace needs workers.
+    #[must_use]
+    pub fn for_settings(inner: Arc<dyn Invoker>, clock: Arc<dyn Clock>, settings: &crate::Settings) -> Self {
+        Self::new(inner, clock, settings.hand_off_lead(), settings.worker_batch(), settings.worker_stripes())
     }
 
     /// The same invoker holding batches to `max_bytes` of payload.
@@ -86,7 +99,7 @@ impl BatchingInvoker {
 }
 
 impl Batcher {
-    fn open(&self) -> MutexGuard<'_, Option<OpenBatch>> {
+    fn open(&self) -> MutexGuard<'_, Vec<Option<OpenBatch>>> {
         self.open.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
@@ -96,7 +109,10 @@ impl Batcher {
     fn gather(self: &Arc<Self>, call: WorkerPayload, send_by: UnixMillis) -> (oneshot::Receiver<PortResult<()>>, Option<OpenBatch>) {
         let bytes = call.to_json().len();
         let (answer, answered) = oneshot::channel();
-        let mut open = self.open();
+        let stripes = self.open();
+        let stripe = usize::try_from(self.next_stripe.fetch_add(1, Ordering::Relaxed)).unwrap_or(0) % stripes.len();
+        let mut stripes = stripes;
+        let open = &mut stripes[stripe];
         // A call that would take the batch over its payload limit starts the next one.
         let overflowing = open.as_ref().is_some_and(|batch| batch.bytes + bytes > self.max_bytes);
         let full_before = if overflowing { open.take() } else { None };
@@ -108,14 +124,14 @@ impl Batcher {
         // an earlier slot (its worker once started late, so it goes earlier).
         if send_by < batch.send_by {
             batch.send_by = send_by;
-            self.arm(batch.number, send_by);
+            self.arm(stripe, batch.number, send_by);
         }
         batch.calls.push(call);
         batch.bytes += bytes;
         batch.answers.push(answer);
         let full = batch.calls.len() >= self.max_calls || batch.bytes >= self.max_bytes;
         let send_now = if full { open.take() } else { None };
-        drop(open);
+        drop(stripes);
         if let Some(earlier) = full_before {
             let this = self.clone();
             tokio::spawn(async move { this.send(earlier).await });
@@ -123,13 +139,14 @@ impl Batcher {
         (answered, send_now)
     }
 
-    /// Sends batch `number` at `at`, unless it went before.
-    fn arm(self: &Arc<Self>, number: u64, at: UnixMillis) {
+    /// Sends batch `number` of stripe `stripe` at `at`, unless it went before.
+    fn arm(self: &Arc<Self>, stripe: usize, number: u64, at: UnixMillis) {
         let this = self.clone();
         tokio::spawn(async move {
             this.clock.sleep_until(at).await;
             let due = {
-                let mut open = this.open();
+                let mut stripes = this.open();
+                let open = &mut stripes[stripe];
                 if open.as_ref().is_some_and(|batch| batch.number == number) {
                     open.take()
                 } else {
@@ -183,12 +200,19 @@ impl Invoker for BatchingInvoker {
         answered.await.unwrap_or_else(|_| Err(PortError::Transient("the batch was not sent (the run ended)".into())))
     }
 
+    async fn flush(&self) {
+        let gathered: Vec<OpenBatch> = self.0.open().iter_mut().filter_map(Option::take).collect();
+        for batch in gathered {
+            self.0.send(batch).await;
+        }
+    }
+
     fn in_flight(&self) -> usize {
         self.0.inner.in_flight()
     }
 
     fn pipeline(&self) -> usize {
-        UNBATCHED_PIPELINE + 2 * self.0.max_calls
+        UNBATCHED_PIPELINE + 2 * self.0.max_calls * self.0.open().len()
     }
 }
 
@@ -237,7 +261,7 @@ mod tests {
         let clock = Arc::new(TokioClock::new());
         let t0 = clock.now();
         let inner = Arc::new(RecordingInvoker::new(clock.clone()));
-        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100));
+        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100, 1));
         let calls = vec![
             slotted(1, t0.plus(Duration::from_millis(1_000))),
             slotted(2, t0.plus(Duration::from_millis(1_100))),
@@ -259,10 +283,23 @@ mod tests {
         let clock = Arc::new(TokioClock::new());
         let t0 = clock.now();
         let inner = Arc::new(RecordingInvoker::new(clock.clone()));
-        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100));
+        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100, 1));
         let calls = vec![slotted(1, t0.plus(Duration::from_millis(1_400))), slotted(2, t0.plus(Duration::from_millis(900)))];
         hand_off(&invoker, calls).await;
         assert_eq!(sent(&inner), vec![(t0.plus(Duration::from_millis(500)), vec!["j-1".into(), "j-2".into()])]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pace_above_one_worker_s_goes_to_batches_in_stripes_each_job_to_the_next() {
+        let clock = Arc::new(TokioClock::new());
+        let t0 = clock.now();
+        let inner = Arc::new(RecordingInvoker::new(clock.clone()));
+        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100, 2));
+        let calls = (1..=4).map(|n| slotted(n, t0.plus(Duration::from_millis(1_000 + n)))).collect();
+        hand_off(&invoker, calls).await;
+        let mut sent: Vec<_> = sent(&inner).into_iter().map(|(_, ids)| ids).collect();
+        sent.sort();
+        assert_eq!(sent, vec![vec!["j-1".to_string(), "j-3".into()], vec!["j-2".into(), "j-4".into()]]);
     }
 
     #[tokio::test(start_paused = true)]
@@ -270,7 +307,7 @@ mod tests {
         let clock = Arc::new(TokioClock::new());
         let t0 = clock.now();
         let inner = Arc::new(RecordingInvoker::new(clock.clone()));
-        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 2));
+        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 2, 1));
         let calls = (1..=3).map(|n| slotted(n, t0.plus(Duration::from_millis(1_000 + n)))).collect();
         hand_off(&invoker, calls).await;
         let at = |ms| t0.plus(Duration::from_millis(ms));
@@ -285,7 +322,7 @@ mod tests {
         // Lambda refuses the first two sends as too large: the batch of four, then its
         // first half.
         inner.fail_next([PortError::TooLarge("over 1 MB".into()), PortError::TooLarge("over 1 MB".into())]);
-        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100));
+        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100, 1));
         let calls = (1..=4).map(|n| slotted(n, t0.plus(Duration::from_secs(1)))).collect();
         let answers = hand_off(&invoker, calls).await;
         assert!(answers.iter().all(Result::is_ok), "{answers:?}");
@@ -295,7 +332,7 @@ mod tests {
 
         // By its own bytes: a call that would take the batch over the limit starts the next.
         let bytes = slotted(5, t0).to_json().len();
-        let small = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100).with_max_bytes(bytes * 2 + 1));
+        let small = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100, 1).with_max_bytes(bytes * 2 + 1));
         let t1 = clock.now();
         hand_off(&small, (5..=7).map(|n| slotted(n, t1.plus(Duration::from_secs(1)))).collect()).await;
         assert_eq!(inner.accepted().len(), 3 + 2, "two batches: of two, then of one");
@@ -306,7 +343,7 @@ mod tests {
         let clock = Arc::new(TokioClock::new());
         let inner = Arc::new(RecordingInvoker::new(clock.clone()));
         inner.fail_next([PortError::Throttled("rate exceeded".into())]);
-        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100));
+        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100, 1));
         let t0 = clock.now();
         let answers = hand_off(&invoker, (1..=3).map(|n| slotted(n, t0.plus(Duration::from_secs(1)))).collect()).await;
         assert_eq!(answers, vec![Err(PortError::Throttled("rate exceeded".into())); 3], "each job goes back in hand and goes again");

@@ -13,12 +13,13 @@ use paceline_shared::adapters::aws::{AwsAdapters, AwsNames};
 use paceline_shared::config::WorkerHost;
 use paceline_shared::lambda_env::Env;
 use paceline_shared::metrics::{emf_record, emf_record_by, Metric};
-use paceline_shared::time::{SystemClock, UnixMillis};
+use paceline_shared::ports::Invoker;
+use paceline_shared::time::{Clock, SystemClock, UnixMillis};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tracing::Instrument as _;
 
-use crate::{handover_deadline, Orchestrator, RunError, RunOptions, RunReport, Settings};
+use crate::{handover_deadline, BatchingInvoker, Orchestrator, RunError, RunOptions, RunReport, Settings};
 
 /// How often the stack's schedule kicks the orchestrator (`rate(1 minute)` in
 /// `infra/template.yaml`).
@@ -57,7 +58,13 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
     let names = AwsNames::from_env(env, true)?;
     let settings = Settings { quota: env.quota()?, orchestrator: env.orchestrator()?, circuit: env.circuit()?, workers: WorkerHost::Lambda, lanes: None };
     let aws = AwsAdapters::new(sdk, &names, lambda_endpoint);
-    let orchestrator = Orchestrator::new(Arc::new(aws.queue), Arc::new(aws.store), Arc::new(aws.invoker), Arc::new(SystemClock), settings);
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let invoker: Arc<dyn Invoker> = if settings.worker_batch() > 1 {
+        Arc::new(BatchingInvoker::for_settings(Arc::new(aws.invoker), clock.clone(), &settings))
+    } else {
+        Arc::new(aws.invoker)
+    };
+    let orchestrator = Orchestrator::new(Arc::new(aws.queue), Arc::new(aws.store), invoker, clock, settings);
     Ok(OrchestratorFunction::new(orchestrator, env.stack_name()))
 }
 

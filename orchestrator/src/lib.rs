@@ -482,6 +482,8 @@ impl Executor<'_> {
         if let Some(e) = failed {
             warn!(error = %e, "run failed; releasing what it held");
         }
+        // The last hand-offs go now, not when their batch would have: the run ends on time.
+        self.o.invoker.flush().await;
         while let Some(done) = self.background.join_next().await {
             if let Err(e) = joined(done).and_then(|event| self.state.on_event(event, self.o.clock.now())) {
                 warn!(error = %e, "while settling the last background work");

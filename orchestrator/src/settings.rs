@@ -46,9 +46,22 @@ impl Settings {
         self.orchestrator.worker_batch(self.workers)
     }
 
+    /// How many batches gather at once, each job going to the next: as many as it takes
+    /// for no worker to call faster than `worker_pace` (one where the pace is unbounded).
+    #[must_use]
+    pub fn worker_stripes(&self) -> usize {
+        let pace = self.quota.sustained_per_second();
+        if self.worker_batch() <= 1 || !pace.is_finite() {
+            return 1;
+        }
+        (pace / f64::from(self.orchestrator.worker_pace.max(1))).ceil().max(1.0) as usize
+    }
+
     /// How far apart the slots of one batch's jobs may be: `batch_window`, shortened to
     /// what fills `worker_batch` at the quota's sustained pace (at 10,000/s, 1,000 jobs
-    /// take 100 ms); zero without batches or without a lead (jobs go at their slot).
+    /// take 100 ms). Zero without batches, without a lead (jobs go at their slot), or where
+    /// the pace puts fewer than two jobs in a window: a slow lane's jobs then go alone, as
+    /// soon as before, not a window early for nothing.
     #[must_use]
     pub fn batch_window(&self) -> Duration {
         let batch = self.worker_batch();
@@ -56,8 +69,17 @@ impl Settings {
             return Duration::ZERO;
         }
         let pace = self.quota.sustained_per_second();
-        let fills_in = if pace.is_finite() && pace > 0.0 { Duration::from_secs_f64(f64::from(batch) / pace) } else { self.orchestrator.batch_window };
-        self.orchestrator.batch_window.min(fills_in)
+        if !pace.is_finite() || pace <= 0.0 {
+            return self.orchestrator.batch_window;
+        }
+        // Each stripe's batch fills at its share of the pace.
+        let share = pace / self.worker_stripes() as f64;
+        let window = self.orchestrator.batch_window.min(Duration::from_secs_f64(f64::from(batch) / share));
+        if share * window.as_secs_f64() < 2.0 {
+            Duration::ZERO
+        } else {
+            window
+        }
     }
 }
 
@@ -79,5 +101,34 @@ impl RunError {
             Self::LeaseHeld(_) => true,
             Self::Port(e) => e.is_retryable(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use paceline_shared::config::CircuitConfig;
+    use paceline_shared::quota::chrono_tz;
+
+    use super::*;
+
+    fn lambda_settings(tier: &str) -> Settings {
+        let quota = Quota::new(vec![tier.parse().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
+        Settings { quota, orchestrator: OrchestratorConfig::default(), circuit: CircuitConfig::default(), workers: WorkerHost::Lambda, lanes: None }
+    }
+
+    #[test]
+    fn a_batch_window_is_what_fills_a_batch_at_the_pace_and_none_where_a_window_holds_one_job() {
+        let window = |tier: &str| lambda_settings(tier).batch_window().as_millis();
+        assert_eq!((window("100/s"), window("10000/s"), window("1000/s")), (500, 500, 500), "at most 500 ms");
+        let stripes = |tier: &str| lambda_settings(tier).worker_stripes();
+        assert_eq!((stripes("100/s"), stripes("500/s"), stripes("501/s"), stripes("10000/s")), (1, 1, 2, 20), "at most 500 calls/s a worker");
+        let fast_workers =
+            Settings { orchestrator: OrchestratorConfig { worker_pace: 100_000, ..OrchestratorConfig::default() }, ..lambda_settings("10000/s") };
+        assert_eq!(fast_workers.batch_window().as_millis(), 100, "a batch of 1,000 at 10,000/s");
+        assert_eq!((window("4/s"), window("3/s")), (500, 0), "a window must hold two jobs");
+        let settings = lambda_settings("100/s");
+        assert_eq!((settings.hand_off_lead().as_millis(), settings.dispatch_ahead().as_millis()), (400, 900));
+        let in_process = Settings { workers: WorkerHost::InProcess, ..lambda_settings("100/s") };
+        assert_eq!((in_process.batch_window(), in_process.worker_batch()), (Duration::ZERO, 1), "no batches in one process");
     }
 }

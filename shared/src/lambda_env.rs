@@ -141,7 +141,7 @@ impl<'a> Env<'a> {
 
     /// `PACELINE_LEASE_TTL`, `PACELINE_VISIBILITY_TIMEOUT`, `PACELINE_FLUSH_INTERVAL`,
     /// `PACELINE_STATE_REFRESH`, `PACELINE_DEADLINE_MARGIN`, `PACELINE_DISPATCH_AHEAD`,
-    /// `PACELINE_WORKER_BATCH`, `PACELINE_BATCH_WINDOW`.
+    /// `PACELINE_WORKER_BATCH`, `PACELINE_BATCH_WINDOW`, `PACELINE_WORKER_PACE`.
     ///
     /// # Errors
     /// Names the variable and the problem.
@@ -157,6 +157,8 @@ impl<'a> Env<'a> {
                 self.parsed("PACELINE_WORKER_BATCH", LAMBDA_WORKER_BATCH, |t| t.parse::<u32>().map_err(|_| format!("`{t}` is not a whole number")))?,
             ),
             batch_window: self.duration("PACELINE_BATCH_WINDOW", defaults::batch_window())?,
+            worker_pace: self
+                .parsed("PACELINE_WORKER_PACE", defaults::worker_pace(), |t| t.parse::<u32>().map_err(|_| format!("`{t}` is not a whole number")))?,
         };
         config.check().map_err(|e| Self::named("", e))?;
         Ok(config)

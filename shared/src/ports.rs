@@ -622,6 +622,10 @@ pub trait Invoker: Send + Sync {
         0
     }
 
+    /// Sends at once what the invoker gathered to send later (the run is ending: its
+    /// last hand-offs must not hold it up).
+    async fn flush(&self) {}
+
     /// How many hand-offs the drain loop may have awaiting their answer at once: enough
     /// that an invoke's own latency never delays the next slot (an invoker that gathers
     /// hand-offs into batches holds a batch's worth awaiting).
@@ -655,6 +659,18 @@ pub trait OutcomeSink: Send + Sync {
     /// # Errors
     /// When it cannot be written: the worker fails the payload, which is retried.
     async fn record_outcome(&self, record: &OutcomeRecord) -> PortResult<()>;
+
+    /// Keeps each of `records` (a batch's): one request per record unless the sink can
+    /// do better.
+    ///
+    /// # Errors
+    /// As [`OutcomeSink::record_outcome`]; the records before the failure may be kept.
+    async fn record_outcomes(&self, records: &[OutcomeRecord]) -> PortResult<()> {
+        for record in records {
+            self.record_outcome(record).await?;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -287,7 +287,7 @@ impl WorkerHandler for Notifying {
 async fn run_paceline(plan: &Plan, lane: &Lane) -> (bool, u64) {
     let settings = plan.settings.clone();
     let invoker: Arc<dyn paceline_shared::ports::Invoker> = if settings.worker_batch() > 1 && !settings.hand_off_lead().is_zero() {
-        Arc::new(BatchingInvoker::new(lane.lambda.clone(), lane.world.clock.clone(), settings.hand_off_lead(), settings.worker_batch()))
+        Arc::new(BatchingInvoker::for_settings(lane.lambda.clone(), lane.world.clock.clone(), &settings))
     } else {
         lane.lambda.clone()
     };

@@ -111,9 +111,18 @@ fn baselines_run_the_same_workload_and_overrun_a_strict_limiter() {
 
 #[test]
 fn aws_requests_and_cost_are_counted_per_job() {
-    let report = simulate(&plan(&["50/s"], 20, 400, 5_000, 2), &Dispatcher::Paceline);
+    let mut one_each = plan(&["50/s"], 20, 400, 5_000, 2);
+    one_each.settings.orchestrator.worker_batch = Some(1);
+    let report = simulate(&one_each, &Dispatcher::Paceline);
     let invokes = report.aws_requests["lambda:Invoke"];
     assert!((5_000..5_100).contains(&invokes), "one invoke per job (and a few missed slots): {invokes}");
+    // Batches of what 500 ms of slots hold (50 jobs at 100/s): a claim per job, and the
+    // batch's own claim and last save.
+    let batched = simulate(&plan(&["100/s"], 20, 400, 5_000, 2), &Dispatcher::Paceline);
+    let invokes = batched.aws_requests["lambda:Invoke"];
+    assert!((95..120).contains(&invokes), "an invoke per 500 ms of slots: {invokes}");
+    assert!(batched.lambda.call_record_requests_per_job <= 1.05, "{:?}", batched.lambda);
+    assert_eq!((batched.outcomes.succeeded, batched.violations()), (5_000, 0));
     let receives = report.aws_requests["sqs:ReceiveMessage"];
     assert!(receives < 5_000 / 5, "receives are batched: {receives}");
     assert!(report.cost.total_usd > 0.0 && report.cost.per_million_jobs_usd > report.cost.total_usd);
@@ -284,12 +293,37 @@ fn without_rate_limit_headers_429s_cut_the_rate_and_it_recovers() {
 fn repeated_deliveries_and_lost_202s_never_call_an_attempt_twice() {
     let mut repeated = plan(&["50/s"], 10, 400, 5_000, 1);
     repeated.failures.rate_duplicate_delivery = 0.02;
+    repeated.settings.orchestrator.worker_batch = Some(1);
     let report = simulate(&repeated, &Dispatcher::Paceline);
     assert_eq!((report.outcomes.succeeded, report.outcomes.dead_lettered), (5_000, 0), "{:?}", report.outcomes);
     assert_eq!(report.answers.duplicate_calls, 0, "{:?}", report.answers);
     // About 2% of events came twice and 2% of hand-offs were sent again.
     assert!(report.aws_requests["lambda:Invoke"] > 5_050, "{:?}", report.aws_requests);
     assert_eq!(report.violations(), 0);
+
+    // The same in batches, whose jobs a lost 202 hands off again in another batch.
+    repeated.settings.orchestrator.worker_batch = None;
+    let batched = simulate(&repeated, &Dispatcher::Paceline);
+    assert_eq!((batched.outcomes.succeeded, batched.outcomes.dead_lettered), (5_000, 0), "{:?}", batched.outcomes);
+    assert_eq!((batched.answers.duplicate_calls, batched.violations()), (0, 0), "{:?}", batched.answers);
+}
+
+#[test]
+fn workers_killed_mid_batch_call_no_job_twice_and_lose_none() {
+    let mut killed = plan(&["200/s"], 10, 400, 20_000, 1);
+    killed.failures.rate_worker_crash = 0.1;
+    killed.failures.rate_duplicate_delivery = 0.02;
+    let report = simulate(&killed, &Dispatcher::Paceline);
+    assert!(report.lambda.killed >= 5, "{:?}", report.lambda);
+    assert_eq!((report.answers.duplicate_calls, report.violations()), (0, 0), "{:?}", report.answers);
+    // Every job called once (and succeeded) or in the DLQ as in doubt: the few claimed
+    // since their batch last saved its progress, in flight or not.
+    let in_doubt = report.outcomes.dead_letter_causes.get("call_in_doubt").copied().unwrap_or(0);
+    assert_eq!(report.outcomes.dead_lettered, in_doubt, "{:?}", report.outcomes);
+    assert!(in_doubt > 0 && in_doubt <= report.lambda.killed * 150, "{in_doubt} in doubt after {} kills", report.lambda.killed);
+    let called_once = report.answers.ok;
+    assert!(called_once + in_doubt >= 20_000, "{called_once} called, {in_doubt} in doubt: jobs lost");
+    assert!(report.outcomes.succeeded + in_doubt >= 20_000 && report.drained, "{:?}", report.outcomes);
 }
 
 #[test]

@@ -150,10 +150,8 @@ impl Worker {
 
     /// Sends a batch's outcome records to the results sink, if there is one.
     async fn send_results(&self, records: Vec<OutcomeRecord>) -> PortResult<Option<OutcomeRecord>> {
-        if let Some(results) = &self.batch_results {
-            for record in &records {
-                results.record_outcome(record).await?;
-            }
+        if let Some(results) = self.batch_results.as_ref().filter(|_| !records.is_empty()) {
+            results.record_outcomes(&records).await?;
         }
         Ok(None)
     }

@@ -1,6 +1,7 @@
 //! The worker as a Lambda function: built once at cold start from `PACELINE_*`
 //! variables (the API's secrets fetched from Secrets Manager, never from plain text);
-//! each asynchronous invocation carries one versioned payload. An error
+//! each asynchronous invocation carries one versioned payload (one job, a batch of
+//! jobs, or a health check). An error
 //! makes Lambda retry the event and, at last, send it to the on-failure destination
 //! (the worker DLQ), so nothing is lost.
 
@@ -8,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use lambda_runtime::LambdaEvent;
-use paceline_shared::adapters::aws::{AwsAdapters, AwsNames};
+use paceline_shared::adapters::aws::{AwsAdapters, AwsNames, SqsResults};
 use paceline_shared::job::WorkerPayload;
 use paceline_shared::lambda_env::Env;
 use paceline_shared::metrics::{emf_record, Metric};
@@ -60,10 +61,16 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig) -> Result<Worker, St
     let outcomes = env.outcomes()?;
     let api = Arc::new(ApiClient::new(&api_config).map_err(|e| e.to_string())?.keeping_bodies(outcomes.body_cap()));
     let call_slots = CallSlots::for_api(env.max_in_flight()?, api_config.timeout);
-    Ok(Worker::new(api, Arc::new(aws.queue), Arc::new(aws.store), Arc::new(SystemClock), env.retry()?, api_config.health_check)
+    let worker = Worker::new(api, Arc::new(aws.queue), Arc::new(aws.store), Arc::new(SystemClock), env.retry()?, api_config.health_check)
         .with_call_slots(call_slots)
         .with_api_timeout(api_config.timeout)
-        .with_outcomes(outcomes, None))
+        .with_outcomes(outcomes, None);
+    // A batch's records go to the results queue itself, one message per job; a lone
+    // job's is the function result, which the OnSuccess destination delivers.
+    Ok(match env.required("PACELINE_RESULTS_QUEUE_URL") {
+        Ok(url) if !url.is_empty() => worker.with_batch_results(Arc::new(SqsResults::new(aws_sdk_sqs::Client::new(sdk), url))),
+        _ => worker,
+    })
 }
 
 /// Handles one payload and prints what it did as a CloudWatch EMF record (lane `lane`).

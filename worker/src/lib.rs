@@ -70,6 +70,9 @@ pub struct WorkerStats {
     pub missed_slots: AtomicU64,
     /// Jobs re-queued without a call because every call slot (`max_in_flight`) was held.
     pub call_slots_full: AtomicU64,
+    /// A batch's jobs re-queued without a call because the worker had opened the circuit
+    /// since they were handed off.
+    pub held_by_circuit: AtomicU64,
     /// Repeated deliveries of an attempt already called: no second call was made.
     pub repeats_skipped: AtomicU64,
     /// Jobs' calls made (health checks apart), how long they took in all, and how long
@@ -259,6 +262,9 @@ pub struct Worker {
     /// Where a batch's outcome records go, a batch having no function result to carry
     /// them (on AWS, the results queue).
     batch_results: Option<Arc<dyn OutcomeSink>>,
+    /// The latest circuit epoch this worker opened: a batch's job handed off under an
+    /// earlier epoch does not call into the outage (see `batch.rs`).
+    opened_circuit: AtomicU64,
     /// How long writing what an answer calls for is retried (see [`SETTLE_RETRY_FOR`]).
     settle_retry_for: std::time::Duration,
     /// Where a slot this worker made no call at is reported, when the orchestrator runs
@@ -313,6 +319,7 @@ impl Worker {
             outcomes: OutcomeSettings::default(),
             outcome_sink: None,
             batch_results: None,
+            opened_circuit: AtomicU64::new(0),
             settle_retry_for: SETTLE_RETRY_FOR,
             missed_slots: None,
         }
@@ -523,6 +530,9 @@ impl Worker {
             };
             match self.store.swap_circuit(current.epoch, &next).await {
                 Ok(()) => {
+                    if next.status == paceline_shared::breaker::CircuitStatus::Open {
+                        self.opened_circuit.fetch_max(next.epoch, Ordering::Relaxed);
+                    }
                     let counter = if next.is_closed() { &self.stats.circuit_closed } else { &self.stats.circuit_opened };
                     WorkerStats::bump(counter);
                     info!(status = %next.status, epoch = next.epoch, reason = %next.reason, "circuit changed");
@@ -716,6 +726,14 @@ impl Worker {
             self.release_call(call.record.as_deref(), &holder).await?;
             // Handed off earlier next time by as much: it does not miss for ever.
             self.requeue_unattempted(&job.clone().started_late_by(late), call.attempt, std::time::Duration::ZERO).await?;
+            return Ok(None);
+        }
+        if end == CallRecordEnd::LeaveClaimed && call.circuit_epoch < self.opened_circuit.load(Ordering::Relaxed) {
+            // Handed off before this worker opened the circuit: no call into the outage.
+            WorkerStats::bump(&self.stats.held_by_circuit);
+            self.release_call_slot(held).await;
+            self.release_call(call.record.as_deref(), &holder).await?;
+            self.requeue_unattempted(job, call.attempt, std::time::Duration::ZERO).await?;
             return Ok(None);
         }
         let call = JobCall { slotted: slot.map_or(call.dispatched_at, |slot| slot.not_before), ..call };

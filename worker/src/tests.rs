@@ -80,6 +80,7 @@ fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
         batch_results: None,
         settle_retry_for: SETTLE_RETRY_FOR,
         missed_slots: None,
+        opened_circuit: AtomicU64::new(0),
     };
     (worker, store)
 }

@@ -164,6 +164,10 @@ pub struct OrchestratorConfig {
     /// Shortened to what fills `worker_batch` at the quota's pace.
     #[serde(deserialize_with = "duration", default = "defaults::batch_window")]
     pub batch_window: Duration,
+    /// The most calls a second one worker is given: a faster pace goes to several
+    /// batches at once, in stripes (each job to the next).
+    #[serde(default = "defaults::worker_pace")]
+    pub worker_pace: u32,
 }
 
 /// How many jobs a Lambda worker invocation carries at most unless configured: at
@@ -303,8 +307,17 @@ pub const MAX_DISPATCH_AHEAD: Duration = Duration::from_secs(10);
 
 pub(crate) mod defaults {
     use std::time::Duration;
+    /// Half a second: at 100/s, fifty jobs an invocation. A longer window saves few
+    /// invocations more and costs the quota at each hand-over between runs (simulated at
+    /// 100/s: 98.0% of the tier with 250 ms or 500 ms, 96.7% with 1 s).
     pub fn batch_window() -> Duration {
-        Duration::from_secs(1)
+        Duration::from_millis(500)
+    }
+    /// 500 calls a second: one worker's calls then go out within a millisecond or so of
+    /// their slots (the worker batch bench: p99 1 ms at 500/s, 4 ms at 1,000/s, 7 ms at
+    /// 2,000/s on a core).
+    pub fn worker_pace() -> u32 {
+        500
     }
     pub fn health_check_interval() -> Duration {
         Duration::from_secs(5)
@@ -437,6 +450,7 @@ impl Default for OrchestratorConfig {
             dispatch_ahead: None,
             worker_batch: None,
             batch_window: defaults::batch_window(),
+            worker_pace: defaults::worker_pace(),
         }
     }
 }
@@ -493,6 +507,9 @@ impl OrchestratorConfig {
         }
         if self.worker_batch.is_some_and(|batch| batch == 0 || batch > MAX_WORKER_BATCH) {
             return Err(Invalid { field: "worker_batch", problem: format!("must be from 1 to {MAX_WORKER_BATCH}") });
+        }
+        if self.worker_pace == 0 {
+            return Err(Invalid { field: "worker_pace", problem: "must be at least 1".into() });
         }
         if self.batch_window > MAX_BATCH_WINDOW {
             return Err(Invalid { field: "batch_window", problem: format!("at most {}", humantime::format_duration(MAX_BATCH_WINDOW)) });

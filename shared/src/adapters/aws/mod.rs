@@ -8,10 +8,12 @@
 
 mod dynamodb;
 mod lambda;
+mod results;
 mod sqs;
 
 pub use dynamodb::DynamoStateStore;
 pub use lambda::LambdaInvoker;
+pub use results::SqsResults;
 pub use sqs::SqsQueue;
 
 use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
