@@ -83,7 +83,16 @@ async fn the_orchestrator_binary_serves_a_scheduled_event_and_hands_each_job_to_
     let Reported::Response(report) = reported else { panic!("the run failed: {reported:?}") };
     assert_eq!((report["dispatched"].as_u64(), report["stop"].as_str()), (Some(3), Some("deadline")), "{report}");
     let invocations = lambda.invocations();
-    assert_eq!(invocations.len(), 3, "one asynchronous invoke per job: {invocations:?}");
+    let mut handed_off: Vec<String> = invocations
+        .iter()
+        .flat_map(|i| i.payload.batch_calls())
+        .filter_map(|call| match call {
+            Ok(WorkerPayload::Job { job, .. }) => Some(job.id.to_string()),
+            _ => None,
+        })
+        .collect();
+    handed_off.sort();
+    assert_eq!(handed_off, ["boot-1", "boot-2", "boot-3"], "each job handed off once, in batches: {invocations:?}");
     assert!(invocations.iter().all(|i| i.function == "paceline-worker" && i.invocation_type == "Event"), "{invocations:?}");
 
     let lines = json_lines(orchestrator).await;
@@ -124,6 +133,53 @@ async fn the_worker_binary_calls_the_api_for_a_job_answers_with_its_outcome_and_
     let metrics = lines.iter().find(|l| l.get("_aws").is_some() && l["Succeeded"] == 1).expect("the invocation's EMF record");
     assert_eq!(metrics["Lane"], LANE, "{metrics}");
     assert!(metrics["CallLatency"].is_u64(), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_binary_calls_a_batch_s_jobs_at_their_slots_and_sends_each_outcome_record_to_the_results_queue() {
+    let sdk = moto_sdk_config().await;
+    let lambda = FakeLambda::start().await;
+    let names = create_lane(&sdk, "paceline-worker").await;
+    let results = paceline_e2e::aws::create_queue(&sdk, "paceline-batch-results").await;
+    let api = FakeApi::start(FakeApiSpec { tiers: vec!["5/s".parse().unwrap()], ..FakeApiSpec::default() }).await.unwrap();
+    let runtime = RuntimeApi::start().await;
+    let mut env = function_env("WorkerFunction", &deployed(&names, &api.base_url, "5/s"), &lambda.url);
+    env.insert("PACELINE_RESULTS_QUEUE_URL".into(), results.clone());
+    let worker = start_function(&function_binary("worker"), &runtime, &env);
+
+    let first = system_now().plus(Duration::from_millis(500));
+    let calls: Vec<WorkerPayload> = (0..3_u64)
+        .map(|i| {
+            let job = Job::parse(&format!(r#"{{"id":"batch-{i}","request":{{"method":"GET","path":"/items/batch-{i}"}}}}"#)).unwrap();
+            let not_before = first.plus(Duration::from_millis(250 * i));
+            let slot = Some(paceline_shared::job::CallSlot { not_before, call_by: not_before.plus(Duration::from_millis(5)) });
+            WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: system_now(), slot, trip: None, report_limits: false }
+        })
+        .collect();
+    let payload: serde_json::Value = serde_json::from_str(&WorkerPayload::batch("boot#1".into(), &calls).to_json()).unwrap();
+    let request = runtime.invoke(&payload, Duration::from_secs(60));
+    let reported = runtime.reported(&request, Duration::from_secs(30)).await.expect("the function answered");
+    assert_eq!(reported, Reported::Response(serde_json::Value::Null), "a batch's records are not its result");
+    let log = api.log();
+    assert_eq!(log.ok, 3);
+    let gaps: Vec<u64> = log.arrivals.windows(2).map(|w| w[1].0 - w[0].0).collect();
+    assert!(gaps.iter().all(|gap| (240..=260).contains(gap)), "each call at its own slot, 250 ms apart: {gaps:?}");
+
+    let sqs = aws_sdk_sqs::Client::new(&sdk);
+    let mut ids = Vec::new();
+    for _ in 0..5 {
+        let out = sqs.receive_message().queue_url(&results).max_number_of_messages(10).send().await.unwrap();
+        for message in out.messages() {
+            let record = paceline_shared::outcome::from_destination(message.body().unwrap()).unwrap().expect("an outcome record");
+            ids.push(record.job_id.clone());
+        }
+        if ids.len() == 3 {
+            break;
+        }
+    }
+    ids.sort();
+    assert_eq!(ids, ["batch-0", "batch-1", "batch-2"], "one record per job, read as the OnSuccess destination's are");
+    drop(worker);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
