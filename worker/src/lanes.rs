@@ -82,7 +82,7 @@ impl WorkerHandler for LaneWorkers {
             WorkerPayload::Job { job, .. } => job.lane.clone(),
             WorkerPayload::HealthCheck { lane, .. } => lane.clone(),
             // A lane's worker keeps its own batch records: each lane's share goes to it.
-            WorkerPayload::Batch { id, .. } => return self.split_by_lane(&id, &payload).await,
+            WorkerPayload::Batch { id, .. } => return self.split_by_lane(id, &payload).await,
         };
         match self.worker(&lane) {
             Ok(worker) => worker.handle(payload).await,
