@@ -139,11 +139,14 @@ impl Batcher {
         (answered, send_now)
     }
 
-    /// Sends batch `number` of stripe `stripe` at `at`, unless it went before.
+    /// Sends batch `number` of stripe `stripe` at `at`, unless it went before. A batch
+    /// gathered by an invoker that is gone (its orchestrator was dropped mid-run, as a
+    /// crash drops it) is not sent: its jobs' messages come back on the queue.
     fn arm(self: &Arc<Self>, stripe: usize, number: u64, at: UnixMillis) {
-        let this = self.clone();
+        let (weak, clock) = (Arc::downgrade(self), self.clock.clone());
         tokio::spawn(async move {
-            this.clock.sleep_until(at).await;
+            clock.sleep_until(at).await;
+            let Some(this) = weak.upgrade() else { return };
             let due = {
                 let mut stripes = this.open();
                 let open = &mut stripes[stripe];
@@ -300,6 +303,24 @@ mod tests {
         let mut sent: Vec<_> = sent(&inner).into_iter().map(|(_, ids)| ids).collect();
         sent.sort();
         assert_eq!(sent, vec![vec!["j-1".to_string(), "j-3".into()], vec!["j-2".into(), "j-4".into()]]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_gathered_by_an_orchestrator_that_died_is_never_sent() {
+        let clock = Arc::new(TokioClock::new());
+        let t0 = clock.now();
+        let inner = Arc::new(RecordingInvoker::new(clock.clone()));
+        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100, 1));
+        let handing_off = {
+            let invoker = invoker.clone();
+            tokio::spawn(async move { invoker.invoke(&slotted(1, t0.plus(Duration::from_secs(1))), None).await })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The run is cut off where it stands: its hand-off and the invoker with it.
+        handing_off.abort();
+        drop(invoker);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(inner.accepted().is_empty(), "its message comes back on the queue instead");
     }
 
     #[tokio::test(start_paused = true)]

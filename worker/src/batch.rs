@@ -150,8 +150,10 @@ impl Worker {
 
     /// Sends a batch's outcome records to the results sink, if there is one.
     async fn send_results(&self, records: Vec<OutcomeRecord>) -> PortResult<Option<OutcomeRecord>> {
-        if let Some(results) = self.batch_results.as_ref().filter(|_| !records.is_empty()) {
-            results.record_outcomes(&records).await?;
+        match &self.batch_results {
+            Some(results) if !records.is_empty() => results.record_outcomes(&records).await?,
+            None if !records.is_empty() => warn!(records = records.len(), "a batch's outcome records have nowhere to go: set PACELINE_RESULTS_QUEUE_URL"),
+            _ => {}
         }
         Ok(None)
     }
