@@ -76,6 +76,19 @@ pub struct DeadLetterRecord {
     /// The job's outcome record, when the worker dead-lettered it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub outcome: Option<OutcomeRecord>,
+    /// Where the job sat in a worker batch whose invocation failed: one worker-DLQ
+    /// message holds the whole batch, shown and redriven job by job.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch: Option<BatchEntry>,
+}
+
+/// A job's place in a worker batch of the worker DLQ.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct BatchEntry {
+    pub batch: String,
+    pub index: u32,
+    /// The jobs the message holds.
+    pub of: u32,
 }
 
 impl DeadLetterRecord {
@@ -256,19 +269,49 @@ fn snake_case(text: &str) -> String {
     out
 }
 
-/// A worker-DLQ record from its stored body; unreadable bodies are kept, with the
-/// problem as their detail, so nothing is hidden from the operator.
+/// The records of a worker-DLQ message from its stored body: one, or one per job of a
+/// batch (each `{message id}/{index}`, sharing the message's handle). Unreadable bodies
+/// are kept, with the problem as their detail, so nothing is hidden from the operator.
 #[must_use]
-pub fn worker_record(handle: String, message_id: String, body: String, received_at: UnixMillis) -> DeadLetterRecord {
+pub fn worker_records(handle: String, message_id: String, body: String, received_at: UnixMillis) -> Vec<DeadLetterRecord> {
     let (cause, detail, dead_at, payload) = match parse_lambda_failure(&body) {
         Ok(f) => (f.cause, f.detail, f.failed_at.unwrap_or(received_at), f.payload),
         Err(problem) => ("worker:unreadable".to_owned(), problem, received_at, None),
     };
-    let (job_id, lane, job_body, attempt) = match payload {
-        Some(WorkerPayload::Job { job, attempt, .. }) => (Some(job.id.as_str().to_owned()), job.lane.clone(), Some(job.to_json()), attempt),
-        _ => (None, LaneId::default(), None, 0),
+    let record = |message_id: String, call: Option<&WorkerPayload>, batch: Option<BatchEntry>| {
+        let (job_id, lane, job_body, attempt) = match call {
+            Some(WorkerPayload::Job { job, attempt, .. }) => (Some(job.id.as_str().to_owned()), job.lane.clone(), Some(job.to_json()), *attempt),
+            _ => (None, LaneId::default(), None, 0),
+        };
+        let (handle, cause, detail, raw) = (handle.clone(), cause.clone(), detail.clone(), body.clone());
+        DeadLetterRecord { source: DlqSource::Worker, handle, message_id, job_id, lane, job_body, attempt, cause, detail, dead_at, raw, outcome: None, batch }
     };
-    DeadLetterRecord { source: DlqSource::Worker, handle, message_id, job_id, lane, job_body, attempt, cause, detail, dead_at, raw: body, outcome: None }
+    match &payload {
+        Some(batch @ WorkerPayload::Batch { id, .. }) => {
+            let calls = batch.batch_calls();
+            let of = u32::try_from(calls.len()).unwrap_or(u32::MAX);
+            (0..of)
+                .zip(&calls)
+                .map(|(index, call)| record(format!("{message_id}/{index}"), call.as_ref().ok(), Some(BatchEntry { batch: id.clone(), index, of })))
+                .collect()
+        }
+        other => vec![record(message_id.clone(), other.as_ref(), None)],
+    }
+}
+
+/// The worker-DLQ message `raw` (a Lambda record of a failed batch) without the jobs at
+/// `taken`: what stays in the DLQ once those were redriven or purged. `None` when none
+/// stay.
+#[must_use]
+pub fn rest_of_batch(raw: &str, taken: &std::collections::BTreeSet<u32>) -> Option<String> {
+    let mut record: Value = serde_json::from_str(raw).ok()?;
+    let calls = record.pointer_mut("/requestPayload/calls")?.as_array_mut()?;
+    let kept: Vec<Value> = calls.drain(..).enumerate().filter(|(i, _)| u32::try_from(*i).map_or(true, |i| !taken.contains(&i))).map(|(_, c)| c).collect();
+    if kept.is_empty() {
+        return None;
+    }
+    *calls = kept;
+    Some(record.to_string())
 }
 
 /// A jobs-DLQ record from its stored body and reason.
@@ -288,6 +331,7 @@ pub fn jobs_record(handle: String, message_id: String, body: String, attempt: u3
         dead_at,
         raw: body,
         outcome: None,
+        batch: None,
     }
 }
 
@@ -391,14 +435,42 @@ mod tests {
             r#"{{"version":"1.0","timestamp":"2026-11-22T10:00:00.000Z","requestContext":{{"requestId":"r","functionArn":"arn:aws:lambda:us-east-1:1:function:w","condition":"RetriesExhausted","approximateInvokeCount":3}},"requestPayload":{},"responseContext":{{"statusCode":200,"executedVersion":"$LATEST","functionError":"Unhandled"}},"responsePayload":{{"errorType":"Transient","errorMessage":"sqs SendMessage: timed out"}}}}"#,
             payload.to_json()
         );
-        let r = worker_record("h".into(), "m".into(), body, UnixMillis(1));
+        let r = worker_records("h".into(), "m".into(), body, UnixMillis(1)).remove(0);
         assert_eq!(r.cause, "worker:retries_exhausted:Unhandled");
         assert_eq!(r.detail, "Transient: sqs SendMessage: timed out");
         assert_eq!((r.job_id.as_deref(), r.attempt), (Some("job-7"), 2));
         assert_eq!(r.dead_at, UnixMillis(1_795_341_600_000));
         assert!(r.job_body.unwrap().contains("job-7"));
 
-        let r = worker_record("h".into(), "m".into(), "garbage".into(), UnixMillis(5));
+        let r = worker_records("h".into(), "m".into(), "garbage".into(), UnixMillis(5)).remove(0);
         assert_eq!((r.cause.as_str(), r.dead_at, r.job_body), ("worker:unreadable", UnixMillis(5), None));
+    }
+
+    #[test]
+    fn a_failed_batch_in_the_worker_dlq_is_one_record_per_job_and_what_is_left_of_it_keeps_the_rest() {
+        let job = |n: u32| WorkerPayload::Job {
+            job: Job::parse(&format!(r#"{{"id":"job-{n}","request":{{"method":"GET","path":"/x"}}}}"#)).unwrap(),
+            attempt: n,
+            circuit_epoch: 0,
+            dispatched_at: UnixMillis(0),
+            slot: None,
+            trip: None,
+            report_limits: false,
+        };
+        let batch = WorkerPayload::batch("run#4".into(), &[job(0), job(1), job(2)]);
+        let body = format!(
+            r#"{{"version":"1.0","timestamp":"2026-11-22T10:00:00.000Z","requestContext":{{"condition":"RetriesExhausted","approximateInvokeCount":3}},"requestPayload":{},"responseContext":{{"functionError":"Unhandled"}},"responsePayload":{{"errorType":"Transient","errorMessage":"timed out"}}}}"#,
+            batch.to_json()
+        );
+        let records = worker_records("h".into(), "m".into(), body.clone(), UnixMillis(1));
+        let shown: Vec<_> = records.iter().map(|r| (r.message_id.as_str(), r.job_id.as_deref(), r.attempt, r.handle.as_str())).collect();
+        assert_eq!(shown, [("m/0", Some("job-0"), 0, "h"), ("m/1", Some("job-1"), 1, "h"), ("m/2", Some("job-2"), 2, "h")]);
+        assert_eq!(records[1].batch, Some(BatchEntry { batch: "run#4".into(), index: 1, of: 3 }));
+        assert!(records.iter().all(|r| r.cause == "worker:retries_exhausted:Unhandled" && r.job_body.is_some()));
+
+        let rest = rest_of_batch(&body, &[1].into_iter().collect()).expect("two jobs stay");
+        let left: Vec<_> = worker_records("h2".into(), "m2".into(), rest, UnixMillis(1)).into_iter().map(|r| r.job_id.unwrap()).collect();
+        assert_eq!(left, ["job-0", "job-2"]);
+        assert_eq!(rest_of_batch(&body, &[0, 1, 2].into_iter().collect()), None);
     }
 }

@@ -180,6 +180,43 @@ pub trait DeadLetterQueues: JobQueue {
     /// As for [`JobQueue::delete`].
     async fn remove(&self, source: DlqSource, handles: &[String]) -> PortResult<()>;
 
+    /// Writes a dead letter back to `source` (what is left of a worker batch's message
+    /// once some of its jobs were redriven or purged).
+    ///
+    /// # Errors
+    /// As for `send`; `Fatal` where the backend keeps no such messages.
+    async fn put_back(&self, source: DlqSource, body: &str) -> PortResult<()> {
+        let _ = body;
+        Err(PortError::Fatal(format!("this backend writes nothing back to the {source} DLQ")))
+    }
+
+    /// Removes `records` of `source` for good: a worker batch's message goes once all of
+    /// its jobs are among them, and otherwise what is left of it is written back first.
+    ///
+    /// # Errors
+    /// As for [`Self::remove`] and [`Self::put_back`].
+    async fn remove_records(&self, source: DlqSource, records: &[DeadLetterRecord]) -> PortResult<()> {
+        let mut taken: std::collections::BTreeMap<&str, (std::collections::BTreeSet<u32>, Option<&DeadLetterRecord>)> = std::collections::BTreeMap::new();
+        for record in records.iter().filter(|r| r.source == source) {
+            let entry = taken.entry(record.handle.as_str()).or_default();
+            if let Some(batch) = &record.batch {
+                entry.0.insert(batch.index);
+                entry.1 = Some(record);
+            }
+        }
+        for (taken_jobs, batch_record) in taken.values() {
+            let Some(record) = batch_record else { continue };
+            if let Some(rest) = crate::dlq::rest_of_batch(&record.raw, taken_jobs) {
+                self.put_back(source, &rest).await?;
+            }
+        }
+        let handles: Vec<String> = taken.keys().map(|h| (*h).to_owned()).collect();
+        if handles.is_empty() {
+            return Ok(());
+        }
+        self.remove(source, &handles).await
+    }
+
     /// How many dead letters `source` holds.
     ///
     /// # Errors
@@ -198,10 +235,7 @@ pub trait DeadLetterQueues: JobQueue {
         let messages = redrive_messages(records, keep_attempts)?;
         self.send(&messages).await?;
         for source in [DlqSource::Jobs, DlqSource::Worker] {
-            let handles: Vec<String> = records.iter().filter(|r| r.source == source).map(|r| r.handle.clone()).collect();
-            if !handles.is_empty() {
-                self.remove(source, &handles).await?;
-            }
+            self.remove_records(source, records).await?;
         }
         Ok(())
     }

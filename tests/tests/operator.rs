@@ -286,6 +286,34 @@ async fn after_an_outage_dlq_summary_groups_causes_and_redrive_moves_exactly_tho
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_worker_batch_in_the_worker_dlq_is_shown_and_redriven_job_by_job() {
+    let (sdk, names, config) = aws_lane("ops-batch", r#""10/s""#).await;
+    let calls: Vec<WorkerPayload> = ids("batched", 5).iter().map(|id| job_payload(id)).collect();
+    let failed = lambda_failure_record(&WorkerPayload::batch("run-9#3".into(), &calls), "Transient", "sqs SendMessage: timed out");
+    let sqs = aws_sdk_sqs::Client::new(&sdk);
+    sqs.send_message().queue_url(names.worker_dlq_url.as_deref().unwrap()).message_body(failed).send().await.unwrap();
+
+    let listed = json_of(&cli(&config, &["dlq", "list", "--dlq", "worker", "--json"]).await);
+    let shown: Vec<(&str, u64)> = listed.as_array().unwrap().iter().map(|r| (r["job_id"].as_str().unwrap(), r["batch"]["index"].as_u64().unwrap())).collect();
+    assert_eq!(shown, [("batched-0000", 0), ("batched-0001", 1), ("batched-0002", 2), ("batched-0003", 3), ("batched-0004", 4)], "{listed}");
+
+    let one = json_of(&cli(&config, &["dlq", "redrive", "--dlq", "worker", "--id", "batched-0002", "--json"]).await);
+    assert_eq!(one["done"], 1, "{one}");
+    let queue = AwsAdapters::new(&sdk, &names, None).queue;
+    assert_eq!(take_all(&queue).await, [("batched-0002".to_owned(), 0)], "that job alone is back on the queue");
+    let left = json_of(&cli(&config, &["dlq", "list", "--dlq", "worker", "--json"]).await);
+    let left: Vec<&str> = left.as_array().unwrap().iter().map(|r| r["job_id"].as_str().unwrap()).collect();
+    assert_eq!(left, ["batched-0000", "batched-0001", "batched-0003", "batched-0004"], "the rest of the batch stays in the DLQ");
+
+    let rest = json_of(&cli(&config, &["dlq", "redrive", "--dlq", "worker", "--all", "--json"]).await);
+    assert_eq!(rest["done"], 4, "{rest}");
+    let mut back = take_all(&queue).await;
+    back.sort();
+    assert_eq!(back.len(), 4);
+    assert_eq!(json_of(&cli(&config, &["dlq", "list", "--dlq", "worker", "--json"]).await), serde_json::json!([]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redrive_killed_midway_and_run_again_loses_nothing_and_duplicates_nothing_in_the_dlq() {
     let (sdk, names, config) = aws_lane("ops-kill", r#""10/s""#).await;
     let queue = AwsAdapters::new(&sdk, &names, None).queue;

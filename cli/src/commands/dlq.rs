@@ -343,7 +343,6 @@ async fn remove(stack: &OperatorStack, target: &RemovalTarget, hold: Duration, k
             if act_on.is_empty() {
                 continue;
             }
-            let handles: Vec<String> = act_on.iter().map(|r| r.handle.clone()).collect();
             match kind {
                 RemovalKind::Redrive { keep_attempts } => {
                     // The jobs' attempts go again: their call records must not skip them.
@@ -354,7 +353,7 @@ async fn remove(stack: &OperatorStack, target: &RemovalTarget, hold: Duration, k
                     }
                     queues.redrive(&act_on, keep_attempts).await?;
                 }
-                RemovalKind::Purge => queues.remove(source, &handles).await?,
+                RemovalKind::Purge => queues.remove_records(source, &act_on).await?,
             }
             scan.removed(&act_on);
             outcome.done += act_on.len() as u64;

@@ -17,7 +17,7 @@ use aws_sdk_sqs::types::{
 use aws_sdk_sqs::Client;
 
 use super::{build_error, map_sdk_error};
-use crate::dlq::{jobs_record, worker_record, DeadLetterRecord, DlqSource};
+use crate::dlq::{jobs_record, worker_records, DeadLetterRecord, DlqSource};
 use crate::job::DeadLetterReason;
 use crate::outcome::OutcomeRecord;
 use crate::ports::{DeadLetterQueues, JobQueue, OutgoingMessage, PortError, PortResult, QueueDepth, QueuedMessage};
@@ -303,13 +303,13 @@ impl DeadLetterQueues for SqsQueue {
         let messages = self.receive_from(url, max, Duration::from_secs(1), hold, "All").await?;
         Ok(messages
             .iter()
-            .map(|m| {
+            .flat_map(|m| {
                 let handle = m.receipt_handle().unwrap_or_default().to_owned();
                 let message_id = m.message_id().unwrap_or_default().to_owned();
                 let body = m.body().unwrap_or_default().to_owned();
                 let sent_at = sent_timestamp(m);
                 match source {
-                    DlqSource::Worker => worker_record(handle, message_id, body, sent_at),
+                    DlqSource::Worker => worker_records(handle, message_id, body, sent_at),
                     DlqSource::Jobs => {
                         // A message SQS itself moved here (redrive policy) has no reason
                         // attributes: it was received too often without being deleted.
@@ -318,7 +318,7 @@ impl DeadLetterQueues for SqsQueue {
                         let attempt = attribute(m, "attempt").and_then(|v| v.parse().ok()).unwrap_or(0);
                         let dead_at = attribute(m, "dead_at").and_then(|v| v.parse().ok()).map_or(sent_at, UnixMillis);
                         let outcome = attribute(m, "outcome").and_then(|text| serde_json::from_str(text).ok());
-                        jobs_record(handle, message_id, body, attempt, cause, detail, dead_at).with_outcome(outcome)
+                        vec![jobs_record(handle, message_id, body, attempt, cause, detail, dead_at).with_outcome(outcome)]
                     }
                 }
             })
@@ -327,6 +327,17 @@ impl DeadLetterQueues for SqsQueue {
 
     async fn unhide(&self, source: DlqSource, handles: &[String]) -> PortResult<()> {
         self.change_visibility(self.dlq(source)?, handles, 0).await
+    }
+
+    async fn put_back(&self, source: DlqSource, body: &str) -> PortResult<()> {
+        self.client
+            .send_message()
+            .queue_url(self.dlq(source)?)
+            .message_body(body)
+            .send()
+            .await
+            .map_err(|e| map_sdk_error("sqs SendMessage (a dead letter's rest)", &e))?;
+        Ok(())
     }
 
     async fn remove(&self, source: DlqSource, handles: &[String]) -> PortResult<()> {
