@@ -139,7 +139,10 @@ impl Worker {
         }
         let mut progress = run.progress();
         progress.done = failed.is_none();
-        let keep = if progress.done { self.clock.now().plus(CALL_RECORD_KEEP) } else { runs_until };
+        // Every call is over: a delivery that failed frees the batch at once for Lambda's
+        // retry, which takes over from this progress.
+        let now = self.clock.now();
+        let keep = if progress.done { now.plus(CALL_RECORD_KEEP) } else { now };
         if let Err(e) = self.store.save_batch(&key, &delivery, &progress, keep).await {
             failed.get_or_insert(e);
         }
@@ -181,7 +184,17 @@ impl Worker {
                 }
                 let record = call_record_key(job.id.as_str(), attempt);
                 let now = self.clock.now();
-                match self.store.claim_call(&record, &run.id, now, now.plus(CALL_RECORD_KEEP)).await? {
+                let claimed = match self.store.claim_call(&record, &run.id, now, now.plus(CALL_RECORD_KEEP)).await {
+                    Ok(claimed) => claimed,
+                    Err(e) => {
+                        // No claim, no call: the job goes again rather than failing its batch.
+                        warn!(error = %e, job_id = %job.id, "could not claim the call; the job goes back on the queue without a call");
+                        self.requeue_unattempted(&job, attempt, std::time::Duration::ZERO).await?;
+                        run.settled(index);
+                        return Ok(None);
+                    }
+                };
+                match claimed {
                     CallClaim::Taken => {
                         let call = JobCall { attempt, circuit_epoch, trip, report_limits, record: Some(record), dispatched_at, slotted: dispatched_at };
                         self.call_in_slot(&job, call, slot, run.id.clone(), CallRecordEnd::LeaveClaimed).await

@@ -618,3 +618,23 @@ async fn a_job_handed_off_in_two_batches_is_called_by_the_first_only() {
     assert_eq!(api.calls().len(), 3, "the job once, each other job once");
     assert_eq!(WorkerStats::get(&worker.stats.repeats_skipped), 1);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_claim_the_store_refuses_puts_its_job_back_without_a_call_and_the_batch_goes_on() {
+    use paceline_shared::testing::faults::{Faulty, Method};
+    let (mut worker, store) = new_worker("http://127.0.0.1:9/v1");
+    let api = Arc::new(InstantApi::new(worker.clock.clone()));
+    worker.api = api.clone();
+    let faulty = Arc::new(Faulty::new(store.clone()));
+    faulty.fail_next(Method::ClaimCall, 1, &PortError::Transient("DynamoDB throttled".into()));
+    worker.store = faulty;
+    let t0 = worker.clock.now();
+    let slotted = |n: u64| {
+        let job = Job::parse(&format!(r#"{{"id":"c-{n}","request":{{"method":"GET","path":"/status/200"}}}}"#)).unwrap();
+        let slot = Some(CallSlot { not_before: t0.plus(Duration::from_millis(100 * n)), call_by: t0.plus(Duration::from_millis(100 * n + 5)) });
+        WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: t0, slot, trip: None, report_limits: false }
+    };
+    worker.handle(WorkerPayload::batch("run-1#5".into(), &[slotted(1), slotted(2), slotted(3)])).await.unwrap();
+    assert_eq!(api.calls().len(), 2, "the other two called");
+    assert_eq!(requeued(&store).await, vec![("c-1".to_string(), 0)], "the first, unclaimed, goes again at the same attempt");
+}

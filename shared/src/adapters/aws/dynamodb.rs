@@ -104,6 +104,29 @@ impl DynamoStateStore {
         Ok(found)
     }
 
+    /// Claims record `key` (a call's or a batch's) for `holder` until `expires_at`: taken
+    /// when there is none, or a claim that expired.
+    fn claim(
+        &self,
+        key: &str,
+        holder: &str,
+        now: UnixMillis,
+        expires_at: UnixMillis,
+    ) -> aws_sdk_dynamodb::operation::update_item::builders::UpdateItemFluentBuilder {
+        self.client
+            .update_item()
+            .table_name(&self.table)
+            .key("pk", s(key))
+            .update_expression("SET #state = :calling, holder = :h, expires_at = :x, expires_at_seconds = :xs")
+            .condition_expression("attribute_not_exists(#state) OR (#state = :calling AND expires_at <= :now)")
+            .expression_attribute_names("#state", "state")
+            .expression_attribute_values(":calling", s("calling"))
+            .expression_attribute_values(":h", s(holder))
+            .expression_attribute_values(":x", n(expires_at.0))
+            .expression_attribute_values(":xs", n(expires_at.plus(FAILURE_BUCKET_TTL).0 / 1_000))
+            .expression_attribute_values(":now", n(now.0))
+    }
+
     async fn get(&self, pk: &str) -> PortResult<Option<Item>> {
         let out = self
             .client
@@ -288,21 +311,7 @@ impl StateStore for DynamoStateStore {
     }
 
     async fn claim_call(&self, key: &str, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<CallClaim> {
-        let result = self
-            .client
-            .update_item()
-            .table_name(&self.table)
-            .key("pk", s(key))
-            .update_expression("SET #state = :calling, holder = :h, expires_at = :x, expires_at_seconds = :xs")
-            .condition_expression("attribute_not_exists(#state) OR (#state = :calling AND expires_at <= :now)")
-            .expression_attribute_names("#state", "state")
-            .expression_attribute_values(":calling", s("calling"))
-            .expression_attribute_values(":h", s(holder))
-            .expression_attribute_values(":x", n(expires_at.0))
-            .expression_attribute_values(":xs", n(expires_at.plus(FAILURE_BUCKET_TTL).0 / 1_000))
-            .expression_attribute_values(":now", n(now.0))
-            .send()
-            .await;
+        let result = self.claim(key, holder, now, expires_at).send().await;
         match result.map_err(|e| map_sdk_error("dynamodb UpdateItem (call record)", &e)) {
             Ok(_) => Ok(CallClaim::Taken),
             // Someone has it: a read tells which (only repeated deliveries come here).
@@ -332,22 +341,7 @@ impl StateStore for DynamoStateStore {
     }
 
     async fn claim_batch(&self, key: &str, holder: &str, now: UnixMillis, expires_at: UnixMillis) -> PortResult<BatchClaim> {
-        let result = self
-            .client
-            .update_item()
-            .table_name(&self.table)
-            .key("pk", s(key))
-            .update_expression("SET #state = :calling, holder = :h, expires_at = :x, expires_at_seconds = :xs")
-            .condition_expression("attribute_not_exists(#state) OR (#state = :calling AND expires_at <= :now)")
-            .expression_attribute_names("#state", "state")
-            .expression_attribute_values(":calling", s("calling"))
-            .expression_attribute_values(":h", s(holder))
-            .expression_attribute_values(":x", n(expires_at.0))
-            .expression_attribute_values(":xs", n(expires_at.plus(FAILURE_BUCKET_TTL).0 / 1_000))
-            .expression_attribute_values(":now", n(now.0))
-            .return_values(aws_sdk_dynamodb::types::ReturnValue::AllOld)
-            .send()
-            .await;
+        let result = self.claim(key, holder, now, expires_at).return_values(aws_sdk_dynamodb::types::ReturnValue::AllOld).send().await;
         match result.map_err(|e| map_sdk_error("dynamodb UpdateItem (batch record)", &e)) {
             // Where an earlier delivery stopped, its progress is the old item's.
             Ok(out) => Ok(BatchClaim::Taken { before: out.attributes().and_then(|old| BatchProgress::from_bits(get_s(old, "settled"), false)) }),
