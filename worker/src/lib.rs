@@ -2,13 +2,16 @@
 //! outcome, and does what it calls for: done; cool down and re-queue; count a failure,
 //! open the circuit if failures passed the payload's [`TripRule`], and re-queue the job
 //! after a jittered back-off; or dead-letter. The same code runs in Lambda, in `paceline run` and in
-//! `paceline simulate` (there against a simulated API).
+//! `paceline simulate` (there against a simulated API). A Lambda worker's payload may
+//! carry a batch of jobs ([`batch`]): each is called at its own slot, the calls overlap in
+//! one execution, and each settles as a lone job's would.
 //!
 //! Each attempt of a job calls the API at most once however often its payload is
 //! delivered: the worker claims the attempt's call record first (the job id is the
 //! idempotency key); a repeated delivery finds it done (and does nothing) or calling (and
 //! fails, so Lambda retries it later, when the record says done or its claim expired).
-//! Lambda workers always claim; an in-process worker (whose invoker delivers each
+//! A batch's calls are claimed and not marked done: the batch's own record says which
+//! settled (see `batch.rs`). Lambda workers always claim; an in-process worker (whose invoker delivers each
 //! hand-off once) claims when its payloads come ahead of their slot, where the claim's
 //! write cannot delay the call.
 //!
