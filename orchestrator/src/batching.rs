@@ -259,12 +259,18 @@ mod tests {
         inner.accepted().iter().map(|(at, payload)| (*at, ids(payload).collect())).collect()
     }
 
+    /// A batching invoker of `max_calls` a batch in `stripes` over a recording one, on a
+    /// paused clock, and the time it starts at.
+    fn rig(max_calls: u32, stripes: usize) -> (Arc<TokioClock>, UnixMillis, Arc<RecordingInvoker>, Arc<BatchingInvoker>) {
+        let clock = Arc::new(TokioClock::new());
+        let inner = Arc::new(RecordingInvoker::new(clock.clone()));
+        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, max_calls, stripes));
+        (clock.clone(), clock.now(), inner, invoker)
+    }
+
     #[tokio::test(start_paused = true)]
     async fn jobs_handed_off_ahead_go_in_one_batch_sent_when_its_first_job_must_go() {
-        let clock = Arc::new(TokioClock::new());
-        let t0 = clock.now();
-        let inner = Arc::new(RecordingInvoker::new(clock.clone()));
-        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100, 1));
+        let (clock, t0, inner, invoker) = rig(100, 1);
         let calls = vec![
             slotted(1, t0.plus(Duration::from_millis(1_000))),
             slotted(2, t0.plus(Duration::from_millis(1_100))),
@@ -283,10 +289,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_batch_goes_when_its_most_pressing_job_must_whatever_order_they_came_in() {
-        let clock = Arc::new(TokioClock::new());
-        let t0 = clock.now();
-        let inner = Arc::new(RecordingInvoker::new(clock.clone()));
-        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100, 1));
+        let (_, t0, inner, invoker) = rig(100, 1);
         let calls = vec![slotted(1, t0.plus(Duration::from_millis(1_400))), slotted(2, t0.plus(Duration::from_millis(900)))];
         hand_off(&invoker, calls).await;
         assert_eq!(sent(&inner), vec![(t0.plus(Duration::from_millis(500)), vec!["j-1".into(), "j-2".into()])]);
@@ -294,10 +297,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_pace_above_one_worker_s_goes_to_batches_in_stripes_each_job_to_the_next() {
-        let clock = Arc::new(TokioClock::new());
-        let t0 = clock.now();
-        let inner = Arc::new(RecordingInvoker::new(clock.clone()));
-        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100, 2));
+        let (_, t0, inner, invoker) = rig(100, 2);
         let calls = (1..=4).map(|n| slotted(n, t0.plus(Duration::from_millis(1_000 + n)))).collect();
         hand_off(&invoker, calls).await;
         let mut sent: Vec<_> = sent(&inner).into_iter().map(|(_, ids)| ids).collect();
@@ -307,10 +307,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_batch_gathered_by_an_orchestrator_that_died_is_never_sent() {
-        let clock = Arc::new(TokioClock::new());
-        let t0 = clock.now();
-        let inner = Arc::new(RecordingInvoker::new(clock.clone()));
-        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100, 1));
+        let (_, t0, inner, invoker) = rig(100, 1);
         let handing_off = {
             let invoker = invoker.clone();
             tokio::spawn(async move { invoker.invoke(&slotted(1, t0.plus(Duration::from_secs(1))), None).await })
@@ -325,10 +322,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_full_batch_goes_at_once_and_the_next_job_opens_another() {
-        let clock = Arc::new(TokioClock::new());
-        let t0 = clock.now();
-        let inner = Arc::new(RecordingInvoker::new(clock.clone()));
-        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 2, 1));
+        let (_, t0, inner, invoker) = rig(2, 1);
         let calls = (1..=3).map(|n| slotted(n, t0.plus(Duration::from_millis(1_000 + n)))).collect();
         hand_off(&invoker, calls).await;
         let at = |ms| t0.plus(Duration::from_millis(ms));
@@ -337,13 +331,10 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_batch_over_the_payload_limit_is_split_never_dropped() {
-        let clock = Arc::new(TokioClock::new());
-        let t0 = clock.now();
-        let inner = Arc::new(RecordingInvoker::new(clock.clone()));
+        let (clock, t0, inner, invoker) = rig(100, 1);
         // Lambda refuses the first two sends as too large: the batch of four, then its
         // first half.
         inner.fail_next([PortError::TooLarge("over 1 MB".into()), PortError::TooLarge("over 1 MB".into())]);
-        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100, 1));
         let calls = (1..=4).map(|n| slotted(n, t0.plus(Duration::from_secs(1)))).collect();
         let answers = hand_off(&invoker, calls).await;
         assert!(answers.iter().all(Result::is_ok), "{answers:?}");
@@ -361,11 +352,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_refused_batch_answers_each_of_its_jobs_with_the_refusal() {
-        let clock = Arc::new(TokioClock::new());
-        let inner = Arc::new(RecordingInvoker::new(clock.clone()));
+        let (_, t0, inner, invoker) = rig(100, 1);
         inner.fail_next([PortError::Throttled("rate exceeded".into())]);
-        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100, 1));
-        let t0 = clock.now();
         let answers = hand_off(&invoker, (1..=3).map(|n| slotted(n, t0.plus(Duration::from_secs(1)))).collect()).await;
         assert_eq!(answers, vec![Err(PortError::Throttled("rate exceeded".into())); 3], "each job goes back in hand and goes again");
     }

@@ -513,6 +513,14 @@ async fn a_call_whose_follow_up_failed_is_not_done_so_the_retried_event_calls_ag
     assert_eq!(requeued(&store).await, vec![("job-503".to_string(), 1)]);
 }
 
+/// Job `id` (a call answered 200) handed off at `t0` with the slot `ms` after it (5 ms to
+/// make it), attempt 0: a batch's call.
+fn in_slot(id: &str, t0: UnixMillis, ms: u64) -> WorkerPayload {
+    let job = Job::parse(&format!(r#"{{"id":"{id}","request":{{"method":"GET","path":"/status/200"}}}}"#)).unwrap();
+    let slot = Some(CallSlot { not_before: t0.plus(Duration::from_millis(ms)), call_by: t0.plus(Duration::from_millis(ms + 5)) });
+    WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: t0, slot, trip: None, report_limits: false }
+}
+
 /// Collects the outcome records sent to it, as the results queue would.
 #[derive(Default)]
 struct Results(Mutex<Vec<OutcomeRecord>>);
@@ -532,11 +540,7 @@ async fn a_batch_calls_each_job_at_its_slot_in_one_invocation_and_settles_each_a
     worker.api = api.clone();
     let t0 = worker.clock.now();
     let at = |ms: u64| t0.plus(Duration::from_millis(ms));
-    let slotted = |n: u64| {
-        let job = Job::parse(&format!(r#"{{"id":"b-{n}","request":{{"method":"GET","path":"/status/200"}}}}"#)).unwrap();
-        let slot = Some(CallSlot { not_before: at(100 * n), call_by: at(100 * n + 5) });
-        WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: t0, slot, trip: None, report_limits: false }
-    };
+    let slotted = |n: u64| in_slot(&format!("b-{n}"), t0, 100 * n);
     let WorkerPayload::Batch { id, mut calls } = WorkerPayload::batch("run-1#1".into(), &[slotted(3), slotted(1), slotted(2)]) else { unreachable!() };
     calls.insert(1, serde_json::json!({"kind": "job", "job": "{\"id\":\"b-bad\",\"request\":7}", "attempt": 2}));
     let batch = WorkerPayload::Batch { id, calls };
@@ -565,11 +569,7 @@ async fn a_batch_taken_over_after_its_worker_died_calls_no_job_twice_and_loses_n
     worker.api = api.clone();
     let t0 = worker.clock.now();
     let at = |ms: u64| t0.plus(Duration::from_millis(ms));
-    let slotted = |ms: u64| {
-        let job = Job::parse(&format!(r#"{{"id":"at-{ms}","request":{{"method":"GET","path":"/status/200"}}}}"#)).unwrap();
-        let slot = Some(CallSlot { not_before: at(ms), call_by: at(ms + 5) });
-        WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: t0, slot, trip: None, report_limits: false }
-    };
+    let slotted = |ms: u64| in_slot(&format!("at-{ms}"), t0, ms);
     // Fifty-five calls a millisecond apart from 100 ms (their progress saved at the check
     // after they settled), one at 305 ms, and two the worker will not live to claim.
     let mut calls: Vec<WorkerPayload> = (100..155).map(slotted).collect();
@@ -606,15 +606,9 @@ async fn a_job_handed_off_in_two_batches_is_called_by_the_first_only() {
     let api = Arc::new(InstantApi::new(worker.clock.clone()));
     worker.api = api.clone();
     let t0 = worker.clock.now();
-    let job = Job::parse(r#"{"id":"twice","request":{"method":"GET","path":"/status/200"}}"#).unwrap();
-    let slotted = |job: &Job, ms: u64| {
-        let slot = Some(CallSlot { not_before: t0.plus(Duration::from_millis(ms)), call_by: t0.plus(Duration::from_millis(ms + 5)) });
-        WorkerPayload::Job { job: job.clone(), attempt: 0, circuit_epoch: 0, dispatched_at: t0, slot, trip: None, report_limits: false }
-    };
-    let other = |n: u32| Job::parse(&format!(r#"{{"id":"other-{n}","request":{{"method":"GET","path":"/status/200"}}}}"#)).unwrap();
     // Lambda's 202 for the first batch was lost: the orchestrator handed the job off again.
-    worker.handle(WorkerPayload::batch("run-1#1".into(), &[slotted(&job, 100), slotted(&other(1), 150)])).await.unwrap();
-    worker.handle(WorkerPayload::batch("run-1#2".into(), &[slotted(&job, 1_000), slotted(&other(2), 1_050)])).await.unwrap();
+    worker.handle(WorkerPayload::batch("run-1#1".into(), &[in_slot("twice", t0, 100), in_slot("other-1", t0, 150)])).await.unwrap();
+    worker.handle(WorkerPayload::batch("run-1#2".into(), &[in_slot("twice", t0, 1_000), in_slot("other-2", t0, 1_050)])).await.unwrap();
     assert_eq!(api.calls().len(), 3, "the job once, each other job once");
     assert_eq!(WorkerStats::get(&worker.stats.repeats_skipped), 1);
 }
@@ -629,11 +623,7 @@ async fn a_claim_the_store_refuses_puts_its_job_back_without_a_call_and_the_batc
     faulty.fail_next(Method::ClaimCall, 1, &PortError::Transient("DynamoDB throttled".into()));
     worker.store = faulty;
     let t0 = worker.clock.now();
-    let slotted = |n: u64| {
-        let job = Job::parse(&format!(r#"{{"id":"c-{n}","request":{{"method":"GET","path":"/status/200"}}}}"#)).unwrap();
-        let slot = Some(CallSlot { not_before: t0.plus(Duration::from_millis(100 * n)), call_by: t0.plus(Duration::from_millis(100 * n + 5)) });
-        WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: t0, slot, trip: None, report_limits: false }
-    };
+    let slotted = |n: u64| in_slot(&format!("c-{n}"), t0, 100 * n);
     worker.handle(WorkerPayload::batch("run-1#5".into(), &[slotted(1), slotted(2), slotted(3)])).await.unwrap();
     assert_eq!(api.calls().len(), 2, "the other two called");
     assert_eq!(requeued(&store).await, vec![("c-1".to_string(), 0)], "the first, unclaimed, goes again at the same attempt");
