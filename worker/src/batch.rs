@@ -108,20 +108,25 @@ impl Worker {
         let run = Run { progress: Mutex::new(BatchProgress { settled: settled_before.clone(), done: false }), settled_before, id: id.to_owned() };
         let running: FuturesUnordered<_> =
             calls.into_iter().enumerate().map(|(index, call)| self.batch_call(u32::try_from(index).unwrap_or(u32::MAX), call, &run)).collect();
-        let ended = std::sync::atomic::AtomicBool::new(false);
         // The calls and the saves of their progress run side by side in this task: a save
-        // never holds a call back from its slot.
+        // never holds a call back from its slot, and the saving stops as the calls end (a
+        // save under way finishes first: none lands after the last).
+        let ended = tokio::sync::Notify::new();
         let calls_ended = async {
             let ended_calls: Vec<PortResult<Option<OutcomeRecord>>> = running.collect().await;
-            ended.store(true, std::sync::atomic::Ordering::Relaxed);
+            ended.notify_one();
             ended_calls
         };
         let saving = async {
             let mut saved = run.progress().settled.len();
-            while !ended.load(std::sync::atomic::Ordering::Relaxed) {
-                self.clock.sleep_until(self.clock.now().plus(BATCH_PROGRESS_EVERY)).await;
+            loop {
+                tokio::select! {
+                    biased;
+                    () = ended.notified() => return,
+                    () = self.clock.sleep_until(self.clock.now().plus(BATCH_PROGRESS_EVERY)) => {}
+                }
                 let progress = run.progress();
-                if progress.settled.len() >= saved + SAVE_AFTER_SETTLED && !ended.load(std::sync::atomic::Ordering::Relaxed) {
+                if progress.settled.len() >= saved + SAVE_AFTER_SETTLED {
                     self.save_progress(&key, &delivery, &progress, runs_until).await;
                     saved = progress.settled.len();
                 }
