@@ -59,13 +59,15 @@ impl Settings {
 
     /// How far apart the slots of one batch's jobs may be: `batch_window`, shortened to
     /// what fills `worker_batch` at the quota's sustained pace (at 10,000/s, 1,000 jobs
-    /// take 100 ms). Zero without batches, without a lead (jobs go at their slot), or where
-    /// the pace puts fewer than two jobs in a window: a slow lane's jobs then go alone, as
-    /// soon as before, not a window early for nothing.
+    /// take 100 ms). Zero without batches, without a lead (jobs go at their slot), under a
+    /// cap on calls in flight, or where the pace puts fewer than two jobs in a window: a
+    /// slow lane's jobs then go alone, as soon as before, not a window early for nothing.
     #[must_use]
     pub fn batch_window(&self) -> Duration {
         let batch = self.worker_batch();
-        if batch <= 1 || self.hand_off_lead().is_zero() {
+        // Under a cap on calls in flight the pace follows the calls' answers as they come:
+        // slots decided a window earlier would follow older news.
+        if batch <= 1 || self.hand_off_lead().is_zero() || self.quota.max_in_flight().is_some() {
             return Duration::ZERO;
         }
         let pace = self.quota.sustained_per_second();
@@ -130,5 +132,7 @@ mod tests {
         assert_eq!((settings.hand_off_lead().as_millis(), settings.dispatch_ahead().as_millis()), (400, 900));
         let in_process = Settings { workers: WorkerHost::InProcess, ..lambda_settings("100/s") };
         assert_eq!((in_process.batch_window(), in_process.worker_batch()), (Duration::ZERO, 1), "no batches in one process");
+        let capped = Settings { quota: lambda_settings("100/s").quota.with_max_in_flight(Some(5)), ..lambda_settings("100/s") };
+        assert_eq!(capped.batch_window(), Duration::ZERO, "a cap on calls in flight paces on fresh news");
     }
 }
