@@ -48,30 +48,48 @@ impl LaneWorkers {
 }
 
 impl LaneWorkers {
-    /// Runs each lane's share of batch `id` on its own worker, all at once.
+    /// Runs each lane's share of batch `id` on that lane's worker, all at once; entries
+    /// that name no lane (they cannot be read) go to the default lane's, which
+    /// dead-letters them.
     async fn split_by_lane(&self, id: &str, payload: &WorkerPayload) -> PortResult<Option<OutcomeRecord>> {
-        let mut shares: HashMap<LaneId, Vec<WorkerPayload>> = HashMap::new();
-        let mut unreadable = Vec::new();
+        let mut shares: HashMap<LaneId, Vec<serde_json::Value>> = HashMap::new();
         for call in payload.batch_calls() {
-            match call {
+            let (lane, entry) = match call {
                 Ok(call) => {
                     let lane = match &call {
                         WorkerPayload::Job { job, .. } => job.lane.clone(),
                         _ => LaneId::default(),
                     };
-                    shares.entry(lane).or_default().push(call);
+                    (lane, serde_json::to_value(&call).unwrap_or_default())
                 }
-                Err(entry) => unreadable.push(entry.entry),
-            }
+                Err(unreadable) => (LaneId::default(), unreadable.entry),
+            };
+            shares.entry(lane).or_default().push(entry);
         }
-        if !unreadable.is_empty() {
-            // The default lane's worker dead-letters what no lane can be read from.
-            self.handle(WorkerPayload::Batch { id: format!("{id}/unreadable"), calls: unreadable }).await?;
-        }
-        let runs: futures_util::stream::FuturesUnordered<_> =
-            shares.into_iter().map(|(lane, calls)| self.handle(WorkerPayload::batch(format!("{id}/{lane}"), &calls))).collect();
+        let runs: futures_util::stream::FuturesUnordered<_> = shares
+            .into_iter()
+            .map(|(lane, calls)| async move { self.on_lane(&lane, WorkerPayload::Batch { id: format!("{id}/{lane}"), calls }).await })
+            .collect();
         let ended: Vec<PortResult<Option<OutcomeRecord>>> = futures_util::StreamExt::collect(runs).await;
         ended.into_iter().find(Result::is_err).unwrap_or(Ok(None))
+    }
+
+    /// Runs `payload` (a job, a health check, or a batch of one lane's jobs) on lane
+    /// `lane`'s worker, or dead-letters its jobs with reason `credentials` when the lane
+    /// has none.
+    async fn on_lane(&self, lane: &LaneId, payload: WorkerPayload) -> PortResult<Option<OutcomeRecord>> {
+        let why = match self.worker(lane) {
+            Ok(worker) => return worker.handle(payload).await,
+            Err(why) => why,
+        };
+        warn!(%lane, %why, "the lane has no worker: its jobs are dead-lettered");
+        for call in payload.batch_calls().into_iter().flatten() {
+            if let WorkerPayload::Job { job, attempt, .. } = call {
+                let reason = DeadLetterReason { cause: DeadLetterCause::Credentials, detail: format!("lane {lane}: {why}"), outcome: None };
+                self.queue.dead_letter(job.id.as_str(), &job.to_json(), attempt, &reason).await?;
+            }
+        }
+        Ok(None)
     }
 }
 
@@ -84,16 +102,6 @@ impl WorkerHandler for LaneWorkers {
             // A lane's worker keeps its own batch records: each lane's share goes to it.
             WorkerPayload::Batch { id, .. } => return self.split_by_lane(id, &payload).await,
         };
-        match self.worker(&lane) {
-            Ok(worker) => worker.handle(payload).await,
-            Err(why) => {
-                warn!(%lane, %why, "the lane has no worker: its jobs are dead-lettered");
-                if let WorkerPayload::Job { job, attempt, .. } = payload {
-                    let reason = DeadLetterReason { cause: DeadLetterCause::Credentials, detail: format!("lane {lane}: {why}"), outcome: None };
-                    self.queue.dead_letter(job.id.as_str(), &job.to_json(), attempt, &reason).await?;
-                }
-                Ok(None)
-            }
-        }
+        self.on_lane(&lane, payload).await
     }
 }

@@ -628,3 +628,39 @@ async fn a_claim_the_store_refuses_puts_its_job_back_without_a_call_and_the_batc
     assert_eq!(api.calls().len(), 2, "the other two called");
     assert_eq!(requeued(&store).await, vec![("c-1".to_string(), 0)], "the first, unclaimed, goes again at the same attempt");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_batch_for_many_lanes_goes_to_each_lane_s_worker_and_a_lane_without_its_key_is_dead_lettered() {
+    let (worker, store) = new_worker("http://127.0.0.1:9/v1");
+    let clock = worker.clock.clone();
+    let api = Arc::new(InstantApi::new(clock.clone()));
+    let health_check = worker.health_check.clone();
+    let build = {
+        let (api, store, clock) = (api.clone(), store.clone(), clock.clone());
+        move |lane: &paceline_shared::lane::LaneId| -> Result<Worker, String> {
+            if lane.as_str() == "nokey" {
+                return Err("API_KEY_NOKEY is not set".into());
+            }
+            Ok(Worker::new(api.clone(), store.clone(), store.clone(), clock.clone(), RetryConfig::default(), health_check.clone()))
+        }
+    };
+    let lanes = crate::lanes::LaneWorkers::new(Box::new(build), store.clone());
+    let t0 = clock.now();
+    let in_lane = |id: &str, lane: &str, ms: u64| {
+        let WorkerPayload::Job { mut job, attempt, circuit_epoch, dispatched_at, slot, trip, report_limits } = in_slot(id, t0, ms) else { unreachable!() };
+        job.lane = lane.parse().unwrap();
+        WorkerPayload::Job { job, attempt, circuit_epoch, dispatched_at, slot, trip, report_limits }
+    };
+    let WorkerPayload::Batch { id, mut calls } =
+        WorkerPayload::batch("run-1#8".into(), &[in_slot("plain", t0, 100), in_lane("acme-1", "acme", 200), in_lane("locked", "nokey", 300)])
+    else {
+        unreachable!()
+    };
+    calls.push(serde_json::json!({"kind": "job", "job": "{\"id\":\"bad\",\"request\":7}"}));
+    tokio::time::timeout(Duration::from_secs(10), lanes.handle(WorkerPayload::Batch { id, calls })).await.expect("the batch ends").unwrap();
+
+    assert_eq!(api.calls(), vec![t0.plus(Duration::from_millis(100)), t0.plus(Duration::from_millis(200))], "each lane's job at its slot");
+    let mut dead: Vec<(String, DeadLetterCause)> = store.dead_letters().unwrap().into_iter().map(|d| (d.message_id, d.reason.cause)).collect();
+    dead.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(dead, vec![("bad".to_string(), DeadLetterCause::Malformed), ("locked".to_string(), DeadLetterCause::Credentials)]);
+}
