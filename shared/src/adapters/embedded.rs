@@ -983,9 +983,7 @@ impl StateStore for EmbeddedStore {
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
             let key = self.key(key);
-            let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = ?1", [&key], |r| r.get(0)).optional().map_err(sql_err)?;
-            let current: Option<BatchRecord> = stored.and_then(|t| serde_json::from_str(&t).ok());
-            let before = match current {
+            let before = match Self::read_kv::<BatchRecord>(&tx, &key)? {
                 Some(record) if record.done => return Ok(BatchClaim::Done),
                 Some(record) if record.expires_at > now => return Ok(BatchClaim::Running),
                 Some(record) => BatchProgress::from_bits(&record.settled, false),
@@ -1003,8 +1001,7 @@ impl StateStore for EmbeddedStore {
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
             let key = self.key(key);
-            let stored: Option<String> = tx.query_row("SELECT value FROM kv WHERE key = ?1", [&key], |r| r.get(0)).optional().map_err(sql_err)?;
-            if stored.and_then(|t| serde_json::from_str::<BatchRecord>(&t).ok()).is_none_or(|record| record.holder != holder) {
+            if Self::read_kv::<BatchRecord>(&tx, &key)?.is_none_or(|record| record.holder != holder) {
                 return Err(PortError::Conflict(format!("batch {key} is held by another delivery")));
             }
             let record = BatchRecord { holder: holder.to_owned(), expires_at, settled: progress.settled_bits(), done: progress.done };
