@@ -138,12 +138,13 @@ pub fn drain(
             Action::Refresh(lane) => Event::Refreshed(lane, Ok(shared())),
             Action::SwapCircuit { lane, next, .. } => Event::CircuitSwapped(lane, next, Ok(())),
             Action::Flush(..) => Event::Flushed(Ok(())),
+            Action::StartRelay(_) => Event::RelayStarted(Ok(())),
             Action::Reserve(lane, needed) => Event::Reserved(lane, needed, Ok(())),
             Action::ReserveShared(needed) => Event::SharedReserved(needed, Ok(())),
             Action::HydrateLane(lane) => {
                 // A fresh store: nothing used in any tier.
                 let calendar_used = vec![0; machine.lane_scope(lane).1.tiers().len()];
-                Event::LaneHydrated(lane, Ok(LaneStart { snapshot: None, calendar_used, shared: shared() }))
+                Event::LaneHydrated(lane, Ok(LaneStart { last_run: crate::handover::LastRun::None, calendar_used, shared: shared() }))
             }
             Action::DeadLetter(message, ..) => {
                 queue.delete(std::slice::from_ref(&message.receipt));

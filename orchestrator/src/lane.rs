@@ -20,6 +20,7 @@ use paceline_shared::quota::Quota;
 use paceline_shared::time::{UnixMillis, COARSE_WAKE_SLACK};
 use tracing::{debug, info, warn};
 
+use crate::handover::{self, LastRun};
 use crate::report::TierMeter;
 use crate::report::TierReport;
 use crate::reservations::Reservations;
@@ -260,6 +261,9 @@ pub(crate) struct LaneMachine<'a> {
     exhausted_logged_until: UnixMillis,
     meter: TierMeter,
     pub figures: LaneFigures,
+    /// Until then the lane hands off with the hand-off's own lead, not the full one:
+    /// the slots the last run left between the two are taken, not lost.
+    catch_up_until: UnixMillis,
 }
 
 impl<'a> LaneMachine<'a> {
@@ -297,6 +301,7 @@ impl<'a> LaneMachine<'a> {
             spaced_until: UnixMillis(0),
             spaced_exact_ms: 0.0,
             swapping_circuit: false,
+            catch_up_until: started.plus(settings.batch_window()),
             call_slots: CallSlotModel::default(),
             exhausted_logged_until: UnixMillis(0),
             meter: TierMeter::new(quota),
@@ -363,9 +368,15 @@ impl<'a> LaneMachine<'a> {
         self.taken_early()
     }
 
-    /// How far ahead of its slot a job is handed off.
+    /// How far ahead of its slot a job is handed off (zero: at the slot).
     fn lead(&self) -> Duration {
         self.settings.dispatch_ahead()
+    }
+
+    /// How far ahead of its slot a job handed off at `now` is: shorter while the run
+    /// catches up the last one's schedule.
+    fn lead_at(&self, now: UnixMillis) -> Duration {
+        handover::lead_at(now, self.catch_up_until, self.settings.hand_off_lead(), self.lead())
     }
 
     pub fn circuit(&self) -> &Circuit {
@@ -416,13 +427,24 @@ impl<'a> LaneMachine<'a> {
         self.quota.pace_per_second()
     }
 
-    /// Starts from the last run's snapshot (if any) and the calendar usage in the store.
-    pub fn hydrate(&mut self, snapshot: Option<PacerSnapshot>, calendar_used: &[u64], now: UnixMillis) {
+    /// Starts from what the last run left (its snapshot, as judged) and the calendar
+    /// usage in the store.
+    pub fn hydrate(&mut self, last_run: LastRun, calendar_used: &[u64], now: UnixMillis) {
         let quota = &*self.quota;
-        if snapshot.is_none() && self.settings.circuit.warm_up {
-            info!("the lane's first run: warming up from a share of the pace");
-            self.ramp = Some(Ramp { started: now });
-        }
+        let (snapshot, unclean) = match last_run {
+            LastRun::None => {
+                if self.settings.circuit.warm_up {
+                    info!("the lane's first run: warming up from a share of the pace");
+                    self.ramp = Some(Ramp { started: now });
+                }
+                (None, false)
+            }
+            LastRun::Clean(snapshot) => (Some(snapshot), false),
+            LastRun::Unclean { snapshot, why } => {
+                warn!(%why, "holding dispatch for one window of the longest tier");
+                (snapshot, true)
+            }
+        };
         if let Some(snapshot) = snapshot {
             if let Some(last) = &snapshot.effective_rate {
                 self.adaptive.resume(last);
@@ -431,10 +453,9 @@ impl<'a> LaneMachine<'a> {
             // A hold left by an earlier run is at most one window of the longest tier
             // (older versions saved the provider's cool-down in it: never past that).
             self.pacer.set_hold_until(self.pacer.hold_until().min(now.plus(self.pacer.longest_window(quota))));
-            if !snapshot.at_exit {
-                warn!("the last run did not stop cleanly: holding dispatch for one window of the longest tier");
-                self.pacer.hold_after_unclean_stop(quota, now);
-            }
+        }
+        if unclean {
+            self.pacer.hold_after_unclean_stop(quota, now);
         }
         self.own_hold = self.pacer.hold_until();
         for (index, tier) in quota.tiers().iter().enumerate() {
@@ -444,11 +465,12 @@ impl<'a> LaneMachine<'a> {
         }
     }
 
-    /// The pacer snapshot to save: this lane's own hold, not the provider's cool-down.
-    pub fn snapshot(&self, at_exit: bool) -> PacerSnapshot {
+    /// The pacer snapshot to save at `now`: this lane's own hold, not the provider's
+    /// cool-down.
+    pub fn snapshot(&self, at_exit: bool, now: UnixMillis) -> PacerSnapshot {
         let mut state = self.pacer.clone();
         state.set_hold_until(self.own_hold);
-        PacerSnapshot { state, at_exit, effective_rate: self.effective_rate.clone() }
+        PacerSnapshot { state, at_exit, effective_rate: self.effective_rate.clone(), saved_at: Some(now) }
     }
 
     /// Applies a fresh read of the circuit, the provider's cool-down and reading, and the
@@ -720,7 +742,7 @@ impl<'a> LaneMachine<'a> {
                     lane: self.id.clone(),
                 })
             }
-            Decision::WaitUntil { at, .. } => LaneStep::WaitUntil(at.minus(self.lead()).max(now.plus(Duration::from_millis(1)))),
+            Decision::WaitUntil { at, .. } => LaneStep::WaitUntil(at.minus(self.lead_at(now)).max(now.plus(Duration::from_millis(1)))),
             Decision::Never { .. } => unreachable!("a 1-unit health check fits every tier"),
         }
     }
@@ -924,7 +946,7 @@ impl<'a> LaneMachine<'a> {
 
     /// The pacer slot a hand-off made at `now` takes.
     fn slot_at(&self, now: UnixMillis) -> UnixMillis {
-        now.plus(self.lead())
+        now.plus(self.lead_at(now))
     }
 
     /// How far after `now + lead` a slot may be and still be taken at `now`. Dispatching
@@ -957,8 +979,12 @@ impl<'a> LaneMachine<'a> {
 
     /// When to wake, at `now`, to hand off a job whose slot is `at`: never `now` itself, so
     /// a wait always lets time pass.
-    fn hand_off_time(&self, at: UnixMillis, now: UnixMillis) -> UnixMillis {
-        let wake = if self.lead().is_zero() { at } else { at.minus(self.lead()).minus(COARSE_WAKE_SLACK) };
+    pub fn hand_off_time(&self, at: UnixMillis, now: UnixMillis) -> UnixMillis {
+        let wake = if self.lead().is_zero() {
+            at
+        } else {
+            handover::hand_off_from(at, self.catch_up_until, self.settings.hand_off_lead(), self.lead()).minus(COARSE_WAKE_SLACK)
+        };
         wake.max(now.plus(Duration::from_millis(1)))
     }
 

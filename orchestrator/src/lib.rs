@@ -23,6 +23,7 @@ mod batching;
 #[doc(hidden)]
 pub mod decision_bench;
 mod fairness;
+pub mod handover;
 #[cfg(feature = "lambda")]
 pub mod lambda;
 mod lane;
@@ -43,7 +44,9 @@ use paceline_shared::job::{DeadLetterReason, Job, JobId};
 use paceline_shared::keys::StoreScope;
 use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, OutcomeTimes};
 use paceline_shared::pacer::MissedSlots;
-use paceline_shared::ports::{load_calendar_usage, Invoker, JobQueue, OutcomeSink, PortError, PortResult, QueuedMessage, StateStore, CALL_SLOTS_FULL_KEY};
+use paceline_shared::ports::{
+    load_calendar_usage, Invoker, JobQueue, OutcomeSink, PacerSnapshot, PortError, PortResult, QueuedMessage, StateStore, CALL_SLOTS_FULL_KEY,
+};
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, UnixMillis};
 use tokio::task::{JoinError, JoinSet};
@@ -53,6 +56,7 @@ pub use batching::{BatchingInvoker, MAX_BATCH_BYTES};
 pub use fairness::{jain_index, FAIRNESS_WINDOW};
 pub use report::{Fairness, LaneReport, Progress, RunReport, StopReason, TierReport};
 pub use settings::{RunError, Settings};
+use handover::{LastRun, Relay};
 use stack::{Action, CallSlotsRead, Event, LaneStart, Retune, SharedState, StackMachine, DELETE_BATCH};
 
 /// How long before the next scheduled kick a run stops dispatching (time to settle its
@@ -108,6 +112,8 @@ pub struct Orchestrator {
     missed_slots: Option<Arc<MissedSlots>>,
     /// With `[lanes]`: the store of each lane's state and of the stack's.
     scoped_stores: Option<Arc<dyn ScopedStores>>,
+    /// Starts the next run before this one stops (on Lambda, the function itself).
+    relay: Option<Arc<dyn Relay>>,
 }
 
 /// A state store for each scope (a lane's state, the stack's), all in one backend.
@@ -125,7 +131,15 @@ impl ScopedStores for EmbeddedStore {
 impl Orchestrator {
     #[must_use]
     pub fn new(queue: Arc<dyn JobQueue>, store: Arc<dyn StateStore>, invoker: Arc<dyn Invoker>, clock: Arc<dyn Clock>, settings: Settings) -> Self {
-        Self { queue, store, invoker, clock, settings, progress: Arc::default(), outcomes: None, missed_slots: None, scoped_stores: None }
+        Self { queue, store, invoker, clock, settings, progress: Arc::default(), outcomes: None, missed_slots: None, scoped_stores: None, relay: None }
+    }
+
+    /// The same orchestrator starting, [`handover::RELAY_LEAD`] before each run stops
+    /// (drain runs aside), the next run through `relay`: it waits for the lease and
+    /// continues the schedule the moment this run releases it.
+    #[must_use]
+    pub fn with_relay(self, relay: Arc<dyn Relay>) -> Self {
+        Self { relay: Some(relay), ..self }
     }
 
     /// The same orchestrator keeping each lane's state and the stack's in `stores` (a
@@ -228,12 +242,11 @@ impl Orchestrator {
             Err(e) => return Err(e.into()),
         };
         info!(epoch = lease.epoch, "lease taken");
-        let mut run = Executor {
-            o: self,
-            state: StackMachine::new(&self.settings, &self.progress, lease, started, opts.deadline, opts.drain).with_pipeline(self.invoker.pipeline()),
-            background: JoinSet::new(),
-            stop: opts.stop.clone(),
-        };
+        let mut state = StackMachine::new(&self.settings, &self.progress, lease, started, opts.deadline, opts.drain).with_pipeline(self.invoker.pipeline());
+        if self.relay.is_some() && !opts.drain {
+            state = state.with_relay(started);
+        }
+        let mut run = Executor { o: self, state, background: JoinSet::new(), stop: opts.stop.clone() };
         let outcome = match run.hydrate().await {
             Ok(()) => run.drive().await,
             Err(e) => Err(e),
@@ -262,18 +275,19 @@ impl Executor<'_> {
     /// Reads where the last run left off: the one lane's state (a stack of many lanes
     /// reads each lane's when it first has jobs), or the shared quota's.
     async fn hydrate(&mut self) -> Result<(), RunError> {
+        let earlier_runs = self.state.lease().epoch > 1;
         if self.o.settings.lanes.is_some() {
             let stack = self.o.store_for(&StoreScope::Stack);
-            let snapshot = stack.load_pacer().await?;
+            let last_run = LastRun::judge(stack.load_pacer().await, &self.o.settings.quota, earlier_runs, self.o.clock.now())?;
             let calendar_used = load_calendar_usage(stack.as_ref(), &self.o.settings.quota, self.o.clock.now()).await?;
-            self.state.hydrate_shared(snapshot, &calendar_used, self.o.clock.now());
-            let marker = self.state.snapshots(false).pop().expect("the shared quota's snapshot").1;
+            self.state.hydrate_shared(last_run, &calendar_used, self.o.clock.now());
+            let marker = self.state.snapshots(false, self.o.clock.now()).pop().expect("the shared quota's snapshot").1;
             return self.mark_under_way(stack.as_ref(), &marker).await;
         }
-        let start = self.read_lane_start(self.o.store.as_ref(), &self.o.settings.quota).await?;
+        let start = self.read_lane_start(self.o.store.as_ref(), &self.o.settings.quota, earlier_runs).await?;
         let now = self.o.clock.now();
-        self.state.only_lane().hydrate(start.snapshot, &start.calendar_used, now);
-        let marker = self.state.only_lane().snapshot(false);
+        self.state.only_lane().hydrate(start.last_run, &start.calendar_used, now);
+        let marker = self.state.only_lane().snapshot(false, now);
         self.mark_under_way(self.o.store.as_ref(), &marker).await?;
         self.state.apply_shared_state(0, start.shared, self.o.clock.now());
         Ok(())
@@ -289,13 +303,13 @@ impl Executor<'_> {
         }
     }
 
-    /// A lane's last snapshot and calendar usage in `store`, under `quota`, and its
-    /// shared state.
-    async fn read_lane_start(&self, store: &dyn StateStore, quota: &Quota) -> PortResult<LaneStart> {
-        let snapshot = store.load_pacer().await?;
+    /// A lane's last snapshot (as judged: `earlier_runs` when a run held the lease
+    /// before) and calendar usage in `store`, under `quota`, and its shared state.
+    async fn read_lane_start(&self, store: &dyn StateStore, quota: &Quota, earlier_runs: bool) -> PortResult<LaneStart> {
+        let last_run = LastRun::judge(store.load_pacer().await, quota, earlier_runs, self.o.clock.now())?;
         let calendar_used = load_calendar_usage(store, quota, self.o.clock.now()).await?;
         let shared = self.read_shared_state(store, quota).await?;
-        Ok(LaneStart { snapshot, calendar_used, shared })
+        Ok(LaneStart { last_run, calendar_used, shared })
     }
 
     /// Lane `index`'s first read in a stack of many lanes: what it starts from, and its
@@ -303,10 +317,16 @@ impl Executor<'_> {
     async fn hydrate_lane(&self, index: usize) -> PortResult<LaneStart> {
         let (scope, quota) = self.state.lane_scope(index);
         let store = self.o.store_for(&scope);
-        let mut start = self.read_lane_start(store.as_ref(), quota).await?;
+        // A lane with no snapshot never dispatched: its first run writes one first.
+        let mut start = self.read_lane_start(store.as_ref(), quota, false).await?;
         start.shared.retune = self.read_retune(index, store.as_ref()).await?;
-        let marker = paceline_shared::ports::PacerSnapshot { state: paceline_shared::pacer::PacerState::new(quota), at_exit: false, effective_rate: None };
-        let marker = start.snapshot.clone().map_or(marker, |last| paceline_shared::ports::PacerSnapshot { at_exit: false, ..last });
+        let now = Some(self.o.clock.now());
+        let marker = match &start.last_run {
+            LastRun::Clean(last) | LastRun::Unclean { snapshot: Some(last), .. } => PacerSnapshot { at_exit: false, saved_at: now, ..last.clone() },
+            LastRun::None | LastRun::Unclean { snapshot: None, .. } => {
+                PacerSnapshot { state: paceline_shared::pacer::PacerState::new(quota), at_exit: false, effective_rate: None, saved_at: now }
+            }
+        };
         match store.save_pacer(self.state.lease(), &marker).await {
             Ok(()) | Err(PortError::Conflict(_)) => Ok(start),
             Err(e) => Err(e),
@@ -461,6 +481,12 @@ impl Executor<'_> {
                 self.background.spawn(async move { Event::HealthChecked(lane, invoker.invoke(&payload, None).await) });
                 return Ok(());
             }
+            Action::StartRelay(request) => {
+                let relay = o.relay.clone().expect("a relay is asked for only when there is one");
+                info!(release_by = %request.release_by, "starting the relay: the next run, to take the lease at its release");
+                self.background.spawn(async move { Event::RelayStarted(relay.start_next(&request).await) });
+                return Ok(());
+            }
             Action::Sleep { .. } | Action::Stop => unreachable!("the loop sleeps and stops itself"),
         };
         self.state.on_event(event, o.clock.now())
@@ -475,21 +501,32 @@ impl Executor<'_> {
         Ok(depth.visible == 0 && depth.not_visible == 0)
     }
 
-    /// Ends the run: settle the background work, send the deletes, release what is in
-    /// hand, give back unspent reservations, write the final snapshot, give up the lease.
-    /// Runs after errors too, so a failing run leaves no message hidden for long.
+    /// Ends the run: write the final snapshot and give up the lease at once (dispatching
+    /// is over, so the pacer's state is final and the relay continues it), then settle
+    /// the background work, send the deletes, release what is in hand, give back unspent
+    /// reservations. Runs after errors too, so a failing run leaves no message hidden for
+    /// long.
     async fn finish(&mut self, failed: Option<&RunError>) -> Result<(), RunError> {
         if let Some(e) = failed {
             warn!(error = %e, "run failed; releasing what it held");
         }
+        let o = self.o;
+        let flushed = match save_snapshots(o, self.state.lease(), &self.state.snapshots(true, o.clock.now())).await {
+            // A lost lease: the new holder's snapshot wins.
+            Ok(()) | Err(PortError::Conflict(_)) => Ok(()),
+            Err(e) => Err(e),
+        };
+        let lease = o.store.release_lease(self.state.lease()).await;
+        info!(at = %o.clock.now(), "lease released");
         // The last hand-offs go now, not when their batch would have: the run ends on time.
+        // Their slots are in the snapshot: the next run calls after them.
         self.o.invoker.flush().await;
         while let Some(done) = self.background.join_next().await {
             if let Err(e) = joined(done).and_then(|event| self.state.on_event(event, self.o.clock.now())) {
                 warn!(error = %e, "while settling the last background work");
             }
         }
-        let (o, (deletes, in_hand, unspent)) = (self.o, self.state.leftovers());
+        let (deletes, in_hand, unspent) = self.state.leftovers();
         let deleted = in_batches(&deletes, |batch| o.queue.delete(batch)).await;
         let released = in_batches(&in_hand, |batch| o.queue.release(batch, Duration::ZERO)).await;
         if released.is_ok() {
@@ -499,12 +536,6 @@ impl Executor<'_> {
         for (scope, deltas) in &unspent {
             returned = returned.and(o.store_for(scope).add_usage(deltas).await);
         }
-        let flushed = match save_snapshots(o, self.state.lease(), &self.state.snapshots(true)).await {
-            // A lost lease: the new holder's snapshot wins.
-            Ok(()) | Err(PortError::Conflict(_)) => Ok(()),
-            Err(e) => Err(e),
-        };
-        let lease = o.store.release_lease(self.state.lease()).await;
         self.state.close_report(o.clock.now());
         let report = &self.state.report;
         info!(dispatched = report.dispatched, dead_lettered = report.dead_lettered, stop = ?report.stop, "run ended");

@@ -21,10 +21,11 @@ use paceline_shared::lane::LaneId;
 use paceline_shared::pacer::{Decision, MissedSlot, PacerState};
 use paceline_shared::ports::{Lease, PacerSnapshot, PortError, PortResult, QueuedMessage};
 use paceline_shared::quota::Quota;
-use paceline_shared::time::{UnixMillis, COARSE_WAKE_SLACK};
+use paceline_shared::time::UnixMillis;
 use tracing::warn;
 
 pub(crate) use crate::lane::{CallSlotsRead, HandOff, Retune, SharedState};
+use crate::handover::{LastRun, RelayRequest, RELAY_LEAD};
 use crate::lane::{LaneMachine, LaneStep};
 use crate::many::{surplus_returns, ManyLanes, FAIR_SHARE_STRETCH, MANY_LANES_IN_HAND, RECALL_STRETCH};
 use crate::report::{Fairness, LaneReport, Progress, RunReport, StopReason};
@@ -94,6 +95,8 @@ pub(crate) enum Action {
     Dispatch(HandOff, WorkerPayload),
     /// Hand this lane's health check to a worker (background).
     HealthCheck(usize, WorkerPayload),
+    /// Start the next run, to take the lease when this one releases it (background).
+    StartRelay(RelayRequest),
     /// Nothing left here: ask whether anything is left anywhere (drain mode; await it).
     CheckDrained,
     /// Wait until `until` or the first event that comes back, whichever is first.
@@ -124,6 +127,7 @@ pub(crate) enum Event {
     Deleted(Vec<String>, PortResult<()>),
     HandedOff(HandOff, WorkerPayload, PortResult<()>),
     HealthChecked(usize, PortResult<()>),
+    RelayStarted(PortResult<()>),
     /// `true` when nothing is left on the queue or in flight anywhere.
     DrainChecked(PortResult<bool>),
     /// Workers in this process started too late for these slots and made no call.
@@ -137,7 +141,7 @@ pub(crate) type UnspentUnits = (StoreScope, Vec<(String, i64)>);
 
 /// What a lane starts a run from: its last snapshot, calendar usage and shared state.
 pub(crate) struct LaneStart {
-    pub snapshot: Option<PacerSnapshot>,
+    pub last_run: LastRun,
     pub calendar_used: Vec<u64>,
     pub shared: SharedState,
 }
@@ -196,6 +200,8 @@ pub(crate) struct StackMachine<'a> {
     receive_latency: Duration,
     /// Draining: the last long poll found the queue empty.
     queue_seen_empty: bool,
+    /// What the relay (the next run) is asked when [`Timer::Relay`] fires.
+    relay: Option<RelayRequest>,
     stop: Option<StopReason>,
     pub report: RunReport,
 }
@@ -231,6 +237,7 @@ impl<'a> StackMachine<'a> {
             pipeline: paceline_shared::ports::DEFAULT_PIPELINE,
             receive_latency: Duration::ZERO,
             queue_seen_empty: false,
+            relay: None,
             stop: None,
             report: RunReport::starting_at(started),
         }
@@ -239,6 +246,16 @@ impl<'a> StackMachine<'a> {
     /// The same machine keeping up to `pipeline` hand-offs awaiting their answer.
     pub fn with_pipeline(self, pipeline: usize) -> Self {
         Self { pipeline, ..self }
+    }
+
+    /// The same machine starting a relay [`RELAY_LEAD`] before it stops (at once if the
+    /// run is shorter), to take the lease the moment this run releases it.
+    pub fn with_relay(mut self, started: UnixMillis) -> Self {
+        if let Some(stop) = self.timers.get(Timer::Stop) {
+            self.timers.set(Timer::Relay, stop.minus(RELAY_LEAD).max(started));
+            self.relay = Some(RelayRequest { after: self.lease.holder.clone(), release_by: stop });
+        }
+        self
     }
 
     /// How far ahead of its slot a job is handed off.
@@ -291,11 +308,12 @@ impl<'a> StackMachine<'a> {
     }
 
     /// The pacer snapshots to save: each lane's, and the shared quota's.
-    pub fn snapshots(&self, at_exit: bool) -> Vec<(StoreScope, PacerSnapshot)> {
+    pub fn snapshots(&self, at_exit: bool, now: UnixMillis) -> Vec<(StoreScope, PacerSnapshot)> {
         let mut snapshots: Vec<(StoreScope, PacerSnapshot)> =
-            self.lanes.iter().map(|lane| (StoreScope::Lane(lane.id().clone()), lane.snapshot(at_exit))).collect();
+            self.lanes.iter().map(|lane| (StoreScope::Lane(lane.id().clone()), lane.snapshot(at_exit, now))).collect();
         if let Some(many) = &self.many {
-            snapshots.push((StoreScope::Stack, PacerSnapshot { state: many.pacer.clone(), at_exit, effective_rate: None }));
+            let shared = PacerSnapshot { state: many.pacer.clone(), at_exit, effective_rate: None, saved_at: Some(now) };
+            snapshots.push((StoreScope::Stack, shared));
         }
         snapshots
     }
@@ -303,13 +321,21 @@ impl<'a> StackMachine<'a> {
     /// With `[lanes]`: starts the shared quota's pacer from its last snapshot (held a
     /// window of its longest tier after an unclean stop, as a lane's is) and its day and
     /// month tiers from their counts in the store (`calendar_used`, by tier).
-    pub fn hydrate_shared(&mut self, snapshot: Option<PacerSnapshot>, calendar_used: &[u64], now: UnixMillis) {
+    pub fn hydrate_shared(&mut self, last_run: LastRun, calendar_used: &[u64], now: UnixMillis) {
         let Some(many) = &mut self.many else { return };
+        let (snapshot, unclean) = match last_run {
+            LastRun::None => (None, false),
+            LastRun::Clean(snapshot) => (Some(snapshot), false),
+            LastRun::Unclean { snapshot, why } => {
+                warn!(%why, "holding the shared quota's dispatch for one window of its longest tier");
+                (snapshot, true)
+            }
+        };
         if let Some(snapshot) = snapshot {
             many.pacer = PacerState::restored(many.shared, &snapshot.state);
-            if !snapshot.at_exit {
-                many.pacer.hold_after_unclean_stop(many.shared, now);
-            }
+        }
+        if unclean {
+            many.pacer.hold_after_unclean_stop(many.shared, now);
         }
         for (index, tier) in many.shared.tiers().iter().enumerate() {
             if tier.is_calendar() {
@@ -334,6 +360,12 @@ impl<'a> StackMachine<'a> {
         if self.timers.is_expired(Timer::Stop, now) {
             return self.stop_with(StopReason::Deadline);
         }
+        if self.timers.is_expired(Timer::Relay, now) {
+            self.timers.stop(Timer::Relay);
+            if let Some(request) = self.relay.clone() {
+                return Action::StartRelay(request);
+            }
+        }
         if let Some((message, reason, job)) = self.to_dead_letter.pop_front() {
             return Action::DeadLetter(message, reason, job);
         }
@@ -351,7 +383,7 @@ impl<'a> StackMachine<'a> {
         }
         if flush_due {
             self.timers.stop(Timer::Flush);
-            return Action::Flush(self.lease.clone(), self.snapshots(false));
+            return Action::Flush(self.lease.clone(), self.snapshots(false, now));
         }
         if self.timers.is_expired(Timer::LeaseExpiry, now) {
             warn!(valid_until = ?self.timers.get(Timer::LeaseExpiry), "the lease ran out before a renewal came through: dispatching stops now");
@@ -715,10 +747,7 @@ impl<'a> StackMachine<'a> {
             // where its tiers are the same; otherwise it waits for nothing here.
             Decision::Allow | Decision::Never { .. } => Ok(slot),
             Decision::WaitUntil { at, .. } if !self.lead().is_zero() && at <= slot.plus(lane.slack()) => Ok(at),
-            Decision::WaitUntil { at, .. } => {
-                let wake = if self.lead().is_zero() { at } else { at.minus(self.lead()).minus(COARSE_WAKE_SLACK) };
-                Err(wake.max(now.plus(Duration::from_millis(1))))
-            }
+            Decision::WaitUntil { at, .. } => Err(lane.hand_off_time(at, now)),
         }
     }
 
@@ -853,7 +882,7 @@ impl<'a> StackMachine<'a> {
         match result {
             Ok(start) => {
                 many.hydrated[index] = true;
-                self.lanes[index].hydrate(start.snapshot, &start.calendar_used, now);
+                self.lanes[index].hydrate(start.last_run, &start.calendar_used, now);
                 self.apply_shared_state(index, start.shared, now);
                 Ok(())
             }
@@ -922,6 +951,13 @@ impl<'a> StackMachine<'a> {
                 Ok(())
             }
             Event::HandedOff(in_hand, payload, result) => self.on_handed_off(in_hand, payload, result, now),
+            Event::RelayStarted(result) => {
+                // Without a relay the next kick starts the next run, as before relays.
+                if let Err(e) = result {
+                    warn!(error = %e, "could not start the relay; the next scheduled kick starts the next run");
+                }
+                Ok(())
+            }
             Event::HealthChecked(lane, result) => {
                 self.touch(lane);
                 self.lanes[lane].on_health_check_handed_off(result.is_ok(), now);
@@ -1074,7 +1110,7 @@ impl<'a> StackMachine<'a> {
             Timer::Flush => &mut self.backoffs.flush,
             Timer::Receive => &mut self.backoffs.receive,
             Timer::InvokeHold => &mut self.backoffs.invoke,
-            Timer::LeaseExpiry | Timer::Prefetch | Timer::Stop => unreachable!("{timer:?} is not a retry"),
+            Timer::LeaseExpiry | Timer::Prefetch | Timer::Stop | Timer::Relay => unreachable!("{timer:?} is not a retry"),
         };
         self.timers.set(timer, now.plus(backoff.failed()));
         Ok(())

@@ -55,6 +55,9 @@ timer_kind! {
         InvokeHold,
         /// The run stops dispatching: its deadline less the margin.
         Stop,
+        /// The run starts its relay, the next run ([`crate::handover::RELAY_LEAD`] before
+        /// it stops).
+        Relay,
     }
 }
 

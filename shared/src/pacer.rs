@@ -421,21 +421,33 @@ impl PacerState {
         // The margin the last run learned carries over, and with it the windows' lengths.
         state.set_learned_margin(quota, snapshot.learned_margin_ms);
         for tier_state in &mut state.tiers {
-            // A tier whose spread changed keeps its state: the spacing and the window
-            // log mean the same whatever the rules applied to them.
-            let same_tier = |old: &TierState| old.tier.limit == tier_state.tier.limit && old.tier.period == tier_state.tier.period;
-            if let Some(old) = snapshot.tiers.iter().find(|old| same_tier(old)) {
-                let same_window = match (&old.rolling, &tier_state.rolling) {
-                    (Some(a), Some(b)) => a.log.window_ms == b.log.window_ms && a.log.bucket_ms == b.log.bucket_ms,
-                    _ => false,
-                };
-                if same_window {
-                    tier_state.rolling.clone_from(&old.rolling);
-                }
+            if let Some(old) = snapshot.same_rolling_tier(tier_state) {
+                tier_state.rolling = Some(old.clone());
             }
         }
         state.hold_until = snapshot.hold_until;
         state
+    }
+
+    /// Whether this snapshot holds the past calls of every rolling tier of `quota` (one
+    /// of another config's tiers leaves some tier of this one without them).
+    #[must_use]
+    pub fn covers_rolling_tiers(&self, quota: &Quota) -> bool {
+        let mut wanted = Self::new(quota);
+        wanted.set_learned_margin(quota, self.learned_margin_ms);
+        wanted.tiers.iter().all(|tier_state| tier_state.rolling.is_none() || self.same_rolling_tier(tier_state).is_some())
+    }
+
+    /// The rolling state this snapshot keeps for the tier of `tier_state`: the same
+    /// limit, period and window. A tier whose spread changed keeps its state: the
+    /// spacing and the window log mean the same whatever the rules applied to them.
+    fn same_rolling_tier(&self, tier_state: &TierState) -> Option<&RollingState> {
+        let same_tier = |old: &&TierState| old.tier.limit == tier_state.tier.limit && old.tier.period == tier_state.tier.period;
+        let old = self.tiers.iter().find(same_tier)?;
+        match (&old.rolling, &tier_state.rolling) {
+            (Some(a), Some(b)) if a.log.window_ms == b.log.window_ms && a.log.bucket_ms == b.log.bucket_ms => Some(a),
+            _ => None,
+        }
     }
 
     /// After a run that stopped without saving its final state (a crash), its last
@@ -840,6 +852,22 @@ mod tests {
         let changed = quota(&["2/s"], 0);
         let other = PacerState::restored(&changed, &snapshot);
         assert_eq!(changed.decide(&other, 1, UnixMillis(10_400)), Decision::Allow);
+    }
+
+    #[test]
+    fn a_snapshot_covers_a_quota_only_with_every_rolling_tier_s_past_calls() {
+        let q = quota(&["1/s", "50/min", "1000/day"], 0);
+        let mut state = PacerState::new(&q);
+        state.commit(&q, 1, UnixMillis(10_000));
+        assert!(state.covers_rolling_tiers(&q));
+        assert!(state.covers_rolling_tiers(&quota(&["1/s", "1000/day"], 0)), "a tier dropped leaves none without its calls");
+        assert!(state.covers_rolling_tiers(&quota(&["1/s", "50/min", "9/day"], 0)), "calendar tiers start from the store's count");
+        assert!(!state.covers_rolling_tiers(&quota(&["2/s", "50/min"], 0)), "a new limit");
+        assert!(!state.covers_rolling_tiers(&quota(&["1/s", "50/min", "500/h"], 0)), "a new tier");
+        assert!(!state.covers_rolling_tiers(&quota(&["1/s", "50/min"], 20)), "another margin: other windows");
+        state.learn_jitter(&q);
+        let learned = state.safety_margin(&q);
+        assert!(state.covers_rolling_tiers(&q), "the margin it learned goes with it ({learned:?})");
     }
 
     /// Under `10/s + 50/10s` a call made on its slot reached a strict sliding-window API

@@ -43,6 +43,11 @@ pub enum PortError {
     /// lane's. Dead-letter the job; the run goes on.
     #[error("too large: {0}")]
     TooLarge(String),
+    /// A stored item cannot be read (corrupt, or written in a shape this version does
+    /// not know): what it held is lost, and the caller falls back to what is safe
+    /// without it.
+    #[error("unreadable: {0}")]
+    Unreadable(String),
 }
 
 impl PortError {
@@ -279,6 +284,10 @@ pub struct PacerSnapshot {
     /// carries on from it while it is fresh.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub effective_rate: Option<EffectiveRate>,
+    /// When it was written (none from versions before it was kept): a snapshot older
+    /// than the longest window is not trusted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub saved_at: Option<UnixMillis>,
 }
 
 /// A held lease: one pacer per lane. The epoch grows with every new holder, so writes

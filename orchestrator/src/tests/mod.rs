@@ -367,6 +367,7 @@ async fn after_a_crashed_run_dispatch_waits_one_window_of_the_longest_tier() {
         state: paceline_shared::pacer::PacerState::new(&lane.orchestrator.settings().quota),
         at_exit: false,
         effective_rate: None,
+        saved_at: None,
     };
     lane.store.save_pacer(&lease, &snapshot).await.unwrap();
     lane.store.clear_lease().unwrap();

@@ -306,7 +306,7 @@ impl EmbeddedStore {
     fn read_kv<T: serde::de::DeserializeOwned>(conn: &Connection, key: &str) -> PortResult<Option<T>> {
         let mut read = conn.prepare_cached("SELECT value FROM kv WHERE key = ?1").map_err(sql_err)?;
         let text: Option<String> = read.query_row([key], |r| r.get(0)).optional().map_err(sql_err)?;
-        text.map(|t| serde_json::from_str(&t).map_err(|e| fatal(format!("stored {key} is unreadable: {e}")))).transpose()
+        text.map(|t| serde_json::from_str(&t).map_err(|e| PortError::Unreadable(format!("stored {key}: {e}")))).transpose()
     }
 
     /// Every lane's stored circuit as JSON text, by lane (the default lane's too), in one
@@ -1249,7 +1249,7 @@ mod tests {
         let quota = crate::quota::Quota::new(vec!["5/s".parse().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
         let mut state = crate::pacer::PacerState::new(&quota);
         state.set_hold_until(UnixMillis(7));
-        let snapshot = PacerSnapshot { state, at_exit: true, effective_rate: None };
+        let snapshot = PacerSnapshot { state, at_exit: true, effective_rate: None, saved_at: None };
         assert!(matches!(s.save_pacer(&a, &snapshot).await, Err(PortError::Conflict(_))));
         s.save_pacer(&b, &snapshot).await.unwrap();
         assert_eq!(s.load_pacer().await.unwrap(), Some(snapshot));

@@ -149,7 +149,7 @@ pub async fn state_store(store: Arc<dyn StateStore>, quota: &Quota) {
     let b = store.acquire_lease("b", ttl, at(90)).await.expect("an expired lease is taken");
     assert!(b.epoch > a.epoch, "every acquire raises the fencing epoch: {} after {}", b.epoch, a.epoch);
     assert!(matches!(store.renew_lease(&a, ttl, at(91)).await, Err(PortError::Conflict(_))), "a lost lease is not renewed");
-    let snapshot = PacerSnapshot { state: PacerState::new(quota), at_exit: false, effective_rate: None };
+    let snapshot = PacerSnapshot { state: PacerState::new(quota), at_exit: false, effective_rate: None, saved_at: None };
     assert!(matches!(store.save_pacer(&a, &snapshot).await, Err(PortError::Conflict(_))), "a stale holder's snapshot is refused");
     store.release_lease(&a).await.expect("giving up a lost lease is a no-op");
     assert_eq!(store.lease().await.unwrap().map(|l| l.holder), Some("b".into()), "a stale holder cannot give up the current lease");

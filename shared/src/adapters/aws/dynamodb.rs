@@ -238,7 +238,7 @@ impl StateStore for DynamoStateStore {
 
     async fn load_pacer(&self) -> PortResult<Option<PacerSnapshot>> {
         let Some(item) = self.get(PACER).await? else { return Ok(None) };
-        serde_json::from_str(get_s(&item, "snapshot")).map(Some).map_err(|e| PortError::Fatal(format!("stored pacer snapshot is unreadable: {e}")))
+        serde_json::from_str(get_s(&item, "snapshot")).map(Some).map_err(|e| PortError::Unreadable(format!("stored pacer snapshot: {e}")))
     }
 
     async fn save_pacer(&self, lease: &Lease, snapshot: &PacerSnapshot) -> PortResult<()> {
