@@ -133,32 +133,6 @@ pub async fn await_release(store: &dyn StateStore, clock: &dyn Clock, request: &
     }
 }
 
-/// The lead a lane uses at `now`: the hand-off's own lead while the run catches up
-/// (until `catch_up_until`), the full one (batch window included) after. A run that
-/// starts finds the last one's schedule decided up to one full lead past its release;
-/// with the shorter lead it takes the slots between at once instead of losing them.
-#[must_use]
-pub fn lead_at(now: UnixMillis, catch_up_until: UnixMillis, short: Duration, full: Duration) -> Duration {
-    if now < catch_up_until {
-        short
-    } else {
-        full
-    }
-}
-
-/// The earliest instant from which a slot at `at` is handed off, under [`lead_at`]'s
-/// two leads: `at` less the full lead once the catch-up is over, less the short one
-/// before it, or the catch-up's end, when the lead grows past `at`.
-#[must_use]
-pub fn hand_off_from(at: UnixMillis, catch_up_until: UnixMillis, short: Duration, full: Duration) -> UnixMillis {
-    let with_full = at.minus(full);
-    if with_full >= catch_up_until {
-        with_full
-    } else {
-        at.minus(short).min(catch_up_until)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -201,16 +175,6 @@ mod tests {
         assert!(matches!(failed, Err(PortError::Transient(_))), "a passing fault is the run's, to retry");
         let older_version = PacerSnapshot { saved_at: None, ..fresh };
         assert!(matches!(LastRun::judge(Ok(Some(older_version)), &q, true, now).unwrap(), LastRun::Clean(_)), "kept by an earlier version: trusted as it was");
-    }
-
-    #[test]
-    fn the_lead_is_the_hand_off_s_own_while_a_run_catches_up_and_a_slot_is_handed_off_as_soon_as_either_lead_reaches_it() {
-        let (short, full, until) = (Duration::from_millis(400), Duration::from_millis(900), UnixMillis(10_500));
-        assert_eq!(lead_at(UnixMillis(10_499), until, short, full), short);
-        assert_eq!(lead_at(UnixMillis(10_500), until, short, full), full);
-        assert_eq!(hand_off_from(UnixMillis(10_800), until, short, full), UnixMillis(10_400), "the short lead reaches it first");
-        assert_eq!(hand_off_from(UnixMillis(11_200), until, short, full), UnixMillis(10_500), "the full lead, at the catch-up's end");
-        assert_eq!(hand_off_from(UnixMillis(11_600), until, short, full), UnixMillis(10_700), "after it");
     }
 
     #[tokio::test(start_paused = true)]

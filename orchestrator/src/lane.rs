@@ -20,7 +20,7 @@ use paceline_shared::quota::Quota;
 use paceline_shared::time::{UnixMillis, COARSE_WAKE_SLACK};
 use tracing::{debug, info, warn};
 
-use crate::handover::{self, LastRun};
+use crate::handover::LastRun;
 use crate::report::TierMeter;
 use crate::report::TierReport;
 use crate::reservations::Reservations;
@@ -261,9 +261,6 @@ pub(crate) struct LaneMachine<'a> {
     exhausted_logged_until: UnixMillis,
     meter: TierMeter,
     pub figures: LaneFigures,
-    /// Until then the lane hands off with the hand-off's own lead, not the full one:
-    /// the slots the last run left between the two are taken, not lost.
-    catch_up_until: UnixMillis,
 }
 
 impl<'a> LaneMachine<'a> {
@@ -301,7 +298,6 @@ impl<'a> LaneMachine<'a> {
             spaced_until: UnixMillis(0),
             spaced_exact_ms: 0.0,
             swapping_circuit: false,
-            catch_up_until: started.plus(settings.batch_window()),
             call_slots: CallSlotModel::default(),
             exhausted_logged_until: UnixMillis(0),
             meter: TierMeter::new(quota),
@@ -371,12 +367,6 @@ impl<'a> LaneMachine<'a> {
     /// How far ahead of its slot a job is handed off (zero: at the slot).
     fn lead(&self) -> Duration {
         self.settings.dispatch_ahead()
-    }
-
-    /// How far ahead of its slot a job handed off at `now` is: shorter while the run
-    /// catches up the last one's schedule.
-    fn lead_at(&self, now: UnixMillis) -> Duration {
-        handover::lead_at(now, self.catch_up_until, self.settings.hand_off_lead(), self.lead())
     }
 
     pub fn circuit(&self) -> &Circuit {
@@ -742,7 +732,7 @@ impl<'a> LaneMachine<'a> {
                     lane: self.id.clone(),
                 })
             }
-            Decision::WaitUntil { at, .. } => LaneStep::WaitUntil(at.minus(self.lead_at(now)).max(now.plus(Duration::from_millis(1)))),
+            Decision::WaitUntil { at, .. } => LaneStep::WaitUntil(at.minus(self.lead()).max(now.plus(Duration::from_millis(1)))),
             Decision::Never { .. } => unreachable!("a 1-unit health check fits every tier"),
         }
     }
@@ -946,7 +936,7 @@ impl<'a> LaneMachine<'a> {
 
     /// The pacer slot a hand-off made at `now` takes.
     fn slot_at(&self, now: UnixMillis) -> UnixMillis {
-        now.plus(self.lead_at(now))
+        now.plus(self.lead())
     }
 
     /// How far after `now + lead` a slot may be and still be taken at `now`. Dispatching
@@ -966,13 +956,26 @@ impl<'a> LaneMachine<'a> {
     /// [`Self::taken_early`] after `now + lead` is taken at once (handed off that much
     /// earlier). Dispatching at the slot, the slot is `now` (or the share's spacing, up to
     /// the slack later).
+    ///
+    /// Dispatching ahead, a schedule decided ahead (this run's, or the last run's, which
+    /// a new run continues) whose next slot lies between the hand-off's own lead and
+    /// `now + lead` keeps that slot: the slots between are taken, not skipped. A schedule
+    /// that fell behind (nothing to hand off for a while) starts again at `now + lead`,
+    /// so the batch window fills.
     fn decide(&self, cost: u64, now: UnixMillis, not_before: UnixMillis) -> (UnixMillis, Decision) {
         // Never before the spacing of a share of the pace (the loop woke within the slack).
         let slot = self.slot_at(now).max(self.spaced_until).max(not_before);
-        match self.quota.decide(&self.pacer, cost, slot) {
-            Decision::WaitUntil { at, .. } if !self.lead().is_zero() && at <= self.slot_at(now).plus(self.taken_early()) => {
-                (at, self.quota.decide(&self.pacer, cost, at))
-            }
+        let latest = self.slot_at(now).plus(self.taken_early());
+        if self.lead().is_zero() {
+            return (slot, self.quota.decide(&self.pacer, cost, slot));
+        }
+        let earliest = now.plus(self.settings.hand_off_lead()).max(self.spaced_until).max(not_before);
+        let decision = match self.quota.decide(&self.pacer, cost, earliest) {
+            Decision::Allow => self.quota.decide(&self.pacer, cost, slot),
+            continued => continued,
+        };
+        match decision {
+            Decision::WaitUntil { at, .. } if at <= latest => (at, self.quota.decide(&self.pacer, cost, at)),
             decision => (slot, decision),
         }
     }
@@ -980,11 +983,7 @@ impl<'a> LaneMachine<'a> {
     /// When to wake, at `now`, to hand off a job whose slot is `at`: never `now` itself, so
     /// a wait always lets time pass.
     pub fn hand_off_time(&self, at: UnixMillis, now: UnixMillis) -> UnixMillis {
-        let wake = if self.lead().is_zero() {
-            at
-        } else {
-            handover::hand_off_from(at, self.catch_up_until, self.settings.hand_off_lead(), self.lead()).minus(COARSE_WAKE_SLACK)
-        };
+        let wake = if self.lead().is_zero() { at } else { at.minus(self.lead()).minus(COARSE_WAKE_SLACK) };
         wake.max(now.plus(Duration::from_millis(1)))
     }
 

@@ -54,9 +54,9 @@ use tracing::{info, warn};
 
 pub use batching::{BatchingInvoker, MAX_BATCH_BYTES};
 pub use fairness::{jain_index, FAIRNESS_WINDOW};
+use handover::{LastRun, Relay};
 pub use report::{Fairness, LaneReport, Progress, RunReport, StopReason, TierReport};
 pub use settings::{RunError, Settings};
-use handover::{LastRun, Relay};
 use stack::{Action, CallSlotsRead, Event, LaneStart, Retune, SharedState, StackMachine, DELETE_BATCH};
 
 /// How long before the next scheduled kick a run stops dispatching (time to settle its

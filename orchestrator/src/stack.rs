@@ -24,8 +24,8 @@ use paceline_shared::quota::Quota;
 use paceline_shared::time::UnixMillis;
 use tracing::warn;
 
-pub(crate) use crate::lane::{CallSlotsRead, HandOff, Retune, SharedState};
 use crate::handover::{LastRun, RelayRequest, RELAY_LEAD};
+pub(crate) use crate::lane::{CallSlotsRead, HandOff, Retune, SharedState};
 use crate::lane::{LaneMachine, LaneStep};
 use crate::many::{surplus_returns, ManyLanes, FAIR_SHARE_STRETCH, MANY_LANES_IN_HAND, RECALL_STRETCH};
 use crate::report::{Fairness, LaneReport, Progress, RunReport, StopReason};

@@ -13,12 +13,13 @@ pub mod pricing;
 pub mod profile;
 pub mod provider;
 pub mod report;
+pub mod runs;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use paceline_orchestrator::{handover_deadline, BatchingInvoker, Orchestrator, RunOptions, Settings};
+use paceline_orchestrator::{BatchingInvoker, Orchestrator, Settings};
 use paceline_shared::config::RetryConfig;
 use paceline_shared::job::ApiRequest;
 use paceline_shared::ports::WorkerHandler;
@@ -31,6 +32,7 @@ use crate::pricing::FunctionMemory;
 use crate::profile::{Failures, LatencyProfile, Sampler, Stream};
 use crate::provider::{job_path, Provider, ProviderModel};
 pub use crate::report::SimReport;
+use crate::runs::{FunctionTiming, OrchestratorRuns, SimRelay};
 
 /// Where simulated time starts: a Monday at midnight UTC, so calendar tiers start fresh.
 pub const SIM_START: UnixMillis = UnixMillis(1_798_761_600_000); // 2027-01-01T00:00:00Z
@@ -40,9 +42,6 @@ const SIM_API_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Lambda's first retry of a throttled async event, doubled on each retry.
 pub(crate) const THROTTLE_RETRY: Duration = Duration::from_secs(1);
-/// How long Lambda keeps retrying a throttled scheduled kick (the template's maximum
-/// event age).
-const KICK_MAX_AGE: Duration = Duration::from_secs(60);
 
 /// Who decides when each job goes.
 pub enum Dispatcher {
@@ -116,6 +115,9 @@ pub struct Plan {
     pub orchestrator_timeout: Duration,
     /// How often EventBridge kicks the orchestrator.
     pub schedule: Duration,
+    /// Each run starts its relay, the next run, before it stops (`--no-relay`: the
+    /// next minute's kick starts it).
+    pub relay: bool,
     pub memory: FunctionMemory,
     /// Give up (and report "not drained") after this much simulated time.
     pub time_limit: Duration,
@@ -144,6 +146,7 @@ impl Plan {
             rate_limit_headers: true,
             orchestrator_timeout: Duration::from_secs(70),
             schedule: Duration::from_secs(60),
+            relay: true,
             memory: FunctionMemory::default(),
             time_limit: Duration::from_secs(400 * 86_400),
             lambda_concurrency: aws::DEFAULT_LAMBDA_CONCURRENCY,
@@ -281,9 +284,9 @@ impl WorkerHandler for Notifying {
     }
 }
 
-/// Kicks an orchestrator run every `schedule`, as EventBridge and Lambda would: a kick
-/// while a run is going is throttled (reserved concurrency 1) and retried after 1 s,
-/// 2 s, 4 s... until it is a minute old. Returns when every job settled or time is up.
+/// Kicks an orchestrator run every `schedule` and lets each run start its relay (unless
+/// the plan has none), as EventBridge and Lambda would (see [`runs`]). Returns when every
+/// job settled or time is up, with the executions started.
 async fn run_paceline(plan: &Plan, lane: &Lane) -> (bool, u64) {
     let settings = plan.settings.clone();
     let invoker: Arc<dyn paceline_shared::ports::Invoker> = if settings.worker_batch() > 1 && !settings.hand_off_lead().is_zero() {
@@ -291,54 +294,33 @@ async fn run_paceline(plan: &Plan, lane: &Lane) -> (bool, u64) {
     } else {
         lane.lambda.clone()
     };
-    let orchestrator = Arc::new(Orchestrator::new(lane.queue.clone(), lane.store.clone(), invoker, lane.world.clock.clone(), settings));
+    let (relays, requests) = tokio::sync::mpsc::unbounded_channel();
+    let mut orchestrator = Orchestrator::new(lane.queue.clone(), lane.store.clone(), invoker, lane.world.clock.clone(), settings);
+    if plan.relay {
+        orchestrator = orchestrator.with_relay(Arc::new(SimRelay::new(lane.world.clone(), relays)));
+    }
     let clock = lane.world.clock.clone();
     let give_up = lane.world.start.plus(plan.time_limit);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let mut current: Option<tokio::task::JoinHandle<()>> = None;
-    let mut runs = 0_u64;
+    let timing = FunctionTiming { timeout: plan.orchestrator_timeout, schedule: plan.schedule, deadline_margin: plan.settings.orchestrator.deadline_margin };
+    let runs = Arc::new(OrchestratorRuns::new(Arc::new(orchestrator), lane.store.clone(), lane.world.clone(), timing, stop_rx));
+    let serving = runs.serve_relays(requests);
     let mut tick = lane.world.start;
+    let mut kicks = 0_u64;
     loop {
-        let kicked = tick.plus(lane.world.sampler.latency(Stream::Kick, runs));
+        let kicked = tick.plus(lane.world.sampler.latency(Stream::Kick, kicks));
         if lane.wait_done(kicked.min(give_up)).await || clock.now() >= give_up {
             break;
         }
-        // Throttled while the previous run goes on: Lambda retries with backoff.
-        let mut retry = THROTTLE_RETRY;
-        while current.as_ref().is_some_and(|run| !run.is_finished()) && clock.now().since(kicked) + retry <= KICK_MAX_AGE {
-            let again = clock.now().plus(retry);
-            if lane.wait_done(again).await {
-                break;
-            }
-            retry *= 2;
-        }
-        if lane.done() {
-            break;
-        }
-        if current.as_ref().is_none_or(tokio::task::JoinHandle::is_finished) {
-            runs += 1;
-            lane.world.ledger.count("lambda:Invoke (schedule)", 1);
-            let (orchestrator, world, stop) = (orchestrator.clone(), lane.world.clone(), stop_rx.clone());
-            let (timeout, every, margin) = (plan.orchestrator_timeout, plan.schedule, plan.settings.orchestrator.deadline_margin);
-            current = Some(tokio::spawn(async move {
-                world.wait(Stream::AsyncStart, u64::MAX - runs).await;
-                let started = world.clock.now();
-                let deadline = handover_deadline(started.plus(timeout), tick, every, margin);
-                let opts = RunOptions { holder: format!("run-{runs}"), deadline, drain: false, stop: Some(stop) };
-                if let Err(e) = orchestrator.run(&opts).await {
-                    tracing::warn!(error = %e, "simulated orchestrator run failed");
-                }
-                world.ledger.orchestrator_ms.fetch_add(world.clock.now().since(started).as_millis() as u64, Ordering::Relaxed);
-            }));
-        }
+        kicks += 1;
+        runs.kick(tick);
         tick = tick.plus(plan.schedule);
     }
     let drained = lane.done();
     let _ = stop_tx.send(true);
-    if let Some(run) = current {
-        let _ = run.await;
-    }
-    (drained, runs)
+    runs.join().await;
+    serving.abort();
+    (drained, runs.started())
 }
 
 /// Runs a baseline dispatcher until every job settled or time is up.

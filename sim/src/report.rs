@@ -107,6 +107,10 @@ pub struct SimReport {
     pub dispatch_to_call_ms: Percentiles,
     /// The worker function as Lambda ran it.
     pub lambda: LambdaFigures,
+    /// The emptiest second of the steady flow, against the tightest rolling tier (one of
+    /// at least 10 calls a second).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lowest_second: Option<LowestSecond>,
     /// AWS requests by operation.
     pub aws_requests: BTreeMap<String, u64>,
     pub cost: CostEstimate,
@@ -138,6 +142,52 @@ impl SimReport {
         }
         value.to_string()
     }
+}
+
+/// The second with the fewest calls while the backlog flowed: from the first second at
+/// [`STEADY_SHARE`] of the tier's rate to the last, outside outages (an outage and the
+/// seconds after it until the rate is back at that share).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LowestSecond {
+    /// The tier's rate, per second.
+    pub tier_per_second: f64,
+    /// Calls admitted in that second.
+    pub calls: u32,
+    /// Its share of the tier's rate.
+    #[serde(serialize_with = "paceline_shared::figures::six_digits")]
+    pub share: f64,
+    /// The second, from the start.
+    pub at_s: u64,
+}
+
+/// The share of the tier's rate from which a second counts as the steady flow.
+pub const STEADY_SHARE: f64 = 0.98;
+
+/// The emptiest steady second in `per_second` under `plan`'s tightest rolling tier, if it
+/// allows at least 10 calls a second.
+fn lowest_second(plan: &Plan, per_second: &[u32]) -> Option<LowestSecond> {
+    let (limit, window_ms) = crate::baselines::tightest_rolling(&plan.settings.quota)?;
+    let rate = limit as f64 * 1_000.0 / window_ms as f64;
+    if rate < 10.0 {
+        return None;
+    }
+    let steady = |calls: u32| f64::from(calls) >= STEADY_SHARE * rate;
+    let first = per_second.iter().position(|c| steady(*c))?;
+    let last = per_second.iter().rposition(|c| steady(*c))?;
+    let mut lowest: Option<LowestSecond> = None;
+    let mut recovering = false;
+    for (at_s, calls) in per_second.iter().enumerate().take(last + 1).skip(first) {
+        let second = Duration::from_secs(at_s as u64);
+        if plan.failures.in_outage(second) || plan.failures.in_outage(second + Duration::from_millis(999)) {
+            recovering = true;
+            continue;
+        }
+        recovering = recovering && !steady(*calls);
+        if !recovering && lowest.as_ref().is_none_or(|l| *calls < l.calls) {
+            lowest = Some(LowestSecond { tier_per_second: rate, calls: *calls, share: f64::from(*calls) / rate, at_s: at_s as u64 });
+        }
+    }
+    lowest
 }
 
 pub(crate) fn build(plan: &Plan, dispatcher: String, lane: &Lane, drained: bool, runs: u64, elapsed: Duration, wall: Duration) -> SimReport {
@@ -174,6 +224,7 @@ pub(crate) fn build(plan: &Plan, dispatcher: String, lane: &Lane, drained: bool,
         health_checks: seen.health_checks,
         dispatch_to_call_ms: Percentiles::of(seen.delays_ms),
         lambda: lambda_figures(plan, lane),
+        lowest_second: lowest_second(plan, &seen.admitted_per_second),
         aws_requests: lane.world.ledger.requests().into_iter().map(|(op, n)| (op.to_owned(), n)).collect(),
         cost: estimate(&lane.world.ledger, plan.memory, plan.jobs as u64),
         wall_seconds: wall.as_secs_f64(),
@@ -242,6 +293,10 @@ pub fn render(r: &SimReport) -> String {
         tiers.add_row(vec![t.tier.clone(), t.admitted.to_string(), t.violations.to_string(), busiest, offset, format!("{used}{pace}")]);
     }
     let _ = writeln!(out, "{tiers}");
+    if let Some(l) = &r.lowest_second {
+        let at = human(l.at_s as f64);
+        let _ = writeln!(out, "  emptiest second of the flow: {} calls, {:.1}% of {}/s (at {at})", l.calls, l.share * 100.0, l.tier_per_second);
+    }
     let a = &r.answers;
     let _ = writeln!(
         out,

@@ -95,6 +95,10 @@ pub struct SimulateArgs {
     /// throttled, retried with back-off, and aged out past the worker's maximum event age.
     #[arg(long, value_name = "N", default_value_t = paceline_sim::aws::DEFAULT_LAMBDA_CONCURRENCY)]
     pub lambda_concurrency: u64,
+    /// No relays: each orchestrator run is started by the schedule's next kick, not by
+    /// the run before it (what a stack whose orchestrator cannot invoke itself does).
+    #[arg(long)]
+    pub no_relay: bool,
     /// Also run the baselines on the same workload: Paceline without dispatch-ahead, a
     /// per-second token bucket, a fixed-window counter and a concurrency cap alone.
     #[arg(long)]
@@ -162,6 +166,7 @@ impl SimulateArgs {
         plan.rate_limit_headers = !self.no_rate_limit_headers;
         plan.time_limit = self.time_limit;
         plan.lambda_concurrency = self.lambda_concurrency;
+        plan.relay = !self.no_relay;
         Ok(plan)
     }
 

@@ -19,6 +19,7 @@ use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 use super::*;
 
 mod faults;
+mod handover;
 mod windows;
 
 const T0: UnixMillis = UnixMillis(1_795_824_000_000); // 2026-11-28T00:00:00Z

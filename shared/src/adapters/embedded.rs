@@ -464,6 +464,18 @@ impl EmbeddedStore {
         })
     }
 
+    /// Deletes this scope's pacer snapshot (tests of a lost snapshot).
+    ///
+    /// # Errors
+    /// `Fatal` on a database failure.
+    #[cfg(feature = "test-util")]
+    pub fn forget_pacer(&self) -> PortResult<()> {
+        self.on_db(|| {
+            self.conn().execute("DELETE FROM kv WHERE key = ?1", [self.key("pacer")]).map_err(sql_err)?;
+            Ok(())
+        })
+    }
+
     /// Records a hand-off and, in the same transaction, deletes the message it comes
     /// from: after a crash either the message is back on the queue (not handed off) or
     /// the invocation is re-queued, never both.
