@@ -84,13 +84,20 @@ def main(template_path, url):
     lam = client("lambda", url)
     orchestrator = outputs["OrchestratorFunctionName"]
     worker = outputs["WorkerFunctionName"]
-    check(lam.get_function_concurrency(FunctionName=orchestrator).get("ReservedConcurrentExecutions") == 1, "orchestrator: reserved concurrency 1")
+    check(lam.get_function_concurrency(FunctionName=orchestrator).get("ReservedConcurrentExecutions") == 2, "orchestrator: reserved concurrency 2 (a run and its relay)")
+    orchestrator_arn = lam.get_function(FunctionName=orchestrator)["Configuration"]["FunctionArn"]
+    iam = client("iam", url)
+    role = lam.get_function_configuration(FunctionName=orchestrator)["Role"].split("/")[-1]
+    relay = iam.get_role_policy(RoleName=role, PolicyName="orchestrator-relay")["PolicyDocument"]
+    relay = json.loads(relay) if isinstance(relay, str) else relay
+    check(relay["Statement"] == [{"Effect": "Allow", "Action": "lambda:InvokeFunction", "Resource": orchestrator_arn}], "orchestrator: may invoke itself (its relay), nothing more")
     config = lam.get_function_configuration(FunctionName=orchestrator)
     check(config["Runtime"] == "provided.al2023" and config["Handler"] == "bootstrap" and config["MemorySize"] == 128, "orchestrator: provided.al2023, 128 MB")
     check(config["Timeout"] == 70, "orchestrator: timeout from OrchestratorTimeoutSeconds")
     env = config["Environment"]["Variables"]
     check(env["PACELINE_WORKER_FUNCTION"] == worker and env["PACELINE_QUEUE_URL"] == outputs["JobsQueueUrl"], "orchestrator: wired to the worker and the queue")
     check(env["PACELINE_VISIBILITY_TIMEOUT"] == "70s" and env["PACELINE_DEADLINE_MARGIN"] == "5s", "orchestrator: run budget below the timeout, visibility covers a run")
+    check(env["PACELINE_RELAY"] == "on", "orchestrator: each run starts its relay")
     worker_env = lam.get_function_configuration(FunctionName=worker)["Environment"]["Variables"]
     check("s3cr3t" not in json.dumps(worker_env), "worker: the secret is not in its configuration")
     check(json.loads(worker_env["PACELINE_API_SECRETS"]) == {"API_TOKEN": secret_arn}, "worker: reads the token from Secrets Manager")

@@ -1,8 +1,11 @@
 //! The orchestrator as a Lambda function: built once at cold start from `PACELINE_*`
-//! variables, then each invocation (the EventBridge schedule or an operator's kick)
-//! runs the drain loop until the invocation's deadline, minus the margin (a scheduled
-//! run hands over just before the next kick it would overlap), and prints its figures as
-//! CloudWatch metrics (embedded metric format) for the stack's alarms.
+//! variables, then each invocation (the EventBridge schedule, an operator's kick, or
+//! the relay a run started) runs the drain loop until the invocation's deadline, minus
+//! the margin (a scheduled run hands over just before the next kick it would overlap),
+//! and prints its figures as CloudWatch metrics (embedded metric format) for the stack's
+//! alarms. A run starts its relay, an asynchronous invoke of this same function, a few
+//! seconds before it stops; the relay waits for the lease and takes it the moment it is
+//! released (reserved concurrency 2: a run and its relay).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,7 +22,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tracing::Instrument as _;
 
-use crate::{handover_deadline, BatchingInvoker, Orchestrator, RunError, RunOptions, RunReport, Settings};
+use crate::handover::{Relay, RelayRequest, Release};
+use crate::{handover_deadline, BatchingInvoker, Orchestrator, RunError, RunOptions, RunReport, Settings, HANDOVER};
 
 /// How often the stack's schedule kicks the orchestrator (`rate(1 minute)` in
 /// `infra/template.yaml`).
@@ -58,14 +62,45 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
     let names = AwsNames::from_env(env, true)?;
     let settings = Settings { quota: env.quota()?, orchestrator: env.orchestrator()?, circuit: env.circuit()?, workers: WorkerHost::Lambda, lanes: None };
     let aws = AwsAdapters::new(sdk, &names, lambda_endpoint);
+    let relay = relay_function(env)?.map(|name| LambdaRelay { invoker: aws.invoker.for_function(name) });
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let invoker: Arc<dyn Invoker> = if settings.worker_batch() > 1 {
         Arc::new(BatchingInvoker::for_settings(Arc::new(aws.invoker), clock.clone(), &settings))
     } else {
         Arc::new(aws.invoker)
     };
-    let orchestrator = Orchestrator::new(Arc::new(aws.queue), Arc::new(aws.store), invoker, clock, settings);
+    let mut orchestrator = Orchestrator::new(Arc::new(aws.queue), Arc::new(aws.store), invoker, clock, settings);
+    if let Some(relay) = relay {
+        orchestrator = orchestrator.with_relay(Arc::new(relay));
+    }
     Ok(OrchestratorFunction::new(orchestrator, env.stack_name()))
+}
+
+/// The function a run's relay invokes: this one (`AWS_LAMBDA_FUNCTION_NAME`, which Lambda
+/// sets), unless `PACELINE_RELAY` is `off` (then the next minute's kick starts the next
+/// run).
+///
+/// # Errors
+/// `PACELINE_RELAY` other than `on` or `off`.
+fn relay_function(env: &Env<'_>) -> Result<Option<String>, String> {
+    match env.optional("PACELINE_RELAY").map(|relay| relay.trim().to_ascii_lowercase()).as_deref() {
+        None | Some("on") => Ok(env.optional("AWS_LAMBDA_FUNCTION_NAME")),
+        Some("off") => Ok(None),
+        Some(other) => Err(format!("PACELINE_RELAY: `{other}` is neither on nor off")),
+    }
+}
+
+/// Starts the relay: an asynchronous invoke of the orchestrator function with the
+/// request as its event.
+struct LambdaRelay {
+    invoker: paceline_shared::adapters::aws::LambdaInvoker,
+}
+
+#[async_trait::async_trait]
+impl Relay for LambdaRelay {
+    async fn start_next(&self, request: &RelayRequest) -> paceline_shared::ports::PortResult<()> {
+        self.invoker.invoke_event(json!({ "relay": request }).to_string()).await
+    }
 }
 
 /// Handles one kick. Not an error (the invocation succeeds, saying why it did nothing
@@ -85,9 +120,21 @@ pub async fn handle(event: LambdaEvent<Trigger>, function: &OrchestratorFunction
 async fn run_once(event: LambdaEvent<Trigger>, function: &OrchestratorFunction) -> Result<Value, lambda_runtime::Error> {
     let orchestrator = &function.orchestrator;
     let deadline = UnixMillis(event.context.deadline);
-    let deadline = match event.payload.scheduled_for() {
-        Some(tick) => handover_deadline(deadline, tick, SCHEDULE_EVERY, orchestrator.settings().orchestrator.deadline_margin),
-        None => deadline,
+    let margin = orchestrator.settings().orchestrator.deadline_margin;
+    let deadline = match &event.payload {
+        Trigger::Relay(RelayEvent { relay }) => {
+            match orchestrator.await_release(relay, deadline.minus(margin)).await {
+                // It stops before the kick the run it relays stopped for, as a scheduled run.
+                Ok(Release::Free) => handover_deadline(deadline, relay.release_by.plus(HANDOVER), SCHEDULE_EVERY, margin),
+                Ok(Release::TakenBy(holder)) => return Ok(json!({ "skipped": format!("the lease went to {holder}") })),
+                Ok(Release::StillHeld) => return Ok(json!({ "skipped": format!("{} still held the lease", relay.after) })),
+                Err(e) => return ended_by(RunError::Port(e)),
+            }
+        }
+        trigger => match trigger.scheduled_for() {
+            Some(tick) => handover_deadline(deadline, tick, SCHEDULE_EVERY, margin),
+            None => deadline,
+        },
     };
     let opts = RunOptions { holder: format!("lambda:{}", event.context.request_id), deadline, drain: false, stop: None };
     match orchestrator.run(&opts).await {
@@ -99,25 +146,39 @@ async fn run_once(event: LambdaEvent<Trigger>, function: &OrchestratorFunction) 
             }
             Ok(serde_json::to_value(report)?)
         }
-        Err(RunError::LeaseHeld(why)) => {
-            tracing::info!(%why, "another run holds the lease; nothing to do");
-            Ok(json!({ "skipped": why }))
-        }
-        Err(e) if e.is_retryable() => {
-            tracing::warn!(error = %e, "the run ended on a passing fault; the next kick runs again");
-            Ok(json!({ "failed": e.to_string(), "retryable": true }))
-        }
-        Err(e) => Err(e.into()),
+        Err(e) => ended_by(e),
     }
 }
 
-/// What starts a run: an EventBridge event (the stack's schedule, or `paceline kick`'s
-/// event), or anything else a caller sends (a test invocation's `{}`).
+/// The invocation's answer to a run that ended on `e` (see [`handle`]).
+fn ended_by(e: RunError) -> Result<Value, lambda_runtime::Error> {
+    match e {
+        RunError::LeaseHeld(why) => {
+            tracing::info!(%why, "another run holds the lease; nothing to do");
+            Ok(json!({ "skipped": why }))
+        }
+        e if e.is_retryable() => {
+            tracing::warn!(error = %e, "the run ended on a passing fault; the next kick runs again");
+            Ok(json!({ "failed": e.to_string(), "retryable": true }))
+        }
+        e => Err(e.into()),
+    }
+}
+
+/// What starts a run: a run's relay, an EventBridge event (the stack's schedule, or
+/// `paceline kick`'s event), or anything else a caller sends (a test invocation's `{}`).
 #[derive(Clone, Debug, Deserialize)]
 #[serde(untagged)]
 pub enum Trigger {
+    Relay(RelayEvent),
     Event(EventBridgeEvent),
     Other(Value),
+}
+
+/// The event a run's relay is started with: `{"relay": {"after": holder, "release_by": ms}}`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct RelayEvent {
+    pub relay: RelayRequest,
 }
 
 impl Trigger {
@@ -248,5 +309,22 @@ mod tests {
         assert_eq!(trigger(kick).scheduled_for(), None);
         assert_eq!(trigger(json!({})).scheduled_for(), None);
         assert_eq!(trigger(json!({ "detail-type": "Scheduled Event", "source": "aws.events", "time": "soon", "detail": {} })).scheduled_for(), None);
+        let relay = trigger(json!({ "relay": { "after": "lambda:8f1c", "release_by": 1_795_398_419_750_u64 } }));
+        let Trigger::Relay(RelayEvent { relay }) = relay else { panic!("a relay's event is read as a relay: {relay:?}") };
+        assert_eq!(relay, RelayRequest { after: "lambda:8f1c".into(), release_by: UnixMillis(1_795_398_419_750) });
+    }
+
+    #[test]
+    fn a_run_relays_to_its_own_function_unless_paceline_relay_is_off() {
+        let relay = |vars: &[(&str, &str)]| {
+            let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+            let get = move |name: &str| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+            relay_function(&Env::new(&get))
+        };
+        assert_eq!(relay(&[("AWS_LAMBDA_FUNCTION_NAME", "sms-orchestrator")]), Ok(Some("sms-orchestrator".into())));
+        assert_eq!(relay(&[("AWS_LAMBDA_FUNCTION_NAME", "sms-orchestrator"), ("PACELINE_RELAY", "On")]), Ok(Some("sms-orchestrator".into())));
+        assert_eq!(relay(&[("AWS_LAMBDA_FUNCTION_NAME", "sms-orchestrator"), ("PACELINE_RELAY", "off")]), Ok(None));
+        assert_eq!(relay(&[]), Ok(None), "outside Lambda: no function to relay to");
+        assert_eq!(relay(&[("PACELINE_RELAY", "sometimes")]), Err("PACELINE_RELAY: `sometimes` is neither on nor off".into()));
     }
 }

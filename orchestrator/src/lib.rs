@@ -219,6 +219,15 @@ impl Orchestrator {
         &self.invoker
     }
 
+    /// Waits, as `request`'s relay, for the lease to be released (see
+    /// [`handover::await_release`]).
+    ///
+    /// # Errors
+    /// A lease read that retrying will not mend.
+    pub async fn await_release(&self, request: &handover::RelayRequest, give_up: UnixMillis) -> PortResult<handover::Release> {
+        handover::await_release(self.store.as_ref(), self.clock.as_ref(), request, give_up).await
+    }
+
     /// Live counters, readable while a run goes on.
     #[must_use]
     pub fn progress(&self) -> &Arc<Progress> {
@@ -246,7 +255,7 @@ impl Orchestrator {
         if self.relay.is_some() && !opts.drain {
             state = state.with_relay(started);
         }
-        let mut run = Executor { o: self, state, background: JoinSet::new(), stop: opts.stop.clone() };
+        let mut run = Executor { o: self, state, background: JoinSet::new(), stop: opts.stop.clone(), handed_off_any: false };
         let outcome = match run.hydrate().await {
             Ok(()) => run.drive().await,
             Err(e) => Err(e),
@@ -269,6 +278,8 @@ struct Executor<'a> {
     state: StackMachine<'a>,
     background: JoinSet<Event>,
     stop: Option<tokio::sync::watch::Receiver<bool>>,
+    /// Whether the run handed a job off yet (its first is logged).
+    handed_off_any: bool,
 }
 
 impl Executor<'_> {
@@ -469,6 +480,11 @@ impl Executor<'_> {
                 return Ok(());
             }
             Action::Dispatch(hand_off, payload) => {
+                if !self.handed_off_any {
+                    // The hand-over's measure: from the last run's release to this.
+                    self.handed_off_any = true;
+                    info!(at = %o.clock.now(), slot = %hand_off.slot, "the run's first hand-off");
+                }
                 let invoker = o.invoker.clone();
                 self.background.spawn(async move {
                     let result = invoker.invoke(&payload, Some(&hand_off.message.receipt)).await;

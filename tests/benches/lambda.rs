@@ -2,12 +2,15 @@
 //! signing, HTTP) against local endpoints: SQS and DynamoDB on the moto server, Lambda's
 //! Invoke on the fake endpoint, the Runtime API on loopback. Prints, asserting nothing:
 //! - cold start: process start to the first `next` request, and to the first Invoke;
+//! - the hand-over: from one run's release of the lease to its relay's first hand-off,
+//!   the two runs in two processes (execution environments) as Lambda runs them;
 //! - CPU per job (user + system time of the process over the jobs it handed off) at
 //!   100, 1,000 and 5,000 jobs/s, and at a quota above what one core hands off (where
 //!   it runs out); from them the dispatch rate each Lambda memory size can sustain
 //!   (Lambda gives a function CPU in proportion to its memory: a whole vCPU at 1,769 MB).
 //!
-//! `BENCH_RATES=1000,5000` picks the quotas; `BENCH_SKIP_COLD=1` skips the cold starts.
+//! `BENCH_RATES=1000,5000` picks the quotas; `BENCH_SKIP_COLD=1` skips the cold starts
+//! and the hand-overs.
 //!
 //! Run with `cargo build --release -p paceline-orchestrator && cargo bench -p
 //! paceline-e2e --bench lambda`; it starts `.venv/bin/moto_server` unless
@@ -22,7 +25,7 @@ use paceline_e2e::fake_sqs::FakeSqs;
 use paceline_e2e::runtime_api::{lambda_env, start_function, template_env, Reported, RuntimeApi};
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames};
 use paceline_shared::ports::{JobQueue, OutgoingMessage};
-use paceline_shared::time::system_now;
+use paceline_shared::time::{system_now, UnixMillis};
 
 /// Linux's clock ticks per second in /proc (USER_HZ).
 const TICKS_PER_SECOND: f64 = 100.0;
@@ -148,6 +151,58 @@ async fn cold_starts(binary: &Path) {
     );
 }
 
+/// Hand-overs measured.
+const HAND_OVERS: usize = 10;
+
+/// When the log line `message` of a JSON log says it happened (its `at` field).
+fn logged_at(output: &str, message: &str) -> Option<UnixMillis> {
+    output.lines().filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok()).find_map(|line| {
+        let fields = line.get("fields").unwrap_or(&line);
+        (fields["message"].as_str() == Some(message)).then(|| fields["at"].as_str().and_then(|at| UnixMillis::parse_rfc3339(at).ok()))?
+    })
+}
+
+/// A run (a scheduled event, 3 s of dispatch at 100/s) and its relay, in two processes
+/// on two Runtime APIs: the relay is served as soon as the run sends it, waits for the
+/// lease and hands off. Measures the release (the run's log) to the relay's first
+/// hand-off (the relay's log), both at the millisecond.
+async fn hand_overs(binary: &Path) {
+    let sdk = moto_sdk_config().await;
+    let mut gaps = Vec::new();
+    for _ in 0..HAND_OVERS {
+        let lambda = FakeLambda::start().await;
+        let jobs = (0..2_000).map(|n| format!(r#"{{"id":"bench-{n}","request":{{"method":"GET","path":"/items/{n}"}}}}"#));
+        let sqs = FakeSqs::start(jobs).await;
+        let mut names = create_lane(&sdk, "bench-worker").await;
+        (names.queue_url, names.dlq_url) = (sqs.queue_url(), format!("{}-dlq", sqs.queue_url()));
+        let mut env = orchestrator_env(&names, "100/s", &lambda);
+        env.insert("AWS_ENDPOINT_URL_SQS".into(), sqs.url.clone());
+        env.insert("AWS_LAMBDA_LOG_LEVEL".into(), "INFO".into());
+        let (first, second) = (RuntimeApi::start().await, RuntimeApi::start().await);
+        let (run, relay) = (start_function(binary, &first, &env), start_function(binary, &second, &env));
+        let request = first.invoke(&scheduled_event(), Duration::from_secs(8));
+        let started = Instant::now();
+        let relay_event = loop {
+            if let Some((_, event)) = lambda.kicks().into_iter().find(|(_, event)| event.get("relay").is_some()) {
+                break event;
+            }
+            assert!(started.elapsed() < Duration::from_secs(10), "the run sent no relay");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        // Invoked before the run stops, with as long ahead of it as the run had.
+        let relayed = second.invoke(&relay_event, Duration::from_secs(15));
+        let _ = first.reported(&request, Duration::from_secs(20)).await;
+        let _ = second.reported(&relayed, Duration::from_secs(20)).await;
+        let (run, relay) = (run.stop().await, relay.stop().await);
+        let released = logged_at(&run, "lease released").expect("the run's release in its log");
+        let first_hand_off = logged_at(&relay, "the run's first hand-off").unwrap_or_else(|| panic!("the relay's first hand-off in its log: {relay}"));
+        gaps.push(first_hand_off.0.saturating_sub(released.0) as f64);
+    }
+    println!("### The hand-over: a run's release of the lease to its relay's first hand-off ({HAND_OVERS} hand-overs; DynamoDB on moto, SQS on the fake, loopback)\n");
+    println!("| | median | max |\n| --- | ---: | ---: |");
+    println!("| release to the relay's first hand-off | {:.0} ms | {:.0} ms |\n", median(gaps.clone()), gaps.iter().copied().fold(0.0, f64::max));
+}
+
 /// One run at `rate` jobs/s for `seconds` of dispatch: (jobs handed off, CPU seconds,
 /// wall seconds of the run).
 async fn saturated_run(binary: &Path, rate: u32, seconds: u64) -> (u64, f64, f64) {
@@ -226,6 +281,7 @@ async fn main() {
     let _moto = moto();
     if std::env::var_os("BENCH_SKIP_COLD").is_none() {
         cold_starts(&binary).await;
+        hand_overs(&binary).await;
     }
 
     println!("### CPU per job with the real SDK (orchestrator release binary, current-thread runtime)\n");

@@ -205,7 +205,7 @@ async fn invoke(State(state): State<Arc<FakeLambdaState>>, Path(function): Path<
             }
         };
     }
-    if function.contains("orchestrator") {
+    if function.to_ascii_lowercase().contains("orchestrator") {
         let Ok(event) = serde_json::from_slice(&body) else {
             return (StatusCode::BAD_REQUEST, reply, r#"{"message":"not JSON"}"#.into());
         };

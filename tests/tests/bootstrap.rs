@@ -95,6 +95,17 @@ async fn the_orchestrator_binary_serves_a_scheduled_event_and_hands_each_job_to_
     assert_eq!(handed_off, ["boot-1", "boot-2", "boot-3"], "each job handed off once, in batches: {invocations:?}");
     assert!(invocations.iter().all(|i| i.function == "paceline-worker" && i.invocation_type == "Event"), "{invocations:?}");
 
+    // The run started its relay (the run shorter than the relay's lead: at once), an
+    // asynchronous invoke of its own function; served, the relay finds the lease
+    // released and runs.
+    let relays: Vec<serde_json::Value> =
+        lambda.kicks().into_iter().filter(|(function, _)| function == "OrchestratorFunction").map(|(_, event)| event).collect();
+    assert_eq!(relays.len(), 1, "{relays:?}");
+    assert_eq!(relays[0]["relay"]["after"].as_str(), Some(format!("lambda:{request}").as_str()), "{relays:?}");
+    let relayed = runtime.invoke(&relays[0], Duration::from_secs(7));
+    let Some(Reported::Response(relay_report)) = runtime.reported(&relayed, Duration::from_secs(30)).await else { panic!("the relay failed") };
+    assert_eq!((relay_report["dispatched"].as_u64(), relay_report["stop"].as_str()), (Some(0), Some("deadline")), "{relay_report}");
+
     let lines = json_lines(orchestrator).await;
     let run = lines.iter().find(|l| l.get("_aws").is_some() && l.get("Dispatched").is_some()).expect("the run's EMF record on standard output");
     assert_eq!((run["Dispatched"].as_u64(), run["Lane"].as_str()), (Some(3), Some(LANE)), "{run}");
