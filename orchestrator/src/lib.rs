@@ -527,13 +527,17 @@ impl Executor<'_> {
             warn!(error = %e, "run failed; releasing what it held");
         }
         let o = self.o;
-        let flushed = match save_snapshots(o, self.state.lease(), &self.state.snapshots(true, o.clock.now())).await {
+        let snapshots = self.state.snapshots(true, o.clock.now());
+        let flushed = match again_after_passing_faults(o.clock.as_ref(), || save_snapshots(o, self.state.lease(), &snapshots)).await {
             // A lost lease: the new holder's snapshot wins.
             Ok(()) | Err(PortError::Conflict(_)) => Ok(()),
             Err(e) => Err(e),
         };
-        let lease = o.store.release_lease(self.state.lease()).await;
-        info!(at = %o.clock.now(), "lease released");
+        let lease = again_after_passing_faults(o.clock.as_ref(), || o.store.release_lease(self.state.lease())).await;
+        match &lease {
+            Ok(()) => info!(at = %o.clock.now(), "lease released"),
+            Err(e) => warn!(error = %e, "could not release the lease: the next run takes it when it expires"),
+        }
         // The last hand-offs go now, not when their batch would have: the run ends on time.
         // Their slots are in the snapshot: the next run calls after them.
         self.o.invoker.flush().await;
@@ -558,6 +562,30 @@ impl Executor<'_> {
         deleted.and(released).and(returned).and(flushed).and(lease).map_err(RunError::from)
     }
 }
+
+/// Tries `write` again after a passing fault, [`HAND_OVER_RETRIES`] times, 20 ms and
+/// then twice as long apart: the relay waits on the final snapshot and the release.
+async fn again_after_passing_faults<T, F, Fut>(clock: &dyn Clock, mut write: F) -> PortResult<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = PortResult<T>>,
+{
+    let mut pause = Duration::from_millis(20);
+    for _ in 0..HAND_OVER_RETRIES {
+        match write().await {
+            Err(e) if e.is_retryable() => {
+                warn!(error = %e, "a hand-over write failed; trying again");
+                clock.sleep_until(clock.now().plus(pause)).await;
+                pause *= 2;
+            }
+            done => return done,
+        }
+    }
+    write().await
+}
+
+/// Tries again of the final snapshot and the lease release after a passing fault.
+const HAND_OVER_RETRIES: usize = 3;
 
 /// Saves each scope's pacer snapshot while `lease` is held, stopping at the first error.
 async fn save_snapshots(

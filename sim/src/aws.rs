@@ -310,12 +310,27 @@ struct StoreState {
 pub struct SimStore {
     world: Arc<World>,
     state: Mutex<StoreState>,
+    /// The next run's final snapshot and lease release fail (a fault at the hand-over).
+    fail_release: std::sync::atomic::AtomicBool,
 }
 
 impl SimStore {
     #[must_use]
     pub fn new(world: Arc<World>) -> Self {
-        Self { world, state: Mutex::default() }
+        Self { world, state: Mutex::default(), fail_release: std::sync::atomic::AtomicBool::new(false) }
+    }
+
+    /// Who holds the lease at `now`, if anyone.
+    #[must_use]
+    pub fn lease_holder(&self, now: UnixMillis) -> Option<String> {
+        self.state().lease.as_ref().filter(|lease| lease.expires_at > now).map(|lease| lease.holder.clone())
+    }
+
+    /// The next final snapshot (written at a run's end) and the next lease release fail
+    /// with a passing fault: the next run finds a snapshot written mid-run and a lease
+    /// that holds until it expires.
+    pub fn fail_next_release(&self) {
+        self.fail_release.store(true, Ordering::Relaxed);
     }
 
     fn count_read(&self, items: u64) {
@@ -386,6 +401,9 @@ impl StateStore for SimStore {
 
     async fn release_lease(&self, lease: &Lease) -> PortResult<()> {
         self.write("dynamodb:UpdateItem", 1, 1).await;
+        if self.fail_release.swap(false, Ordering::Relaxed) {
+            return Err(PortError::Transient("injected: the lease release failed".into()));
+        }
         let mut state = self.state();
         if state.lease.as_ref().is_some_and(|l| l.epoch == lease.epoch) {
             state.lease = None;
@@ -423,6 +441,9 @@ impl StateStore for SimStore {
         // A transaction of a condition check and a put: two units per item per KiB.
         let kib = serde_json::to_string(snapshot).map_or(1, |json| (json.len() as u64).div_ceil(1024).max(1));
         self.write("dynamodb:TransactWriteItems", 1, 2 * (1 + kib)).await;
+        if snapshot.at_exit && self.fail_release.load(Ordering::Relaxed) {
+            return Err(PortError::Transient("injected: the final snapshot write failed".into()));
+        }
         let mut state = self.state();
         if state.lease.as_ref().is_none_or(|l| l.epoch != lease.epoch || l.holder != lease.holder) {
             return Err(PortError::Conflict("the lease was lost".into()));

@@ -32,7 +32,7 @@ use crate::pricing::FunctionMemory;
 use crate::profile::{Failures, LatencyProfile, Sampler, Stream};
 use crate::provider::{job_path, Provider, ProviderModel};
 pub use crate::report::SimReport;
-use crate::runs::{FunctionTiming, OrchestratorRuns, SimRelay};
+use crate::runs::{FunctionTiming, OrchestratorRuns, RunCounts, SimRelay};
 
 /// Where simulated time starts: a Monday at midnight UTC, so calendar tiers start fresh.
 pub const SIM_START: UnixMillis = UnixMillis(1_798_761_600_000); // 2027-01-01T00:00:00Z
@@ -286,8 +286,8 @@ impl WorkerHandler for Notifying {
 
 /// Kicks an orchestrator run every `schedule` and lets each run start its relay (unless
 /// the plan has none), as EventBridge and Lambda would (see [`runs`]). Returns when every
-/// job settled or time is up, with the executions started.
-async fn run_paceline(plan: &Plan, lane: &Lane) -> (bool, u64) {
+/// job settled or time is up, with what became of the runs.
+async fn run_paceline(plan: &Plan, lane: &Lane) -> (bool, RunCounts) {
     let settings = plan.settings.clone();
     let invoker: Arc<dyn paceline_shared::ports::Invoker> = if settings.worker_batch() > 1 && !settings.hand_off_lead().is_zero() {
         Arc::new(BatchingInvoker::for_settings(lane.lambda.clone(), lane.world.clock.clone(), &settings))
@@ -305,6 +305,7 @@ async fn run_paceline(plan: &Plan, lane: &Lane) -> (bool, u64) {
     let timing = FunctionTiming { timeout: plan.orchestrator_timeout, schedule: plan.schedule, deadline_margin: plan.settings.orchestrator.deadline_margin };
     let runs = Arc::new(OrchestratorRuns::new(Arc::new(orchestrator), lane.store.clone(), lane.world.clone(), timing, stop_rx));
     let serving = runs.serve_relays(requests);
+    let faults = orchestrator_faults(plan, lane, &runs);
     let mut tick = lane.world.start;
     let mut kicks = 0_u64;
     loop {
@@ -320,7 +321,27 @@ async fn run_paceline(plan: &Plan, lane: &Lane) -> (bool, u64) {
     let _ = stop_tx.send(true);
     runs.join().await;
     serving.abort();
-    (drained, runs.started())
+    faults.abort();
+    (drained, runs.counts())
+}
+
+/// Kills the run going at each `kill_run_at`, and makes the next run's end fail its
+/// writes at each `fail_release_at`.
+fn orchestrator_faults(plan: &Plan, lane: &Lane, runs: &Arc<OrchestratorRuns>) -> tokio::task::JoinHandle<()> {
+    let mut faults: Vec<(Duration, bool)> = plan.failures.kill_run_at.iter().map(|at| (*at, true)).collect();
+    faults.extend(plan.failures.fail_release_at.iter().map(|at| (*at, false)));
+    faults.sort();
+    let (world, store, runs) = (lane.world.clone(), lane.store.clone(), runs.clone());
+    tokio::spawn(async move {
+        for (at, kill) in faults {
+            world.clock.sleep_until(world.start.plus(at)).await;
+            if kill {
+                runs.kill_current();
+            } else {
+                store.fail_next_release();
+            }
+        }
+    })
 }
 
 /// Runs a baseline dispatcher until every job settled or time is up.
@@ -349,7 +370,7 @@ pub fn simulate(plan: &Plan, dispatcher: &Dispatcher) -> SimReport {
         let lane = Lane::build(plan);
         let (drained, runs) = match dispatcher.admission(plan) {
             None => run_paceline(plan, &lane).await,
-            Some(admission) => (run_baseline(plan, &lane, admission).await, 0),
+            Some(admission) => (run_baseline(plan, &lane, admission).await, RunCounts::default()),
         };
         let ended = lane.done_at.lock().unwrap_or_else(std::sync::PoisonError::into_inner).unwrap_or_else(|| lane.world.clock.now());
         report::build(plan, dispatcher.name(plan), &lane, drained, runs, ended.since(lane.world.start), wall.elapsed())

@@ -147,6 +147,10 @@ pub struct Outage {
     pub length: Duration,
 }
 
+fn all_as_millis<S: serde::Serializer>(ds: &[Duration], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(ds.iter().map(|d| d.as_millis() as u64))
+}
+
 fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_u128(d.as_millis())
 }
@@ -179,6 +183,14 @@ pub struct Failures {
     /// Share of the executions of a worker batch killed part-way (Lambda retries the
     /// event a minute later).
     pub rate_worker_crash: f64,
+    /// Instants (from the start) at which the orchestrator run going is killed: no final
+    /// snapshot, no release (its lease expires).
+    #[serde(skip_serializing_if = "Vec::is_empty", serialize_with = "all_as_millis")]
+    pub kill_run_at: Vec<Duration>,
+    /// Instants at which the next run to end fails its final snapshot write and its
+    /// lease release.
+    #[serde(skip_serializing_if = "Vec::is_empty", serialize_with = "all_as_millis")]
+    pub fail_release_at: Vec<Duration>,
 }
 
 impl Failures {

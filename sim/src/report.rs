@@ -51,8 +51,8 @@ pub struct Outcomes {
     pub missed_slots: u64,
     pub circuit_opened: u64,
     pub worker_errors: u64,
-    /// Orchestrator runs kicked (0 for baselines).
-    pub orchestrator_runs: u64,
+    /// The orchestrator's executions, by kick or relay (none for baselines).
+    pub orchestrator_runs: crate::runs::RunCounts,
 }
 
 /// The worker function as Lambda ran it: invocations, the most executions at once
@@ -190,7 +190,7 @@ fn lowest_second(plan: &Plan, per_second: &[u32]) -> Option<LowestSecond> {
     lowest
 }
 
-pub(crate) fn build(plan: &Plan, dispatcher: String, lane: &Lane, drained: bool, runs: u64, elapsed: Duration, wall: Duration) -> SimReport {
+pub(crate) fn build(plan: &Plan, dispatcher: String, lane: &Lane, drained: bool, runs: crate::runs::RunCounts, elapsed: Duration, wall: Duration) -> SimReport {
     let seen = lane.provider.figures();
     let stats = &lane.stats;
     let outcomes = Outcomes {
@@ -281,6 +281,10 @@ pub fn render(r: &SimReport) -> String {
     );
     for (cause, n) in &o.dead_letter_causes {
         let _ = writeln!(out, "    DLQ {cause}: {n}");
+    }
+    let runs = &o.orchestrator_runs;
+    if runs.executions > 0 {
+        let _ = writeln!(out, "  orchestrator: {} executions, {} took the lease as a relay, {} killed", runs.executions, runs.relayed, runs.killed);
     }
     let model = serde_json::to_value(r.provider).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
     let _ = writeln!(out, "\nAt the provider ({model}, strict per tier; a violation is a call refused with 429):");

@@ -9,12 +9,12 @@ use std::time::Duration;
 
 use paceline_orchestrator::handover::{await_release, Relay, RelayRequest, Release};
 use paceline_orchestrator::{handover_deadline, Orchestrator, RunOptions, HANDOVER};
-use paceline_shared::ports::{PortResult, StateStore};
+use paceline_shared::ports::PortResult;
 use paceline_shared::time::{Clock, UnixMillis};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
-use crate::aws::World;
+use crate::aws::{SimStore, World};
 use crate::profile::Stream;
 use crate::THROTTLE_RETRY;
 
@@ -22,9 +22,24 @@ use crate::THROTTLE_RETRY;
 /// relay waiting for its lease.
 pub const ORCHESTRATOR_CONCURRENCY: u64 = 2;
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// How long Lambda keeps retrying a throttled orchestrator event (the template's
 /// maximum event age).
 const EVENT_MAX_AGE: Duration = Duration::from_secs(60);
+
+/// What became of the orchestrator's executions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct RunCounts {
+    /// Executions started, by kick or relay.
+    pub executions: u64,
+    /// Runs that took the lease as a relay.
+    pub relayed: u64,
+    /// Runs killed part-way (`--kill-run-at`).
+    pub killed: u64,
+}
 
 /// Why an execution of the orchestrator function starts.
 #[derive(Clone, Debug)]
@@ -46,7 +61,7 @@ pub struct FunctionTiming {
 /// Starts executions of the orchestrator function and keeps count of them.
 pub struct OrchestratorRuns {
     orchestrator: Arc<Orchestrator>,
-    store: Arc<dyn StateStore>,
+    store: Arc<SimStore>,
     world: Arc<World>,
     timing: FunctionTiming,
     stop: watch::Receiver<bool>,
@@ -54,13 +69,15 @@ pub struct OrchestratorRuns {
     running: AtomicU64,
     /// Executions started, by any cause (names holders, keys latency draws).
     started: AtomicU64,
-    /// Runs that took the lease as a relay.
-    pub relayed: AtomicU64,
+    relayed: AtomicU64,
+    killed: AtomicU64,
     tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// The drain loops going now, by holder, to kill the lease's.
+    going: Mutex<Vec<(String, tokio::task::AbortHandle)>>,
 }
 
 impl OrchestratorRuns {
-    pub fn new(orchestrator: Arc<Orchestrator>, store: Arc<dyn StateStore>, world: Arc<World>, timing: FunctionTiming, stop: watch::Receiver<bool>) -> Self {
+    pub fn new(orchestrator: Arc<Orchestrator>, store: Arc<SimStore>, world: Arc<World>, timing: FunctionTiming, stop: watch::Receiver<bool>) -> Self {
         Self {
             orchestrator,
             store,
@@ -70,14 +87,31 @@ impl OrchestratorRuns {
             running: AtomicU64::new(0),
             started: AtomicU64::new(0),
             relayed: AtomicU64::new(0),
+            killed: AtomicU64::new(0),
             tasks: Mutex::new(Vec::new()),
+            going: Mutex::new(Vec::new()),
         }
     }
 
-    /// Executions started, by kick or relay.
+    /// Kills the run going now, as a crashed execution ends: no final snapshot, no
+    /// release. Its lease expires; the work it handed off goes on.
+    pub fn kill_current(&self) {
+        let Some(holder) = self.store.lease_holder(self.world.clock.now()) else { return };
+        let mut going = lock(&self.going);
+        if let Some(index) = going.iter().position(|(name, _)| *name == holder) {
+            going.remove(index).1.abort();
+            self.killed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// What became of the executions so far.
     #[must_use]
-    pub fn started(&self) -> u64 {
-        self.started.load(Ordering::Relaxed)
+    pub fn counts(&self) -> RunCounts {
+        RunCounts {
+            executions: self.started.load(Ordering::Relaxed),
+            relayed: self.relayed.load(Ordering::Relaxed),
+            killed: self.killed.load(Ordering::Relaxed),
+        }
     }
 
     /// The kick for `tick` arrives (EventBridge's latency is behind it).
@@ -99,7 +133,7 @@ impl OrchestratorRuns {
     /// Waits for every execution to end.
     pub async fn join(&self) {
         loop {
-            let tasks: Vec<_> = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+            let tasks: Vec<_> = std::mem::take(&mut *lock(&self.tasks));
             if tasks.is_empty() {
                 return;
             }
@@ -112,7 +146,7 @@ impl OrchestratorRuns {
     fn spawn(self: &Arc<Self>, start: Start) {
         let runs = self.clone();
         let task = tokio::spawn(async move { runs.execute(start).await });
-        self.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(task);
+        lock(&self.tasks).push(task);
     }
 
     /// One event, from Lambda's queue to the end of its execution: throttled while
@@ -157,10 +191,16 @@ impl OrchestratorRuns {
             }
         };
         let deadline = handover_deadline(deadline, tick, schedule, deadline_margin);
-        let opts = RunOptions { holder: format!("run-{n}"), deadline, drain: false, stop: Some(self.stop.clone()) };
-        match self.orchestrator.run(&opts).await {
-            Ok(_) | Err(paceline_orchestrator::RunError::LeaseHeld(_)) => {}
-            Err(e) => tracing::warn!(error = %e, "simulated orchestrator run failed"),
+        let holder = format!("run-{n}");
+        let opts = RunOptions { holder: holder.clone(), deadline, drain: false, stop: Some(self.stop.clone()) };
+        let orchestrator = self.orchestrator.clone();
+        let run = tokio::spawn(async move { orchestrator.run(&opts).await });
+        lock(&self.going).push((holder.clone(), run.abort_handle()));
+        let ended = run.await;
+        lock(&self.going).retain(|(name, _)| *name != holder);
+        match ended {
+            Ok(Ok(_) | Err(paceline_orchestrator::RunError::LeaseHeld(_))) | Err(_) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "simulated orchestrator run failed"),
         }
     }
 }

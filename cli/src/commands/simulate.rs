@@ -71,6 +71,15 @@ pub struct SimulateArgs {
     /// any call made twice.
     #[arg(long, default_value_t = 0.0, value_name = "SHARE")]
     pub rate_worker_crash: f64,
+    /// Kill the orchestrator run going at this instant (e.g. 90s): no final snapshot, no
+    /// release; the next run waits for the lease to expire and holds one window of the
+    /// longest tier. Repeatable.
+    #[arg(long = "kill-run-at", value_name = "TIME", value_parser = humantime::parse_duration)]
+    pub kill_run_at: Vec<Duration>,
+    /// The next orchestrator run to end after this instant fails its final snapshot
+    /// write and its lease release. Repeatable.
+    #[arg(long = "fail-release-at", value_name = "TIME", value_parser = humantime::parse_duration)]
+    pub fail_release_at: Vec<Duration>,
     /// How the simulated provider counts each rolling tier: sliding-window (no window of
     /// the tier's length holds more than its limit), fixed-window (windows aligned on
     /// the clock) or leaky-bucket (strict, room for one call). A tier with `burst=N` is
@@ -86,6 +95,11 @@ pub struct SimulateArgs {
     /// for Lambda workers).
     #[arg(long, value_parser = humantime::parse_duration)]
     pub dispatch_ahead: Option<Duration>,
+    /// Override the config's `quota.safety_margin` (what each rolling window is widened
+    /// by against the network's jitter; a per-second tier's use is at most 1 s over
+    /// 1 s plus the margin).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub safety_margin: Option<Duration>,
     /// Override the config's `orchestrator.worker_batch`: the most jobs one worker
     /// invocation carries (1 hands each job to an invocation of its own, as before
     /// batches; unset, 1,000 as for Lambda workers).
@@ -151,6 +165,8 @@ impl SimulateArgs {
             foreign_load: self.foreign_load,
             rate_duplicate_delivery: self.rate_duplicate_delivery,
             rate_worker_crash: self.rate_worker_crash,
+            kill_run_at: self.kill_run_at.clone(),
+            fail_release_at: self.fail_release_at.clone(),
         };
         failures.check().map_err(|e| anyhow::anyhow!("--rate-429/--rate-5xx/--foreign-load/--rate-duplicate-delivery/--rate-worker-crash: {e}"))?;
         // The simulated Lambda stack paces one lane, as the AWS backend does today.
@@ -158,7 +174,12 @@ impl SimulateArgs {
             config.lanes.is_none(),
             "simulate paces one lane on AWS (the AWS backend's): leave [lanes] out of this config, or simulate the lanes in one embedded stack with --lanes N"
         );
-        let settings = Settings { quota: config.quota, orchestrator, circuit: config.circuit, workers: WorkerHost::Lambda, lanes: None };
+        let quota = match self.safety_margin {
+            Some(margin) => paceline_shared::quota::Quota::new(config.quota.tiers().to_vec(), config.quota.zone(), margin)
+                .map_err(|e| anyhow::anyhow!("--safety-margin: {e}"))?,
+            None => config.quota,
+        };
+        let settings = Settings { quota, orchestrator, circuit: config.circuit, workers: WorkerHost::Lambda, lanes: None };
         let mut plan = Plan::new(self.jobs, self.seed, settings, config.retry);
         plan.profile = profile;
         plan.failures = failures;
