@@ -264,8 +264,9 @@ async fn background_server_errors_retry_their_own_job_through_sqs_delays_and_nev
     lane.lambda.settle(Duration::from_secs(10)).await;
     assert_eq!(report.stop, StopReason::Drained);
     // A worker answered after the drain may have re-queued its job with a delay (or
-    // started after its slot, on a loaded machine): the next scheduled runs take it.
-    for _ in 0..3 {
+    // started after its slot, on a loaded machine, run after run): the next scheduled
+    // runs take it.
+    for _ in 0..6 {
         tokio::time::sleep(Duration::from_secs(1)).await;
         lane.orchestrator().run(&drain_opts("next", Duration::from_secs(30))).await.unwrap();
         lane.lambda.settle(Duration::from_secs(10)).await;
