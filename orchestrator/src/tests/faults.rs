@@ -269,13 +269,27 @@ async fn a_throttled_lease_acquire_is_a_retryable_error_and_nothing_is_received(
     assert_eq!(f.store.calls(Method::Receive), 0);
 }
 
+/// The next run (a relay waiting on the lease) would wait for the lease to expire, 30 s,
+/// after one passing fault of the release: it is tried again, 20 ms later.
+#[tokio::test(start_paused = true)]
+async fn a_release_that_fails_once_is_tried_again_and_the_lease_given_up() {
+    let f = faulty_lane(&["1/s"]);
+    enqueue(&f.lane, jobs(2)).await;
+    f.store.fail_next(Method::ReleaseLease, 1, &transient());
+    f.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
+    assert_eq!(f.store.calls(Method::ReleaseLease), 2);
+    assert_eq!(f.lane.store.lease().await.unwrap(), None, "given up");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_lease_that_could_not_be_given_up_is_the_run_s_error_and_runs_out_on_its_own() {
     let f = faulty_lane(&["1/s"]);
     enqueue(&f.lane, jobs(2)).await;
-    f.store.fail_next(Method::ReleaseLease, 1, &transient());
+    // The release and its three tries again.
+    f.store.fail_next(Method::ReleaseLease, 4, &transient());
     let err = f.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap_err();
     assert!(err.is_retryable(), "{err}");
+    assert_eq!(f.store.calls(Method::ReleaseLease), 4);
     assert_eq!(offsets(&f.lane), seconds(2));
     let held = f.lane.store.lease().await.unwrap().expect("the lease is still held");
     let kept_out = f.orchestrator.run(&opts(true, Duration::from_secs(60))).await;
