@@ -28,7 +28,7 @@ pub fn moto_url() -> String {
 
 /// An SDK configuration for moto: fixed region, dummy credentials.
 pub async fn moto_sdk_config() -> aws_config::SdkConfig {
-    aws_config::defaults(aws_config::BehaviorVersion::latest())
+    paceline_shared::adapters::aws::sdk_config_loader()
         .endpoint_url(moto_url())
         .region(aws_config::Region::new("us-east-1"))
         .credentials_provider(aws_sdk_sqs::config::Credentials::new("test", "test", None, None, "paceline-tests"))

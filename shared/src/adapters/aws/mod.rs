@@ -146,16 +146,26 @@ impl AwsAdapters {
     }
 }
 
+/// The SDK configuration loader every SDK configuration starts from: its HTTPS client
+/// is rustls with ring, the TLS provider the worker's HTTP client uses too (one provider
+/// in every binary).
+#[must_use]
+pub fn sdk_config_loader() -> aws_config::ConfigLoader {
+    use aws_smithy_http_client::tls::{rustls_provider::CryptoMode, Provider};
+    let https = aws_smithy_http_client::Builder::new().tls_provider(Provider::Rustls(CryptoMode::Ring)).build_https();
+    aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(https)
+}
+
 /// The SDK configuration from the environment (region, credentials, and the standard
 /// `AWS_ENDPOINT_URL*` overrides).
 pub async fn load_sdk_config() -> aws_config::SdkConfig {
-    aws_config::load_defaults(aws_config::BehaviorVersion::latest()).await
+    sdk_config_loader().load().await
 }
 
 /// The SDK configuration for an operator's command: the environment's, with the
 /// profile, region and endpoint a config file or flags may set.
 pub async fn load_sdk_config_with(profile: Option<&str>, region: Option<&str>, endpoint_url: Option<&str>) -> aws_config::SdkConfig {
-    let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest());
+    let mut loader = sdk_config_loader();
     if let Some(profile) = profile {
         loader = loader.profile_name(profile);
     }
