@@ -89,6 +89,19 @@ impl LastRun {
         }
         Ok(Self::Clean(snapshot))
     }
+
+    /// The snapshot to start from, and whether to hold one window first (logging why).
+    #[must_use]
+    pub fn into_start(self) -> (Option<PacerSnapshot>, bool) {
+        match self {
+            Self::None => (None, false),
+            Self::Clean(snapshot) => (Some(snapshot), false),
+            Self::Unclean { snapshot, why } => {
+                warn!(%why, "the last run's snapshot is not trusted: holding dispatch for one window of the longest tier");
+                (snapshot, true)
+            }
+        }
+    }
 }
 
 /// How a relay's wait for the lease ended.

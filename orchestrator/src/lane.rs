@@ -421,20 +421,11 @@ impl<'a> LaneMachine<'a> {
     /// usage in the store.
     pub fn hydrate(&mut self, last_run: LastRun, calendar_used: &[u64], now: UnixMillis) {
         let quota = &*self.quota;
-        let (snapshot, unclean) = match last_run {
-            LastRun::None => {
-                if self.settings.circuit.warm_up {
-                    info!("the lane's first run: warming up from a share of the pace");
-                    self.ramp = Some(Ramp { started: now });
-                }
-                (None, false)
-            }
-            LastRun::Clean(snapshot) => (Some(snapshot), false),
-            LastRun::Unclean { snapshot, why } => {
-                warn!(%why, "holding dispatch for one window of the longest tier");
-                (snapshot, true)
-            }
-        };
+        if last_run == LastRun::None && self.settings.circuit.warm_up {
+            info!("the lane's first run: warming up from a share of the pace");
+            self.ramp = Some(Ramp { started: now });
+        }
+        let (snapshot, unclean) = last_run.into_start();
         if let Some(snapshot) = snapshot {
             if let Some(last) = &snapshot.effective_rate {
                 self.adaptive.resume(last);

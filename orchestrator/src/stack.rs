@@ -323,14 +323,7 @@ impl<'a> StackMachine<'a> {
     /// month tiers from their counts in the store (`calendar_used`, by tier).
     pub fn hydrate_shared(&mut self, last_run: LastRun, calendar_used: &[u64], now: UnixMillis) {
         let Some(many) = &mut self.many else { return };
-        let (snapshot, unclean) = match last_run {
-            LastRun::None => (None, false),
-            LastRun::Clean(snapshot) => (Some(snapshot), false),
-            LastRun::Unclean { snapshot, why } => {
-                warn!(%why, "holding the shared quota's dispatch for one window of its longest tier");
-                (snapshot, true)
-            }
-        };
+        let (snapshot, unclean) = last_run.into_start();
         if let Some(snapshot) = snapshot {
             many.pacer = PacerState::restored(many.shared, &snapshot.state);
         }

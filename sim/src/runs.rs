@@ -33,7 +33,7 @@ const EVENT_MAX_AGE: Duration = Duration::from_secs(60);
 /// What became of the orchestrator's executions.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct RunCounts {
-    /// Executions started, by kick or relay.
+    /// Executions that ran, by kick or relay.
     pub executions: u64,
     /// Runs that took the lease as a relay.
     pub relayed: u64,
@@ -67,7 +67,9 @@ pub struct OrchestratorRuns {
     stop: watch::Receiver<bool>,
     /// Executions running now (reserved concurrency counts them).
     running: AtomicU64,
-    /// Executions started, by any cause (names holders, keys latency draws).
+    /// Events Lambda took, by any cause (names holders, keys latency draws).
+    events: AtomicU64,
+    /// Executions that ran (an event throttled until it aged out never did).
     started: AtomicU64,
     relayed: AtomicU64,
     killed: AtomicU64,
@@ -85,6 +87,7 @@ impl OrchestratorRuns {
             timing,
             stop,
             running: AtomicU64::new(0),
+            events: AtomicU64::new(0),
             started: AtomicU64::new(0),
             relayed: AtomicU64::new(0),
             killed: AtomicU64::new(0),
@@ -153,7 +156,7 @@ impl OrchestratorRuns {
     /// reserved concurrency is in use, retried until the event is too old.
     async fn execute(&self, start: Start) {
         let received = self.world.clock.now();
-        let n = self.started.fetch_add(1, Ordering::Relaxed) + 1;
+        let n = self.events.fetch_add(1, Ordering::Relaxed) + 1;
         self.world.wait(Stream::AsyncStart, u64::MAX - n).await;
         let mut retry = THROTTLE_RETRY;
         while self.running.load(Ordering::Relaxed) >= ORCHESTRATOR_CONCURRENCY {
@@ -164,6 +167,7 @@ impl OrchestratorRuns {
             retry *= 2;
         }
         self.running.fetch_add(1, Ordering::Relaxed);
+        self.started.fetch_add(1, Ordering::Relaxed);
         let began = self.world.clock.now();
         self.run(start, n, began).await;
         self.world.ledger.orchestrator_ms.fetch_add(self.world.clock.now().since(began).as_millis() as u64, Ordering::Relaxed);
