@@ -33,6 +33,9 @@ cargo fmt --all --check
 echo "== clippy"
 cargo clippy --workspace --all-targets --all-features --quiet -- -D warnings
 
+echo "== rustdoc: every doc link resolves"
+RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps --workspace --all-features
+
 echo "== build: the paceline binary (the end-to-end tests run it) and the tests, in one go"
 cargo build --quiet --workspace --all-targets --all-features
 

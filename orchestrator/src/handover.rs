@@ -116,8 +116,8 @@ pub enum Release {
 }
 
 /// Waits, as `request`'s relay, until the lease is released or expires, looking every
-/// [`RELEASE_POLL`] from the announced release for [`CLOSE_WATCH`], then every
-/// [`SLOW_POLL`], until `give_up`. A read that fails for a passing fault is tried again.
+/// [`RELEASE_POLL`] from the announced release for 2 s, then every 250 ms, until
+/// `give_up`. A read that fails for a passing fault is tried again.
 ///
 /// # Errors
 /// A read that retrying will not mend.

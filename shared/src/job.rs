@@ -235,7 +235,7 @@ const CONNECTION_HEADERS: &[&str] =
 /// Headers that carry the lane's credentials: a job may not set them.
 const AUTH_HEADERS: &[&str] = &["authorization", "proxy-authorization"];
 
-/// Whether `name` belongs to the connection (see [`CONNECTION_HEADERS`]).
+/// Whether `name` belongs to the connection (see `CONNECTION_HEADERS`).
 #[must_use]
 pub fn is_connection_header(name: &str) -> bool {
     CONNECTION_HEADERS.contains(&name.to_ascii_lowercase().as_str())

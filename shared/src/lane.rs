@@ -1,6 +1,6 @@
 //! Lane ids: a lane is one quota's worth of work in a stack (a tenant calling with its
 //! own key, or one API). A job names its lane; a stack with one lane has only
-//! [`LaneId::DEFAULT`], as governor's unkeyed limiter is its keyed one with a unit key.
+//! [`LaneId::default_lane`], as governor's unkeyed limiter is its keyed one with a unit key.
 
 use std::fmt;
 

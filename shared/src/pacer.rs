@@ -9,7 +9,7 @@
 //!   than its limit even when jobs weigh more than one unit (GCRA alone lets a heavy job
 //!   overshoot a window by its extra weight).
 //!
-//! Which rules a tier gets ([`Rules`]): the shortest rolling tier and `smooth` tiers
+//! Which rules a tier gets (`Rules`): the shortest rolling tier and `smooth` tiers
 //! both (evenly spaced); other rolling tiers the window log alone, so a backlog spends a
 //! long tier's allowance at the shortest tier's pace, as a sliding-window provider
 //! allows; a `burst` tier GCRA alone with its tolerance (the provider is a bucket).

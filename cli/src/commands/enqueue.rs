@@ -52,7 +52,8 @@ fn check_for_lane(job: &Job, config: &Config, limits: &RequestLimits) -> Result<
 }
 
 /// The good jobs and the numbered complaints about the bad lines; with the lane's
-/// configuration, a job it forbids ([`check_for_lane`]) is a bad line too.
+/// configuration, a job it forbids (a request over its limits, a cost over a whole
+/// tier) is a bad line too.
 #[must_use]
 pub fn parse_lines(lines: impl Iterator<Item = std::io::Result<String>>, lane: Option<&Config>, into_lane: &LaneId) -> (Vec<Job>, Vec<String>) {
     let limits = lane.map(|config| config.api.request_limits());

@@ -7,7 +7,7 @@
 //! under a mutex: they take microseconds, and staying off `spawn_blocking` keeps paused
 //! tokio time deterministic in tests. But another process can hold SQLite's write lock
 //! for seconds (a DB browser, the `sqlite3` shell, a backup), and a call then waits for
-//! it: on a multi-threaded runtime each call runs in [`blocking`], so the wait never
+//! it: on a multi-threaded runtime each call runs in `blocking`, so the wait never
 //! holds up the async threads (where the workers' API calls and their timeouts run).
 
 use std::collections::BTreeMap;
@@ -39,8 +39,8 @@ pub use outcomes::{KeptOutcome, OutcomeQuery};
 
 /// The schema's version, kept in SQLite's `user_version`. 1: the first (unversioned,
 /// `user_version` 0 in its files); 2: outcome records; 3: call slots by scope (lane).
-/// [`SCHEMA`] creates what is missing, so opening a file of an older version migrates it
-/// (after [`BEFORE_SCHEMA_3`]); a newer version is refused.
+/// `SCHEMA` creates what is missing, so opening a file of an older version migrates it
+/// (after `BEFORE_SCHEMA_3`); a newer version is refused.
 pub const SCHEMA_VERSION: u32 = 3;
 
 /// Run on a file older than schema 3 before [`SCHEMA`]: its call slots table has no scope
@@ -1113,7 +1113,7 @@ impl StateStore for EmbeddedStore {
 
 /// Runs workers in this process. Each hand-off is first written to the database (like
 /// Lambda's async event queue), so a killed process loses nothing: on restart,
-/// [`EmbeddedStore::recover_invocations`] re-queues what had not finished.
+/// [`EmbeddedStore::recover_after_crash`] re-queues what had not finished.
 pub struct EmbeddedInvoker {
     store: Arc<EmbeddedStore>,
     handler: Arc<dyn WorkerHandler>,
