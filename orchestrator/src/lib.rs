@@ -540,9 +540,9 @@ impl Executor<'_> {
         }
         // The last hand-offs go now, not when their batch would have: the run ends on time.
         // Their slots are in the snapshot: the next run calls after them.
-        self.o.invoker.flush().await;
+        o.invoker.flush().await;
         while let Some(done) = self.background.join_next().await {
-            if let Err(e) = joined(done).and_then(|event| self.state.on_event(event, self.o.clock.now())) {
+            if let Err(e) = joined(done).and_then(|event| self.state.on_event(event, o.clock.now())) {
                 warn!(error = %e, "while settling the last background work");
             }
         }

@@ -19,7 +19,8 @@ use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 
 use crate::profile::{job_key, Sampler, Stream};
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+/// The guard of `m`, poisoned or not (a panicking task fails its own simulation).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 

@@ -14,17 +14,13 @@ use paceline_shared::time::{Clock, UnixMillis};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
-use crate::aws::{SimStore, World};
+use crate::aws::{lock, SimStore, World};
 use crate::profile::Stream;
 use crate::THROTTLE_RETRY;
 
 /// The orchestrator function's reserved concurrency in the template: a run and the
 /// relay waiting for its lease.
 pub const ORCHESTRATOR_CONCURRENCY: u64 = 2;
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 /// How long Lambda keeps retrying a throttled orchestrator event (the template's
 /// maximum event age).
