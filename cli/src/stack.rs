@@ -278,13 +278,7 @@ fn lane_workers(config: &Config, store: &Arc<EmbeddedStore>, clock: &Arc<dyn Clo
     let queue: Arc<dyn JobQueue> = store.clone();
     let build = move |lane: &LaneId| -> Result<Worker, String> {
         let settings = config.lanes.as_ref().expect("[lanes]").lane(lane);
-        let mut api = config.api.clone();
-        let own = settings.headers_for(lane, &format!("lanes.{lane}.headers"), &|name| std::env::var(name).ok()).map_err(|e| e.to_string())?;
-        api.headers.retain(|(name, _)| !own.iter().any(|(mine, _)| mine.eq_ignore_ascii_case(name)));
-        api.headers.extend(own);
-        if let Some(base_url) = &settings.base_url {
-            api.base_url = base_url.clone();
-        }
+        let api = settings.api_for(lane, &config.api, &|name| std::env::var(name).ok()).map_err(|e| e.to_string())?;
         let client = ApiClient::new(&api).map_err(|e| e.to_string())?.keeping_bodies(config.outcomes.body_cap());
         let scoped = Arc::new(store.scoped(&StoreScope::Lane(lane.clone())));
         let lane_store: Arc<dyn StateStore> = scoped;

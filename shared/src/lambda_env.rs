@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::config::{
     check_health_request, check_idempotency_header, check_max_in_flight, check_timeout, defaults, parse_base_url, parse_size, resolve_headers, ApiConfig,
-    CircuitConfig, HeaderSource, Invalid, OrchestratorConfig, RetryConfig, LAMBDA_DISPATCH_AHEAD, LAMBDA_WORKER_BATCH,
+    CircuitConfig, HeaderSource, Invalid, LanesConfig, OrchestratorConfig, RetryConfig, LAMBDA_DISPATCH_AHEAD, LAMBDA_WORKER_BATCH,
 };
 use crate::outcome::{OutcomeSettings, RecordOutcomes};
 use crate::quota::{Quota, Tier};
@@ -114,20 +114,32 @@ impl<'a> Env<'a> {
     }
 
     /// `PACELINE_TIERS` (comma-separated, e.g. `10/s,500/min`), `PACELINE_TIME_ZONE`,
-    /// `PACELINE_SAFETY_MARGIN`.
+    /// `PACELINE_SAFETY_MARGIN`. With `PACELINE_LANES` this is the quota the lanes share; empty, they share none
+    /// (lanes that are different APIs).
     ///
     /// # Errors
     /// Names the variable and the problem.
     pub fn quota(&self) -> Result<Quota, String> {
-        let tiers = self
-            .required("PACELINE_TIERS")?
-            .split(',')
-            .map(|t| Tier::from_str(t.trim()).map_err(|e| format!("PACELINE_TIERS: {e}")))
-            .collect::<Result<Vec<_>, _>>()?;
         let zone = self.parsed("PACELINE_TIME_ZONE", chrono_tz::UTC, |t| t.parse().map_err(|_| format!("unknown time zone `{t}`")))?;
         let margin = self.duration("PACELINE_SAFETY_MARGIN", defaults::safety_margin())?;
+        if self.optional("PACELINE_TIERS").is_none() && self.optional("PACELINE_LANES").is_some() {
+            return Ok(Quota::unlimited(zone, margin).with_max_in_flight(self.max_in_flight()?));
+        }
+        let text = self.required("PACELINE_TIERS")?;
+        let tiers = text.split(',').map(|t| Tier::from_str(t.trim()).map_err(|e| format!("PACELINE_TIERS: {e}"))).collect::<Result<Vec<_>, _>>()?;
         let quota = Quota::new(tiers, zone, margin).map_err(|e| format!("PACELINE_TIERS: {e}"))?;
         Ok(quota.with_max_in_flight(self.max_in_flight()?))
+    }
+
+    /// `PACELINE_LANES`: the stack's lanes under `shared`, written as the body of a
+    /// config file's `[lanes]` table (`tiers = ["5/s"]`, then `[acme]` with a lane's
+    /// own settings); unset or blank, the stack is one lane, `default`. More lanes'
+    /// settings than a variable holds are kept in the table (`paceline lanes set`).
+    ///
+    /// # Errors
+    /// Names the variable and the setting.
+    pub fn lanes(&self, shared: &Quota) -> Result<Option<LanesConfig>, String> {
+        self.optional("PACELINE_LANES").map(|text| LanesConfig::parse_text(&text, shared).map_err(|problem| format!("PACELINE_LANES: {problem}"))).transpose()
     }
 
     /// `PACELINE_MAX_IN_FLIGHT` (unset or 0: no cap).
@@ -288,6 +300,28 @@ mod tests {
         assert_eq!(api.headers.len(), 1);
         assert!(!format!("{api:?}").contains("t0k"));
         assert_eq!(env.outcomes().unwrap(), OutcomeSettings::default());
+    }
+
+    #[test]
+    fn lanes_come_from_paceline_lanes_under_the_shared_tiers_or_none() {
+        let lanes = "tiers = [\"2/s\"]\n[acme]\ntiers = [\"5/s\"]\nweight = 3\n";
+        let get = env_of(&[("PACELINE_TIERS", "20/s"), ("PACELINE_LANES", lanes)]);
+        let env = Env::new(&get);
+        let shared = env.quota().unwrap();
+        let config = env.lanes(&shared).unwrap().expect("lanes");
+        let acme = config.lane(&crate::lane::LaneId::parse("acme").unwrap());
+        assert_eq!((acme.quota.tiers()[0].to_string(), acme.weight), ("5/s".to_owned(), 3.0));
+        assert_eq!(config.defaults.quota.tiers()[0].to_string(), "2/s");
+        // Lanes that share nothing: no shared tiers.
+        let apart = env_of(&[("PACELINE_TIERS", ""), ("PACELINE_LANES", lanes)]);
+        assert!(Env::new(&apart).quota().unwrap().tiers().is_empty());
+        // No lanes: one lane, and its tiers are required.
+        let one = env_of(&[("PACELINE_TIERS", "20/s")]);
+        assert!(Env::new(&one).lanes(&shared).unwrap().is_none());
+        assert!(Env::new(&env_of(&[("PACELINE_TIERS", "")])).quota().unwrap_err().starts_with("PACELINE_TIERS"));
+        let bad = env_of(&[("PACELINE_TIERS", "20/s"), ("PACELINE_LANES", "[acme]\nweight = 0\n")]);
+        let problem = Env::new(&bad).lanes(&shared).unwrap_err();
+        assert!(problem.starts_with("PACELINE_LANES: lanes.acme.weight: 0 is not a weight"), "{problem}");
     }
 
     #[test]

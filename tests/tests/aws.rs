@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use aws_sdk_dynamodb::types::AttributeValue;
 use lambda_runtime::{Context, LambdaEvent};
 use paceline_cli::fake_api::{FakeApi, FakeApiSpec};
 use paceline_e2e::aws::{create_lane, lane_env, moto_sdk_config, FakeLambda};
@@ -15,6 +16,7 @@ use paceline_shared::adapters::memory::RecordingWorker;
 use paceline_shared::check::peak_in_any_window;
 use paceline_shared::dlq::DlqSource;
 use paceline_shared::job::WorkerPayload;
+use paceline_shared::keys::StoreScope;
 use paceline_shared::lambda_env::Env;
 use paceline_shared::outcome::{from_destination, Ending, OutcomeRecord};
 use paceline_shared::ports::{call_record_key, CallClaim, DeadLetterQueues, PortError};
@@ -495,6 +497,20 @@ async fn dynamodb_on_moto_keeps_the_state_store_contract() {
         .unwrap()
         .unwrap();
     contract::state_store(Arc::new(lane.store()), &quota).await;
+    let acme = StoreScope::Lane(paceline_shared::lane::LaneId::parse("acme").unwrap());
+    let fresh = self::lane("5/s").await;
+    contract::state_store(Arc::new(fresh.store().scoped(&acme)), &quota).await;
+}
+
+#[tokio::test]
+async fn each_lane_s_items_in_dynamodb_are_its_own() {
+    let lane = lane("5/s").await;
+    let store = lane.store();
+    let scoped = |scope: &StoreScope| -> Arc<dyn StateStore> { Arc::new(store.scoped(scope)) };
+    contract::lanes_apart(&scoped, system_now()).await;
+    // A lane's item keys carry the lane: 1,000 lanes are 1,000 partition keys.
+    let item = aws_sdk_dynamodb::Client::new(&lane.sdk).get_item().table_name(&lane.names.table).key("pk", AttributeValue::S("lane#acme#circuit".into()));
+    assert!(item.send().await.unwrap().item().is_some(), "acme's circuit is under its lane's key");
 }
 
 #[tokio::test]

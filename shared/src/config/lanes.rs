@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use secrecy::SecretString;
 use serde::Deserialize;
 
-use super::{resolve_headers, ConfigProblem, HeaderSource};
+use super::{resolve_headers, ApiConfig, ConfigProblem, HeaderSource};
 use crate::lane::{LaneId, RESERVED};
 use crate::quota::{Quota, Tier};
 
@@ -52,6 +52,22 @@ impl LaneSettings {
     pub fn headers_for(&self, lane: &LaneId, key: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Vec<(String, SecretString)>, ConfigProblem> {
         let sources = self.headers.iter().map(|(name, source)| (name.clone(), source.for_lane(lane))).collect();
         resolve_headers(sources, key, env)
+    }
+
+    /// The API as lane `lane` calls it: `api` with this lane's headers over its own
+    /// (same name: the lane's) and this lane's base URL, if it has one.
+    ///
+    /// # Errors
+    /// A [`ConfigProblem`] naming the header whose variable `env` does not have.
+    pub fn api_for(&self, lane: &LaneId, api: &ApiConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<ApiConfig, ConfigProblem> {
+        let mut api = api.clone();
+        let own = self.headers_for(lane, &format!("lanes.{lane}.headers"), env)?;
+        api.headers.retain(|(name, _)| !own.iter().any(|(mine, _)| mine.eq_ignore_ascii_case(name)));
+        api.headers.extend(own);
+        if let Some(base_url) = &self.base_url {
+            api.base_url = base_url.clone();
+        }
+        Ok(api)
     }
 
     /// Whether any header of this lane depends on the lane's id.
@@ -102,9 +118,37 @@ impl LanesConfig {
         Ok(settings)
     }
 
+    /// Parses `[lanes]` given as TOML text, the table's body (`PACELINE_LANES` on
+    /// Lambda: `tiers = ["5/s"]` and `[acme]` tables, not `[lanes]` itself); `shared`
+    /// is the stack's quota. Keys are not read: on Lambda a lane's come from Secrets
+    /// Manager when its first job does.
+    ///
+    /// # Errors
+    /// A [`ConfigProblem`] naming the setting.
+    pub fn parse_text(text: &str, shared: &Quota) -> Result<Self, ConfigProblem> {
+        let table: toml::Table = text.parse().map_err(|e: toml::de::Error| ConfigProblem::at("lanes", e.message()))?;
+        Self::parse(table, shared)
+    }
+
+    /// Checks that every lane whose keys do not depend on its id (the named lanes, and
+    /// the defaults when they name no `{lane}`) finds them in `env`: a missing one is a
+    /// config error, found before any job.
+    ///
+    /// # Errors
+    /// A [`ConfigProblem`] naming the header whose environment variable is not set.
+    pub fn check_keys(&self, env: &dyn Fn(&str) -> Option<String>) -> Result<(), ConfigProblem> {
+        for (lane, settings) in &self.named {
+            settings.headers_for(lane, &format!("lanes.{lane}.headers"), env)?;
+        }
+        if !self.defaults.headers_name_the_lane() {
+            self.defaults.headers_for(&LaneId::default_lane(), "lanes.headers", env)?;
+        }
+        Ok(())
+    }
+
     /// Parses the `[lanes]` table; `shared` is the stack's `[quota]`, whose tiers a lane
     /// without tiers of its own takes.
-    pub(crate) fn parse(table: toml::Table, shared: &Quota, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, ConfigProblem> {
+    pub(crate) fn parse(table: toml::Table, shared: &Quota) -> Result<Self, ConfigProblem> {
         let mut defaults = RawLane::default();
         let mut on_429 = CoolDownScope::default();
         let mut overrides = Vec::new();
@@ -130,12 +174,7 @@ impl LanesConfig {
         let mut named = BTreeMap::new();
         for (lane, raw) in overrides {
             let settings = raw.over(&defaults).settings(&format!("lanes.{lane}"), shared)?;
-            // A named lane's keys are checked now: a missing one is a config error.
-            settings.headers_for(&lane, &format!("lanes.{lane}.headers"), env)?;
             named.insert(lane, settings);
-        }
-        if !defaults_settings.headers_name_the_lane() {
-            defaults_settings.headers_for(&LaneId::default_lane(), "lanes.headers", env)?;
         }
         Ok(Self { defaults: defaults_settings, named, on_429 })
     }
@@ -363,8 +402,9 @@ mod tests {
         }
         let daily = Config::parse(&(STACK.replace("[\"20/s\"]", "[\"20/s\", \"1000/day\"]") + "[lanes]\n"), Path::new("/stack"), &env).unwrap();
         assert_eq!(daily.quota.tiers().len(), 2, "a shared day tier is reserved in the store as a lane's is");
-        let aws = "[backend]\nkind = \"aws\"\nqueue_url = \"q\"\ndlq_url = \"d\"\ntable = \"t\"\nworker_function = \"w\"\n[lanes]\n";
-        let problem = parse(aws).unwrap_err();
-        assert!(problem.contains("embedded backend"), "{problem}");
+        // On AWS a lane's key is a secret the worker reads, not this machine's variable.
+        let aws = "[backend]\nkind = \"aws\"\nqueue_url = \"q\"\ndlq_url = \"d\"\ntable = \"t\"\nworker_function = \"w\"\n\
+                   [lanes.gold]\nheaders = { Authorization = { env = \"KEY_{lane}x\" } }\n";
+        assert!(parse(aws).unwrap().lanes.is_some_and(|lanes| lanes.named.contains_key(&lane("gold"))));
     }
 }

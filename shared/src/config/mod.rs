@@ -835,9 +835,10 @@ impl Config {
             RawBackend::Embedded { path } => Backend::Embedded { path: base_dir.join(path) },
             RawBackend::Aws(aws) => Backend::Aws(aws),
         };
-        let lanes = raw.lanes.map(|table| LanesConfig::parse(table, &quota, env)).transpose()?;
-        if lanes.is_some() && matches!(backend, Backend::Aws(_)) {
-            return Err(ConfigProblem::at("lanes", "runs on the embedded backend for now: on AWS a stack paces one lane (leave [lanes] out)"));
+        let lanes = raw.lanes.map(|table| LanesConfig::parse(table, &quota)).transpose()?;
+        // On AWS the workers read the lanes' keys from Secrets Manager, not this machine.
+        if let (Some(lanes), Backend::Embedded { .. }) = (&lanes, &backend) {
+            lanes.check_keys(env)?;
         }
         Ok(Self {
             api: ApiConfig { base_url: raw.api.base_url, timeout: raw.api.timeout, headers, health_check, max_body: raw.api.max_body, idempotency_header },

@@ -12,6 +12,8 @@ use crate::adaptive::ProviderReading;
 use crate::breaker::Circuit;
 use crate::dlq::DlqSource;
 use crate::job::{DeadLetterCause, DeadLetterReason, WorkerPayload};
+use crate::keys::StoreScope;
+use crate::lane::LaneId;
 use crate::pacer::PacerState;
 use crate::ports::{
     BatchClaim, BatchProgress, CallClaim, DeadLetterQueues, Invoker, JobQueue, LaneSignals, OutgoingMessage, PacerSnapshot, PortError, StateStore,
@@ -301,4 +303,41 @@ where
     invoker.invoke(&health, None).await.expect("a health check is handed off");
     let ran = settle().await;
     assert_eq!(ran, vec![health], "an accepted payload reaches the worker once, as sent");
+}
+
+/// Lanes keep apart: each lane's circuit, cool-down, counters, call records, call
+/// slots and operator's change are its own, and the stack lists the lanes an operator
+/// changed. `scoped` gives a fresh store's view of one scope; `now` is its clock's.
+///
+/// # Panics
+/// On the first rule the adapter breaks, naming it.
+pub async fn lanes_apart(scoped: &dyn Fn(&StoreScope) -> Arc<dyn StateStore>, now: UnixMillis) {
+    use crate::config::LaneChange;
+    let lane = |id: &str| scoped(&StoreScope::Lane(LaneId::parse(id).unwrap()));
+    let (default, acme, acme_b, gold) = (lane("default"), lane("acme"), lane("acme_b"), lane("gold:eu"));
+    let later = now.plus(Duration::from_secs(30));
+    let open = Circuit::default().open(0, "HTTP 503", now).unwrap();
+    acme.swap_circuit(0, &open).await.unwrap();
+    acme.extend_cool_down(now.plus(Duration::from_secs(5))).await.unwrap();
+    acme.add_usage(&[("failures#1000#1".to_owned(), 3)]).await.unwrap();
+    assert_eq!(acme.claim_call("call#j1#1", "w1", now, later).await.unwrap(), CallClaim::Taken);
+    assert_eq!(acme.take_call_slot(1, "w1", now, later).await.unwrap(), Some(0));
+    for other in [&default, &acme_b] {
+        assert!(other.circuit().await.unwrap().is_closed(), "another lane sees acme's circuit");
+        assert_eq!(other.shared_state().await.unwrap().cool_down, UnixMillis(0), "another lane sees acme's cool-down");
+        assert_eq!(other.load_usage(&["failures#1000#1".to_owned()]).await.unwrap(), vec![0], "another lane sees acme's counters");
+        assert_eq!(other.claim_call("call#j1#1", "w2", now, later).await.unwrap(), CallClaim::Taken, "a call record of its own");
+        assert_eq!(other.take_call_slot(1, "w2", now, later).await.unwrap(), Some(0), "a call slot of its own");
+    }
+    assert_eq!(acme.call_slots_in_use(1, now).await.unwrap(), 1);
+    assert!(!acme.shared_state().await.unwrap().circuit.is_closed(), "acme's own circuit, read with its signals");
+
+    let change = LaneChange { weight: Some(3.0), tiers: Some(vec!["2/s".parse().unwrap()]), max_in_flight: None };
+    gold.set_lane_change(Some(&change)).await.unwrap();
+    assert_eq!(gold.lane_change().await.unwrap(), Some(change));
+    assert_eq!(acme.lane_change().await.unwrap(), None, "gold's change is gold's alone");
+    let listed: Vec<String> = scoped(&StoreScope::Stack).lanes_with_state().await.unwrap().iter().map(ToString::to_string).collect();
+    assert!(listed.contains(&"gold:eu".to_owned()), "a changed lane is listed: {listed:?}");
+    gold.set_lane_change(None).await.unwrap();
+    assert_eq!(gold.lane_change().await.unwrap(), None, "forgotten: the config's settings again");
 }

@@ -1,8 +1,11 @@
-//! Lane state in one DynamoDB table keyed by `pk` (string): the lease with its fencing
-//! epoch, quota usage counters (atomic `ADD`), the pacer snapshot (written only while the
-//! lease's epoch is unchanged, in a transaction), the circuit (epoch-conditioned), the
-//! cool-down (only ever extended) and the provider's latest rate-limit reading (only
-//! ever replaced by a later one).
+//! A stack's state in one DynamoDB table keyed by `pk` (string): the lease with its
+//! fencing epoch, quota usage counters (atomic `ADD`), the pacer snapshot (written only
+//! while the lease's epoch is unchanged, in a transaction), the circuit
+//! (epoch-conditioned), the cool-down (only ever extended), the provider's latest
+//! rate-limit reading (only ever replaced by a later one) and an operator's change of a
+//! lane's settings. Each lane's items are its own, their keys prefixed by the lane
+//! ([`StoreScope`]), so 1,000 lanes spread over the table's partitions; the lease is the
+//! stack's.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -14,6 +17,9 @@ use aws_sdk_dynamodb::Client;
 use super::{build_error, map_sdk_error};
 use crate::adaptive::ProviderReading;
 use crate::breaker::{Circuit, FAILURE_BUCKET_PREFIX, FAILURE_BUCKET_TTL};
+use crate::config::LaneChange;
+use crate::keys::{StoreScope, LANE_CHANGE};
+use crate::lane::LaneId;
 use crate::ports::{slot_probe_start, BatchClaim, BatchProgress, CallClaim, LaneSignals, Lease, PacerSnapshot, PortError, PortResult, StateStore};
 use crate::time::UnixMillis;
 
@@ -24,12 +30,17 @@ const COOL_DOWN: &str = "cool_down";
 const PROVIDER_READING: &str = "provider_reading";
 /// Call slot items are this prefix and their index (see `take_call_slot`).
 const CALL_SLOT: &str = "call_slot#";
+/// The stack's item listing the lanes an operator changed (a string set `lanes`), so
+/// `lanes_with_state` needs no scan of the table.
+const CHANGED_LANES: &str = "stack#changed_lanes";
 
-/// The state store on DynamoDB.
+/// The state store on DynamoDB: one scope's state (the default lane's unless
+/// [`DynamoStateStore::scoped`]).
 #[derive(Clone, Debug)]
 pub struct DynamoStateStore {
     client: Client,
     table: String,
+    scope: StoreScope,
 }
 
 type Item = HashMap<String, AttributeValue>;
@@ -80,14 +91,28 @@ fn lease_of(item: &Item) -> Lease {
 impl DynamoStateStore {
     #[must_use]
     pub fn new(client: Client, table: impl Into<String>) -> Self {
-        Self { client, table: table.into() }
+        Self { client, table: table.into(), scope: StoreScope::default_lane() }
     }
 
-    /// The items of these keys that exist, read consistently, 100 keys a request.
-    async fn batch_get(&self, pks: &[String], what: &str) -> PortResult<Vec<Item>> {
+    /// The same table, reading and writing `scope`'s state (a lane's pacer, circuit,
+    /// cool-down, counters, call records and slots, settings; or the stack's); the
+    /// lease is shared.
+    #[must_use]
+    pub fn scoped(&self, scope: &StoreScope) -> Self {
+        Self { scope: scope.clone(), ..self.clone() }
+    }
+
+    /// The item key of `name` in this store's scope.
+    fn pk(&self, name: &str) -> AttributeValue {
+        s(self.scope.key(name))
+    }
+
+    /// The items of these names (in this scope) that exist, read consistently, 100 a
+    /// request.
+    async fn batch_get(&self, names: &[String], what: &str) -> PortResult<Vec<Item>> {
         let mut found = Vec::new();
-        for batch in pks.chunks(100) {
-            let keys: Vec<Item> = batch.iter().map(|pk| HashMap::from([("pk".to_owned(), s(pk))])).collect();
+        for batch in names.chunks(100) {
+            let keys: Vec<Item> = batch.iter().map(|name| HashMap::from([("pk".to_owned(), self.pk(name))])).collect();
             let wanted = KeysAndAttributes::builder().set_keys(Some(keys)).consistent_read(true).build().map_err(build_error)?;
             let out = self
                 .client
@@ -116,7 +141,7 @@ impl DynamoStateStore {
         self.client
             .update_item()
             .table_name(&self.table)
-            .key("pk", s(key))
+            .key("pk", self.pk(key))
             .update_expression("SET #state = :calling, holder = :h, expires_at = :x, expires_at_seconds = :xs")
             .condition_expression("attribute_not_exists(#state) OR (#state = :calling AND expires_at <= :now)")
             .expression_attribute_names("#state", "state")
@@ -127,12 +152,17 @@ impl DynamoStateStore {
             .expression_attribute_values(":now", n(now.0))
     }
 
-    async fn get(&self, pk: &str) -> PortResult<Option<Item>> {
+    /// The item of `name` in this scope.
+    async fn get(&self, name: &str) -> PortResult<Option<Item>> {
+        self.get_item(self.pk(name)).await
+    }
+
+    async fn get_item(&self, pk: AttributeValue) -> PortResult<Option<Item>> {
         let out = self
             .client
             .get_item()
             .table_name(&self.table)
-            .key("pk", s(pk))
+            .key("pk", pk)
             .consistent_read(true)
             .send()
             .await
@@ -162,7 +192,7 @@ impl StateStore for DynamoStateStore {
             Ok(out) => Ok(lease_of(&out.attributes().cloned().unwrap_or_default())),
             Err(e) => match map_sdk_error("dynamodb UpdateItem (lease)", &e) {
                 PortError::Conflict(_) => {
-                    let current = self.get(LEASE).await?.map(|i| lease_of(&i));
+                    let current = self.get_item(s(LEASE)).await?.map(|i| lease_of(&i));
                     let who = current.map_or_else(|| "someone".to_owned(), |l| format!("{} until {}", l.holder, l.expires_at));
                     Err(PortError::Conflict(format!("lease held by {who}")))
                 }
@@ -209,7 +239,7 @@ impl StateStore for DynamoStateStore {
     }
 
     async fn lease(&self) -> PortResult<Option<Lease>> {
-        Ok(self.get(LEASE).await?.map(|i| lease_of(&i)).filter(|l| !l.holder.is_empty()))
+        Ok(self.get_item(s(LEASE)).await?.map(|i| lease_of(&i)).filter(|l| !l.holder.is_empty()))
     }
 
     async fn load_usage(&self, keys: &[String]) -> PortResult<Vec<u64>> {
@@ -222,7 +252,7 @@ impl StateStore for DynamoStateStore {
 
     async fn add_usage(&self, deltas: &[(String, i64)]) -> PortResult<()> {
         for (key, delta) in deltas {
-            let update = self.client.update_item().table_name(&self.table).key("pk", s(key)).expression_attribute_values(":d", n(delta));
+            let update = self.client.update_item().table_name(&self.table).key("pk", self.pk(key)).expression_attribute_values(":d", n(delta));
             // The breaker's failure buckets matter for seconds: the table's TTL removes
             // them a day later. Calendar counters stay.
             let update = if key.starts_with(FAILURE_BUCKET_PREFIX) {
@@ -251,7 +281,7 @@ impl StateStore for DynamoStateStore {
             .expression_attribute_values(":h", s(&lease.holder))
             .build()
             .map_err(build_error)?;
-        let put = Put::builder().table_name(&self.table).item("pk", s(PACER)).item("snapshot", s(json)).build().map_err(build_error)?;
+        let put = Put::builder().table_name(&self.table).item("pk", self.pk(PACER)).item("snapshot", s(json)).build().map_err(build_error)?;
         self.client
             .transact_write_items()
             .transact_items(TransactWriteItem::builder().condition_check(check).build())
@@ -274,7 +304,7 @@ impl StateStore for DynamoStateStore {
                 .client
                 .update_item()
                 .table_name(&self.table)
-                .key("pk", s(format!("{CALL_SLOT}{index}")))
+                .key("pk", self.pk(&format!("{CALL_SLOT}{index}")))
                 .update_expression("SET holder = :h, expires_at = :e")
                 .condition_expression("attribute_not_exists(holder) OR expires_at <= :now")
                 .expression_attribute_values(":h", s(holder))
@@ -296,7 +326,7 @@ impl StateStore for DynamoStateStore {
             .client
             .update_item()
             .table_name(&self.table)
-            .key("pk", s(format!("{CALL_SLOT}{index}")))
+            .key("pk", self.pk(&format!("{CALL_SLOT}{index}")))
             .update_expression("REMOVE holder SET expires_at = :zero")
             .condition_expression("holder = :h")
             .expression_attribute_values(":h", s(holder))
@@ -328,7 +358,7 @@ impl StateStore for DynamoStateStore {
         self.client
             .update_item()
             .table_name(&self.table)
-            .key("pk", s(key))
+            .key("pk", self.pk(key))
             .update_expression("SET #state = :done, expires_at = :x, expires_at_seconds = :xs REMOVE holder")
             .expression_attribute_names("#state", "state")
             .expression_attribute_values(":done", s("done"))
@@ -357,7 +387,7 @@ impl StateStore for DynamoStateStore {
         self.client
             .update_item()
             .table_name(&self.table)
-            .key("pk", s(key))
+            .key("pk", self.pk(key))
             .update_expression("SET #state = :state, settled = :settled, expires_at = :x, expires_at_seconds = :xs")
             .condition_expression("holder = :h")
             .expression_attribute_names("#state", "state")
@@ -377,7 +407,7 @@ impl StateStore for DynamoStateStore {
             .client
             .delete_item()
             .table_name(&self.table)
-            .key("pk", s(key))
+            .key("pk", self.pk(key))
             .condition_expression("#state = :calling AND holder = :h")
             .expression_attribute_names("#state", "state")
             .expression_attribute_values(":calling", s("calling"))
@@ -392,7 +422,13 @@ impl StateStore for DynamoStateStore {
     }
 
     async fn forget_call(&self, key: &str) -> PortResult<()> {
-        self.client.delete_item().table_name(&self.table).key("pk", s(key)).send().await.map_err(|e| map_sdk_error("dynamodb DeleteItem (call record)", &e))?;
+        self.client
+            .delete_item()
+            .table_name(&self.table)
+            .key("pk", self.pk(key))
+            .send()
+            .await
+            .map_err(|e| map_sdk_error("dynamodb DeleteItem (call record)", &e))?;
         Ok(())
     }
 
@@ -406,7 +442,10 @@ impl StateStore for DynamoStateStore {
     async fn shared_state(&self) -> PortResult<LaneSignals> {
         let keys = [CIRCUIT.to_owned(), COOL_DOWN.to_owned(), PROVIDER_READING.to_owned()];
         let items = self.batch_get(&keys, "circuit, cool-down, provider reading").await?;
-        let item = |pk: &str| items.iter().find(|item| item.get("pk").and_then(|v| v.as_s().ok()).is_some_and(|v| v == pk));
+        let item = |name: &str| {
+            let pk = self.scope.key(name);
+            items.iter().find(|item| item.get("pk").and_then(|v| v.as_s().ok()).is_some_and(|v| *v == pk))
+        };
         let circuit = item(CIRCUIT).map_or_else(|| Ok(Circuit::default()), circuit_of)?;
         Ok(LaneSignals {
             circuit,
@@ -426,7 +465,7 @@ impl StateStore for DynamoStateStore {
             .client
             .update_item()
             .table_name(&self.table)
-            .key("pk", s(PROVIDER_READING))
+            .key("pk", self.pk(PROVIDER_READING))
             .update_expression(format!("SET quota_limit = :l, remaining = :r, resets_at = :z, #at = :at{set} {window}"))
             .condition_expression("attribute_not_exists(#at) OR #at < :at")
             .expression_attribute_names("#at", "at")
@@ -449,7 +488,7 @@ impl StateStore for DynamoStateStore {
         self.client
             .put_item()
             .table_name(&self.table)
-            .item("pk", s(CIRCUIT))
+            .item("pk", self.pk(CIRCUIT))
             .item("status", s(next.status.to_string()))
             .item("epoch", n(next.epoch))
             .item("since", n(next.since.0))
@@ -473,7 +512,7 @@ impl StateStore for DynamoStateStore {
             .client
             .update_item()
             .table_name(&self.table)
-            .key("pk", s(COOL_DOWN))
+            .key("pk", self.pk(COOL_DOWN))
             .update_expression("SET #until = :u")
             .condition_expression("attribute_not_exists(#until) OR #until < :u")
             .expression_attribute_names("#until", "until")
@@ -492,11 +531,49 @@ impl StateStore for DynamoStateStore {
             self.client
                 .delete_item()
                 .table_name(&self.table)
-                .key("pk", s(key))
+                .key("pk", self.pk(key))
                 .send()
                 .await
                 .map_err(|e| map_sdk_error(&format!("dynamodb DeleteItem ({key})"), &e))?;
         }
         Ok(())
+    }
+    async fn lane_change(&self) -> PortResult<Option<LaneChange>> {
+        let Some(item) = self.get(LANE_CHANGE).await? else { return Ok(None) };
+        serde_json::from_str(get_s(&item, "change")).map(Some).map_err(|e| PortError::Unreadable(format!("stored settings of {}: {e}", self.scope)))
+    }
+
+    async fn set_lane_change(&self, change: Option<&LaneChange>) -> PortResult<()> {
+        let StoreScope::Lane(lane) = &self.scope else {
+            return Err(PortError::Fatal("lane settings are a lane's: this store holds the stack's state".into()));
+        };
+        let what = "dynamodb UpdateItem (lane settings)";
+        let listed = self.client.update_item().table_name(&self.table).key("pk", s(CHANGED_LANES));
+        match change {
+            Some(change) => {
+                let json = serde_json::to_string(change).map_err(|e| PortError::Fatal(e.to_string()))?;
+                let put = self.client.put_item().table_name(&self.table).item("pk", self.pk(LANE_CHANGE)).item("change", s(json));
+                put.send().await.map_err(|e| map_sdk_error("dynamodb PutItem (lane settings)", &e))?;
+                let listed = listed.update_expression("ADD lanes :lane").expression_attribute_values(":lane", AttributeValue::Ss(vec![lane.to_string()]));
+                listed.send().await.map_err(|e| map_sdk_error(what, &e))?;
+            }
+            None => {
+                let forget = self.client.delete_item().table_name(&self.table).key("pk", self.pk(LANE_CHANGE));
+                forget.send().await.map_err(|e| map_sdk_error("dynamodb DeleteItem (lane settings)", &e))?;
+                let listed = listed.update_expression("DELETE lanes :lane").expression_attribute_values(":lane", AttributeValue::Ss(vec![lane.to_string()]));
+                listed.send().await.map_err(|e| map_sdk_error(what, &e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The lanes an operator changed (their settings are items of their own): a scan of
+    /// every lane's items would read the whole table, call records and all.
+    async fn lanes_with_state(&self) -> PortResult<Vec<LaneId>> {
+        let Some(item) = self.get_item(s(CHANGED_LANES)).await? else { return Ok(Vec::new()) };
+        let listed = item.get("lanes").and_then(|v| v.as_ss().ok()).cloned().unwrap_or_default();
+        let mut lanes: Vec<LaneId> = listed.iter().filter_map(|id| LaneId::parse(id).ok()).filter(|lane| !lane.is_default()).collect();
+        lanes.sort();
+        Ok(lanes)
     }
 }
