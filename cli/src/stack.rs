@@ -11,13 +11,12 @@ use indicatif::{ProgressBar, ProgressStyle};
 use paceline_orchestrator::{Orchestrator, RunOptions, RunReport, Settings};
 use paceline_shared::adapters::embedded::{canonical_db_path, lock_exclusive, EmbeddedInvoker, EmbeddedStore};
 use paceline_shared::breaker::Circuit;
-use paceline_shared::config::{Backend, Config, CoolDownScope, WorkerHost};
-use paceline_shared::keys::StoreScope;
+use paceline_shared::config::{Backend, Config, WorkerHost};
 use paceline_shared::lane::LaneId;
 use paceline_shared::pacer::MissedSlots;
-use paceline_shared::ports::{Invoker, JobQueue, StateStore, WorkerHandler};
+use paceline_shared::ports::{Invoker, JobQueue, WorkerHandler};
 use paceline_shared::time::{Clock, SystemClock, UnixMillis};
-use paceline_worker::lanes::LaneWorkers;
+use paceline_worker::lanes::{LaneStack, LaneWorkerBuild, LaneWorkers};
 use paceline_worker::{Api, ApiClient, CallRecords, CallSlots, Worker, WorkerStats};
 
 /// Reads the config file, with secrets from the process environment.
@@ -271,29 +270,27 @@ fn embedded_worker(
 }
 
 /// The workers of a stack of many lanes: each lane's calls its API (`[api]`, or the
-/// lane's `base_url`) with the `[api]` headers and its own (`{lane}` filled in), keeps
-/// its state in its scope of `store`, and holds its own call slots.
+/// lane's `base_url`) with the `[api]` headers and its own (`{lane}` filled in, keys
+/// from this process's environment), keeps its state in its scope of `store`, and holds
+/// its own call slots.
 fn lane_workers(config: &Config, store: &Arc<EmbeddedStore>, clock: &Arc<dyn Clock>, stats: &Arc<WorkerStats>, missed: &Arc<MissedSlots>) -> LaneWorkers {
-    let (config, store, clock, stats, missed) = (config.clone(), store.clone(), clock.clone(), stats.clone(), missed.clone());
-    let queue: Arc<dyn JobQueue> = store.clone();
-    let build = move |lane: &LaneId| -> Result<Worker, String> {
-        let settings = config.lanes.as_ref().expect("[lanes]").lane(lane);
-        let api = settings.api_for(lane, &config.api, &|name| std::env::var(name).ok()).map_err(|e| e.to_string())?;
-        let client = ApiClient::new(&api).map_err(|e| e.to_string())?.keeping_bodies(config.outcomes.body_cap());
-        let scoped = Arc::new(store.scoped(&StoreScope::Lane(lane.clone())));
-        let lane_store: Arc<dyn StateStore> = scoped;
-        let worker = Worker::new(Arc::new(client), store.clone(), lane_store, clock.clone(), config.retry, config.api.health_check.clone());
-        let worker = match config.lanes.as_ref().map(|lanes| lanes.on_429) {
-            Some(CoolDownScope::Stack) => worker.with_stack_cool_down(Arc::new(store.scoped(&StoreScope::Stack))),
-            _ => worker,
-        };
-        Ok(worker
-            .with_stats(stats.clone())
-            .with_call_slots(CallSlots::for_api(settings.quota.max_in_flight(), config.api.timeout))
-            .with_api_timeout(config.api.timeout)
-            .with_call_records(CallRecords::AheadOfSlot)
-            .with_outcomes(config.outcomes.clone(), Some(store.clone()))
-            .with_missed_slots(missed.clone()))
+    let stack = LaneStack {
+        lanes: config.lanes.clone().expect("[lanes]"),
+        api: config.api.clone(),
+        body_cap: config.outcomes.body_cap(),
+        retry: config.retry,
+        queue: store.clone(),
+        stores: store.clone(),
+        clock: clock.clone(),
+        stats: stats.clone(),
+    };
+    let queue = stack.queue.clone();
+    let (outcomes, store, missed) = (config.outcomes.clone(), store.clone(), missed.clone());
+    let build = move |lane: LaneId| -> LaneWorkerBuild {
+        let worker = stack.worker(&lane, &|name| std::env::var(name).ok()).map(|worker| {
+            worker.with_call_records(CallRecords::AheadOfSlot).with_outcomes(outcomes.clone(), Some(store.clone())).with_missed_slots(missed.clone())
+        });
+        Box::pin(std::future::ready(worker))
     };
     LaneWorkers::new(Box::new(build), queue)
 }

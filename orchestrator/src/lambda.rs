@@ -60,7 +60,9 @@ impl OrchestratorFunction {
 /// The first missing or invalid variable, named.
 pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Option<&str>) -> Result<OrchestratorFunction, String> {
     let names = AwsNames::from_env(env, true)?;
-    let settings = Settings { quota: env.quota()?, orchestrator: env.orchestrator()?, circuit: env.circuit()?, workers: WorkerHost::Lambda, lanes: None };
+    let quota = env.quota()?;
+    let lanes = env.lanes(&quota)?;
+    let settings = Settings { quota, orchestrator: env.orchestrator()?, circuit: env.circuit()?, workers: WorkerHost::Lambda, lanes };
     let aws = AwsAdapters::new(sdk, &names, lambda_endpoint);
     let relay = relay_function(env)?.map(|name| LambdaRelay { invoker: aws.invoker.for_function(name) });
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
@@ -69,7 +71,8 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
     } else {
         Arc::new(aws.invoker)
     };
-    let mut orchestrator = Orchestrator::new(Arc::new(aws.queue), Arc::new(aws.store), invoker, clock, settings);
+    let store = Arc::new(aws.store);
+    let mut orchestrator = Orchestrator::new(Arc::new(aws.queue), store.clone(), invoker, clock, settings).with_scoped_stores(store);
     if let Some(relay) = relay {
         orchestrator = orchestrator.with_relay(Arc::new(relay));
     }

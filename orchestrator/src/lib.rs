@@ -38,14 +38,13 @@ mod timers;
 use std::sync::Arc;
 use std::time::Duration;
 
-use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::config::CoolDownScope;
 use paceline_shared::job::{DeadLetterReason, Job, JobId};
 use paceline_shared::keys::StoreScope;
 use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, OutcomeTimes};
 use paceline_shared::pacer::MissedSlots;
 use paceline_shared::ports::{
-    load_calendar_usage, Invoker, JobQueue, OutcomeSink, PacerSnapshot, PortError, PortResult, QueuedMessage, StateStore, CALL_SLOTS_FULL_KEY,
+    load_calendar_usage, Invoker, JobQueue, OutcomeSink, PacerSnapshot, PortError, PortResult, QueuedMessage, ScopedStores, StateStore, CALL_SLOTS_FULL_KEY,
 };
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, UnixMillis};
@@ -114,18 +113,6 @@ pub struct Orchestrator {
     scoped_stores: Option<Arc<dyn ScopedStores>>,
     /// Starts the next run before this one stops (on Lambda, the function itself).
     relay: Option<Arc<dyn Relay>>,
-}
-
-/// A state store for each scope (a lane's state, the stack's), all in one backend.
-pub trait ScopedStores: Send + Sync {
-    fn scoped(&self, scope: &StoreScope) -> Arc<dyn StateStore>;
-}
-
-/// The embedded store keeps every scope's state in its one database.
-impl ScopedStores for EmbeddedStore {
-    fn scoped(&self, scope: &StoreScope) -> Arc<dyn StateStore> {
-        Arc::new(EmbeddedStore::scoped(self, scope))
-    }
 }
 
 impl Orchestrator {
@@ -242,7 +229,7 @@ impl Orchestrator {
     #[tracing::instrument(skip_all, fields(holder = %opts.holder))]
     pub async fn run(&self, opts: &RunOptions) -> Result<RunReport, RunError> {
         if self.settings.lanes.is_some() && self.scoped_stores.is_none() {
-            return Err(RunError::Port(PortError::Fatal("[lanes] needs a state store that keeps lanes apart (the embedded one)".into())));
+            return Err(RunError::Port(PortError::Fatal("[lanes] needs a state store that keeps lanes apart (the embedded one, DynamoDB)".into())));
         }
         let started = self.clock.now();
         let lease = match self.store.acquire_lease(&opts.holder, self.settings.orchestrator.lease_ttl, started).await {

@@ -8,6 +8,7 @@
 //! The rules every adapter keeps are on each trait and its methods below; the suites in
 //! `testing::contract` check them against every adapter (the AWS ones on moto).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -18,6 +19,7 @@ use crate::breaker::Circuit;
 use crate::config::LaneChange;
 use crate::dlq::{DeadLetterRecord, DlqSource};
 use crate::job::{DeadLetterReason, WorkerPayload};
+use crate::keys::StoreScope;
 use crate::lane::LaneId;
 use crate::outcome::OutcomeRecord;
 use crate::pacer::PacerState;
@@ -601,6 +603,12 @@ pub trait StateStore: Send + Sync {
     async fn lanes_with_state(&self) -> PortResult<Vec<LaneId>> {
         Ok(Vec::new())
     }
+}
+
+/// A state store for each scope (a lane's state, the stack's), all in one backend: a
+/// stack of many lanes needs one.
+pub trait ScopedStores: Send + Sync {
+    fn scoped(&self, scope: &StoreScope) -> Arc<dyn StateStore>;
 }
 
 /// Forgets the call records of attempts 0 to `up_to` of job `job_id`, before a redrive

@@ -1,49 +1,132 @@
 //! A stack of many lanes hands every job to one handler, which finds the job's lane its
 //! own worker: its API client (the lane's headers, its base URL), its state in the store
 //! (circuit, cool-down, call records and slots), its cap on calls in flight. Each lane's
-//! worker is built the first time a payload of the lane comes, and kept. A lane whose
-//! worker cannot be built (its key's environment variable is not set) has its jobs
-//! dead-lettered with reason `credentials`, never called without the key, and no other
-//! lane is touched.
+//! worker is built the first time a payload of the lane comes, and kept (on Lambda, for
+//! a while: its keys are read again from Secrets Manager after it). A lane whose worker
+//! cannot be built (its key cannot be read) has its jobs dead-lettered with reason
+//! `credentials`, never called without the key, and no other lane is touched.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use async_trait::async_trait;
+use futures_util::future::BoxFuture;
+use paceline_shared::config::{ApiConfig, CoolDownScope, LanesConfig, RetryConfig};
 use paceline_shared::job::{DeadLetterCause, DeadLetterReason, WorkerPayload};
+use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
 use paceline_shared::outcome::OutcomeRecord;
-use paceline_shared::ports::{JobQueue, PortResult, WorkerHandler};
+use paceline_shared::ports::{JobQueue, PortResult, ScopedStores, WorkerHandler};
+use paceline_shared::time::{Clock, UnixMillis};
 use tracing::warn;
 
-use crate::Worker;
+use crate::{ApiClient, CallSlots, Worker, WorkerStats};
 
-/// Builds lane `id`'s worker, or says why it cannot (never with a secret in it).
-pub type BuildLaneWorker = dyn Fn(&LaneId) -> Result<Worker, String> + Send + Sync;
+/// A lane's worker being built: the worker, or why it cannot be (never with a secret in it).
+pub type LaneWorkerBuild = BoxFuture<'static, Result<Worker, String>>;
+
+/// Builds lane `id`'s worker.
+pub type BuildLaneWorker = dyn Fn(LaneId) -> LaneWorkerBuild + Send + Sync;
+
+/// How soon a lane whose worker could not be built is tried again (its jobs meanwhile
+/// are dead-lettered as `credentials`): a secret created after the first job is found
+/// within this, and a lane without one costs Secrets Manager a read this often at most.
+pub const RETRY_FAILED_BUILD: Duration = Duration::from_secs(30);
+
+/// What every lane's worker of a stack is built from: the lanes' settings, the stack's
+/// API, its queue and stores, the retry rules and one count of what all lanes did.
+#[derive(Clone)]
+pub struct LaneStack {
+    pub lanes: LanesConfig,
+    /// The stack's `[api]`: a lane's headers and base URL go over it.
+    pub api: ApiConfig,
+    /// The most of an answer's body an outcome record keeps.
+    pub body_cap: usize,
+    pub retry: RetryConfig,
+    pub queue: Arc<dyn JobQueue>,
+    pub stores: Arc<dyn ScopedStores>,
+    pub clock: Arc<dyn Clock>,
+    pub stats: Arc<WorkerStats>,
+}
+
+impl LaneStack {
+    /// Lane `lane`'s worker, its keys read from `env`: its API, its state in its own
+    /// scope, its cap on calls in flight, and with `on_429 = "stack"` a 429 cooling every
+    /// lane down.
+    ///
+    /// # Errors
+    /// The header whose key `env` does not hold, or an API client that cannot be built.
+    pub fn worker(&self, lane: &LaneId, env: &dyn Fn(&str) -> Option<String>) -> Result<Worker, String> {
+        let settings = self.lanes.lane(lane);
+        let api = settings.api_for(lane, &self.api, env).map_err(|e| e.to_string())?;
+        let client = ApiClient::new(&api).map_err(|e| e.to_string())?.keeping_bodies(self.body_cap);
+        let store = self.stores.scoped(&StoreScope::Lane(lane.clone()));
+        let worker = Worker::new(Arc::new(client), self.queue.clone(), store, self.clock.clone(), self.retry, api.health_check.clone());
+        let worker = match self.lanes.on_429 {
+            CoolDownScope::Stack => worker.with_stack_cool_down(self.stores.scoped(&StoreScope::Stack)),
+            CoolDownScope::Lane => worker,
+        };
+        Ok(worker.with_stats(self.stats.clone()).with_call_slots(CallSlots::for_api(settings.quota.max_in_flight(), api.timeout)).with_api_timeout(api.timeout))
+    }
+}
+
+/// A lane's worker as last built: the worker or why there is none, and when.
+struct Built {
+    worker: Result<Arc<Worker>, String>,
+    at: UnixMillis,
+}
 
 /// Each lane's worker, built on first use.
 pub struct LaneWorkers {
     build: Box<BuildLaneWorker>,
-    workers: Mutex<HashMap<LaneId, Arc<Worker>>>,
+    workers: Mutex<HashMap<LaneId, Built>>,
     /// Where a job whose lane has no worker goes, with its reason.
     queue: Arc<dyn JobQueue>,
+    /// How long a built worker is kept, by this clock (`None`: for good).
+    keep_for: Option<(Duration, Arc<dyn Clock>)>,
 }
 
 impl LaneWorkers {
     #[must_use]
     pub fn new(build: Box<BuildLaneWorker>, queue: Arc<dyn JobQueue>) -> Self {
-        Self { build, workers: Mutex::new(HashMap::new()), queue }
+        Self { build, workers: Mutex::new(HashMap::new()), queue, keep_for: None }
     }
 
-    /// Lane `lane`'s worker, built now if this is its first payload.
-    fn worker(&self, lane: &LaneId) -> Result<Arc<Worker>, String> {
-        let mut workers = self.workers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(worker) = workers.get(lane) {
-            return Ok(worker.clone());
+    /// The same, building a lane's worker again once it is `keep_for` old (its keys read
+    /// anew); a lane whose build failed is tried again after [`RETRY_FAILED_BUILD`] (or
+    /// `keep_for`, if shorter).
+    #[must_use]
+    pub fn rebuilt_after(self, keep_for: Duration, clock: Arc<dyn Clock>) -> Self {
+        Self { keep_for: Some((keep_for, clock)), ..self }
+    }
+
+    /// Lane `lane`'s worker, built now if this is its first payload or the last build
+    /// is too old.
+    async fn worker(&self, lane: &LaneId) -> Result<Arc<Worker>, String> {
+        let now = self.keep_for.as_ref().map(|(_, clock)| clock.now());
+        {
+            let workers = self.workers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some(built) = workers.get(lane).filter(|built| self.still_good(built, now)) {
+                return built.worker.clone();
+            }
         }
-        let worker = Arc::new((self.build)(lane)?);
-        workers.insert(lane.clone(), worker.clone());
-        Ok(worker)
+        // Two payloads of a new lane at once may both build it: the later one is kept.
+        let worker = (self.build)(lane.clone()).await.map(Arc::new);
+        let mut workers = self.workers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        workers.insert(lane.clone(), Built { worker: worker.clone(), at: now.unwrap_or_default() });
+        worker
+    }
+
+    /// Whether `built` serves at `now`: a worker within its keep, a failure within
+    /// [`RETRY_FAILED_BUILD`]; without a keep, a worker for good and a failure never.
+    fn still_good(&self, built: &Built, now: Option<UnixMillis>) -> bool {
+        match (&self.keep_for, now, &built.worker) {
+            (None, _, worker) => worker.is_ok(),
+            (Some((keep_for, _)), Some(now), Ok(_)) => now.since(built.at) < *keep_for,
+            (Some((keep_for, _)), Some(now), Err(_)) => now.since(built.at) < RETRY_FAILED_BUILD.min(*keep_for),
+            (Some(_), None, _) => false,
+        }
     }
 }
 
@@ -78,7 +161,7 @@ impl LaneWorkers {
     /// `lane`'s worker, or dead-letters its jobs with reason `credentials` when the lane
     /// has none.
     async fn on_lane(&self, lane: &LaneId, payload: WorkerPayload) -> PortResult<Option<OutcomeRecord>> {
-        let why = match self.worker(lane) {
+        let why = match self.worker(lane).await {
             Ok(worker) => return worker.handle(payload).await,
             Err(why) => why,
         };

@@ -637,11 +637,13 @@ async fn a_batch_for_many_lanes_goes_to_each_lane_s_worker_and_a_lane_without_it
     let health_check = worker.health_check.clone();
     let build = {
         let (api, store, clock) = (api.clone(), store.clone(), clock.clone());
-        move |lane: &paceline_shared::lane::LaneId| -> Result<Worker, String> {
-            if lane.as_str() == "nokey" {
-                return Err("API_KEY_NOKEY is not set".into());
-            }
-            Ok(Worker::new(api.clone(), store.clone(), store.clone(), clock.clone(), RetryConfig::default(), health_check.clone()))
+        move |lane: paceline_shared::lane::LaneId| -> crate::lanes::LaneWorkerBuild {
+            let built = if lane.as_str() == "nokey" {
+                Err("API_KEY_NOKEY is not set".into())
+            } else {
+                Ok(Worker::new(api.clone(), store.clone(), store.clone(), clock.clone(), RetryConfig::default(), health_check.clone()))
+            };
+            Box::pin(std::future::ready(built))
         }
     };
     let lanes = crate::lanes::LaneWorkers::new(Box::new(build), store.clone());
@@ -663,4 +665,48 @@ async fn a_batch_for_many_lanes_goes_to_each_lane_s_worker_and_a_lane_without_it
     let mut dead: Vec<(String, DeadLetterCause)> = store.dead_letters().unwrap().into_iter().map(|d| (d.message_id, d.reason.cause)).collect();
     dead.sort_by(|a, b| a.0.cmp(&b.0));
     assert_eq!(dead, vec![("bad".to_string(), DeadLetterCause::Malformed), ("locked".to_string(), DeadLetterCause::Credentials)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lane_s_worker_is_built_again_when_its_keep_ends_and_a_lane_without_its_key_is_tried_again_after_a_while() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let (worker, store) = new_worker("http://127.0.0.1:9/v1");
+    let clock = worker.clock.clone();
+    let api = Arc::new(InstantApi::new(clock.clone()));
+    let health_check = worker.health_check.clone();
+    let builds: Arc<Mutex<Vec<String>>> = Arc::default();
+    let secret_exists = Arc::new(AtomicU32::new(0));
+    let build = {
+        let (api, store, clock, builds, secret_exists) = (api.clone(), store.clone(), clock.clone(), builds.clone(), secret_exists.clone());
+        move |lane: paceline_shared::lane::LaneId| -> crate::lanes::LaneWorkerBuild {
+            builds.lock().unwrap().push(lane.to_string());
+            let built = if lane.as_str() == "late" && secret_exists.load(Ordering::SeqCst) == 0 {
+                Err("cannot read secret KEY_late (keys/late): ResourceNotFoundException".into())
+            } else {
+                Ok(Worker::new(api.clone(), store.clone(), store.clone(), clock.clone(), RetryConfig::default(), health_check.clone()))
+            };
+            Box::pin(std::future::ready(built))
+        }
+    };
+    let lanes = crate::lanes::LaneWorkers::new(Box::new(build), store.clone()).rebuilt_after(Duration::from_secs(300), clock.clone());
+    let in_lane = |id: &str, lane: &str| {
+        let job = Job::parse(&format!(r#"{{"id":"{id}","lane":"{lane}","request":{{"method":"GET","path":"/items/{id}"}}}}"#)).unwrap();
+        WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None, report_limits: false }
+    };
+    let t0 = clock.now();
+    for (i, at) in [0_u64, 10, 299, 301].into_iter().enumerate() {
+        tokio::time::advance(t0.plus(Duration::from_secs(at)).since(clock.now())).await;
+        lanes.handle(in_lane(&format!("acme-{i}"), "acme")).await.unwrap();
+        lanes.handle(in_lane(&format!("late-{i}"), "late")).await.unwrap();
+        if at == 10 {
+            secret_exists.store(1, Ordering::SeqCst);
+        }
+    }
+    let built = builds.lock().unwrap().clone();
+    // acme: at 0 s, and again at 301 s (kept 300 s). late: failing at 0 s, tried again
+    // at 299 s (30 s on) and found, kept from then.
+    assert_eq!(built, ["acme", "late", "late", "acme"], "{built:?}");
+    let dead: Vec<String> = store.dead_letters().unwrap().into_iter().map(|d| d.message_id).collect();
+    assert_eq!(dead, ["late-0", "late-1"], "within 30 s of the failed read its jobs are dead-lettered without another");
+    assert_eq!(api.calls().len(), 6, "every other job called");
 }

@@ -28,7 +28,7 @@ use crate::keys::{StoreScope, LANE_CHANGE};
 use crate::lane::LaneId;
 use crate::ports::{
     redrive_messages, BatchClaim, BatchProgress, CallClaim, DeadLetter, DeadLetterQueues, Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError,
-    PortResult, QueueDepth, QueuedMessage, StateStore, WorkerHandler,
+    PortResult, QueueDepth, QueuedMessage, ScopedStores, StateStore, WorkerHandler,
 };
 use crate::retry;
 use crate::time::{Clock, UnixMillis};
@@ -1108,6 +1108,13 @@ impl StateStore for EmbeddedStore {
                 .map_err(sql_err)?;
             Ok(ids.iter().filter_map(|id| LaneId::parse(id).ok()).collect())
         })
+    }
+}
+
+/// The embedded store keeps every scope's state in its one database.
+impl ScopedStores for EmbeddedStore {
+    fn scoped(&self, scope: &StoreScope) -> Arc<dyn StateStore> {
+        Arc::new(EmbeddedStore::scoped(self, scope))
     }
 }
 

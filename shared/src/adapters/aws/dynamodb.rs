@@ -20,7 +20,9 @@ use crate::breaker::{Circuit, FAILURE_BUCKET_PREFIX, FAILURE_BUCKET_TTL};
 use crate::config::LaneChange;
 use crate::keys::{StoreScope, LANE_CHANGE};
 use crate::lane::LaneId;
-use crate::ports::{slot_probe_start, BatchClaim, BatchProgress, CallClaim, LaneSignals, Lease, PacerSnapshot, PortError, PortResult, StateStore};
+use crate::ports::{
+    slot_probe_start, BatchClaim, BatchProgress, CallClaim, LaneSignals, Lease, PacerSnapshot, PortError, PortResult, ScopedStores, StateStore,
+};
 use crate::time::UnixMillis;
 
 const LEASE: &str = "lease";
@@ -168,6 +170,13 @@ impl DynamoStateStore {
             .await
             .map_err(|e| map_sdk_error("dynamodb GetItem", &e))?;
         Ok(out.item().cloned())
+    }
+}
+
+/// The stack's table keeps every scope's state, each lane's items under keys of its own.
+impl ScopedStores for DynamoStateStore {
+    fn scoped(&self, scope: &StoreScope) -> std::sync::Arc<dyn StateStore> {
+        std::sync::Arc::new(DynamoStateStore::scoped(self, scope))
     }
 }
 
