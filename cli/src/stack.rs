@@ -343,7 +343,7 @@ mod tests {
     use paceline_shared::adapters::embedded::OutcomeQuery;
     use paceline_shared::job::WorkerPayload;
     use paceline_shared::outcome::{OutcomeRecord, StatusFilter};
-    use paceline_shared::ports::{OutgoingMessage, PortResult};
+    use paceline_shared::ports::{OutgoingMessage, PortResult, StateStore};
     use paceline_shared::time::TokioClock;
     use paceline_worker::testing::InstantApi;
 

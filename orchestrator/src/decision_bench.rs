@@ -110,7 +110,7 @@ pub fn drain(
         let QueuedJob { lane, cost, after } = job;
         let body = format!(r#"{{"id":"j{seq}","lane":"{lane}","cost":{cost},"request":{{"method":"GET","path":"/items/{seq}"}}}}"#);
         let at = started.plus(*after);
-        let message = QueuedMessage { message_id: format!("m{seq}"), receipt: format!("q{seq}"), body, attempt: 0, enqueued_at: at };
+        let message = QueuedMessage { message_id: format!("m{seq}"), receipt: format!("q{seq}"), body, attempt: 0, enqueued_at: at, group: None };
         queue.by_receipt.insert(message.receipt.clone(), (at, seq as u64));
         queue.by_time.insert((at, seq as u64), message);
     }

@@ -319,7 +319,7 @@ mod tests {
     use super::*;
 
     fn queued(id: &str) -> QueuedMessage {
-        QueuedMessage { message_id: id.into(), receipt: format!("r-{id}"), body: String::new(), attempt: 0, enqueued_at: UnixMillis(0) }
+        QueuedMessage { message_id: id.into(), receipt: format!("r-{id}"), body: String::new(), attempt: 0, enqueued_at: UnixMillis(0), group: None }
     }
 
     /// A lane at 10/s keeping 20 jobs: a job it had not seen goes behind the 50 still

@@ -817,12 +817,18 @@ impl<'a> StackMachine<'a> {
     /// come back when the lane will have used what it holds.
     fn route_received(&mut self, received: Vec<QueuedMessage>, now: UnixMillis) {
         let mut by_lane: Vec<(usize, Vec<QueuedMessage>)> = Vec::new();
+        let mut misgrouped = 0_usize;
         for message in received {
-            let index = self.lane_for(LaneId::named_in(&message.body), now);
+            let lane = LaneId::named_in(&message.body);
+            misgrouped += usize::from(message.group.as_deref().is_some_and(|group| group != lane.as_str()));
+            let index = self.lane_for(lane, now);
             match by_lane.iter_mut().find(|(lane, _)| *lane == index) {
                 Some((_, messages)) => messages.push(message),
                 None => by_lane.push((index, vec![message])),
             }
+        }
+        if misgrouped > 0 {
+            warn!(messages = misgrouped, "a message's group is not the lane its job names: the job's lane is used (producers set MessageGroupId = lane)");
         }
         let horizon = self.receive_horizon(now);
         let many = self.many.as_mut().expect("many lanes");

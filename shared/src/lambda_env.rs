@@ -109,7 +109,11 @@ impl<'a> Env<'a> {
         format!("PACELINE_{prefix}{}: {}", e.field.to_ascii_uppercase(), e.problem)
     }
 
-    fn duration(&self, name: &str, default: Duration) -> Result<Duration, String> {
+    /// Variable `name` as a duration (`5m`, `30s`, `250ms`), `default` when unset.
+    ///
+    /// # Errors
+    /// Names the variable and the problem.
+    pub fn duration(&self, name: &str, default: Duration) -> Result<Duration, String> {
         self.parsed(name, default, crate::time::parse_setting_duration)
     }
 

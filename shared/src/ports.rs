@@ -74,6 +74,9 @@ pub struct QueuedMessage {
     pub attempt: u32,
     /// When this message was put on the queue (a re-queue's is the re-queue's).
     pub enqueued_at: UnixMillis,
+    /// The message group the queue keeps it in (SQS's MessageGroupId: the lane its
+    /// producer named), if the queue has groups. The body's lane is the truth.
+    pub group: Option<String>,
 }
 
 /// A message to put on the queue.

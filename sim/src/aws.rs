@@ -187,6 +187,7 @@ impl SimQueue {
                 body: message.body.clone(),
                 attempt: message.attempt,
                 enqueued_at: message.sent_at,
+                group: None,
             });
             state.hidden.insert(receipt, (message, now.plus(visibility)));
         }

@@ -314,23 +314,32 @@ async fn the_orchestrator_lambda_runs_a_scheduled_kick_until_its_deadline() {
 
 #[tokio::test]
 async fn the_worker_reads_its_api_token_from_secrets_manager_and_a_missing_one_fails_the_cold_start() {
+    use paceline_worker::lambda::ApiSecrets;
     use secrecy::ExposeSecret;
     let sdk = moto_sdk_config().await;
-    let name = format!("paceline-token-{}", uuid::Uuid::new_v4().simple());
-    let created = aws_sdk_secretsmanager::Client::new(&sdk).create_secret().name(&name).secret_string("t0ken\n").send().await.unwrap();
+    let secrets = aws_sdk_secretsmanager::Client::new(&sdk);
+    let prefix = format!("paceline-{}", uuid::Uuid::new_v4().simple());
+    let created = secrets.create_secret().name(format!("{prefix}/token")).secret_string("t0ken\n").send().await.unwrap();
     let arn = created.arn().unwrap().to_owned();
+    secrets.create_secret().name(format!("{prefix}/keys/acme")).secret_string("k-acme").send().await.unwrap();
 
-    let wanted = format!(r#"{{"API_TOKEN": "{arn}"}}"#);
+    // A name with {lane} is each lane's own: not read at cold start.
+    let wanted = format!(r#"{{"API_TOKEN": "{arn}", "KEY_{{lane}}": "{prefix}/keys/{{lane}}"}}"#);
     let get = |k: &str| (k == "PACELINE_API_SECRETS").then(|| wanted.clone());
-    let secrets = paceline_worker::lambda::fetch_secrets(&Env::new(&get), &sdk).await.unwrap();
-    assert_eq!(secrets["API_TOKEN"].expose_secret(), "t0ken");
+    let read = ApiSecrets::fetch(&Env::new(&get), &sdk).await.unwrap();
+    assert_eq!(read.value("API_TOKEN").map(ExposeSecret::expose_secret), Some("t0ken"));
+    assert!(read.value("KEY_acme").is_none() && read.value("KEY_{lane}").is_none());
+    let acme = read.for_lane(&"acme".parse().unwrap()).await.unwrap();
+    assert_eq!(acme["KEY_acme"].expose_secret(), "k-acme");
+    let missing = read.for_lane(&"nokey".parse().unwrap()).await.unwrap_err();
+    assert!(missing.starts_with(&format!("cannot read secret KEY_nokey ({prefix}/keys/nokey)")), "{missing}");
 
     let missing = r#"{"API_TOKEN": "arn:aws:secretsmanager:us-east-1:123456789012:secret:nope"}"#.to_owned();
     let get = |k: &str| (k == "PACELINE_API_SECRETS").then(|| missing.clone());
-    let error = paceline_worker::lambda::fetch_secrets(&Env::new(&get), &sdk).await.unwrap_err();
+    let Err(error) = ApiSecrets::fetch(&Env::new(&get), &sdk).await else { panic!("a missing secret fails the cold start") };
     assert!(error.contains("API_TOKEN") && error.contains("secret:nope"), "{error}");
     let none = |_: &str| None;
-    assert!(paceline_worker::lambda::fetch_secrets(&Env::new(&none), &sdk).await.unwrap().is_empty());
+    assert!(ApiSecrets::fetch(&Env::new(&none), &sdk).await.unwrap().value("API_TOKEN").is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -500,6 +509,30 @@ async fn dynamodb_on_moto_keeps_the_state_store_contract() {
     let acme = StoreScope::Lane(paceline_shared::lane::LaneId::parse("acme").unwrap());
     let fresh = self::lane("5/s").await;
     contract::state_store(Arc::new(fresh.store().scoped(&acme)), &quota).await;
+}
+
+#[tokio::test]
+async fn each_job_goes_in_its_lane_s_message_group_and_comes_back_with_it() {
+    let lane = lane("5/s").await;
+    let bodies = [
+        r#"{"id":"a","lane":"acme","request":{"method":"GET","path":"/a"}}"#,
+        r#"{"id":"b","request":{"method":"GET","path":"/b"}}"#,
+        r#"{"id":"c","lane":"no lane","request":{"method":"GET","path":"/c"}}"#,
+    ];
+    lane.enqueue(bodies.iter().map(|body| (*body).to_owned()).collect()).await;
+    let mut groups = BTreeMap::new();
+    for _ in 0..5 {
+        for message in lane.queue().receive(10, Duration::ZERO, Duration::from_secs(30)).await.unwrap() {
+            let id = serde_json::from_str::<serde_json::Value>(&message.body).unwrap()["id"].as_str().unwrap().to_owned();
+            groups.insert(id, message.group);
+        }
+    }
+    let group = |id: &str| groups.get(id).cloned().flatten();
+    assert_eq!(
+        (group("a").as_deref(), group("b").as_deref(), group("c").as_deref()),
+        (Some("acme"), Some("default"), Some("default")),
+        "a job naming no lane, or a bad one (dead-lettered when it is read), is the default lane's: {groups:?}"
+    );
 }
 
 #[tokio::test]

@@ -12,9 +12,9 @@ async fn main() -> Result<(), lambda_runtime::Error> {
     lambda_runtime::tracing::init_default_subscriber();
     let sdk = paceline_shared::adapters::aws::load_sdk_config().await;
     let from_process = |name: &str| std::env::var(name).ok();
-    let secrets = cold_start(lambda::fetch_secrets(&Env::new(&from_process), &sdk).await).await?;
-    let get = |name: &str| secrets.get(name).map(|s| s.expose_secret().to_owned()).or_else(|| std::env::var(name).ok());
-    let worker = cold_start(lambda::from_env(&Env::new(&get), &sdk)).await?;
-    let lane = Env::new(&get).stack_name();
-    lambda_runtime::run(service_fn(|event: LambdaEvent<serde_json::Value>| lambda::handle(event, &worker, &lane))).await
+    let secrets = cold_start(lambda::ApiSecrets::fetch(&Env::new(&from_process), &sdk).await).await?;
+    let get = |name: &str| secrets.value(name).map(|s| s.expose_secret().to_owned()).or_else(|| std::env::var(name).ok());
+    let function = cold_start(lambda::function_from_env(&Env::new(&get), &sdk, secrets.clone())).await?;
+    let stack = Env::new(&get).stack_name();
+    lambda_runtime::run(service_fn(|event: LambdaEvent<serde_json::Value>| lambda::handle(event, &function, &stack))).await
 }

@@ -407,7 +407,14 @@ impl EmbeddedStore {
                     let (seq, message_id, body, attempt, enqueued_at) = row.map_err(sql_err)?;
                     let receipt = uuid::Uuid::new_v4().to_string();
                     update.execute(params![to_i64(now.plus(visibility).0), receipt, seq]).map_err(sql_err)?;
-                    received.push(QueuedMessage { message_id, receipt, body, attempt, enqueued_at: UnixMillis(u64::try_from(enqueued_at).unwrap_or(0)) });
+                    received.push(QueuedMessage {
+                        message_id,
+                        receipt,
+                        body,
+                        attempt,
+                        enqueued_at: UnixMillis(u64::try_from(enqueued_at).unwrap_or(0)),
+                        group: None,
+                    });
                 }
             }
             tx.commit().map_err(sql_err)?;

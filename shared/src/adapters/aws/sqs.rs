@@ -3,7 +3,8 @@
 //! A job's attempt count travels as the `attempt` message attribute (SQS resets its
 //! receive count for a re-queued message). Dead letters carry their reason as
 //! attributes (`cause`, `detail`, `reason` as JSON) so operators can group them.
-//! FIFO queues (`.fifo`) get a message group and a deduplication id. The worker's own
+//! Every job goes in its lane's message group (a standard queue with groups is an SQS
+//! fair queue); FIFO queues (`.fifo`) get a deduplication id too. The worker's own
 //! DLQ (Lambda's async on-failure destination) is read for operators, never written.
 
 use std::collections::HashMap;
@@ -19,6 +20,7 @@ use aws_sdk_sqs::Client;
 use super::{build_error, map_sdk_error};
 use crate::dlq::{jobs_record, worker_records, DeadLetterRecord, DlqSource};
 use crate::job::DeadLetterReason;
+use crate::lane::LaneId;
 use crate::outcome::OutcomeRecord;
 use crate::ports::{DeadLetterQueues, JobQueue, OutgoingMessage, PortError, PortResult, QueueDepth, QueuedMessage};
 use crate::time::{system_now, UnixMillis};
@@ -92,6 +94,7 @@ impl SqsQueue {
             .visibility_timeout(i32::try_from(visibility.as_secs().max(1)).unwrap_or(i32::MAX))
             .message_attribute_names(attributes)
             .message_system_attribute_names(MessageSystemAttributeName::SentTimestamp)
+            .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId)
             .send()
             .await
             .map_err(|e| map_sdk_error("sqs ReceiveMessage", &e))?;
@@ -178,6 +181,7 @@ impl JobQueue for SqsQueue {
                 body: m.body().unwrap_or_default().to_owned(),
                 attempt: m.message_attributes().and_then(|a| a.get("attempt")).and_then(|v| v.string_value()).and_then(|v| v.parse().ok()).unwrap_or(0),
                 enqueued_at: sent_timestamp(m),
+                group: m.attributes().and_then(|a| a.get(&MessageSystemAttributeName::MessageGroupId)).cloned(),
             })
             .collect())
     }
@@ -199,9 +203,13 @@ impl JobQueue for SqsQueue {
             for (i, m) in batch.iter().enumerate() {
                 let mut entry =
                     SendMessageBatchRequestEntry::builder().id(i.to_string()).message_body(&m.body).message_attributes("attempt", number(m.attempt)?);
+                // The job's lane is its message group: a standard queue is then a fair
+                // queue (SQS favours the quiet lanes' messages when one lane's backlog
+                // is most of what is in flight); a FIFO queue keeps each lane in order.
+                entry = entry.message_group_id(LaneId::named_in(&m.body).as_str());
                 if fifo {
                     let dedup_id = m.dedup_id.as_deref().map_or_else(|| uuid::Uuid::new_v4().to_string(), fifo_dedup_id);
-                    entry = entry.message_group_id("paceline").message_deduplication_id(dedup_id);
+                    entry = entry.message_deduplication_id(dedup_id);
                 } else {
                     entry = entry.delay_seconds(i32::try_from(m.delay.as_secs().min(MAX_DELAY_SECONDS)).unwrap_or(0));
                 }
