@@ -12,6 +12,7 @@ checked as the translated template declares it.
 Usage: deploy_to_moto.py TEMPLATE MOTO_URL
 """
 
+import ast
 import io
 import json
 import os
@@ -41,6 +42,10 @@ def check(condition, what):
     print(f"  ok  {what}")
 
 
+# Two lanes' defaults and one named lane, as the Lanes parameter takes them.
+LANES = '{"tiers": ["5/s"], "headers": {"Authorization": {"env": "API_TOKEN_{lane}", "prefix": "Bearer "}}, "gold": {"tiers": ["20/s"], "weight": 3}}'
+
+
 def main(template_path, url):
     with open(template_path) as f:
         template = yaml_parse(f.read())
@@ -62,6 +67,8 @@ def main(template_path, url):
         "QuotaTiers": "10/s,500/min,100000/day",
         "ApiSecretArn": secret_arn,
         "MaxReceiveCount": "4",
+        "Lanes": LANES,
+        "LaneSecretPrefix": "paceline/keys/",
     }
     # The translator fills in pseudo parameters (AWS::Region...) from a boto3 session.
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
@@ -100,7 +107,22 @@ def main(template_path, url):
     check(env["PACELINE_RELAY"] == "on", "orchestrator: each run starts its relay")
     worker_env = lam.get_function_configuration(FunctionName=worker)["Environment"]["Variables"]
     check("s3cr3t" not in json.dumps(worker_env), "worker: the secret is not in its configuration")
-    check(json.loads(worker_env["PACELINE_API_SECRETS"]) == {"API_TOKEN": secret_arn}, "worker: reads the token from Secrets Manager")
+    check(
+        json.loads(worker_env["PACELINE_API_SECRETS"]) == {"API_TOKEN": secret_arn, "API_TOKEN_{lane}": "paceline/keys/{lane}"},
+        "worker: reads the token, and each lane's own, from Secrets Manager",
+    )
+    check(env["PACELINE_LANES"] == LANES and worker_env["PACELINE_LANES"] == LANES, "both functions: the stack's lanes")
+    check(env["PACELINE_TIERS"] == worker_env["PACELINE_TIERS"] == "10/s,500/min,100000/day", "both functions: the quota the lanes share")
+    worker_role = lam.get_function_configuration(FunctionName=worker)["Role"].split("/")[-1]
+    documents = [iam.get_role_policy(RoleName=worker_role, PolicyName=name)["PolicyDocument"] for name in iam.list_role_policies(RoleName=worker_role)["PolicyNames"]]
+    # moto keeps a role's inline policies as the Python text of their documents, a
+    # statement left out by a condition as None.
+    documents = [ast.literal_eval(d) if isinstance(d, str) else d for d in documents]
+    readable = [s["Resource"] for d in documents for s in d["Statement"] if s and s["Action"] == "secretsmanager:GetSecretValue"]
+    check(
+        sorted(readable) == sorted([secret_arn, "arn:aws:secretsmanager:us-east-1:123456789012:secret:paceline/keys/*"]),
+        f"worker role: may read the token and the lanes' secrets under their prefix, no other: {readable}",
+    )
 
     sqs = client("sqs", url)
     events = client("events", url)

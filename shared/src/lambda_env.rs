@@ -316,6 +316,10 @@ mod tests {
         let acme = config.lane(&crate::lane::LaneId::parse("acme").unwrap());
         assert_eq!((acme.quota.tiers()[0].to_string(), acme.weight), ("5/s".to_owned(), 3.0));
         assert_eq!(config.defaults.quota.tiers()[0].to_string(), "2/s");
+        // The same as one line of JSON, as a template parameter holds it.
+        let json = r#"{"tiers": ["2/s"], "acme": {"tiers": ["5/s"], "weight": 3}}"#;
+        let from_json = Env::new(&env_of(&[("PACELINE_TIERS", "20/s"), ("PACELINE_LANES", json)])).lanes(&shared).unwrap().expect("lanes");
+        assert_eq!(format!("{from_json:?}"), format!("{config:?}"));
         // Lanes that share nothing: no shared tiers.
         let apart = env_of(&[("PACELINE_TIERS", ""), ("PACELINE_LANES", lanes)]);
         assert!(Env::new(&apart).quota().unwrap().tiers().is_empty());

@@ -118,15 +118,20 @@ impl LanesConfig {
         Ok(settings)
     }
 
-    /// Parses `[lanes]` given as TOML text, the table's body (`PACELINE_LANES` on
-    /// Lambda: `tiers = ["5/s"]` and `[acme]` tables, not `[lanes]` itself); `shared`
-    /// is the stack's quota. Keys are not read: on Lambda a lane's come from Secrets
-    /// Manager when its first job does.
+    /// Parses `[lanes]` given as text (`PACELINE_LANES` on Lambda): the table's body as
+    /// TOML (`tiers = ["5/s"]`, then `[acme]` tables, not `[lanes]` itself), or the same
+    /// as one JSON object (`{"tiers": ["5/s"], "acme": {"weight": 3}}`, which fits a
+    /// template parameter's one line); `shared` is the stack's quota. Keys are not read:
+    /// on Lambda a lane's come from Secrets Manager when its first job does.
     ///
     /// # Errors
     /// A [`ConfigProblem`] naming the setting.
     pub fn parse_text(text: &str, shared: &Quota) -> Result<Self, ConfigProblem> {
-        let table: toml::Table = text.parse().map_err(|e: toml::de::Error| ConfigProblem::at("lanes", e.message()))?;
+        let table: toml::Table = if text.trim_start().starts_with('{') {
+            serde_json::from_str(text).map_err(|e| ConfigProblem::at("lanes", format!("not a JSON object of [lanes] settings: {e}")))?
+        } else {
+            text.parse().map_err(|e: toml::de::Error| ConfigProblem::at("lanes", e.message()))?
+        };
         Self::parse(table, shared)
     }
 
