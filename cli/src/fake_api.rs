@@ -59,6 +59,10 @@ pub struct FakeApiLog {
     pub health_checks: u64,
     /// Successful calls per path (job paths carry the job id).
     pub ok_by_path: BTreeMap<String, u32>,
+    /// Calls per `Authorization` header they carried (`-` for none): which key a lane
+    /// called with. Never printed.
+    #[serde(skip)]
+    pub by_authorization: BTreeMap<String, u64>,
     pub first_call: Option<UnixMillis>,
 }
 
@@ -176,6 +180,8 @@ async fn answer(state: &Mutex<State>, request: Request) -> (StatusCode, HeaderMa
         let first = *s.log.first_call.get_or_insert(now);
         s.serve_others_until(now, first);
         s.log.arrivals.push(now);
+        let authorization = request.headers().get("authorization").and_then(|value| value.to_str().ok()).unwrap_or("-");
+        *s.log.by_authorization.entry(authorization.to_owned()).or_default() += 1;
         if path == "/health" {
             s.log.health_checks += 1;
         }

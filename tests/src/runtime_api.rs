@@ -243,7 +243,9 @@ pub fn template_env(function: &str, given: &BTreeMap<&str, String>) -> BTreeMap<
     let variables = block.split("\n        Variables:\n").nth(1).expect("the function's environment");
     let mut env = BTreeMap::new();
     for line in variables.lines().take_while(|l| l.starts_with("          ")) {
-        let Some((name, expression)) = line.trim().split_once(": ").filter(|_| !line.trim().starts_with('#')) else { continue };
+        // A variable's own line; deeper ones continue a multi-line `!If`.
+        let own_line = !line[10..].starts_with([' ', '#']);
+        let Some((name, expression)) = line.trim().split_once(": ").filter(|_| own_line) else { continue };
         let value = if let Some(reference) = expression.strip_prefix("!Ref ") {
             value_of(reference)
         } else if let Some(text) = expression.strip_prefix("!Sub ") {

@@ -620,3 +620,113 @@ async fn a_repeated_delivery_of_an_event_calls_the_api_once_through_dynamodb() {
     assert_eq!(worker.handle(next).await.unwrap(), None, "retried after the other's call is done, it has nothing to do");
     assert_eq!(api.log().arrivals.len(), 1);
 }
+
+/// Three lanes of one stack, each with its own quota and key, under a quota they share,
+/// deployed as the template deploys them (its functions' environment read from it): a
+/// healthy lane, a lane whose API fails for a while, and a lane whose secret is missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_lanes_keep_their_own_quotas_and_keys_and_one_lane_s_failures_touch_no_other() {
+    use paceline_e2e::runtime_api::template_env;
+    let sdk = moto_sdk_config().await;
+    let names = create_lane(&sdk, "paceline-worker").await;
+    let lambda = FakeLambda::start().await;
+    let secrets = aws_sdk_secretsmanager::Client::new(&sdk);
+    let prefix = format!("paceline-{}/", uuid::Uuid::new_v4().simple());
+    for lane in ["acme", "broken"] {
+        secrets.create_secret().name(format!("{prefix}{lane}")).secret_string(format!("k-{lane}")).send().await.unwrap();
+    }
+    let acme_api = api(&["5/s"], None).await;
+    let broken_api = api(&["5/s"], Some((Duration::ZERO, Duration::from_secs(2)))).await;
+    let lanes = json!({
+        "tiers": ["5/s"],
+        "headers": {"Authorization": {"env": "API_TOKEN_{lane}", "prefix": "Bearer "}},
+        "acme": {"base_url": acme_api.base_url},
+        "broken": {"base_url": broken_api.base_url},
+        "nokey": {"base_url": acme_api.base_url},
+    })
+    .to_string();
+    let given = BTreeMap::from([
+        ("AWS::StackName", "three-lanes".to_owned()),
+        ("JobsQueue", names.queue_url.clone()),
+        ("JobsDlq", names.dlq_url.clone()),
+        ("StateTable", names.table.clone()),
+        ("WorkerFunction", "paceline-worker".to_owned()),
+        ("QuotaTiers", "8/s".to_owned()),
+        ("ApiBaseUrl", acme_api.base_url.clone()),
+        ("Lanes", lanes),
+    ]);
+    let tuned =
+        [("PACELINE_MINIMUM_CALLS", "4"), ("PACELINE_HEALTH_CHECK_INTERVAL", "1s"), ("PACELINE_BACKOFF_BASE", "200ms"), ("PACELINE_DEADLINE_MARGIN", "1s")];
+    let env_of = |function: &str| {
+        let mut env = template_env(function, &given);
+        env.extend(tuned.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+        env
+    };
+    let worker_env = {
+        let mut env = env_of("WorkerFunction");
+        // As the template writes it with LaneSecretPrefix set (its `!If` left out here).
+        env.insert("PACELINE_API_SECRETS".into(), format!(r#"{{"API_TOKEN_{{lane}}": "{prefix}{{lane}}"}}"#));
+        env
+    };
+    let get = |k: &str| worker_env.get(k).cloned();
+    let api_secrets = paceline_worker::lambda::ApiSecrets::fetch(&Env::new(&get), &sdk).await.unwrap();
+    lambda.run_worker(paceline_worker::lambda::function_from_env(&Env::new(&get), &sdk, api_secrets).unwrap().handler());
+    let orchestrator_env = env_of("OrchestratorFunction");
+    let get = |k: &str| orchestrator_env.get(k).cloned();
+    let orchestrator = orchestrator_lambda::from_env(&Env::new(&get), &sdk, Some(&lambda.url)).unwrap().into_orchestrator();
+
+    let job = |lane: &str, i: usize| format!(r#"{{"id":"{lane}-{i:02}","lane":"{lane}","request":{{"method":"GET","path":"/items/{lane}-{i:02}"}}}}"#);
+    let mut bodies: Vec<String> = (0..15).map(|i| job("acme", i)).collect();
+    bodies.extend((0..10).map(|i| job("broken", i)));
+    bodies.extend((0..4).map(|i| job("nokey", i)));
+    let queue = AwsAdapters::new(&sdk, &names, None).queue;
+    let messages: Vec<OutgoingMessage> = bodies.into_iter().map(|body| OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
+    queue.send(&messages).await.unwrap();
+
+    let report = orchestrator.run(&drain_opts("three-lanes", Duration::from_secs(90))).await.unwrap();
+    lambda.settle(Duration::from_secs(10)).await;
+    assert_eq!(report.stop, StopReason::Drained, "{report:?}");
+
+    // Each lane at its own quota, with its own key; all of them under the shared 8/s.
+    let (acme, broken) = (acme_api.log(), broken_api.log());
+    assert_eq!((acme.ok, acme.quota_rejections, broken.quota_rejections), (15, 0, 0), "no call over a lane's 5/s");
+    assert_eq!(acme.by_authorization.keys().collect::<Vec<_>>(), ["Bearer k-acme"], "acme's calls carry acme's key, and no job of nokey was called");
+    assert!(broken.by_authorization.keys().all(|key| key == "Bearer k-broken"), "{:?}", broken.by_authorization.keys());
+    let mut both: Vec<(UnixMillis, u64)> = acme.arrivals.iter().chain(&broken.arrivals).map(|at| (*at, 1)).collect();
+    both.sort();
+    let t0 = both.iter().map(|(at, _)| *at).min().unwrap();
+    let shown = |log: &paceline_cli::fake_api::FakeApiLog| log.arrivals.iter().map(|at| at.since(t0).as_millis()).collect::<Vec<_>>();
+    assert!(
+        peak_in_any_window(&both, Duration::from_secs(1)) <= 8,
+        "the shared 8/s held across lanes: acme {:?}, broken {:?} (health checks {})",
+        shown(&acme),
+        shown(&broken),
+        broken.health_checks
+    );
+    // The failing lane's circuit opened and closed; acme's never did, nor waited for it.
+    let store = AwsAdapters::new(&sdk, &names, None).store;
+    let lane = |id: &str| store.scoped(&StoreScope::Lane(id.parse().unwrap()));
+    let broken_circuit = lane("broken").circuit().await.unwrap();
+    assert!(broken.outage_failures >= 1 && broken_circuit.is_closed() && broken_circuit.epoch >= 2, "{broken_circuit:?}");
+    assert_eq!(lane("acme").circuit().await.unwrap().epoch, 0, "acme's circuit never opened");
+    let succeeded: BTreeSet<&str> = broken.ok_by_path.keys().filter_map(|path| path.strip_prefix("/items/")).collect();
+    assert_eq!(succeeded.len(), 10, "every job of the failing lane succeeded after its outage");
+    let acme_took = acme.arrivals.last().unwrap().since(acme.arrivals[0]);
+    assert!(acme_took < Duration::from_secs(6), "15 jobs at 5/s took {acme_took:?}: held up by another lane");
+    // The lane without its secret: every job dead-lettered as `credentials`, none lost.
+    let sqs = aws_sdk_sqs::Client::new(&sdk);
+    let mut dead = Vec::new();
+    for _ in 0..5 {
+        let out = sqs.receive_message().queue_url(&names.dlq_url).max_number_of_messages(10).message_attribute_names("All").send().await.unwrap();
+        for m in out.messages() {
+            let cause = m.message_attributes().and_then(|a| a.get("cause")).and_then(|v| v.string_value()).unwrap_or_default().to_owned();
+            let id = serde_json::from_str::<serde_json::Value>(m.body().unwrap()).unwrap()["id"].as_str().unwrap().to_owned();
+            dead.push((id, cause));
+        }
+    }
+    dead.sort();
+    let expected: Vec<(String, String)> = (0..4).map(|i| (format!("nokey-{i:02}"), "credentials".to_owned())).collect();
+    assert_eq!(dead, expected);
+    let depth = queue.depth().await.unwrap();
+    assert_eq!((depth.visible, depth.not_visible), (0, 0));
+}
