@@ -59,7 +59,7 @@ done
 export PACELINE_TEST_MOTO_URL="http://127.0.0.1:$port"
 
 echo "== deploy the template into moto's CloudFormation"
-.venv/bin/python infra/tests/deploy_to_moto.py infra/template.yaml "$PACELINE_TEST_MOTO_URL"
+.venv/bin/python infra/tests/deploy_to_moto.py infra/template.yaml "$PACELINE_TEST_MOTO_URL" target/debug/paceline
 
 echo "== tests"
 cargo test --workspace --all-features

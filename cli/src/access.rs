@@ -3,6 +3,7 @@
 //! flags and `PACELINE_*` variables override (and, with no config file, are enough on
 //! their own for an AWS stack).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -11,8 +12,10 @@ use paceline_shared::adapters::aws::{load_sdk_config_with, AwsAdapters, AwsNames
 use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::config::{AwsBackend, Backend, Config, CoolDownScope, LanesConfig};
 use paceline_shared::keys::StoreScope;
+use paceline_shared::lambda_env::Env;
 use paceline_shared::lane::LaneId;
-use paceline_shared::ports::{DeadLetterQueues, StateStore};
+use paceline_shared::ports::{DeadLetterQueues, QueueDepth, ScopedStores, StateStore};
+use paceline_shared::quota::Quota;
 
 use crate::stack::{load_config_for_operations, open_store, IfMissing};
 
@@ -56,31 +59,59 @@ pub struct OperatorStack {
     pub config: Option<Config>,
     pub queues: Arc<dyn DeadLetterQueues>,
     pub state: Arc<dyn StateStore>,
+    /// Each lane's state and the stack's, in the stack's one store.
+    pub stores: Arc<dyn ScopedStores>,
     /// How to start a run now, or why there is none.
     pub orchestrator: Result<LambdaInvoker, String>,
-    /// The embedded store, for what only it can show yet (lanes).
+    /// The lanes the stack runs and the quota they share: the config's `[lanes]` and
+    /// `[quota]`, or an AWS stack's as its orchestrator function is deployed with them
+    /// (`PACELINE_LANES`, `PACELINE_TIERS`); or why there are none.
+    pub lanes: Result<(LanesConfig, Quota), String>,
+    /// The embedded store, for what only it can count (each lane's backlog).
     pub embedded: Option<Arc<EmbeddedStore>>,
 }
 
+/// Why a stack whose config has no `[lanes]` has one lane.
+const ONE_LANE: &str = "this stack has no [lanes] in its config: its one lane is `default`";
+
 impl OperatorStack {
-    /// The `[lanes]` of the stack's config.
+    /// The stack's lanes and each lane's state.
     ///
     /// # Errors
-    /// A stack without `[lanes]`, or one on AWS (lanes run on the embedded store for now).
-    pub fn lanes(&self) -> anyhow::Result<(&LanesConfig, &Arc<EmbeddedStore>)> {
-        let Some(store) = &self.embedded else { bail!("lanes run on the embedded store for now: an AWS stack has one lane, `default`") };
-        match self.config.as_ref().and_then(|config| config.lanes.as_ref()) {
-            Some(lanes) => Ok((lanes, store)),
-            None => bail!("this stack has no [lanes] in its config: its one lane is `default`"),
+    /// A stack of one lane (no `[lanes]`), or deployed lanes that cannot be read.
+    pub fn lanes(&self) -> anyhow::Result<(&LanesConfig, &Arc<dyn ScopedStores>)> {
+        match &self.lanes {
+            Ok((lanes, _)) => Ok((lanes, &self.stores)),
+            Err(why) => bail!("{why}"),
         }
+    }
+
+    /// Whether the stack runs lanes.
+    #[must_use]
+    pub fn has_lanes(&self) -> bool {
+        self.lanes.is_ok()
+    }
+
+    /// The quota the lanes share, in a stack of lanes.
+    #[must_use]
+    pub fn shared_quota(&self) -> Option<&Quota> {
+        self.lanes.as_ref().ok().map(|(_, quota)| quota)
+    }
+
+    /// Each lane's jobs on the queue (ready, in flight, dead), where the store can count
+    /// them by lane (the embedded one; SQS counts only the whole queue).
+    ///
+    /// # Errors
+    /// An unreadable store.
+    pub fn backlog_by_lane(&self) -> anyhow::Result<Option<BTreeMap<LaneId, QueueDepth>>> {
+        Ok(self.embedded.as_ref().map(|store| store.depth_by_lane()).transpose()?)
     }
 
     /// The stack's own state where a 429 cools every lane (`[lanes] on_429 = "stack"`).
     #[must_use]
     pub fn stack_cool_down(&self) -> Option<Arc<dyn StateStore>> {
-        let cools_stack = self.config.as_ref().and_then(|config| config.lanes.as_ref()).is_some_and(|lanes| lanes.on_429 == CoolDownScope::Stack);
-        let store = self.embedded.as_ref().filter(|_| cools_stack)?;
-        Some(Arc::new(store.scoped(&StoreScope::Stack)))
+        let cools_stack = self.lanes.as_ref().is_ok_and(|(lanes, _)| lanes.on_429 == CoolDownScope::Stack);
+        cools_stack.then(|| self.stores.scoped(&StoreScope::Stack))
     }
 
     /// The state of `lane`, or of the default lane (the whole stack's, without `[lanes]`).
@@ -90,9 +121,26 @@ impl OperatorStack {
     pub fn lane_state(&self, lane: Option<&LaneId>) -> anyhow::Result<Arc<dyn StateStore>> {
         match lane.filter(|lane| !lane.is_default()) {
             None => Ok(self.state.clone()),
-            Some(lane) => Ok(Arc::new(self.lanes()?.1.scoped(&StoreScope::Lane(lane.clone())))),
+            Some(lane) => Ok(self.lanes()?.1.scoped(&StoreScope::Lane(lane.clone()))),
         }
     }
+}
+
+/// The lanes of `config`, with the quota they share.
+fn configured_lanes(config: Option<&Config>) -> Option<(LanesConfig, Quota)> {
+    let config = config?;
+    Some((config.lanes.clone()?, config.quota.clone()))
+}
+
+/// The lanes an AWS stack's orchestrator function is deployed with (its `PACELINE_LANES`
+/// and `PACELINE_TIERS`), or why there are none.
+async fn deployed_lanes(orchestrator: &Result<LambdaInvoker, String>) -> Result<(LanesConfig, Quota), String> {
+    let orchestrator = orchestrator.as_ref().map_err(|_| format!("{ONE_LANE} (nor is an orchestrator function named, whose lanes could be read)"))?;
+    let env = orchestrator.environment().await.map_err(|e| format!("cannot read the orchestrator function's lanes: {e}"))?;
+    let get = |name: &str| env.get(name).cloned();
+    let env = Env::new(&get);
+    let quota = env.quota()?;
+    env.lanes(&quota)?.map(|lanes| (lanes, quota)).ok_or_else(|| "this stack runs one lane, `default` (its orchestrator has no PACELINE_LANES)".to_owned())
 }
 
 impl StackArgs {
@@ -169,9 +217,11 @@ impl StackArgs {
                 let config = config.context("an embedded stack needs its config file")?;
                 let store = open_store(&config, if_missing)?;
                 Ok(OperatorStack {
+                    lanes: configured_lanes(Some(&config)).ok_or_else(|| ONE_LANE.to_owned()),
                     config: Some(config),
                     queues: store.clone(),
                     state: store.clone(),
+                    stores: store.clone(),
                     orchestrator: Err("an embedded stack has no orchestrator function: `paceline run` runs one in this process".into()),
                     embedded: Some(store),
                 })
@@ -202,7 +252,12 @@ impl StackArgs {
                     "no orchestrator function is named: set orchestrator_function in [backend], --orchestrator-function or PACELINE_ORCHESTRATOR_FUNCTION"
                         .to_owned()
                 });
-                Ok(OperatorStack { config, queues: Arc::new(adapters.queue), state: Arc::new(adapters.store), orchestrator, embedded: None })
+                let lanes = match configured_lanes(config.as_ref()) {
+                    Some(lanes) => Ok(lanes),
+                    None => deployed_lanes(&orchestrator).await,
+                };
+                let store = Arc::new(adapters.store);
+                Ok(OperatorStack { config, queues: Arc::new(adapters.queue), state: store.clone(), stores: store, orchestrator, lanes, embedded: None })
             }
         }
     }

@@ -9,13 +9,18 @@ queues' redrive policy and encryption, the table's key and billing, the outputs.
 moto's CloudFormation does not create (alarms, async invoke configs, architectures) is
 checked as the translated template declares it.
 
-Usage: deploy_to_moto.py TEMPLATE MOTO_URL
+Given the `paceline` binary, an operator's commands are run against the deployed stack
+by its name: `paceline lanes` reads the lanes the orchestrator is deployed with and
+keeps a lane's change in the stack's table.
+
+Usage: deploy_to_moto.py TEMPLATE MOTO_URL [PACELINE_BIN]
 """
 
 import ast
 import io
 import json
 import os
+import subprocess
 import sys
 import uuid
 import zipfile
@@ -148,6 +153,7 @@ def main(template_path, url):
     check("Dashboard" in resources, "a dashboard")
     check_what_moto_cannot_create(translated)
     print("the template deploys with the expected settings")
+    return stack
 
 
 def declared(translated, resource_type):
@@ -186,5 +192,36 @@ def check_what_moto_cannot_create(translated):
     )
 
 
+def check_operator_commands(paceline, url, stack):
+    """`paceline lanes` on the deployed stack, found by its name alone."""
+    env = dict(os.environ, AWS_ENDPOINT_URL=url, AWS_REGION="us-east-1", AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", PACELINE_CONFIG="/nonexistent.toml")
+
+    def paceline_json(*args):
+        done = subprocess.run([paceline, *args, "--stack", stack, "--json"], env=env, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise AssertionError(f"paceline {' '.join(args)}: {done.stderr}")
+        return json.loads(done.stdout)
+
+    print("the operator's commands on the deployed stack:")
+    # Lambda keeps every variable as text; moto keeps a Number parameter's as a number,
+    # which the SDK cannot read. Put them as Lambda would have them.
+    lam = client("lambda", url)
+    orchestrator = {o["OutputKey"]: o["OutputValue"] for o in client("cloudformation", url).describe_stacks(StackName=stack)["Stacks"][0]["Outputs"]}["OrchestratorFunctionName"]
+    variables = lam.get_function_configuration(FunctionName=orchestrator)["Environment"]["Variables"]
+    lam.update_function_configuration(FunctionName=orchestrator, Environment={"Variables": {k: str(v) for k, v in variables.items()}})
+    changed = paceline_json("lanes", "set", "gold", "--weight", "2", "--max-in-flight", "4")
+    check(changed["weight"] == 2 and changed["tiers"] == ["20/s"] and changed["max_in_flight"] == 4, "lanes set: gold's change over its deployed settings")
+    listed = {lane["lane"]: lane for lane in paceline_json("lanes", "list")}
+    check(set(listed) == {"gold"} and listed["gold"]["settings"] == "config + operator", f"lanes list: the deployed lanes, gold changed: {listed}")
+    check(listed["gold"]["backlog"] is None, "lanes list: no backlog by lane on SQS")
+    acme = paceline_json("lanes", "show", "acme")
+    check(acme["tiers"] == ["5/s"] and acme["weight"] == 1 and acme["settings"] == "defaults", "lanes show: a lane not named takes the deployed defaults")
+    forgotten = paceline_json("lanes", "remove", "gold")
+    check(forgotten["forgotten"]["weight"] == 2, "lanes remove: gold's change forgotten")
+    check(paceline_json("lanes", "show", "gold")["weight"] == 3, "lanes show: gold as deployed again")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    deployed = main(sys.argv[1], sys.argv[2])
+    if len(sys.argv) > 3:
+        check_operator_commands(sys.argv[3], sys.argv[2], deployed)

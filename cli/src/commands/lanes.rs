@@ -1,14 +1,16 @@
-//! `paceline lanes list|show|set|remove`: the lanes of a stack with `[lanes]`, their
-//! settings, backlog and circuit; and an operator's change of a lane's tiers, weight or
-//! cap on calls in flight, kept in the lane's state, which a run takes up within
-//! `state_refresh` (`remove` forgets it: the config's settings again).
+//! `paceline lanes list|show|set|remove`: the lanes of a stack with `[lanes]` (on AWS,
+//! the config's or those its orchestrator is deployed with), their settings, backlog and
+//! circuit; and an operator's change of a lane's tiers, weight or cap on calls in
+//! flight, kept in the lane's state (the embedded store, or the stack's DynamoDB table),
+//! which a run takes up within `state_refresh` (`remove` forgets it: the config's
+//! settings again).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use anyhow::bail;
 use clap::Subcommand;
 use paceline_shared::breaker::CircuitStatus;
-use paceline_shared::config::{LaneChange, LanesConfig};
+use paceline_shared::config::{LaneChange, LanesConfig, OrchestratorConfig};
 use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
 use paceline_shared::ports::{QueueDepth, StateStore};
@@ -81,7 +83,8 @@ pub(crate) struct LaneView {
     pub max_in_flight: Option<u32>,
     /// An operator's change in force.
     pub changed: Option<LaneChange>,
-    pub backlog: QueueDepth,
+    /// Its jobs on the queue, where the store counts them by lane (not SQS).
+    pub backlog: Option<QueueDepth>,
     pub circuit: CircuitStatus,
     pub circuit_held: bool,
     pub cool_down_until: Option<String>,
@@ -89,7 +92,7 @@ pub(crate) struct LaneView {
 
 impl LaneView {
     /// Lane `lane` of `lanes`, as `store` holds its state.
-    pub(crate) async fn read(lanes: &LanesConfig, lane: &LaneId, store: &dyn StateStore, backlog: QueueDepth) -> anyhow::Result<Self> {
+    pub(crate) async fn read(lanes: &LanesConfig, lane: &LaneId, store: &dyn StateStore, backlog: Option<QueueDepth>) -> anyhow::Result<Self> {
         let changed = store.lane_change().await?;
         let settings = lanes.lane_changed(lane, &changed.clone().unwrap_or_default())?;
         let from = if lanes.named.contains_key(lane) { "config" } else { "defaults" };
@@ -116,7 +119,10 @@ impl LaneView {
         if let Some(max) = self.max_in_flight {
             println!("  max in flight: {max}");
         }
-        println!("  backlog: {} ready, {} in flight or delayed, {} dead letters", self.backlog.visible, self.backlog.not_visible, self.backlog.dead);
+        match self.backlog {
+            Some(backlog) => println!("  backlog: {} ready, {} in flight or delayed, {} dead letters", backlog.visible, backlog.not_visible, backlog.dead),
+            None => println!("  backlog: not counted by lane on SQS (`paceline status` counts the whole queue)"),
+        }
         println!("  circuit: {}{}", self.circuit, if self.circuit_held { " (held)" } else { "" });
         if let Some(until) = &self.cool_down_until {
             println!("  cool-down until {until}");
@@ -126,27 +132,33 @@ impl LaneView {
 
 /// Every lane of `stack` worth showing, the largest backlog first, then by id.
 pub(crate) async fn lane_views(stack: &OperatorStack) -> anyhow::Result<Vec<LaneView>> {
-    let (lanes, store) = stack.lanes()?;
-    let depths = store.depth_by_lane()?;
+    let (lanes, stores) = stack.lanes()?;
+    let depths = stack.backlog_by_lane()?;
     let mut ids: BTreeSet<LaneId> = lanes.named.keys().cloned().collect();
-    ids.extend(store.lanes_with_state().await?);
-    ids.extend(depths.keys().cloned());
+    ids.extend(stores.scoped(&StoreScope::Stack).lanes_with_state().await?);
+    ids.extend(depths.iter().flat_map(BTreeMap::keys).cloned());
     let mut views = Vec::with_capacity(ids.len());
     for id in &ids {
-        let scoped = store.scoped(&StoreScope::Lane(id.clone()));
-        views.push(LaneView::read(lanes, id, &scoped, depths.get(id).copied().unwrap_or_default()).await?);
+        let scoped = stores.scoped(&StoreScope::Lane(id.clone()));
+        views.push(LaneView::read(lanes, id, scoped.as_ref(), backlog_of_lane(depths.as_ref(), id)).await?);
     }
     views.sort_by(|a, b| backlog_of(b).cmp(&backlog_of(a)).then_with(|| a.lane.cmp(&b.lane)));
     Ok(views)
 }
 
+/// Lane `lane`'s backlog among `depths` (none counted: `None`).
+pub(crate) fn backlog_of_lane(depths: Option<&BTreeMap<LaneId, QueueDepth>>, lane: &LaneId) -> Option<QueueDepth> {
+    depths.map(|depths| depths.get(lane).copied().unwrap_or_default())
+}
+
 fn backlog_of(view: &LaneView) -> u64 {
-    view.backlog.visible + view.backlog.not_visible
+    view.backlog.map_or(0, |backlog| backlog.visible + backlog.not_visible)
 }
 
 /// The lanes as a table, one line each.
 pub(crate) fn print_table(views: &[LaneView]) {
     println!("{:<24} {:>6} {:>9} {:>9} {:>6}  {:<9} tiers", "lane", "weight", "ready", "in flight", "dead", "circuit");
+    let count = |count: Option<u64>| count.map_or_else(|| "-".to_owned(), |count| count.to_string());
     for v in views {
         let circuit = if v.cool_down_until.is_some() { format!("{} (cool-down)", v.circuit) } else { v.circuit.to_string() };
         let changed = if v.changed.is_some() { " (changed)" } else { "" };
@@ -154,9 +166,9 @@ pub(crate) fn print_table(views: &[LaneView]) {
             "{:<24} {:>6} {:>9} {:>9} {:>6}  {:<9} {}{changed}",
             v.lane,
             v.weight,
-            v.backlog.visible,
-            v.backlog.not_visible,
-            v.backlog.dead,
+            count(v.backlog.map(|b| b.visible)),
+            count(v.backlog.map(|b| b.not_visible)),
+            count(v.backlog.map(|b| b.dead)),
             circuit,
             v.tiers.join(", ")
         );
@@ -168,8 +180,11 @@ impl LanesArgs {
     /// A stack without `[lanes]`, an unreadable store, or a change that cannot be used.
     pub async fn run(self) -> anyhow::Result<()> {
         let stack = self.stack.open().await?;
-        let (lanes, store) = stack.lanes()?;
-        let refresh = stack.config.as_ref().map(|c| humantime::format_duration(c.orchestrator.state_refresh).to_string()).unwrap_or_default();
+        let (lanes, stores) = stack.lanes()?;
+        let backlog = |lane: &LaneId| -> anyhow::Result<Option<QueueDepth>> { Ok(backlog_of_lane(stack.backlog_by_lane()?.as_ref(), lane)) };
+        let refresh =
+            humantime::format_duration(stack.config.as_ref().map_or_else(|| OrchestratorConfig::default().state_refresh, |c| c.orchestrator.state_refresh))
+                .to_string();
         match self.action {
             LanesAction::List => {
                 let views = lane_views(&stack).await?;
@@ -182,8 +197,7 @@ impl LanesArgs {
                 }
             }
             LanesAction::Show { lane } => {
-                let backlog = store.depth_by_lane()?.get(&lane).copied().unwrap_or_default();
-                let view = LaneView::read(lanes, &lane, &store.scoped(&StoreScope::Lane(lane.clone())), backlog).await?;
+                let view = LaneView::read(lanes, &lane, stores.scoped(&StoreScope::Lane(lane.clone())).as_ref(), backlog(&lane)?).await?;
                 if self.json {
                     println!("{}", serde_json::to_string_pretty(&view)?);
                 } else {
@@ -195,12 +209,12 @@ impl LanesArgs {
                 if asked == LaneChange::default() {
                     bail!("nothing to change: give --tiers, --weight or --max-in-flight");
                 }
-                let scoped = store.scoped(&StoreScope::Lane(lane.clone()));
+                let scoped = stores.scoped(&StoreScope::Lane(lane.clone()));
                 let change = scoped.lane_change().await?.unwrap_or_default().then(&asked);
                 // Checked before it is kept: a run never reads a change it cannot use.
                 lanes.lane_changed(&lane, &change)?;
                 scoped.set_lane_change(Some(&change)).await?;
-                let view = LaneView::read(lanes, &lane, &scoped, store.depth_by_lane()?.get(&lane).copied().unwrap_or_default()).await?;
+                let view = LaneView::read(lanes, &lane, scoped.as_ref(), backlog(&lane)?).await?;
                 if self.json {
                     println!("{}", serde_json::to_string_pretty(&view)?);
                 } else {
@@ -209,7 +223,7 @@ impl LanesArgs {
                 }
             }
             LanesAction::Remove { lane } => {
-                let scoped = store.scoped(&StoreScope::Lane(lane.clone()));
+                let scoped = stores.scoped(&StoreScope::Lane(lane.clone()));
                 let had = scoped.lane_change().await?;
                 scoped.set_lane_change(None).await?;
                 let from = if lanes.named.contains_key(&lane) { format!("[lanes.{lane}]") } else { "the [lanes] defaults".to_owned() };

@@ -158,17 +158,21 @@ impl StatusArgs {
         let stack = self.stack.open().await?;
         let now = system_now();
         let worker_dead = if stack.queues.sources().contains(&DlqSource::Worker) { Some(stack.queues.count(DlqSource::Worker).await?) } else { None };
-        let with_lanes = stack.config.as_ref().is_some_and(|config| config.lanes.is_some());
+        let with_lanes = stack.has_lanes();
         let (state, quota, queue, lanes): (Arc<dyn StateStore>, Option<Quota>, QueueDepth, Option<Vec<LaneView>>) = match &self.lane {
             Some(lane) if with_lanes => {
-                let (config, store) = stack.lanes()?;
+                let (config, _) = stack.lanes()?;
                 let state = stack.lane_state(Some(lane))?;
                 let quota = config.lane_changed(lane, &state.lane_change().await?.unwrap_or_default())?.quota;
-                (state, Some(quota), store.depth_by_lane()?.get(lane).copied().unwrap_or_default(), None)
+                let queue = match stack.backlog_by_lane()? {
+                    Some(depths) => depths.get(lane).copied().unwrap_or_default(),
+                    None => stack.queues.depth().await?,
+                };
+                (state, Some(quota), queue, None)
             }
             None if with_lanes => {
-                let shared = Arc::new(stack.lanes()?.1.scoped(&StoreScope::Stack));
-                let quota = stack.config.as_ref().map(|config| config.quota.clone());
+                let shared = stack.lanes()?.1.scoped(&StoreScope::Stack);
+                let quota = stack.shared_quota().cloned();
                 (shared, quota, stack.queues.depth().await?, Some(lane_views(&stack).await?))
             }
             lane => {

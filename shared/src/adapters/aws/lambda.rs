@@ -30,6 +30,22 @@ impl LambdaInvoker {
         Self { client: self.client.clone(), function: function.into() }
     }
 
+    /// The function's environment variables, as deployed (an operator reads a stack's
+    /// lanes from its orchestrator's).
+    ///
+    /// # Errors
+    /// The function cannot be read.
+    pub async fn environment(&self) -> PortResult<std::collections::BTreeMap<String, String>> {
+        let out = self
+            .client
+            .get_function_configuration()
+            .function_name(&self.function)
+            .send()
+            .await
+            .map_err(|e| map_sdk_error("lambda GetFunctionConfiguration", &e))?;
+        Ok(out.environment().and_then(|env| env.variables()).map(|vars| vars.iter().map(|(k, v)| (k.clone(), v.clone())).collect()).unwrap_or_default())
+    }
+
     /// Hands `payload` (JSON) to the function asynchronously.
     ///
     /// # Errors
