@@ -2,7 +2,7 @@
 //! profile's latency on every call, counting the AWS requests (and capacity units, and
 //! Lambda compute time) each call stands for, as the AWS adapters would make them.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -18,6 +18,7 @@ use paceline_shared::ports::{
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 
 use crate::profile::{job_key, Sampler, Stream};
+use crate::sqs::{QueueState, Stored};
 
 /// The guard of `m`, poisoned or not (a panicking task fails its own simulation).
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -94,41 +95,8 @@ impl World {
     }
 }
 
-/// A message as the queue keeps it.
-#[derive(Clone, Debug)]
-struct Stored {
-    id: u64,
-    body: String,
-    attempt: u32,
-    sent_at: UnixMillis,
-}
-
-#[derive(Default)]
-struct QueueState {
-    visible: VecDeque<Stored>,
-    /// Received or delayed messages by receipt, with when they become visible again.
-    hidden: BTreeMap<u64, (Stored, UnixMillis)>,
-    next_receipt: u64,
-    next_id: u64,
-    dead: Vec<(u64, String)>,
-}
-
-impl QueueState {
-    fn reveal_due(&mut self, now: UnixMillis) {
-        let due: Vec<u64> = self.hidden.iter().filter(|(_, (_, until))| *until <= now).map(|(r, _)| *r).collect();
-        for receipt in due {
-            if let Some((message, _)) = self.hidden.remove(&receipt) {
-                self.visible.push_back(message);
-            }
-        }
-    }
-
-    fn next_wake(&self) -> Option<UnixMillis> {
-        self.hidden.values().map(|(_, until)| *until).min()
-    }
-}
-
-/// A standard SQS queue with its DLQ: visibility timeouts, long polling, batches of 10.
+/// An SQS queue with its DLQ: visibility timeouts, long polling, batches of 10; a
+/// standard queue, or a fair one (its messages grouped by lane).
 pub struct SimQueue {
     world: Arc<World>,
     state: Mutex<QueueState>,
@@ -136,9 +104,16 @@ pub struct SimQueue {
 }
 
 impl SimQueue {
+    /// A standard queue.
     #[must_use]
     pub fn new(world: Arc<World>) -> Self {
-        Self { world, state: Mutex::default(), arrived: tokio::sync::Notify::new() }
+        Self { world, state: Mutex::new(QueueState::standard()), arrived: tokio::sync::Notify::new() }
+    }
+
+    /// A fair queue: the quiet lanes' messages are handed out first.
+    #[must_use]
+    pub fn fair(world: Arc<World>) -> Self {
+        Self { world, state: Mutex::new(QueueState::fair()), arrived: tokio::sync::Notify::new() }
     }
 
     /// Puts messages on the queue as a producer would, at no latency (the producer's
@@ -148,9 +123,8 @@ impl SimQueue {
         let mut state = lock(&self.state);
         let mut sent: u64 = 0;
         for body in bodies {
-            let id = state.next_id;
-            state.next_id += 1;
-            state.visible.push_back(Stored { id, body, attempt: 0, sent_at: now });
+            let message = stored(&mut state, body, 0, now);
+            state.push_back(message);
             sent += 1;
         }
         self.world.ledger.count("sqs:SendMessageBatch (producer)", sent.div_ceil(10));
@@ -176,27 +150,31 @@ impl SimQueue {
         let now = self.world.clock.now();
         let mut state = lock(&self.state);
         state.reveal_due(now);
-        let mut received = Vec::new();
-        while received.len() < max.min(10) {
-            let Some(message) = state.visible.pop_front() else { break };
-            let receipt = state.next_receipt;
-            state.next_receipt += 1;
-            received.push(QueuedMessage {
+        let received = state.receive(max.min(10), now.plus(visibility));
+        received
+            .into_iter()
+            .map(|(receipt, message)| QueuedMessage {
                 message_id: message.id.to_string(),
                 receipt: receipt.to_string(),
-                body: message.body.clone(),
+                body: message.body,
                 attempt: message.attempt,
                 enqueued_at: message.sent_at,
                 group: None,
-            });
-            state.hidden.insert(receipt, (message, now.plus(visibility)));
-        }
-        received
+            })
+            .collect()
     }
 
     fn receipts(receipts: &[String]) -> impl Iterator<Item = u64> + '_ {
         receipts.iter().filter_map(|r| r.parse().ok())
     }
+}
+
+/// A new message with `body`, in its lane's group.
+fn stored(state: &mut QueueState, body: String, attempt: u32, now: UnixMillis) -> Stored {
+    let id = state.next_id;
+    state.next_id += 1;
+    let group = state.group_of(&body);
+    Stored { id, body, attempt, sent_at: now, group }
 }
 
 #[async_trait]
@@ -228,7 +206,7 @@ impl JobQueue for SimQueue {
         self.world.call(Stream::Sqs).await;
         let mut state = lock(&self.state);
         for receipt in Self::receipts(receipts) {
-            state.hidden.remove(&receipt);
+            state.delete(receipt);
         }
         Ok(())
     }
@@ -238,14 +216,9 @@ impl JobQueue for SimQueue {
         self.world.call(Stream::Sqs).await;
         let now = self.world.clock.now();
         let mut state = lock(&self.state);
+        // In reverse, so that messages put back at once keep their order at the front.
         for receipt in Self::receipts(receipts).collect::<Vec<_>>().into_iter().rev() {
-            if let Some((message, _)) = state.hidden.remove(&receipt) {
-                if after.is_zero() {
-                    state.visible.push_front(message);
-                } else {
-                    state.hidden.insert(receipt, (message, now.plus(after)));
-                }
-            }
+            state.release(receipt, (!after.is_zero()).then(|| now.plus(after)));
         }
         drop(state);
         self.arrived.notify_waiters();
@@ -259,15 +232,11 @@ impl JobQueue for SimQueue {
         let now = self.world.clock.now();
         let mut state = lock(&self.state);
         for message in messages {
-            let id = state.next_id;
-            state.next_id += 1;
-            let stored = Stored { id, body: message.body.clone(), attempt: message.attempt, sent_at: now };
+            let stored = stored(&mut state, message.body.clone(), message.attempt, now);
             if message.delay.is_zero() {
-                state.visible.push_back(stored);
+                state.push_back(stored);
             } else {
-                let receipt = state.next_receipt;
-                state.next_receipt += 1;
-                state.hidden.insert(receipt, (stored, now.plus(message.delay)));
+                state.delay(stored, now.plus(message.delay));
             }
         }
         drop(state);
@@ -286,7 +255,7 @@ impl JobQueue for SimQueue {
         self.world.ledger.count("sqs:GetQueueAttributes", 1);
         self.world.call(Stream::Sqs).await;
         let state = lock(&self.state);
-        Ok(QueueDepth { visible: state.visible.len() as u64, not_visible: state.hidden.len() as u64, dead: state.dead.len() as u64 })
+        Ok(QueueDepth { visible: state.visible_len() as u64, not_visible: state.hidden_len() as u64, dead: state.dead.len() as u64 })
     }
 }
 

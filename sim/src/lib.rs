@@ -14,6 +14,7 @@ pub mod profile;
 pub mod provider;
 pub mod report;
 pub mod runs;
+mod sqs;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
