@@ -154,6 +154,10 @@ pub fn drain(
                 queue.release(&receipts, now.plus(after));
                 Event::Released(receipts.len(), Ok(()))
             }
+            Action::ExtendHidden(receipts) => {
+                queue.release(&receipts, now.plus(settings.orchestrator.visibility_timeout));
+                Event::ExtendedHidden(receipts.len(), Ok(()))
+            }
             Action::Receive { max, wait, long_poll } => {
                 let received = queue.receive(max, now, visibility);
                 if received.is_empty() && long_poll {

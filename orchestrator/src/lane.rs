@@ -58,13 +58,17 @@ pub(crate) struct InHand {
     message: QueuedMessage,
     job: Result<Job, String>,
     since: UnixMillis,
+    /// Until when the queue keeps its message hidden: the receive's visibility timeout,
+    /// or the last extension of it.
+    hidden_until: UnixMillis,
 }
 
 /// A message being handed off (its job travels in the payload), with when it came into
-/// hand: what goes back in hand if the hand-off is refused.
+/// hand and until when it is hidden: what goes back in hand if the hand-off is refused.
 pub(crate) struct HandOff {
     pub message: QueuedMessage,
     since: UnixMillis,
+    hidden_until: UnixMillis,
     /// The lane's place in its stack.
     pub lane: usize,
     /// The slot and cost it took (what the stack's shared quota commits too).
@@ -664,7 +668,7 @@ impl<'a> LaneMachine<'a> {
                 if let Some(step) = self.reserve_first(cost, slot, shared) {
                     return step;
                 }
-                let InHand { message, job, since } = self.pop_in_hand();
+                let InHand { message, job, since, hidden_until } = self.pop_in_hand();
                 let mut job = job.expect("parsed: checked above");
                 let enqueued = *job.enqueued_at.get_or_insert(message.enqueued_at);
                 self.figures.longest_wait_ms = self.figures.longest_wait_ms.max(slot.since(enqueued).as_millis() as u64);
@@ -684,7 +688,7 @@ impl<'a> LaneMachine<'a> {
                     trip,
                     report_limits: self.ask_for_reading(slot),
                 };
-                LaneStep::Dispatch(HandOff { message, since, lane: self.index, slot, cost }, payload)
+                LaneStep::Dispatch(HandOff { message, since, hidden_until, lane: self.index, slot, cost }, payload)
             }
         }
     }
@@ -835,7 +839,13 @@ impl<'a> LaneMachine<'a> {
     /// Takes received messages into hand at `now`, parsed once; with jobs in hand the
     /// circuit is re-read as often as their pace needs.
     pub fn take_in(&mut self, received: Vec<QueuedMessage>, now: UnixMillis) {
-        self.buffer.extend(received.into_iter().map(|message| InHand { job: Job::parse(&message.body).map_err(|e| e.to_string()), message, since: now }));
+        let hidden_until = now.plus(self.settings.orchestrator.visibility_timeout);
+        self.buffer.extend(received.into_iter().map(|message| InHand {
+            job: Job::parse(&message.body).map_err(|e| e.to_string()),
+            message,
+            since: now,
+            hidden_until,
+        }));
         let sooner = now.plus(self.refresh_interval());
         if self.refresh_skipped_while_idle {
             // Its state may have changed while it had nothing to send: read it first.
@@ -854,7 +864,23 @@ impl<'a> LaneMachine<'a> {
 
     /// A refused hand-off's job goes back in hand, first.
     pub fn hand_back(&mut self, hand_off: HandOff, job: Job) {
-        self.buffer.push_front(InHand { message: hand_off.message, job: Ok(job), since: hand_off.since });
+        self.buffer.push_front(InHand { message: hand_off.message, job: Ok(job), since: hand_off.since, hidden_until: hand_off.hidden_until });
+    }
+
+    /// The jobs in hand whose message the queue keeps hidden no later than `by` stay
+    /// hidden for another visibility timeout from `now`: their receipts, for the queue
+    /// to extend. A lane keeps what its share lets it dispatch before the timeout, but
+    /// its share shrinks as other lanes get jobs; without this, a message it still held
+    /// would come back and be received (and handed off) twice.
+    pub fn extend_hidden(&mut self, by: UnixMillis, now: UnixMillis) -> Vec<String> {
+        let until = now.plus(self.settings.orchestrator.visibility_timeout);
+        let expiring = self.buffer.iter_mut().filter(|in_hand| in_hand.hidden_until <= by);
+        expiring
+            .map(|in_hand| {
+                in_hand.hidden_until = until;
+                in_hand.message.receipt.clone()
+            })
+            .collect()
     }
 
     /// How many jobs from the front of the hand together take no more than `units` of

@@ -448,6 +448,10 @@ impl Executor<'_> {
                 Event::DeadLettered(message, result)
             }
             Action::Release(receipts, after) => Event::Released(receipts.len(), in_batches(&receipts, |batch| o.queue.release(batch, after)).await),
+            Action::ExtendHidden(receipts) => {
+                let visibility = cfg.visibility_timeout;
+                Event::ExtendedHidden(receipts.len(), in_batches(&receipts, |batch| o.queue.release(batch, visibility)).await)
+            }
             Action::CheckDrained => Event::DrainChecked(self.nothing_left().await),
             Action::Receive { max, wait, long_poll } => {
                 let (queue, clock, visibility) = (o.queue.clone(), o.clock.clone(), cfg.visibility_timeout);

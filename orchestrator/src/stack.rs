@@ -22,7 +22,7 @@ use paceline_shared::pacer::{Decision, MissedSlot, PacerState};
 use paceline_shared::ports::{Lease, PacerSnapshot, PortError, PortResult, QueuedMessage};
 use paceline_shared::quota::Quota;
 use paceline_shared::time::UnixMillis;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::handover::{LastRun, RelayRequest, RELAY_LEAD};
 pub(crate) use crate::lane::{CallSlotsRead, HandOff, Retune, SharedState};
@@ -86,6 +86,8 @@ pub(crate) enum Action {
     DeadLetter(QueuedMessage, DeadLetterReason, Option<Box<Job>>),
     /// Make these received messages visible again after this long (await it).
     Release(Vec<String>, Duration),
+    /// Keep these messages in hand hidden for another visibility timeout (await it).
+    ExtendHidden(Vec<String>),
     /// Receive up to `max` messages, waiting up to `wait` for the first (background):
     /// a long poll when the loop ran dry, a prefetch (no wait) while jobs are in hand.
     Receive { max: usize, wait: Duration, long_poll: bool },
@@ -118,6 +120,8 @@ pub(crate) enum Event {
     LaneHydrated(usize, PortResult<LaneStart>),
     DeadLettered(QueuedMessage, PortResult<()>),
     Released(usize, PortResult<()>),
+    /// This many messages in hand stay hidden longer, or the error.
+    ExtendedHidden(usize, PortResult<()>),
     /// A receive returned, after `took`; `long_poll` when it was allowed to wait.
     Received {
         result: PortResult<Vec<QueuedMessage>>,
@@ -215,6 +219,9 @@ impl<'a> StackMachine<'a> {
         timers.set(Timer::LeaseExpiry, started.plus(lease_valid_for(cfg.lease_ttl)));
         timers.set(Timer::Flush, started.plus(cfg.flush_interval));
         timers.set(Timer::Stop, deadline.minus(cfg.deadline_margin));
+        if settings.lanes.is_some() {
+            timers.set(Timer::Extend, started.plus(extend_every(cfg.visibility_timeout)));
+        }
         Self {
             settings,
             progress,
@@ -387,6 +394,11 @@ impl<'a> StackMachine<'a> {
         }
         if let Some((receipts, after)) = self.to_release.pop_front() {
             return Action::Release(receipts, after);
+        }
+        if self.timers.is_expired(Timer::Extend, now) {
+            if let Some(extend) = self.extend_hidden_in_hand(now) {
+                return extend;
+            }
         }
         if self.many.is_some() {
             return self.for_many_lanes(now);
@@ -775,6 +787,20 @@ impl<'a> StackMachine<'a> {
         None
     }
 
+    /// With many lanes: the jobs in hand whose visibility timeout would pass before the
+    /// look after next stay hidden another timeout, looked for every fifth of it. A lane
+    /// keeps what its share of the shared quota lets it dispatch before the timeout, but
+    /// its share shrinks as other lanes get jobs: without this, a message it still held
+    /// would come back, be received again and be handed off twice (with a stale receipt
+    /// for its delete).
+    fn extend_hidden_in_hand(&mut self, now: UnixMillis) -> Option<Action> {
+        let every = extend_every(self.settings.orchestrator.visibility_timeout);
+        let by = now.plus(every * 2);
+        let receipts: Vec<String> = self.lanes.iter_mut().filter(|lane| lane.has_jobs_in_hand()).flat_map(|lane| lane.extend_hidden(by, now)).collect();
+        self.timers.set(Timer::Extend, now.plus(every));
+        (!receipts.is_empty()).then_some(Action::ExtendHidden(receipts))
+    }
+
     /// With many lanes and jobs in hand: another receive in the background while fewer
     /// jobs are in hand than the shared quota can use before their visibility timeout,
     /// so that a light lane's jobs behind a heavy lane's are reached (the heavy lane's
@@ -938,6 +964,15 @@ impl<'a> StackMachine<'a> {
             }
             Event::Released(_, Err(e)) => {
                 passing(e, "could not release messages; they come back after their visibility timeout")?;
+                Ok(())
+            }
+            Event::ExtendedHidden(count, Ok(())) => {
+                debug!(messages = count, "jobs in hand stay hidden another visibility timeout");
+                Ok(())
+            }
+            Event::ExtendedHidden(_, Err(e)) => {
+                // Tried again at the next look, while they are still hidden.
+                passing(e, "could not extend the visibility of jobs in hand")?;
                 Ok(())
             }
             Event::Received { result, took, long_poll } => self.on_received(result, took, long_poll, now),
@@ -1109,7 +1144,7 @@ impl<'a> StackMachine<'a> {
             Timer::Flush => &mut self.backoffs.flush,
             Timer::Receive => &mut self.backoffs.receive,
             Timer::InvokeHold => &mut self.backoffs.invoke,
-            Timer::LeaseExpiry | Timer::Prefetch | Timer::Stop | Timer::Relay => unreachable!("{timer:?} is not a retry"),
+            Timer::LeaseExpiry | Timer::Prefetch | Timer::Stop | Timer::Relay | Timer::Extend => unreachable!("{timer:?} is not a retry"),
         };
         self.timers.set(timer, now.plus(backoff.failed()));
         Ok(())
@@ -1231,6 +1266,12 @@ impl<'a> StackMachine<'a> {
             self.report.stop = reason.clone();
         }
     }
+}
+
+/// How often a stack of many lanes looks for jobs in hand near their visibility timeout:
+/// a fifth of it.
+fn extend_every(visibility: Duration) -> Duration {
+    visibility / 5
 }
 
 #[cfg(test)]

@@ -58,6 +58,9 @@ timer_kind! {
         /// The run starts its relay, the next run ([`crate::handover::RELAY_LEAD`] before
         /// it stops).
         Relay,
+        /// The next look for jobs in hand whose visibility timeout comes near, to extend
+        /// it (a stack of many lanes).
+        Extend,
     }
 }
 

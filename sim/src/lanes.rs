@@ -27,6 +27,8 @@ use rand_distr::{Distribution, Zipf};
 use rand_pcg::Pcg64Mcg;
 use serde::Serialize;
 
+use crate::aws::{SimQueue, World};
+use crate::profile::{LatencyProfile, Sampler};
 use crate::SIM_START;
 
 /// The windows fairness and the shared quota's use are measured over.
@@ -42,6 +44,34 @@ pub struct LanesPlan {
     pub seed: u64,
     /// The stack's settings: the shared quota, and `lanes` with every lane's own.
     pub settings: Settings,
+    /// The jobs queue the orchestrator receives from.
+    pub queue: LanesQueue,
+}
+
+/// The jobs queue of a simulation of lanes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LanesQueue {
+    /// The embedded store's (messages in line).
+    #[default]
+    Embedded,
+    /// SQS, with its latencies and request count: a standard queue without message
+    /// groups.
+    Sqs,
+    /// SQS as Paceline sends to it, each job in its lane's message group: a fair queue.
+    SqsFair,
+}
+
+impl std::str::FromStr for LanesQueue {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "embedded" => Ok(Self::Embedded),
+            "sqs" => Ok(Self::Sqs),
+            "sqs-fair" => Ok(Self::SqsFair),
+            other => Err(format!("`{other}` is not a queue: embedded, sqs or sqs-fair")),
+        }
+    }
 }
 
 impl LanesPlan {
@@ -115,6 +145,8 @@ pub struct LanesReport {
     pub jobs: usize,
     /// Lanes that had jobs.
     pub lanes_with_jobs: usize,
+    /// Hand-offs made: more than the jobs if a job went twice.
+    pub calls: usize,
     /// From the start to the last call.
     pub seconds: f64,
     /// Calls over a tier of their own lane (a strict provider refuses them).
@@ -135,6 +167,9 @@ pub struct LanesReport {
     pub wait_p99_seconds: f64,
     pub light_wait_p50_seconds: f64,
     pub light_wait_p99_seconds: f64,
+    /// SQS requests per job (receives, deletes, visibility changes, sends: the
+    /// orchestrator's), on an SQS queue.
+    pub sqs_requests_per_job: Option<f64>,
     /// Wall-clock seconds the simulation took.
     pub wall_seconds: f64,
     /// Units called each second from the start: the [`PLOTTED_LANES`] lanes with most
@@ -175,31 +210,49 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
     let wall = std::time::Instant::now();
     let job_lanes = plan.job_lanes();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().expect("a tokio runtime");
-    let calls = runtime.block_on(async {
-        let clock: Arc<dyn Clock> = Arc::new(TokioClock::anchored_at(SIM_START));
+    let (calls, sqs_requests) = runtime.block_on(async {
+        let tokio_clock = Arc::new(TokioClock::anchored_at(SIM_START));
+        let clock: Arc<dyn Clock> = tokio_clock.clone();
         let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).expect("an in-memory store"));
         let lanes: BTreeMap<LaneId, usize> = (0..plan.lanes).map(|i| (plan.lane_id(i), i)).collect();
-        let messages: Vec<OutgoingMessage> = job_lanes
+        let bodies = job_lanes
             .iter()
             .enumerate()
-            .map(|(n, lane)| {
-                let body = format!(r#"{{"id":"job-{n}","lane":"{}","request":{{"method":"GET","path":"/jobs/{n}"}}}}"#, plan.lane_id(*lane));
-                OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None }
-            })
-            .collect();
-        for batch in messages.chunks(10) {
-            store.send(batch).await.expect("enqueue");
-        }
+            .map(|(n, lane)| format!(r#"{{"id":"job-{n}","lane":"{}","request":{{"method":"GET","path":"/jobs/{n}"}}}}"#, plan.lane_id(*lane)));
+        let world = Arc::new(World::new(tokio_clock, Sampler::new(plan.seed, LatencyProfile::default())));
+        let queue: Arc<dyn JobQueue> = match plan.queue {
+            LanesQueue::Embedded => {
+                let messages: Vec<OutgoingMessage> = bodies.map(|body| OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
+                for batch in messages.chunks(10) {
+                    store.send(batch).await.expect("enqueue");
+                }
+                store.clone()
+            }
+            LanesQueue::Sqs | LanesQueue::SqsFair => {
+                let queue = if plan.queue == LanesQueue::SqsFair { SimQueue::fair(world.clone()) } else { SimQueue::new(world.clone()) };
+                queue.preload(bodies);
+                Arc::new(queue)
+            }
+        };
         let log = Arc::new(CallLog { clock: clock.clone(), lanes, calls: Mutex::new(Vec::new()) });
-        let orchestrator = Orchestrator::new(store.clone(), store.clone(), log.clone(), clock.clone(), plan.settings.clone()).with_scoped_stores(store.clone());
+        let orchestrator = Orchestrator::new(queue, store.clone(), log.clone(), clock.clone(), plan.settings.clone()).with_scoped_stores(store.clone());
         let opts = RunOptions { holder: "simulate".into(), deadline: SIM_START.plus(Duration::from_secs(400 * 86_400)), drain: true, stop: None };
         if let Err(e) = orchestrator.run(&opts).await {
             tracing::warn!(error = %e, "simulated run failed");
         }
         let calls = log.calls.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-        calls
+        let sqs_requests: u64 =
+            world.ledger.requests().iter().filter(|(operation, _)| operation.starts_with("sqs:") && !operation.contains("producer")).map(|(_, n)| n).sum();
+        (calls, sqs_requests)
     });
-    analyse(plan, "paceline (weighted fair lanes)", &job_lanes, calls, wall.elapsed())
+    let dispatcher = match plan.queue {
+        LanesQueue::Embedded => "paceline (weighted fair lanes)",
+        LanesQueue::Sqs => "paceline on SQS (standard queue)",
+        LanesQueue::SqsFair => "paceline on SQS (fair queue)",
+    };
+    let mut report = analyse(plan, dispatcher, &job_lanes, calls, wall.elapsed());
+    report.sqs_requests_per_job = (plan.queue != LanesQueue::Embedded).then(|| sqs_requests as f64 / plan.jobs.max(1) as f64);
+    report
 }
 
 /// The units called each second by the [`PLOTTED_LANES`] lanes with most calls, and by
@@ -440,6 +493,7 @@ fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: V
         lanes: plan.lanes,
         jobs: plan.jobs,
         lanes_with_jobs,
+        calls: calls.len(),
         seconds: end.since(SIM_START).as_secs_f64(),
         lane_violations,
         shared_violations,
@@ -451,6 +505,7 @@ fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: V
         wait_p99_seconds: percentile(&waits, 0.99),
         light_wait_p50_seconds: percentile(&light, 0.5),
         light_wait_p99_seconds: percentile(&light, 0.99),
+        sqs_requests_per_job: None,
         wall_seconds: wall.as_secs_f64(),
     }
 }
@@ -471,7 +526,7 @@ pub fn render_lanes(reports: &[LanesReport]) -> String {
     let mut header = vec!["".to_owned()];
     header.extend(reports.iter().map(|r| r.dispatcher.clone()));
     let mut table = crate::report::text_table(&header.iter().map(String::as_str).collect::<Vec<_>>(), &(1..=reports.len()).collect::<Vec<_>>());
-    let rows: [(&str, ReportCell); 8] = [
+    let rows: [(&str, ReportCell); 9] = [
         ("drained in", |r| format!("{:.1} s", r.seconds)),
         ("calls over a lane's tier", |r| r.lane_violations.to_string()),
         ("calls over a shared tier", |r| r.shared_violations.to_string()),
@@ -480,6 +535,7 @@ pub fn render_lanes(reports: &[LanesReport]) -> String {
         ("Jain's index, lowest", |r| optional(r.jain_index_min, 4)),
         ("job wait p50 / p99", |r| format!("{:.1} / {:.1} s", r.wait_p50_seconds, r.wait_p99_seconds)),
         ("light lanes' job wait p50 / p99", |r| format!("{:.1} / {:.1} s", r.light_wait_p50_seconds, r.light_wait_p99_seconds)),
+        ("SQS requests per job", |r| optional(r.sqs_requests_per_job, 3)),
     ];
     for (name, cell) in rows {
         let mut row = vec![name.to_owned()];
@@ -513,7 +569,7 @@ mod tests {
             workers: paceline_shared::config::WorkerHost::InProcess,
             lanes: config.lanes,
         };
-        LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 7, settings }
+        LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 7, settings, queue: LanesQueue::Embedded }
     }
 
     /// 40 lanes, a few with most of 3,000 jobs: no call over any tier, the shared tier
@@ -572,6 +628,19 @@ mod tests {
         assert!(fcfs.light_wait_p50_seconds >= 39.0, "{fcfs:?}");
     }
 
+    /// On SQS (its latencies: a receive's result is routed while other receives are on
+    /// their way), lanes take jobs into hand by the share they have when the jobs come,
+    /// and the share shrinks as more lanes get jobs: 150 lanes of 1,500 jobs under a
+    /// shared 50/s. Jobs held past their visibility timeout came back and went twice
+    /// (over 2,100 hand-offs, deletes with stale receipts) until the jobs in hand near it
+    /// stayed hidden longer.
+    #[test]
+    fn jobs_a_lane_holds_past_the_visibility_timeout_stay_hidden_and_each_is_handed_off_once() {
+        let plan = LanesPlan { queue: LanesQueue::Sqs, ..plan(150, 1_500) };
+        let paceline = simulate_lanes(&plan);
+        assert_eq!((paceline.calls, paceline.lane_violations, paceline.shared_violations), (1_500, 0, 0), "{paceline:?}");
+    }
+
     /// Lanes with nothing in common (`[quota]` left out): each goes at its own pace,
     /// none waits for the others: 10 lanes of 50 jobs at 5/s drain in 10 s.
     #[test]
@@ -579,7 +648,7 @@ mod tests {
         let text = "[api]\nbase_url = \"https://api.example.com\"\n[lanes]\ntiers = [\"5/s\"]\n[orchestrator]\ndispatch_ahead = \"0s\"\n";
         let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
         let settings = Settings::from_config(&config, paceline_shared::config::WorkerHost::InProcess);
-        let plan = LanesPlan { lanes: 10, skew: Skew::Zipf(0.0), jobs: 500, seed: 7, settings };
+        let plan = LanesPlan { lanes: 10, skew: Skew::Zipf(0.0), jobs: 500, seed: 7, settings, queue: LanesQueue::Embedded };
         let paceline = simulate_lanes(&plan);
         assert_eq!((paceline.lane_violations, paceline.shared_violations), (0, 0), "{paceline:?}");
         assert!(paceline.seconds <= 11.0, "{paceline:?}");

@@ -10,7 +10,7 @@ use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressStyle};
 use paceline_orchestrator::Settings;
 use paceline_shared::config::{WorkerHost, MAX_DISPATCH_AHEAD};
-use paceline_sim::lanes::{first_come_first_served, render_lanes, round_robin, simulate_lanes, LanesPlan, Skew};
+use paceline_sim::lanes::{first_come_first_served, render_lanes, round_robin, simulate_lanes, LanesPlan, LanesQueue, Skew};
 use paceline_sim::profile::{Failures, LatencyProfile, Outage};
 use paceline_sim::provider::ProviderModel;
 use paceline_sim::report::{render, render_comparison};
@@ -134,6 +134,12 @@ pub struct SimulateArgs {
     /// queue, the rest spread over the others behind them).
     #[arg(long, value_name = "zipf:S|heavy-first:N", default_value = "zipf:1")]
     pub skew: Skew,
+    /// The jobs queue, with `--lanes`: the embedded store's, SQS as a standard queue
+    /// without message groups (`sqs`), or SQS as Paceline sends to it on AWS, each job
+    /// in its lane's group: a fair queue (`sqs-fair`). SQS adds its latencies and
+    /// counts its requests.
+    #[arg(long, value_name = "embedded|sqs|sqs-fair", default_value = "embedded")]
+    pub queue: LanesQueue,
     /// Draw each tier's use over time against its limit to this file (.png or .svg),
     /// with outages, refused calls and, with `--baselines`, the other dispatchers.
     #[arg(long, value_name = "FILE")]
@@ -204,7 +210,7 @@ impl SimulateArgs {
         // Workers in one process call at their slot.
         orchestrator.dispatch_ahead = Some(Duration::ZERO);
         let settings = Settings { quota: config.quota, orchestrator, circuit: config.circuit, workers: WorkerHost::InProcess, lanes: config.lanes };
-        Ok(LanesPlan { lanes, skew: self.skew, jobs: self.jobs, seed: self.seed, settings })
+        Ok(LanesPlan { lanes, skew: self.skew, jobs: self.jobs, seed: self.seed, settings, queue: self.queue })
     }
 
     /// `--lanes`: runs the lanes' simulation (and its baselines) and reports.
