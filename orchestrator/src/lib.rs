@@ -447,10 +447,17 @@ impl Executor<'_> {
                 }
                 Event::DeadLettered(message, result)
             }
-            Action::Release(receipts, after) => Event::Released(receipts.len(), in_batches(&receipts, |batch| o.queue.release(batch, after)).await),
+            // Visibility changes go in the background: the loop dispatches meanwhile.
+            Action::Release(receipts, after) => {
+                let queue = o.queue.clone();
+                self.background.spawn(async move { Event::Released(receipts.len(), in_batches(&receipts, |batch| queue.release(batch, after)).await) });
+                return Ok(());
+            }
             Action::ExtendHidden(receipts) => {
-                let visibility = cfg.visibility_timeout;
-                Event::ExtendedHidden(receipts.len(), in_batches(&receipts, |batch| o.queue.release(batch, visibility)).await)
+                let (queue, visibility) = (o.queue.clone(), cfg.visibility_timeout);
+                self.background
+                    .spawn(async move { Event::ExtendedHidden(receipts.len(), in_batches(&receipts, |batch| queue.release(batch, visibility)).await) });
+                return Ok(());
             }
             Action::CheckDrained => Event::DrainChecked(self.nothing_left().await),
             Action::Receive { max, wait, long_poll } => {

@@ -84,9 +84,9 @@ pub(crate) enum Action {
     /// Move a message to the jobs DLQ with its reason (await it); its job where it parsed
     /// (for the job's outcome record).
     DeadLetter(QueuedMessage, DeadLetterReason, Option<Box<Job>>),
-    /// Make these received messages visible again after this long (await it).
+    /// Make these received messages visible again after this long (background).
     Release(Vec<String>, Duration),
-    /// Keep these messages in hand hidden for another visibility timeout (await it).
+    /// Keep these messages in hand hidden for another visibility timeout (background).
     ExtendHidden(Vec<String>),
     /// Receive up to `max` messages, waiting up to `wait` for the first (background):
     /// a long poll when the loop ran dry, a prefetch (no wait) while jobs are in hand.
