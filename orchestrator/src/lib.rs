@@ -238,7 +238,9 @@ impl Orchestrator {
             Err(e) => return Err(e.into()),
         };
         info!(epoch = lease.epoch, "lease taken");
-        let mut state = StackMachine::new(&self.settings, &self.progress, lease, started, opts.deadline, opts.drain).with_pipeline(self.invoker.pipeline());
+        let mut state = StackMachine::new(&self.settings, &self.progress, lease, started, opts.deadline, opts.drain)
+            .with_pipeline(self.invoker.pipeline())
+            .on_fair_queue(self.queue.serves_groups_fairly());
         if self.relay.is_some() && !opts.drain {
             state = state.with_relay(started);
         }

@@ -46,6 +46,16 @@ const MAX_RECEIVES_IN_FLIGHT: usize = 64;
 /// After a prefetch found nothing, the next waits this long: an idle queue is not
 /// polled in a loop.
 const PREFETCH_PAUSE: Duration = Duration::from_secs(1);
+/// On a fair queue, after a receive whose every job went back to the queue (its lanes
+/// hold all they can use), the next waits this long, doubling with each such receive up
+/// to [`IDLE_PROBE_MAX`]: a fair queue would have handed out another lane's job first, so
+/// there is none to find, and a heavy lane's surplus is not received and given back over
+/// and over.
+const IDLE_PROBE_FIRST: Duration = Duration::from_millis(100);
+const IDLE_PROBE_MAX: Duration = Duration::from_secs(2);
+/// Receives whose every job went back, one after another, before the next waits: a
+/// lane that ran dry between them is still found at once.
+const IDLE_RECEIVES_BEFORE_PAUSE: u32 = 4;
 /// Receipts deleted in one call at most (SQS batch size).
 pub(crate) const DELETE_BATCH: usize = 10;
 /// Retries of a refused hand-off: quick, since slots are waiting.
@@ -204,6 +214,11 @@ pub(crate) struct StackMachine<'a> {
     receive_latency: Duration,
     /// Draining: the last long poll found the queue empty.
     queue_seen_empty: bool,
+    /// The queue hands out quiet lanes' jobs first (an SQS fair queue), and how long the
+    /// next receive waits after one whose every job went back.
+    fair_queue: bool,
+    idle_receives: u32,
+    idle_probe: Duration,
     /// What the relay (the next run) is asked when [`Timer::Relay`] fires.
     relay: Option<RelayRequest>,
     stop: Option<StopReason>,
@@ -244,6 +259,9 @@ impl<'a> StackMachine<'a> {
             pipeline: paceline_shared::ports::DEFAULT_PIPELINE,
             receive_latency: Duration::ZERO,
             queue_seen_empty: false,
+            fair_queue: false,
+            idle_receives: 0,
+            idle_probe: IDLE_PROBE_FIRST,
             relay: None,
             stop: None,
             report: RunReport::starting_at(started),
@@ -253,6 +271,12 @@ impl<'a> StackMachine<'a> {
     /// The same machine keeping up to `pipeline` hand-offs awaiting their answer.
     pub fn with_pipeline(self, pipeline: usize) -> Self {
         Self { pipeline, ..self }
+    }
+
+    /// The same machine on a queue that hands out quiet lanes' jobs first (see
+    /// [`IDLE_PROBE_FIRST`]).
+    pub fn on_fair_queue(self, fair_queue: bool) -> Self {
+        Self { fair_queue, ..self }
     }
 
     /// The same machine starting a relay [`RELAY_LEAD`] before it stops (at once if the
@@ -842,6 +866,7 @@ impl<'a> StackMachine<'a> {
     /// dispatch before their visibility timeout gives the surplus back to the queue, to
     /// come back when the lane will have used what it holds.
     fn route_received(&mut self, received: Vec<QueuedMessage>, now: UnixMillis) {
+        let received_count = received.len();
         let mut by_lane: Vec<(usize, Vec<QueuedMessage>)> = Vec::new();
         let mut misgrouped = 0_usize;
         for message in received {
@@ -872,6 +897,7 @@ impl<'a> StackMachine<'a> {
         let shared_room = many.shared_capacity(now.plus(lead), stretch, MANY_LANES_IN_HAND) as f64;
         let weights = many.weights_in_hand;
         let shared_pace = many.shared.pace_per_second();
+        let mut given_back = 0;
         for (index, _) in by_lane {
             let share = many.scheduler.weight(index) / weights;
             let lane = &mut self.lanes[index];
@@ -884,6 +910,7 @@ impl<'a> StackMachine<'a> {
             let most = lane.room_estimate(now, horizon, MANY_LANES_IN_HAND).min(fair);
             let keep = lane.jobs_within(lane.capacity_until(now, horizon, most));
             let surplus = lane.release_past(keep);
+            given_back += surplus.len();
             many.touch(index);
             if !surplus.is_empty() {
                 many.fairness.gave_back(index);
@@ -897,6 +924,25 @@ impl<'a> StackMachine<'a> {
                 many.returning[index].extend(returns.iter().map(|(receipts, after)| (now.plus(*after), receipts.clone())));
                 self.to_release.extend(returns);
             }
+        }
+        self.pause_probing_if_idle(received_count > 0 && given_back >= received_count, now);
+    }
+
+    /// On a fair queue, receives whose every job went back found no lane with room: after
+    /// [`IDLE_RECEIVES_BEFORE_PAUSE`] of them the next waits (see [`IDLE_PROBE_FIRST`]);
+    /// one that kept a job resets the count and the wait.
+    fn pause_probing_if_idle(&mut self, idle: bool, now: UnixMillis) {
+        if !self.fair_queue {
+            return;
+        }
+        if !idle {
+            (self.idle_receives, self.idle_probe) = (0, IDLE_PROBE_FIRST);
+            return;
+        }
+        self.idle_receives += 1;
+        if self.idle_receives >= IDLE_RECEIVES_BEFORE_PAUSE {
+            self.timers.set(Timer::Prefetch, now.plus(self.idle_probe));
+            self.idle_probe = (self.idle_probe * 2).min(IDLE_PROBE_MAX);
         }
     }
 
@@ -1342,5 +1388,41 @@ mod tests {
             matches!(next_past_housekeeping(&mut state, answered), Action::Sleep { until, .. } if until == T0.plus(Duration::from_secs(3))),
             "the next check is an interval later; the next refresh comes first"
         );
+    }
+
+    /// On a fair queue, receives whose every job went back (a heavy lane's surplus, its
+    /// lanes full) pause the next after four in a row, 100 ms doubling to 2 s; a receive
+    /// that kept a job resets it. On a queue without fairness (the embedded one) receives
+    /// never pause: the next may be what reaches a light lane's jobs behind the backlog.
+    #[test]
+    fn on_a_fair_queue_receives_that_find_only_full_lanes_pause_the_next_and_one_that_keeps_a_job_ends_the_pause() {
+        let (settings, progress) = (settings(), Progress::default());
+        let lease = Lease { holder: "test".into(), epoch: 1, expires_at: T0.plus(Duration::from_secs(30)) };
+        let paused_until = |state: &StackMachine<'_>| state.timers.get(Timer::Prefetch);
+        let mut fair = StackMachine::new(&settings, &progress, lease.clone(), T0, T0.plus(Duration::from_secs(60)), false).on_fair_queue(true);
+        for _ in 0..3 {
+            fair.pause_probing_if_idle(true, T0);
+        }
+        assert_eq!(paused_until(&fair), None, "three in a row: no pause yet");
+        let waits: Vec<u64> = (0..7)
+            .map(|_| {
+                fair.pause_probing_if_idle(true, T0);
+                paused_until(&fair).unwrap().since(T0).as_millis() as u64
+            })
+            .collect();
+        assert_eq!(waits, [100, 200, 400, 800, 1_600, 2_000, 2_000]);
+        fair.timers.stop(Timer::Prefetch);
+        fair.pause_probing_if_idle(false, T0);
+        for _ in 0..3 {
+            fair.pause_probing_if_idle(true, T0);
+        }
+        assert_eq!(paused_until(&fair), None, "a receive that kept a job starts the count again");
+        fair.pause_probing_if_idle(true, T0);
+        assert_eq!(paused_until(&fair), Some(T0.plus(Duration::from_millis(100))), "and the wait");
+        let mut plain = StackMachine::new(&settings, &progress, lease, T0, T0.plus(Duration::from_secs(60)), false);
+        for _ in 0..10 {
+            plain.pause_probing_if_idle(true, T0);
+        }
+        assert_eq!(paused_until(&plain), None);
     }
 }

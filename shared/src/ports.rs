@@ -152,6 +152,13 @@ pub trait JobQueue: Send + Sync {
     /// As for `receive`; the caller must not delete the original unless this succeeded.
     async fn dead_letter(&self, message_id: &str, body: &str, attempt: u32, reason: &DeadLetterReason) -> PortResult<()>;
 
+    /// Whether the queue hands out the messages of quiet message groups (lanes) before
+    /// those of a group with many in flight, as an SQS fair queue does: a receive then
+    /// finds a light lane's jobs behind a heavy lane's backlog.
+    fn serves_groups_fairly(&self) -> bool {
+        false
+    }
+
     /// Counts messages by where they are.
     ///
     /// # Errors

@@ -251,6 +251,10 @@ impl JobQueue for SimQueue {
         Ok(())
     }
 
+    fn serves_groups_fairly(&self) -> bool {
+        lock(&self.state).is_fair()
+    }
+
     async fn depth(&self) -> PortResult<QueueDepth> {
         self.world.ledger.count("sqs:GetQueueAttributes", 1);
         self.world.call(Stream::Sqs).await;

@@ -86,6 +86,10 @@ impl QueueState {
         group
     }
 
+    pub fn is_fair(&self) -> bool {
+        self.fair
+    }
+
     pub fn visible_len(&self) -> usize {
         self.visible
     }

@@ -265,6 +265,12 @@ impl JobQueue for SqsQueue {
         Ok(())
     }
 
+    /// Every job goes in its lane's message group: a standard queue is then a fair queue
+    /// (a FIFO queue holds a group back while one of its messages is in flight instead).
+    fn serves_groups_fairly(&self) -> bool {
+        !is_fifo(&self.queue_url)
+    }
+
     async fn depth(&self) -> PortResult<QueueDepth> {
         let (visible, not_visible) = self.counts(&self.queue_url).await?;
         let (dead_visible, dead_hidden) = self.counts(&self.dlq_url).await?;
