@@ -159,6 +159,13 @@ impl DynamoStateStore {
         self.get_item(self.pk(name)).await
     }
 
+    /// Deletes the item of `name` in this scope (`what` names it in errors).
+    async fn delete(&self, name: &str, what: &str) -> PortResult<()> {
+        let request = self.client.delete_item().table_name(&self.table).key("pk", self.pk(name));
+        request.send().await.map_err(|e| map_sdk_error(&format!("dynamodb DeleteItem ({what})"), &e))?;
+        Ok(())
+    }
+
     async fn get_item(&self, pk: AttributeValue) -> PortResult<Option<Item>> {
         let out = self
             .client
@@ -431,14 +438,7 @@ impl StateStore for DynamoStateStore {
     }
 
     async fn forget_call(&self, key: &str) -> PortResult<()> {
-        self.client
-            .delete_item()
-            .table_name(&self.table)
-            .key("pk", self.pk(key))
-            .send()
-            .await
-            .map_err(|e| map_sdk_error("dynamodb DeleteItem (call record)", &e))?;
-        Ok(())
+        self.delete(key, "call record").await
     }
 
     async fn call_slots_in_use(&self, capacity: u32, now: UnixMillis) -> PortResult<u32> {
@@ -537,13 +537,7 @@ impl StateStore for DynamoStateStore {
 
     async fn clear_cool_down(&self) -> PortResult<()> {
         for key in [COOL_DOWN, PROVIDER_READING] {
-            self.client
-                .delete_item()
-                .table_name(&self.table)
-                .key("pk", self.pk(key))
-                .send()
-                .await
-                .map_err(|e| map_sdk_error(&format!("dynamodb DeleteItem ({key})"), &e))?;
+            self.delete(key, key).await?;
         }
         Ok(())
     }
@@ -567,8 +561,7 @@ impl StateStore for DynamoStateStore {
                 listed.send().await.map_err(|e| map_sdk_error(what, &e))?;
             }
             None => {
-                let forget = self.client.delete_item().table_name(&self.table).key("pk", self.pk(LANE_CHANGE));
-                forget.send().await.map_err(|e| map_sdk_error("dynamodb DeleteItem (lane settings)", &e))?;
+                self.delete(LANE_CHANGE, "lane settings").await?;
                 let listed = listed.update_expression("DELETE lanes :lane").expression_attribute_values(":lane", AttributeValue::Ss(vec![lane.to_string()]));
                 listed.send().await.map_err(|e| map_sdk_error(what, &e))?;
             }
