@@ -113,8 +113,9 @@ impl WorkerFunction {
     }
 }
 
-/// Builds the function from the environment (`get` reads the process's variables, then
-/// the secrets read at cold start), an SDK configuration and the API's secrets.
+/// Builds the function from `env` (the process's variables, then the secrets read at
+/// cold start), an SDK configuration and the API's secrets (each lane's are read with
+/// them when its first job comes).
 ///
 /// # Errors
 /// The first missing or invalid variable, named.
