@@ -629,24 +629,31 @@ async fn a_claim_the_store_refuses_puts_its_job_back_without_a_call_and_the_batc
     assert_eq!(requeued(&store).await, vec![("c-1".to_string(), 0)], "the first, unclaimed, goes again at the same attempt");
 }
 
+/// Builds each lane's worker like `worker` (calling `api`, its state in `store`), or
+/// fails with what `refuse` says of the lane.
+fn lane_builds(
+    worker: &Worker,
+    api: Arc<InstantApi>,
+    store: &Arc<EmbeddedStore>,
+    refuse: impl Fn(&paceline_shared::lane::LaneId) -> Option<String> + Send + Sync + 'static,
+) -> Box<crate::lanes::BuildLaneWorker> {
+    let (store, clock, health_check) = (store.clone(), worker.clock.clone(), worker.health_check.clone());
+    Box::new(move |lane: paceline_shared::lane::LaneId| -> crate::lanes::LaneWorkerBuild {
+        let built = match refuse(&lane) {
+            Some(why) => Err(why),
+            None => Ok(Worker::new(api.clone(), store.clone(), store.clone(), clock.clone(), RetryConfig::default(), health_check.clone())),
+        };
+        Box::pin(std::future::ready(built))
+    })
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_batch_for_many_lanes_goes_to_each_lane_s_worker_and_a_lane_without_its_key_is_dead_lettered() {
     let (worker, store) = new_worker("http://127.0.0.1:9/v1");
     let clock = worker.clock.clone();
     let api = Arc::new(InstantApi::new(clock.clone()));
-    let health_check = worker.health_check.clone();
-    let build = {
-        let (api, store, clock) = (api.clone(), store.clone(), clock.clone());
-        move |lane: paceline_shared::lane::LaneId| -> crate::lanes::LaneWorkerBuild {
-            let built = if lane.as_str() == "nokey" {
-                Err("API_KEY_NOKEY is not set".into())
-            } else {
-                Ok(Worker::new(api.clone(), store.clone(), store.clone(), clock.clone(), RetryConfig::default(), health_check.clone()))
-            };
-            Box::pin(std::future::ready(built))
-        }
-    };
-    let lanes = crate::lanes::LaneWorkers::new(Box::new(build), store.clone());
+    let build = lane_builds(&worker, api.clone(), &store, |lane| (lane.as_str() == "nokey").then(|| "API_KEY_NOKEY is not set".to_owned()));
+    let lanes = crate::lanes::LaneWorkers::new(build, store.clone());
     let t0 = clock.now();
     let in_lane = |id: &str, lane: &str, ms: u64| {
         let WorkerPayload::Job { mut job, attempt, circuit_epoch, dispatched_at, slot, trip, report_limits } = in_slot(id, t0, ms) else { unreachable!() };
@@ -673,22 +680,17 @@ async fn a_lane_s_worker_is_built_again_when_its_keep_ends_and_a_lane_without_it
     let (worker, store) = new_worker("http://127.0.0.1:9/v1");
     let clock = worker.clock.clone();
     let api = Arc::new(InstantApi::new(clock.clone()));
-    let health_check = worker.health_check.clone();
     let builds: Arc<Mutex<Vec<String>>> = Arc::default();
     let secret_exists = Arc::new(AtomicU32::new(0));
     let build = {
-        let (api, store, clock, builds, secret_exists) = (api.clone(), store.clone(), clock.clone(), builds.clone(), secret_exists.clone());
-        move |lane: paceline_shared::lane::LaneId| -> crate::lanes::LaneWorkerBuild {
+        let (builds, secret_exists) = (builds.clone(), secret_exists.clone());
+        lane_builds(&worker, api.clone(), &store, move |lane| {
             builds.lock().unwrap().push(lane.to_string());
-            let built = if lane.as_str() == "late" && secret_exists.load(Ordering::SeqCst) == 0 {
-                Err("cannot read secret KEY_late (keys/late): ResourceNotFoundException".into())
-            } else {
-                Ok(Worker::new(api.clone(), store.clone(), store.clone(), clock.clone(), RetryConfig::default(), health_check.clone()))
-            };
-            Box::pin(std::future::ready(built))
-        }
+            let missing = lane.as_str() == "late" && secret_exists.load(Ordering::SeqCst) == 0;
+            missing.then(|| "cannot read secret KEY_late (keys/late): ResourceNotFoundException".to_owned())
+        })
     };
-    let lanes = crate::lanes::LaneWorkers::new(Box::new(build), store.clone()).rebuilt_after(Duration::from_secs(300), clock.clone());
+    let lanes = crate::lanes::LaneWorkers::new(build, store.clone()).rebuilt_after(Duration::from_secs(300), clock.clone());
     let in_lane = |id: &str, lane: &str| {
         let job = Job::parse(&format!(r#"{{"id":"{id}","lane":"{lane}","request":{{"method":"GET","path":"/items/{id}"}}}}"#)).unwrap();
         WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None, report_limits: false }
