@@ -219,6 +219,11 @@ def check_operator_commands(paceline, url, stack):
     forgotten = paceline_json("lanes", "remove", "gold")
     check(forgotten["forgotten"]["weight"] == 2, "lanes remove: gold's change forgotten")
     check(paceline_json("lanes", "show", "gold")["weight"] == 3, "lanes show: gold as deployed again")
+    gold = paceline_json("status", "--lane", "gold")
+    check(
+        gold["queue_is_the_stacks"] is True and gold["drain_estimate_seconds"] is None and [t["tier"] for t in gold["tiers"]] == ["20/s"],
+        "status --lane: gold's tiers; the queue is the whole stack's (SQS counts no lane apart), so no drain estimate for gold",
+    )
 
 
 if __name__ == "__main__":

@@ -86,8 +86,12 @@ struct Status {
     /// The lane shown (`status --lane`).
     #[serde(skip_serializing_if = "Option::is_none")]
     lane: Option<String>,
-    /// The queue's depths (of the lane's jobs, for one lane).
+    /// The queue's depths (of the lane's jobs, for one lane, where the store counts them
+    /// by lane).
     queue: QueueDepth,
+    /// `status --lane` on SQS, which counts no lane apart: `queue` is the whole stack's.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    queue_is_the_stacks: bool,
     /// The worker's DLQ, where the lane has one.
     worker_dead: Option<u64>,
     /// The lane's circuit (none for a stack of many lanes: each has its own, in `lanes`).
@@ -159,6 +163,7 @@ impl StatusArgs {
         let now = system_now();
         let worker_dead = if stack.queues.sources().contains(&DlqSource::Worker) { Some(stack.queues.count(DlqSource::Worker).await?) } else { None };
         let with_lanes = stack.has_lanes();
+        let mut queue_is_the_stacks = false;
         let (state, quota, queue, lanes): (Arc<dyn StateStore>, Option<Quota>, QueueDepth, Option<Vec<LaneView>>) = match &self.lane {
             Some(lane) if with_lanes => {
                 let (config, _) = stack.lanes()?;
@@ -166,7 +171,10 @@ impl StatusArgs {
                 let quota = config.lane_changed(lane, &state.lane_change().await?.unwrap_or_default())?.quota;
                 let queue = match stack.backlog_by_lane()? {
                     Some(depths) => depths.get(lane).copied().unwrap_or_default(),
-                    None => stack.queues.depth().await?,
+                    None => {
+                        queue_is_the_stacks = true;
+                        stack.queues.depth().await?
+                    }
                 };
                 (state, Some(quota), queue, None)
             }
@@ -227,8 +235,9 @@ impl StatusArgs {
                 tiers.push(usage);
             }
             let waiting = queue.visible + queue.not_visible;
-            // Lanes that share no quota drain at their own paces: no estimate for the stack.
-            if !quota.tiers().is_empty() {
+            // Lanes that share no quota drain at their own paces: no estimate for the stack;
+            // nor one for a lane whose jobs are not counted apart.
+            if !quota.tiers().is_empty() && !queue_is_the_stacks {
                 drain_estimate_seconds = Some(quota.drain_estimate(waiting, &calendar_used, now).as_secs());
             }
         }
@@ -237,6 +246,7 @@ impl StatusArgs {
         let status = Status {
             lane: self.lane.as_ref().map(ToString::to_string),
             queue,
+            queue_is_the_stacks,
             worker_dead,
             circuit: if lanes.is_some() { None } else { Some(state.circuit().await?) },
             lease: stack.state.lease().await?.filter(|l| l.expires_at > now),
@@ -259,7 +269,8 @@ impl StatusArgs {
 
 fn print_status(status: &Status, now: UnixMillis) {
     let q = &status.queue;
-    println!("queue: {} ready, {} in flight or delayed", q.visible, q.not_visible);
+    let whose = if status.queue_is_the_stacks { " (the whole stack's: SQS counts no lane apart)" } else { "" };
+    println!("queue{whose}: {} ready, {} in flight or delayed", q.visible, q.not_visible);
     match status.worker_dead {
         Some(worker) => println!("dead letters: {} in the jobs DLQ, {worker} in the worker DLQ", q.dead),
         None => println!("dead letters: {}", q.dead),
