@@ -104,29 +104,26 @@ impl LaneWorkers {
     /// Lane `lane`'s worker, built now if this is its first payload or the last build
     /// is too old.
     async fn worker(&self, lane: &LaneId) -> Result<Arc<Worker>, String> {
-        let now = self.keep_for.as_ref().map(|(_, clock)| clock.now());
         {
             let workers = self.workers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if let Some(built) = workers.get(lane).filter(|built| self.still_good(built, now)) {
+            if let Some(built) = workers.get(lane).filter(|built| self.still_good(built)) {
                 return built.worker.clone();
             }
         }
         // Two payloads of a new lane at once may both build it: the later one is kept.
+        let at = self.keep_for.as_ref().map_or_else(UnixMillis::default, |(_, clock)| clock.now());
         let worker = (self.build)(lane.clone()).await.map(Arc::new);
         let mut workers = self.workers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        workers.insert(lane.clone(), Built { worker: worker.clone(), at: now.unwrap_or_default() });
+        workers.insert(lane.clone(), Built { worker: worker.clone(), at });
         worker
     }
 
-    /// Whether `built` serves at `now`: a worker within its keep, a failure within
+    /// Whether `built` serves now: a worker within its keep, a failure within
     /// [`RETRY_FAILED_BUILD`]; without a keep, a worker for good and a failure never.
-    fn still_good(&self, built: &Built, now: Option<UnixMillis>) -> bool {
-        match (&self.keep_for, now, &built.worker) {
-            (None, _, worker) => worker.is_ok(),
-            (Some((keep_for, _)), Some(now), Ok(_)) => now.since(built.at) < *keep_for,
-            (Some((keep_for, _)), Some(now), Err(_)) => now.since(built.at) < RETRY_FAILED_BUILD.min(*keep_for),
-            (Some(_), None, _) => false,
-        }
+    fn still_good(&self, built: &Built) -> bool {
+        let Some((keep_for, clock)) = &self.keep_for else { return built.worker.is_ok() };
+        let keep = if built.worker.is_ok() { *keep_for } else { RETRY_FAILED_BUILD.min(*keep_for) };
+        clock.now().since(built.at) < keep
     }
 }
 
