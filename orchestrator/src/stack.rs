@@ -46,9 +46,9 @@ const MAX_RECEIVES_IN_FLIGHT: usize = 64;
 /// After a prefetch found nothing, the next waits this long: an idle queue is not
 /// polled in a loop.
 const PREFETCH_PAUSE: Duration = Duration::from_secs(1);
-/// On a fair queue, after a receive whose every job went back to the queue (its lanes
-/// hold all they can use), the next waits this long, doubling with each such receive up
-/// to [`IDLE_PROBE_MAX`]: a fair queue would have handed out another lane's job first, so
+/// On a fair queue, after [`IDLE_RECEIVES_BEFORE_PAUSE`] receives in a row whose every
+/// job went back to the queue (their lanes hold all they can use), the next waits this
+/// long, doubling with each more such receive up to [`IDLE_PROBE_MAX`]: a fair queue would have handed out another lane's job first, so
 /// there is none to find, and a heavy lane's surplus is not received and given back over
 /// and over.
 const IDLE_PROBE_FIRST: Duration = Duration::from_millis(100);
