@@ -24,7 +24,7 @@ use paceline_shared::config::{CircuitConfig, OrchestratorConfig, WorkerHost};
 use paceline_shared::job::{DeadLetterReason, WorkerPayload};
 use paceline_shared::ports::{
     BatchClaim, BatchProgress, CallClaim, Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortResult, QueueDepth, QueuedMessage,
-    StateStore,
+    StateStore, VisibleAgain,
 };
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
@@ -63,9 +63,9 @@ impl JobQueue for Counting<EmbeddedStore> {
         self.count("sqs:DeleteMessageBatch", batches(receipts.len()));
         self.inner.delete(receipts).await
     }
-    async fn release(&self, receipts: &[String], after: Duration) -> PortResult<()> {
-        self.count("sqs:ChangeMessageVisibilityBatch", batches(receipts.len()));
-        self.inner.release(receipts, after).await
+    async fn release(&self, messages: &[VisibleAgain]) -> PortResult<()> {
+        self.count("sqs:ChangeMessageVisibilityBatch", batches(messages.len()));
+        self.inner.release(messages).await
     }
     async fn send(&self, messages: &[OutgoingMessage]) -> PortResult<()> {
         self.count("sqs:SendMessageBatch", batches(messages.len()));

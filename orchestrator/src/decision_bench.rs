@@ -150,9 +150,11 @@ pub fn drain(
                 queue.delete(std::slice::from_ref(&message.receipt));
                 Event::DeadLettered(message, Ok(()))
             }
-            Action::Release(receipts, after) => {
-                queue.release(&receipts, now.plus(after));
-                Event::Released(receipts.len(), Ok(()))
+            Action::Release(messages) => {
+                for message in &messages {
+                    queue.release(std::slice::from_ref(&message.receipt), now.plus(message.after));
+                }
+                Event::Released(messages.len(), Ok(()))
             }
             Action::ExtendHidden(receipts) => {
                 queue.release(&receipts, now.plus(settings.orchestrator.visibility_timeout));

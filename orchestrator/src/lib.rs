@@ -44,7 +44,8 @@ use paceline_shared::keys::StoreScope;
 use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, OutcomeTimes};
 use paceline_shared::pacer::MissedSlots;
 use paceline_shared::ports::{
-    load_calendar_usage, Invoker, JobQueue, OutcomeSink, PacerSnapshot, PortError, PortResult, QueuedMessage, ScopedStores, StateStore, CALL_SLOTS_FULL_KEY,
+    load_calendar_usage, Invoker, JobQueue, OutcomeSink, PacerSnapshot, PortError, PortResult, QueuedMessage, ScopedStores, StateStore, VisibleAgain,
+    CALL_SLOTS_FULL_KEY,
 };
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, UnixMillis};
@@ -450,15 +451,14 @@ impl Executor<'_> {
                 Event::DeadLettered(message, result)
             }
             // Visibility changes go in the background: the loop dispatches meanwhile.
-            Action::Release(receipts, after) => {
+            Action::Release(messages) => {
                 let queue = o.queue.clone();
-                self.background.spawn(async move { Event::Released(receipts.len(), in_batches(&receipts, |batch| queue.release(batch, after)).await) });
+                self.background.spawn(async move { Event::Released(messages.len(), in_batches(&messages, |batch| queue.release(batch)).await) });
                 return Ok(());
             }
             Action::ExtendHidden(receipts) => {
-                let (queue, visibility) = (o.queue.clone(), cfg.visibility_timeout);
-                self.background
-                    .spawn(async move { Event::ExtendedHidden(receipts.len(), in_batches(&receipts, |batch| queue.release(batch, visibility)).await) });
+                let (queue, hidden) = (o.queue.clone(), VisibleAgain::all(receipts, cfg.visibility_timeout));
+                self.background.spawn(async move { Event::ExtendedHidden(hidden.len(), in_batches(&hidden, |batch| queue.release(batch)).await) });
                 return Ok(());
             }
             Action::CheckDrained => Event::DrainChecked(self.nothing_left().await),
@@ -548,7 +548,8 @@ impl Executor<'_> {
         }
         let (deletes, in_hand, unspent) = self.state.leftovers();
         let deleted = in_batches(&deletes, |batch| o.queue.delete(batch)).await;
-        let released = in_batches(&in_hand, |batch| o.queue.release(batch, Duration::ZERO)).await;
+        let in_hand = VisibleAgain::all(in_hand, Duration::ZERO);
+        let released = in_batches(&in_hand, |batch| o.queue.release(batch)).await;
         if released.is_ok() {
             self.state.report.released += in_hand.len() as u64;
         }
@@ -600,9 +601,9 @@ async fn save_snapshots(
 }
 
 /// Calls `each` on `items` in SQS-sized batches, stopping at the first error.
-async fn in_batches<'a, F, Fut>(items: &'a [String], mut each: F) -> PortResult<()>
+async fn in_batches<'a, T, F, Fut>(items: &'a [T], mut each: F) -> PortResult<()>
 where
-    F: FnMut(&'a [String]) -> Fut,
+    F: FnMut(&'a [T]) -> Fut,
     Fut: std::future::Future<Output = PortResult<()>>,
 {
     for batch in items.chunks(DELETE_BATCH) {

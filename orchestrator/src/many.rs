@@ -6,7 +6,7 @@
 //! belongs: in the scheduler's line or out of it, among the lanes with an open circuit,
 //! a malformed job in front or jobs to bring back, and its deadlines in the heap.
 
-use std::collections::{BTreeSet, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::Duration;
 
 use paceline_shared::breaker::CircuitStatus;
@@ -46,9 +46,9 @@ pub(crate) struct ManyLanes<'a> {
     /// takes in the next stretch: (from, units, units spent by then).
     spent: u64,
     capacity_seen: Option<(UnixMillis, usize, u64)>,
-    /// Per lane: the ids of the messages it gave back to the queue and has not
-    /// dispatched since (to tell a job given back before from one it had not seen).
-    pub hidden: Vec<HashSet<String>>,
+    /// Per lane: the messages it gave back to the queue and has not dispatched since,
+    /// in the order it first saw them.
+    pub hidden: Vec<HiddenJobs>,
     /// Per lane: the receipts of what it gave back, by when each batch comes back; a
     /// lane that runs dry sooner (its share grew) brings the first back at once.
     pub returning: Vec<Vec<(UnixMillis, Vec<String>)>>,
@@ -120,7 +120,7 @@ impl<'a> ManyLanes<'a> {
         self.to_hydrate.push_back(index);
         self.dispatched.push(0);
         self.fairness.add_lane();
-        self.hidden.push(HashSet::new());
+        self.hidden.push(HiddenJobs::default());
         self.returning.push(Vec::new());
         self.recalling.push(false);
         self.recalled_at.push(UnixMillis(0));
@@ -258,35 +258,72 @@ pub(crate) const FAIR_SHARE_STRETCH: Duration = Duration::from_secs(20);
 /// The longest a lane's surplus is hidden on the queue before it is looked at again.
 pub(crate) const MAX_RELEASE_DELAY: Duration = Duration::from_secs(15 * 60);
 
+/// The messages a lane gave back to the queue and has not dispatched since, each with
+/// the order in which the lane first saw it: a job seen again keeps its place behind
+/// those it came after, however often it comes back.
+#[derive(Default)]
+pub(crate) struct HiddenJobs {
+    order_of: HashMap<String, u64>,
+    in_order: BTreeSet<u64>,
+    next: u64,
+}
+
+impl HiddenJobs {
+    pub fn is_empty(&self) -> bool {
+        self.order_of.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.order_of.len()
+    }
+
+    /// How many of the lane's hidden jobs are ahead of `message_id` (zero-based): its
+    /// place among them, a new one's behind them all (then hidden too).
+    fn place_of(&mut self, message_id: &str) -> usize {
+        if let Some(order) = self.order_of.get(message_id) {
+            // Counted from the first still hidden: those before it mostly went already.
+            let first = self.in_order.first().copied().unwrap_or(*order);
+            return usize::try_from(order - first).unwrap_or(usize::MAX).min(self.len() - 1);
+        }
+        let place = self.len();
+        self.order_of.insert(message_id.to_owned(), self.next);
+        self.in_order.insert(self.next);
+        self.next += 1;
+        place
+    }
+
+    /// The lane dispatched `message_id`: no longer hidden. Whether it was.
+    pub fn remove(&mut self, message_id: &str) -> bool {
+        let Some(order) = self.order_of.remove(message_id) else { return false };
+        self.in_order.remove(&order);
+        if self.order_of.is_empty() {
+            *self = Self::default(); // its memory too: the lane may stay idle
+        }
+        true
+    }
+}
+
 /// When each batch of a lane's surplus comes back on the queue. The lane keeps `kept`
-/// jobs and goes at `pace` a second; a job it gave back before (in `hidden`) comes
-/// right behind what it keeps, one it had not seen behind every job still hidden, and
-/// each comes back halfway to when it is due (`position / pace`): at least a second
-/// and at most [`MAX_RELEASE_DELAY`] later (or `visibility` when the pace is unknown),
-/// and not before the lane may call again (`held_for`: its day spent, a cool-down).
-/// A job is so looked at a few times before it goes, not once a second, and the
-/// lane's order holds. Jobs due within the same second come back together, ten at most.
+/// jobs and goes at `pace` a second; each job comes behind what the lane keeps and the
+/// jobs it gave back before this one and still hides (`hidden`, in the order the lane
+/// first saw them), and comes back halfway to when it is due (`position / pace`): at
+/// least a second and at most [`MAX_RELEASE_DELAY`] later (or `visibility` when the
+/// pace is unknown), and not before the lane may call again (`held_for`: its day spent,
+/// a cool-down). A job is so looked at a few times before it goes, not once a second,
+/// and the lane's order holds. Jobs due within the same second come back together,
+/// ten at most.
 pub(crate) fn surplus_returns(
     surplus: Vec<QueuedMessage>,
-    hidden: &mut HashSet<String>,
+    hidden: &mut HiddenJobs,
     kept: usize,
     pace: f64,
     visibility: Duration,
     held_for: Duration,
 ) -> Vec<(Vec<String>, Duration)> {
-    let behind_hidden = kept + hidden.len();
-    let (mut again, mut first) = (0, 0);
     let mut timed: Vec<(Duration, String)> = surplus
         .into_iter()
         .map(|message| {
-            let position = if hidden.contains(&message.message_id) {
-                again += 1;
-                kept + again
-            } else {
-                first += 1;
-                hidden.insert(message.message_id);
-                behind_hidden + first
-            };
+            let position = kept + hidden.place_of(&message.message_id) + 1;
             let due = if pace.is_finite() && pace > 0.0 {
                 Duration::from_secs_f64((position as f64 / pace).min(MAX_RELEASE_DELAY.as_secs_f64()))
             } else {
@@ -322,23 +359,49 @@ mod tests {
         QueuedMessage { message_id: id.into(), receipt: format!("r-{id}"), body: String::new(), attempt: 0, enqueued_at: UnixMillis(0), group: None }
     }
 
+    /// `n` jobs `{prefix}0`.. the lane gave back, in that order.
+    fn hidden_jobs(prefix: &str, n: usize) -> HiddenJobs {
+        let mut hidden = HiddenJobs::default();
+        let surplus = (0..n).map(|i| queued(&format!("{prefix}{i}"))).collect();
+        surplus_returns(surplus, &mut hidden, 0, 10.0, Duration::from_secs(30), Duration::ZERO);
+        hidden
+    }
+
     /// A lane at 10/s keeping 20 jobs: a job it had not seen goes behind the 50 still
-    /// hidden, one it gave back before right behind the 20 it keeps; each comes back
-    /// halfway to when it is due, with those due within the same second, at least a
-    /// second later.
+    /// hidden, one it gave back before behind the 20 it keeps and the jobs it hid before
+    /// that one; each comes back halfway to when it is due, with those due within the
+    /// same second, at least a second later.
     #[test]
     fn a_lane_s_surplus_comes_back_a_little_before_it_is_due_and_in_the_lane_s_order() {
-        let mut hidden: HashSet<String> = (0..50).map(|i| format!("h{i}")).collect();
+        let mut hidden = hidden_jobs("h", 50);
         let surplus: Vec<QueuedMessage> = (0..12).map(|i| queued(&format!("n{i}"))).chain([queued("h3")]).collect();
         let returns = surplus_returns(surplus, &mut hidden, 20, 10.0, Duration::from_secs(30), Duration::ZERO);
         let shown: Vec<(usize, Duration)> = returns.iter().map(|(receipts, after)| (receipts.len(), *after)).collect();
-        // h3 at position 21 (2.1 s, half of it); n0 to n11 at 71 to 82 (3.55 to 4.1 s).
-        assert_eq!(shown, [(1, Duration::from_millis(1_050)), (9, Duration::from_millis(3_550)), (3, Duration::from_millis(4_000))]);
+        // h3 at position 24 (2.4 s, half of it); n0 to n11 at 71 to 82 (3.55 to 4.1 s).
+        assert_eq!(shown, [(1, Duration::from_millis(1_200)), (9, Duration::from_millis(3_550)), (3, Duration::from_millis(4_000))]);
         assert_eq!(returns[0].0[0], "r-h3", "the job given back before comes first");
         assert_eq!(hidden.len(), 62, "the new ones are hidden too");
-        let slow = surplus_returns(vec![queued("x")], &mut HashSet::new(), 0, 1e9, Duration::from_secs(30), Duration::ZERO);
+        let slow = surplus_returns(vec![queued("x")], &mut HiddenJobs::default(), 0, 1e9, Duration::from_secs(30), Duration::ZERO);
         assert_eq!(slow[0].1, Duration::from_secs(1), "at least a second");
         let far = surplus_returns(vec![queued("y")], &mut hidden, 1_000_000, 1.0, Duration::from_secs(30), Duration::ZERO);
         assert_eq!(far[0].1, MAX_RELEASE_DELAY.mul_f64(RETURN_EARLY));
+    }
+
+    /// A heavy lane at 5/s keeping 25, a thousand of its jobs hidden: its 901st, seen
+    /// again, comes back when the 900 before it are nearly gone (92.6 s), not a few
+    /// seconds later to be given back again, and again (it came 2.6 s later, right
+    /// behind what the lane keeps: a heavy lane's backlog went to and fro). Once 500 of
+    /// those ahead of it went, it is 500 places nearer.
+    #[test]
+    fn a_job_given_back_again_keeps_its_place_behind_the_jobs_hidden_before_it() {
+        let mut hidden = hidden_jobs("h", 1_000);
+        let again = surplus_returns(vec![queued("h900")], &mut hidden, 25, 5.0, Duration::from_secs(30), Duration::ZERO);
+        assert_eq!(again[0].1, Duration::from_millis(92_600));
+        for i in 0..500 {
+            assert!(hidden.remove(&format!("h{i}")));
+        }
+        let nearer = surplus_returns(vec![queued("h900")], &mut hidden, 25, 5.0, Duration::from_secs(30), Duration::ZERO);
+        assert_eq!(nearer[0].1, Duration::from_millis(42_600));
+        assert_eq!(hidden.len(), 500, "a job seen again is hidden once");
     }
 }

@@ -69,7 +69,8 @@ pub struct RunReport {
     pub dispatched: u64,
     pub health_checks: u64,
     pub dead_lettered: u64,
-    /// Messages received but not dispatched, made visible again at the end.
+    /// Messages received but not dispatched, made visible again: a lane's surplus for
+    /// later, what was in hand at the end.
     pub released: u64,
     /// The paced stretch: from the first dispatch that waited for the pacer to the last.
     pub paced_ms: u64,

@@ -10,7 +10,7 @@
 //! lane's circuit is what the dispatch decision matches on: closed, jobs flow; open,
 //! messages in hand are released and a health check goes every interval.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -19,7 +19,7 @@ use paceline_shared::job::{DeadLetterCause, DeadLetterReason, Job, WorkerPayload
 use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
 use paceline_shared::pacer::{Decision, MissedSlot, PacerState};
-use paceline_shared::ports::{Lease, PacerSnapshot, PortError, PortResult, QueuedMessage};
+use paceline_shared::ports::{Lease, PacerSnapshot, PortError, PortResult, QueuedMessage, VisibleAgain};
 use paceline_shared::quota::Quota;
 use paceline_shared::time::UnixMillis;
 use tracing::{debug, warn};
@@ -94,8 +94,9 @@ pub(crate) enum Action {
     /// Move a message to the jobs DLQ with its reason (await it); its job where it parsed
     /// (for the job's outcome record).
     DeadLetter(QueuedMessage, DeadLetterReason, Option<Box<Job>>),
-    /// Make these received messages visible again after this long (background).
-    Release(Vec<String>, Duration),
+    /// Make these received messages visible again, each after its own time (background;
+    /// ten a request on SQS, whatever their times).
+    Release(Vec<VisibleAgain>),
     /// Keep these messages in hand hidden for another visibility timeout (background).
     ExtendHidden(Vec<String>),
     /// Receive up to `max` messages, waiting up to `wait` for the first (background):
@@ -200,7 +201,7 @@ pub(crate) struct StackMachine<'a> {
     /// With `[lanes]`: the shared quota and the scheduler.
     many: Option<ManyLanes<'a>>,
     /// Messages to make visible again later (a held lane's surplus), with the delay.
-    to_release: VecDeque<(Vec<String>, Duration)>,
+    to_release: Vec<VisibleAgain>,
     pending_deletes: Vec<String>,
     /// Messages to dead-letter whose reason came back from a hand-off.
     to_dead_letter: VecDeque<(QueuedMessage, DeadLetterReason, Option<Box<Job>>)>,
@@ -250,7 +251,7 @@ impl<'a> StackMachine<'a> {
             },
             lane_index: HashMap::new(),
             many: settings.lanes.as_ref().map(|config| ManyLanes::new(config, &settings.quota)),
-            to_release: VecDeque::new(),
+            to_release: Vec::new(),
             pending_deletes: Vec::new(),
             to_dead_letter: VecDeque::new(),
             timers,
@@ -416,8 +417,8 @@ impl<'a> StackMachine<'a> {
         if let Some(swap) = self.end_finished_ramp(now) {
             return swap;
         }
-        if let Some((receipts, after)) = self.to_release.pop_front() {
-            return Action::Release(receipts, after);
+        if !self.to_release.is_empty() {
+            return Action::Release(std::mem::take(&mut self.to_release));
         }
         if self.timers.is_expired(Timer::Extend, now) {
             if let Some(extend) = self.extend_hidden_in_hand(now) {
@@ -579,7 +580,7 @@ impl<'a> StackMachine<'a> {
     /// While the circuit is open: hold no messages, send a health check when due.
     fn while_open(&mut self, now: UnixMillis) -> Action {
         if self.lanes[0].has_jobs_in_hand() {
-            return Action::Release(self.lanes[0].release_all(), Duration::ZERO);
+            return Action::Release(VisibleAgain::all(self.lanes[0].release_all(), Duration::ZERO));
         }
         if self.lanes[0].health_check_in_flight() {
             return self.await_event();
@@ -622,7 +623,7 @@ impl<'a> StackMachine<'a> {
             let lane = &mut self.lanes[index];
             if lane.circuit().status == CircuitStatus::Open && lane.has_jobs_in_hand() {
                 many.touch(index);
-                return Action::Release(lane.release_all(), self.settings.circuit.health_check_interval);
+                return Action::Release(VisibleAgain::all(lane.release_all(), self.settings.circuit.health_check_interval));
             }
         }
         while let Some(index) = many.to_hydrate.pop_front() {
@@ -702,10 +703,7 @@ impl<'a> StackMachine<'a> {
                     many.spend(hand_off.cost, hand_off.slot, upload);
                     many.scheduler.charge(index, hand_off.cost);
                     many.fairness.served(index, hand_off.cost, many.scheduler.weight(index));
-                    let hidden = &mut many.hidden[index];
-                    if hidden.remove(&hand_off.message.message_id) && hidden.is_empty() {
-                        *hidden = HashSet::new(); // its memory too: the lane may stay idle
-                    }
+                    many.hidden[index].remove(&hand_off.message.message_id);
                     many.dispatched[index] += 1;
                     many.touch(index);
                     return self.act_for_lane(index, LaneStep::Dispatch(hand_off, payload));
@@ -759,7 +757,7 @@ impl<'a> StackMachine<'a> {
             many.recalled_at[index] = now;
             many.touch(index);
             self.timers.stop(Timer::Prefetch);
-            return Some(Action::Release(receipts, Duration::ZERO));
+            return Some(Action::Release(VisibleAgain::all(receipts, Duration::ZERO)));
         }
         None
     }
@@ -915,14 +913,13 @@ impl<'a> StackMachine<'a> {
             if !surplus.is_empty() {
                 many.fairness.gave_back(index);
                 let pace = lane.pace_per_second().min(shared_pace * share);
-                self.report.released += surplus.len() as u64;
                 let visibility = self.settings.orchestrator.visibility_timeout;
                 let held_for = lane.held_for(now).max(many.shared_held_for(now.plus(lead)));
                 let returns = surplus_returns(surplus, &mut many.hidden[index], keep, pace, visibility, held_for);
                 // Batches back on the queue by now are forgotten, not kept by idle lanes.
                 many.returning[index].retain(|(at, _)| *at > now);
                 many.returning[index].extend(returns.iter().map(|(receipts, after)| (now.plus(*after), receipts.clone())));
-                self.to_release.extend(returns);
+                self.to_release.extend(returns.into_iter().flat_map(|(receipts, after)| VisibleAgain::all(receipts, after)));
             }
         }
         self.pause_probing_if_idle(received_count > 0 && given_back >= received_count, now);
@@ -1256,7 +1253,7 @@ impl<'a> StackMachine<'a> {
     /// spent (as negative deltas, with the lane's scope).
     pub fn leftovers(&mut self) -> (Vec<String>, Vec<String>, Vec<UnspentUnits>) {
         let deletes = std::mem::take(&mut self.pending_deletes);
-        let mut in_hand: Vec<String> = self.to_release.drain(..).flat_map(|(receipts, _)| receipts).collect();
+        let mut in_hand: Vec<String> = self.to_release.drain(..).map(|message| message.receipt).collect();
         let mut unspent = Vec::new();
         if let Some(many) = &mut self.many {
             let shared = many.reserved.take_unspent();

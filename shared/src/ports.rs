@@ -79,6 +79,21 @@ pub struct QueuedMessage {
     pub group: Option<String>,
 }
 
+/// A received message to make visible again `after` this long (`Duration::ZERO`: now).
+/// One release carries messages with different times (SQS changes ten in a request).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VisibleAgain {
+    pub receipt: String,
+    pub after: Duration,
+}
+
+impl VisibleAgain {
+    /// Each of `receipts`, visible again `after` this long.
+    pub fn all(receipts: impl IntoIterator<Item = String>, after: Duration) -> Vec<Self> {
+        receipts.into_iter().map(|receipt| Self { receipt, after }).collect()
+    }
+}
+
 /// A message to put on the queue.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OutgoingMessage {
@@ -133,11 +148,11 @@ pub trait JobQueue: Send + Sync {
     /// As for `receive`; a message not deleted comes back after its visibility timeout.
     async fn delete(&self, receipts: &[String]) -> PortResult<()>;
 
-    /// Makes received messages visible again `after` this long (`Duration::ZERO`: now).
+    /// Makes received messages visible again, each after its own time.
     ///
     /// # Errors
     /// As for `receive`; a message not released comes back after its visibility timeout.
-    async fn release(&self, receipts: &[String], after: Duration) -> PortResult<()>;
+    async fn release(&self, messages: &[VisibleAgain]) -> PortResult<()>;
 
     /// Puts messages on the queue (at most 10 at a time). All or nothing is not promised:
     /// the error lists nothing, so callers resend the whole batch (jobs carry ids).

@@ -13,7 +13,7 @@ use paceline_shared::breaker::Circuit;
 use paceline_shared::job::{DeadLetterReason, WorkerPayload};
 use paceline_shared::ports::{
     slot_probe_start, BatchClaim, BatchProgress, CallClaim, Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult,
-    QueueDepth, QueuedMessage, StateStore, WorkerHandler,
+    QueueDepth, QueuedMessage, StateStore, VisibleAgain, WorkerHandler,
 };
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 
@@ -164,8 +164,9 @@ impl SimQueue {
             .collect()
     }
 
-    fn receipts(receipts: &[String]) -> impl Iterator<Item = u64> + '_ {
-        receipts.iter().filter_map(|r| r.parse().ok())
+    /// The message a receipt names (this queue's receipts are numbers); none for others.
+    fn receipt(receipt: &str) -> Option<u64> {
+        receipt.parse().ok()
     }
 }
 
@@ -205,20 +206,22 @@ impl JobQueue for SimQueue {
         self.world.ledger.count("sqs:DeleteMessageBatch", receipts.len().div_ceil(10) as u64);
         self.world.call(Stream::Sqs).await;
         let mut state = lock(&self.state);
-        for receipt in Self::receipts(receipts) {
+        for receipt in receipts.iter().filter_map(|receipt| Self::receipt(receipt)) {
             state.delete(receipt);
         }
         Ok(())
     }
 
-    async fn release(&self, receipts: &[String], after: Duration) -> PortResult<()> {
-        self.world.ledger.count("sqs:ChangeMessageVisibilityBatch", receipts.len().div_ceil(10) as u64);
+    async fn release(&self, messages: &[VisibleAgain]) -> PortResult<()> {
+        self.world.ledger.count("sqs:ChangeMessageVisibilityBatch", messages.len().div_ceil(10) as u64);
         self.world.call(Stream::Sqs).await;
         let now = self.world.clock.now();
         let mut state = lock(&self.state);
         // In reverse, so that messages put back at once keep their order at the front.
-        for receipt in Self::receipts(receipts).collect::<Vec<_>>().into_iter().rev() {
-            state.release(receipt, (!after.is_zero()).then(|| now.plus(after)));
+        for message in messages.iter().rev() {
+            if let Some(receipt) = Self::receipt(&message.receipt) {
+                state.release(receipt, (!message.after.is_zero()).then(|| now.plus(message.after)));
+            }
         }
         drop(state);
         self.arrived.notify_waiters();

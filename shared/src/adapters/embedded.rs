@@ -28,7 +28,7 @@ use crate::keys::{StoreScope, LANE_CHANGE};
 use crate::lane::LaneId;
 use crate::ports::{
     redrive_messages, BatchClaim, BatchProgress, CallClaim, DeadLetter, DeadLetterQueues, Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError,
-    PortResult, QueueDepth, QueuedMessage, ScopedStores, StateStore, WorkerHandler,
+    PortResult, QueueDepth, QueuedMessage, ScopedStores, StateStore, VisibleAgain, WorkerHandler,
 };
 use crate::retry;
 use crate::time::{Clock, UnixMillis};
@@ -676,15 +676,15 @@ impl JobQueue for EmbeddedStore {
         })
     }
 
-    async fn release(&self, receipts: &[String], after: Duration) -> PortResult<()> {
+    async fn release(&self, messages: &[VisibleAgain]) -> PortResult<()> {
         self.on_db(|| {
-            let now = to_i64(self.clock.now().plus(after).0);
+            let now = self.clock.now();
             let conn = self.conn();
             // The receipt stays good until the message is received again, as an SQS
             // receipt handle does: a later release may bring it back sooner.
             let mut release = conn.prepare_cached("UPDATE messages SET visible_at = ?1 WHERE receipt = ?2").map_err(sql_err)?;
-            for receipt in receipts {
-                release.execute(params![now, receipt]).map_err(sql_err)?;
+            for message in messages {
+                release.execute(params![to_i64(now.plus(message.after).0), message.receipt]).map_err(sql_err)?;
             }
             Ok(())
         })
@@ -1198,7 +1198,7 @@ mod tests {
         assert_eq!(got.iter().map(|m| (m.body.as_str(), m.attempt)).collect::<Vec<_>>(), vec![("a", 0), ("b", 2)]);
         assert_eq!(q.depth().await.unwrap(), QueueDepth { visible: 1, not_visible: 2, dead: 0 });
         q.delete(&[got[0].receipt.clone()]).await.unwrap();
-        q.release(&[got[1].receipt.clone()], Duration::ZERO).await.unwrap();
+        q.release(&VisibleAgain::all([got[1].receipt.clone()], Duration::ZERO)).await.unwrap();
         let again = q.receive(10, Duration::ZERO, Duration::from_secs(30)).await.unwrap();
         assert_eq!(again.iter().map(|m| m.body.as_str()).collect::<Vec<_>>(), vec!["b", "c"]);
         clock.advance(Duration::from_secs(31));

@@ -16,7 +16,7 @@ use crate::keys::StoreScope;
 use crate::lane::LaneId;
 use crate::pacer::PacerState;
 use crate::ports::{
-    BatchClaim, BatchProgress, CallClaim, DeadLetterQueues, Invoker, JobQueue, LaneSignals, OutgoingMessage, PacerSnapshot, PortError, StateStore,
+    BatchClaim, BatchProgress, CallClaim, DeadLetterQueues, Invoker, JobQueue, LaneSignals, OutgoingMessage, PacerSnapshot, PortError, StateStore, VisibleAgain,
 };
 use crate::quota::Quota;
 use crate::time::{Clock, UnixMillis};
@@ -63,24 +63,30 @@ pub async fn job_queue(queue: &dyn JobQueue, clock: &dyn Clock) {
 
     let receipts = |id: &str| vec![got.iter().find(|m| m.body.contains(&format!(r#""{id}""#))).unwrap().receipt.clone()];
     queue.delete(&receipts("a")).await.unwrap();
-    queue.release(&receipts("b"), Duration::ZERO).await.unwrap();
+    queue.release(&VisibleAgain::all(receipts("b"), Duration::ZERO)).await.unwrap();
     queue.delete(&["not-a-receipt".to_owned()]).await.expect("an unknown receipt is ignored");
     let again = queue.receive(10, Duration::from_secs(1), visibility).await.unwrap();
     assert_eq!(ids(&again), ["b"], "a released message is visible at once; a deleted one is gone");
     let hidden = vec![again[0].receipt.clone()];
-    queue.release(&hidden, Duration::from_secs(60)).await.unwrap();
+    queue.release(&VisibleAgain::all(hidden.clone(), Duration::from_secs(60))).await.unwrap();
     assert!(queue.receive(10, Duration::ZERO, visibility).await.unwrap().is_empty(), "a message released for later is hidden until then");
-    queue.release(&hidden, Duration::ZERO).await.unwrap();
+    queue.release(&VisibleAgain::all(hidden.clone(), Duration::ZERO)).await.unwrap();
     let recalled = queue.receive(10, Duration::from_secs(1), visibility).await.unwrap();
     assert_eq!(ids(&recalled), ["b"], "its receipt brings it back sooner, until it is received again");
 
     pass(clock, visibility + Duration::from_millis(1_500)).await;
     let back = queue.receive(10, Duration::from_secs(1), visibility).await.unwrap();
     assert_eq!(ids(&back), ["b", "c"], "a message neither deleted nor released comes back after its visibility timeout");
-    let receipts: Vec<String> = back.iter().map(|m| m.receipt.clone()).collect();
+    let c = back.iter().find(|m| m.body.contains(r#""c""#)).unwrap();
+    let b = back.iter().find(|m| m.body.contains(r#""b""#)).unwrap();
+    let each_its_own =
+        [VisibleAgain { receipt: b.receipt.clone(), after: Duration::ZERO }, VisibleAgain { receipt: c.receipt.clone(), after: Duration::from_secs(60) }];
+    queue.release(&each_its_own).await.unwrap();
+    let b_again = queue.receive(10, Duration::from_secs(1), visibility).await.unwrap();
+    assert_eq!(ids(&b_again), ["b"], "one release keeps each message's own time: b now, c in a minute");
+    let receipts = vec![b_again[0].receipt.clone(), c.receipt.clone()];
 
     let reason = DeadLetterReason { cause: DeadLetterCause::Rejected { status: 404 }, detail: "HTTP 404 from /items/c".into(), outcome: None };
-    let c = back.iter().find(|m| m.body.contains(r#""c""#)).unwrap();
     queue.dead_letter(&c.message_id, &c.body, 2, &reason).await.unwrap();
     queue.delete(&receipts).await.unwrap();
     let depth = queue.depth().await.unwrap();

@@ -12,7 +12,7 @@ use crate::breaker::Circuit;
 use crate::job::{DeadLetterReason, WorkerPayload};
 use crate::ports::{
     BatchClaim, BatchProgress, CallClaim, Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueueDepth, QueuedMessage,
-    StateStore,
+    StateStore, VisibleAgain,
 };
 use crate::time::UnixMillis;
 
@@ -115,9 +115,9 @@ impl<T: JobQueue + ?Sized> JobQueue for Faulty<T> {
         self.call(Method::Delete)?;
         self.inner.delete(receipts).await
     }
-    async fn release(&self, receipts: &[String], after: Duration) -> PortResult<()> {
+    async fn release(&self, messages: &[VisibleAgain]) -> PortResult<()> {
         self.call(Method::Release)?;
-        self.inner.release(receipts, after).await
+        self.inner.release(messages).await
     }
     async fn send(&self, messages: &[OutgoingMessage]) -> PortResult<()> {
         self.call(Method::Send)?;

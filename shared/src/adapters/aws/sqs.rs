@@ -22,7 +22,7 @@ use crate::dlq::{jobs_record, worker_records, DeadLetterRecord, DlqSource};
 use crate::job::DeadLetterReason;
 use crate::lane::LaneId;
 use crate::outcome::OutcomeRecord;
-use crate::ports::{DeadLetterQueues, JobQueue, OutgoingMessage, PortError, PortResult, QueueDepth, QueuedMessage};
+use crate::ports::{DeadLetterQueues, JobQueue, OutgoingMessage, PortError, PortResult, QueueDepth, QueuedMessage, VisibleAgain};
 use crate::time::{system_now, UnixMillis};
 
 /// SQS allows at most this many entries per batch call.
@@ -101,16 +101,17 @@ impl SqsQueue {
         Ok(out.messages.unwrap_or_default())
     }
 
-    async fn change_visibility(&self, url: &str, receipts: &[String], seconds: i32) -> PortResult<()> {
+    /// Each receipt's message visible again in its number of seconds, ten a request.
+    async fn change_visibility(&self, url: &str, receipts: &[(&str, i32)]) -> PortResult<()> {
         for batch in receipts.chunks(BATCH) {
             let entries = batch
                 .iter()
                 .enumerate()
-                .map(|(i, r)| {
+                .map(|(i, (receipt, seconds))| {
                     ChangeMessageVisibilityBatchRequestEntry::builder()
                         .id(i.to_string())
-                        .receipt_handle(r)
-                        .visibility_timeout(seconds)
+                        .receipt_handle(*receipt)
+                        .visibility_timeout(*seconds)
                         .build()
                         .map_err(build_error)
                 })
@@ -190,10 +191,11 @@ impl JobQueue for SqsQueue {
         self.delete_from(&self.queue_url, receipts).await
     }
 
-    async fn release(&self, receipts: &[String], after: Duration) -> PortResult<()> {
+    async fn release(&self, messages: &[VisibleAgain]) -> PortResult<()> {
         // SQS counts visibility in whole seconds: never sooner than asked.
-        let seconds = i32::try_from(after.as_millis().div_ceil(1000)).unwrap_or(i32::MAX);
-        self.change_visibility(&self.queue_url, receipts, seconds).await
+        let seconds = |after: Duration| i32::try_from(after.as_millis().div_ceil(1000)).unwrap_or(i32::MAX);
+        let receipts: Vec<(&str, i32)> = messages.iter().map(|m| (m.receipt.as_str(), seconds(m.after))).collect();
+        self.change_visibility(&self.queue_url, &receipts).await
     }
 
     async fn send(&self, messages: &[OutgoingMessage]) -> PortResult<()> {
@@ -340,7 +342,8 @@ impl DeadLetterQueues for SqsQueue {
     }
 
     async fn unhide(&self, source: DlqSource, handles: &[String]) -> PortResult<()> {
-        self.change_visibility(self.dlq(source)?, handles, 0).await
+        let now: Vec<(&str, i32)> = handles.iter().map(|handle| (handle.as_str(), 0)).collect();
+        self.change_visibility(self.dlq(source)?, &now).await
     }
 
     async fn put_back(&self, source: DlqSource, body: &str) -> PortResult<()> {
