@@ -47,8 +47,9 @@ pub(crate) struct ManyLanes<'a> {
     spent: u64,
     capacity_seen: Option<(UnixMillis, usize, u64)>,
     /// Per lane: the messages it gave back to the queue and has not dispatched since,
-    /// in the order it first saw them.
-    pub hidden: Vec<HiddenJobs>,
+    /// in the order it first saw them; and how many in every lane.
+    hidden: Vec<HiddenJobs>,
+    hidden_total: usize,
     /// Per lane: the receipts of what it gave back, by when each batch comes back; a
     /// lane that runs dry sooner (its share grew) brings the first back at once.
     pub returning: Vec<Vec<(UnixMillis, Vec<String>)>>,
@@ -73,6 +74,8 @@ pub(crate) struct ManyLanes<'a> {
     /// Jobs in hand in every lane, the summed weights of the lanes holding any, and
     /// the lanes with none in hand while some of theirs are hidden on the queue.
     pub in_hand_total: usize,
+    /// The most jobs in hand at once ([`in_hand_most`]).
+    pub in_hand_most: usize,
     pub weights_in_hand: f64,
     pub starved: usize,
     is_starved: Vec<bool>,
@@ -94,6 +97,7 @@ impl<'a> ManyLanes<'a> {
             spent: 0,
             capacity_seen: None,
             hidden: Vec::new(),
+            hidden_total: 0,
             returning: Vec::new(),
             recalling: Vec::new(),
             recalled_at: Vec::new(),
@@ -106,6 +110,7 @@ impl<'a> ManyLanes<'a> {
             may_recall: BTreeSet::new(),
             in_hand: Vec::new(),
             in_hand_total: 0,
+            in_hand_most: in_hand_most(shared),
             weights_in_hand: 0.0,
             starved: 0,
             is_starved: Vec::new(),
@@ -225,6 +230,41 @@ impl<'a> ManyLanes<'a> {
         units
     }
 
+    /// Lane `index` gives `surplus` back to the queue, keeping `kept`: when each batch
+    /// comes back (see [`surplus_returns`]).
+    pub fn give_back(
+        &mut self,
+        index: usize,
+        surplus: Vec<QueuedMessage>,
+        kept: usize,
+        pace: f64,
+        visibility: Duration,
+        held_for: Duration,
+    ) -> Vec<(Vec<String>, Duration)> {
+        let hidden = &mut self.hidden[index];
+        let before = hidden.len();
+        let returns = surplus_returns(surplus, hidden, kept, pace, visibility, held_for);
+        self.hidden_total += hidden.len() - before;
+        returns
+    }
+
+    /// Lane `index` dispatched `message_id`: not hidden on the queue any more.
+    pub fn dispatched_from_queue(&mut self, index: usize, message_id: &str) {
+        if self.hidden[index].remove(message_id) {
+            self.hidden_total -= 1;
+        }
+    }
+
+    /// Whether SQS sees lane `index`'s group as noisy on a fair queue, as far as this
+    /// stack can tell: its messages in flight (in hand and given back for later) are at
+    /// least [`NOISY_IN_FLIGHT`] and over a tenth of the stack's. Then the queue hands
+    /// out the quiet lanes' messages first, and a receive that brings only noisy lanes'
+    /// jobs found no other.
+    pub fn looks_noisy(&self, index: usize) -> bool {
+        let own = self.in_hand[index] + self.hidden[index].len();
+        own >= NOISY_IN_FLIGHT && own * 10 > self.in_hand_total + self.hidden_total
+    }
+
     /// How long from `from` until the shared quota lets a call go (zero when one may).
     pub fn shared_held_for(&self, from: UnixMillis) -> Duration {
         self.shared.held_for(&self.pacer, from)
@@ -247,9 +287,31 @@ impl<'a> ManyLanes<'a> {
     }
 }
 
-/// The most jobs a stack of many lanes holds in hand at once: a held lane's are made
-/// visible again past what it can use before their visibility timeout.
+/// A message group with fewer messages in flight is never noisy on an SQS fair queue.
+const NOISY_IN_FLIGHT: usize = 30;
+
+/// The fewest jobs a stack of many lanes may hold in hand at once (see [`in_hand_most`]).
 pub(crate) const MANY_LANES_IN_HAND: usize = 5_000;
+
+/// The most, whatever the pace: well inside the 120,000 messages a standard SQS queue
+/// lets be in flight.
+const MOST_IN_HAND_EVER: usize = 60_000;
+
+/// How many seconds of the shared quota's pace a stack of many lanes holds in hand.
+const SECONDS_IN_HAND: f64 = 5.0;
+
+/// The most jobs a stack of many lanes holds in hand at once: what the shared quota lets
+/// go in [`SECONDS_IN_HAND`], from [`MANY_LANES_IN_HAND`] to [`MOST_IN_HAND_EVER`]. A
+/// held lane's jobs past what it can use before their visibility timeout go back to the
+/// queue. At 10,000 calls/s over 1,000 lanes, 5,000 jobs in hand left each lane 5, and
+/// its next ones scattered on the queue: the shared tier was a third used.
+pub(crate) fn in_hand_most(shared: &Quota) -> usize {
+    let pace = shared.sustained_per_second();
+    if !pace.is_finite() {
+        return MANY_LANES_IN_HAND;
+    }
+    ((pace * SECONDS_IN_HAND) as usize).clamp(MANY_LANES_IN_HAND, MOST_IN_HAND_EVER)
+}
 
 /// How far ahead a lane's share of the shared quota is counted when it holds jobs: past
 /// it, its jobs go back on the queue for later, making room for other lanes' jobs.
@@ -354,6 +416,7 @@ pub(crate) const RETURN_EARLY: f64 = 0.5;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use paceline_shared::quota::chrono_tz;
 
     fn queued(id: &str) -> QueuedMessage {
         QueuedMessage { message_id: id.into(), receipt: format!("r-{id}"), body: String::new(), attempt: 0, enqueued_at: UnixMillis(0), group: None }
@@ -403,5 +466,18 @@ mod tests {
         let nearer = surplus_returns(vec![queued("h900")], &mut hidden, 25, 5.0, Duration::from_secs(30), Duration::ZERO);
         assert_eq!(nearer[0].1, Duration::from_millis(42_600));
         assert_eq!(hidden.len(), 500, "a job seen again is hidden once");
+    }
+
+    /// Five seconds of the shared quota's pace in hand, from 5,000 to 60,000: a stack at
+    /// 10,000 calls/s over 1,000 lanes holds 50,000, ten seconds' worth for each lane at
+    /// its share (with 5,000, five jobs each: the shared tier was a third used on SQS).
+    #[test]
+    fn a_stack_of_many_lanes_holds_five_seconds_of_the_shared_pace_in_hand() {
+        let shared = |tiers: &[&str]| Quota::new(tiers.iter().map(|t| t.parse().unwrap()).collect(), chrono_tz::UTC, Duration::ZERO).unwrap();
+        assert_eq!(in_hand_most(&shared(&["200/s"])), 5_000);
+        assert_eq!(in_hand_most(&shared(&["10000/s"])), 50_000);
+        assert_eq!(in_hand_most(&shared(&["100000/s"])), 60_000, "well inside SQS's 120,000 in flight");
+        assert_eq!(in_hand_most(&shared(&["600000/min", "20000/s"])), 50_000, "the sustained pace: 10,000/s");
+        assert_eq!(in_hand_most(&Quota::unlimited(chrono_tz::UTC, Duration::ZERO)), 5_000, "no shared quota");
     }
 }
