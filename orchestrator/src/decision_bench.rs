@@ -136,6 +136,7 @@ pub fn drain(
             }
             Action::Renew(_) => Event::Renewed(Ok(lease(now))),
             Action::Refresh(lane) => Event::Refreshed(lane, Ok(shared())),
+            Action::RefreshLanes(lanes) => Event::LanesRefreshed(lanes.into_iter().map(|lane| (lane, Ok((shared(), None)))).collect()),
             Action::SwapCircuit { lane, next, .. } => Event::CircuitSwapped(lane, next, Ok(())),
             Action::Flush(..) => Event::Flushed(Ok(())),
             Action::StartRelay(_) => Event::RelayStarted(Ok(())),

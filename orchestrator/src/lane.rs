@@ -37,6 +37,24 @@ const HAND_OFF_BATCH: Duration = Duration::from_millis(5);
 pub(crate) const PORT_BACKOFF: Backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(8));
 /// The circuit is re-read at most this often (see `LaneMachine::refresh_interval`).
 const FASTEST_REFRESH: Duration = Duration::from_millis(200);
+
+/// How often a lane in a stack of many lanes saves its pacer snapshot mid-run, at most
+/// (the shared quota's goes at every flush). A snapshot written mid-run is never
+/// trusted as a clean stop's (the crash rule holds a window whatever it says), so a
+/// thousand lanes need not write theirs every flush: that was a write for every three
+/// jobs at 200/s over 1,000 lanes.
+const MANY_LANES_SNAPSHOT_EVERY: Duration = Duration::from_secs(30);
+
+/// When a re-read due `at` goes: then, or in a stack of many lanes at the next instant
+/// on a [`FASTEST_REFRESH`] grid, so that the lanes due about together are read
+/// together, in a request or a few (`ScopedStores::lanes_signals`).
+fn on_refresh_grid(settings: &Settings, at: UnixMillis) -> UnixMillis {
+    if settings.lanes.is_none() {
+        return at;
+    }
+    let grid = u64::try_from(FASTEST_REFRESH.as_millis()).unwrap_or(u64::MAX);
+    UnixMillis(at.0.div_ceil(grid) * grid)
+}
 /// The orchestrator asks one call's worker this often to record the provider's
 /// rate-limit headers (a write to the store each time).
 const PROVIDER_READING_EVERY: Duration = Duration::from_secs(1);
@@ -226,6 +244,9 @@ pub(crate) struct LaneMachine<'a> {
     shared_pace: f64,
     /// A re-read was skipped while it had no jobs: it is made when jobs come in.
     refresh_skipped_while_idle: bool,
+    /// Its state is read again before it dispatches (it had nothing to send while an
+    /// operator may have held it): the read goes in the background with many lanes.
+    read_before_dispatch: bool,
     pacer: PacerState,
     /// The hold this lane set itself (after an unclean stop); the provider's cool-down is
     /// added to it on every refresh, never saved with the pacer.
@@ -241,6 +262,10 @@ pub(crate) struct LaneMachine<'a> {
     health_check_in_flight: bool,
     last_health_check: Option<UnixMillis>,
     last_dispatch: Option<UnixMillis>,
+    /// It dispatched since its pacer snapshot was last taken to be saved, and when that
+    /// was (in a stack of many lanes: see [`MANY_LANES_SNAPSHOT_EVERY`]).
+    unsaved: bool,
+    saved_at: UnixMillis,
     /// What last held the job in hand back (for the report's pace-setting tier).
     last_hold: Option<Hold>,
     /// Jobs flow at a ramping share of the pace (half-open, or a first run's warm-up).
@@ -272,7 +297,7 @@ impl<'a> LaneMachine<'a> {
     /// under `quota`.
     pub fn new(settings: &'a Settings, id: LaneId, index: usize, quota: &'a Quota, started: UnixMillis) -> Self {
         let mut timers = TimerTable::default();
-        timers.set(LaneTimer::Refresh, started.plus(settings.orchestrator.state_refresh));
+        timers.set(LaneTimer::Refresh, on_refresh_grid(settings, started.plus(settings.orchestrator.state_refresh)));
         Self {
             settings,
             id,
@@ -281,6 +306,7 @@ impl<'a> LaneMachine<'a> {
             change: None,
             shared_pace: f64::INFINITY,
             refresh_skipped_while_idle: false,
+            read_before_dispatch: false,
             pacer: PacerState::new(quota),
             own_hold: UnixMillis(0),
             circuit: Circuit::default(),
@@ -292,6 +318,8 @@ impl<'a> LaneMachine<'a> {
             health_check_in_flight: false,
             last_health_check: None,
             last_dispatch: None,
+            unsaved: false,
+            saved_at: UnixMillis(0),
             last_hold: None,
             ramp: None,
             adaptive: AdaptiveRate::new(quota, started),
@@ -462,6 +490,7 @@ impl<'a> LaneMachine<'a> {
     /// call slots.
     pub fn apply_shared_state(&mut self, shared: SharedState, now: UnixMillis) {
         self.refresh_backoff.succeeded();
+        self.read_before_dispatch = false;
         let SharedState { circuit, cool_down, provider_reading, call_slots, retune: _ } = shared;
         if let Some(read) = call_slots {
             self.call_slots.saw(read, now);
@@ -473,7 +502,7 @@ impl<'a> LaneMachine<'a> {
         self.set_circuit(circuit, now);
         // Not `max` with the last value: an operator may have cleared the cool-down.
         self.pacer.set_hold_until(self.own_hold.max(cool_down));
-        self.timers.set(LaneTimer::Refresh, now.plus(self.refresh_interval()));
+        self.timers.set(LaneTimer::Refresh, on_refresh_grid(self.settings, now.plus(self.refresh_interval())));
     }
 
     /// A refresh failed: it is tried again after a back-off.
@@ -481,6 +510,8 @@ impl<'a> LaneMachine<'a> {
     /// # Errors
     /// A fatal port error.
     pub fn on_refresh_failed(&mut self, e: PortError, now: UnixMillis) -> Result<(), RunError> {
+        // As before it went idle: the read is tried again, jobs go meanwhile.
+        self.read_before_dispatch = false;
         self.retry_later(e, LaneTimer::Refresh, now, "could not re-read the circuit")
     }
 
@@ -640,6 +671,10 @@ impl<'a> LaneMachine<'a> {
     /// `not_before`: no slot before it (what the stack's shared quota allows; 0 with
     /// none); `shared`: that quota, whose day and month units are reserved too.
     pub fn next_dispatch(&mut self, now: UnixMillis, not_before: UnixMillis, shared: Option<SharedCalendar<'_>>) -> LaneStep {
+        if self.read_before_dispatch {
+            // Woken by the read's answer.
+            return LaneStep::WaitUntil(now.plus(self.settings.orchestrator.state_refresh));
+        }
         if self.spaced_until > self.slot_at(now).plus(self.taken_early()) {
             return LaneStep::WaitUntil(self.hand_off_time(self.spaced_until, now));
         }
@@ -850,6 +885,7 @@ impl<'a> LaneMachine<'a> {
         if self.refresh_skipped_while_idle {
             // Its state may have changed while it had nothing to send: read it first.
             self.refresh_skipped_while_idle = false;
+            self.read_before_dispatch = true;
             self.timers.set(LaneTimer::Refresh, now);
         } else if self.timers.get(LaneTimer::Refresh).is_some_and(|due| due > sooner) {
             self.timers.set(LaneTimer::Refresh, sooner);
@@ -860,6 +896,21 @@ impl<'a> LaneMachine<'a> {
     /// it is skipped, and made as soon as jobs come in.
     pub fn skip_refresh_while_idle(&mut self) {
         self.refresh_skipped_while_idle = true;
+    }
+
+    /// Whether its snapshot is to be saved at `now`: it dispatched since the last was
+    /// taken (or a save failed), at most once a [`MANY_LANES_SNAPSHOT_EVERY`].
+    pub fn take_unsaved(&mut self, now: UnixMillis) -> bool {
+        if !self.unsaved || now < self.saved_at.plus(MANY_LANES_SNAPSHOT_EVERY) {
+            return false;
+        }
+        (self.unsaved, self.saved_at) = (false, now);
+        true
+    }
+
+    /// A save of its snapshot failed: the next flush saves it again.
+    pub fn mark_unsaved(&mut self) {
+        (self.unsaved, self.saved_at) = (true, UnixMillis(0));
     }
 
     /// A refused hand-off's job goes back in hand, first.
@@ -1044,6 +1095,7 @@ impl<'a> LaneMachine<'a> {
         self.reserved.spend(quota, cost, now);
         self.meter.record(now, cost, paced, self.last_hold.take());
         self.last_dispatch = Some(now);
+        self.unsaved = true;
     }
 
     /// Gives back a slot whose worker made no call: to the pacer (the pace takes it up

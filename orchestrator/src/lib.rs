@@ -38,14 +38,15 @@ mod timers;
 use std::sync::Arc;
 use std::time::Duration;
 
-use paceline_shared::config::CoolDownScope;
+use paceline_shared::config::{CoolDownScope, LaneChange, LanesConfig};
 use paceline_shared::job::{DeadLetterReason, Job, JobId};
 use paceline_shared::keys::StoreScope;
+use paceline_shared::lane::LaneId;
 use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, OutcomeTimes};
 use paceline_shared::pacer::MissedSlots;
 use paceline_shared::ports::{
-    load_calendar_usage, Invoker, JobQueue, OutcomeSink, PacerSnapshot, PortError, PortResult, QueuedMessage, ScopedStores, StateStore, VisibleAgain,
-    CALL_SLOTS_FULL_KEY,
+    load_calendar_usage, Invoker, JobQueue, LaneSignals, Lease, OutcomeSink, PacerSnapshot, PortError, PortResult, QueuedMessage, ScopedStores, StateStore,
+    VisibleAgain, CALL_SLOTS_FULL_KEY,
 };
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, UnixMillis};
@@ -57,7 +58,7 @@ pub use fairness::{jain_index, FAIRNESS_WINDOW};
 use handover::{LastRun, Relay};
 pub use report::{Fairness, LaneReport, Progress, RunReport, StopReason, TierReport};
 pub use settings::{RunError, Settings};
-use stack::{Action, CallSlotsRead, Event, LaneStart, Retune, SharedState, StackMachine, DELETE_BATCH};
+use stack::{Action, CallSlotsRead, Event, LaneRead, LaneStart, Retune, SharedState, StackMachine, DELETE_BATCH};
 
 /// How long before the next scheduled kick a run stops dispatching (time to settle its
 /// last hand-offs, flush and give the lease up).
@@ -114,12 +115,15 @@ pub struct Orchestrator {
     scoped_stores: Option<Arc<dyn ScopedStores>>,
     /// Starts the next run before this one stops (on Lambda, the function itself).
     relay: Option<Arc<dyn Relay>>,
+    /// The settings' `[lanes]`, for reads in the background.
+    lanes: Option<Arc<LanesConfig>>,
 }
 
 impl Orchestrator {
     #[must_use]
     pub fn new(queue: Arc<dyn JobQueue>, store: Arc<dyn StateStore>, invoker: Arc<dyn Invoker>, clock: Arc<dyn Clock>, settings: Settings) -> Self {
-        Self { queue, store, invoker, clock, settings, progress: Arc::default(), outcomes: None, missed_slots: None, scoped_stores: None, relay: None }
+        let lanes = settings.lanes.clone().map(Arc::new);
+        Self { queue, store, invoker, clock, settings, progress: Arc::default(), outcomes: None, missed_slots: None, scoped_stores: None, relay: None, lanes }
     }
 
     /// The same orchestrator starting, [`handover::RELAY_LEAD`] before each run stops
@@ -307,70 +311,38 @@ impl Executor<'_> {
     /// A lane's last snapshot (as judged: `earlier_runs` when a run held the lease
     /// before) and calendar usage in `store`, under `quota`, and its shared state.
     async fn read_lane_start(&self, store: &dyn StateStore, quota: &Quota, earlier_runs: bool) -> PortResult<LaneStart> {
-        let last_run = LastRun::judge(store.load_pacer().await, quota, earlier_runs, self.o.clock.now())?;
-        let calendar_used = load_calendar_usage(store, quota, self.o.clock.now()).await?;
-        let shared = self.read_shared_state(store, quota).await?;
-        Ok(LaneStart { last_run, calendar_used, shared })
+        lane_start(store, quota, earlier_runs, self.stack_cool_down().await?, self.o.clock.as_ref()).await
     }
 
-    /// Lane `index`'s first read in a stack of many lanes: what it starts from, and its
-    /// snapshot marked as under way.
-    async fn hydrate_lane(&self, index: usize) -> PortResult<LaneStart> {
+    /// What a read of lane `index` in the background needs.
+    fn lane_to_read(&self, index: usize) -> LaneToRead {
         let (scope, quota) = self.state.lane_scope(index);
-        let store = self.o.store_for(&scope);
-        // A lane with no snapshot never dispatched: its first run writes one first.
-        let mut start = self.read_lane_start(store.as_ref(), quota, false).await?;
-        start.shared.retune = self.read_retune(index, store.as_ref()).await?;
-        let now = Some(self.o.clock.now());
-        let marker = match &start.last_run {
-            LastRun::Clean(last) | LastRun::Unclean { snapshot: Some(last), .. } => PacerSnapshot { at_exit: false, saved_at: now, ..last.clone() },
-            LastRun::None | LastRun::Unclean { snapshot: None, .. } => {
-                PacerSnapshot { state: paceline_shared::pacer::PacerState::new(quota), at_exit: false, effective_rate: None, saved_at: now }
-            }
-        };
-        match store.save_pacer(self.state.lease(), &marker).await {
-            Ok(()) | Err(PortError::Conflict(_)) => Ok(start),
-            Err(e) => Err(e),
-        }
+        let lane = self.state.lane(index);
+        LaneToRead { id: lane.id().clone(), quota: quota.clone(), change: lane.change().cloned(), store: self.o.store_for(&scope) }
     }
 
     /// With `[lanes]`: lane `index`'s settings as an operator changed them in `store`
     /// (`paceline lanes set`, `remove`), when that differs from what is in force.
     async fn read_retune(&self, index: usize, store: &dyn StateStore) -> PortResult<Option<Retune>> {
-        let Some(lanes) = &self.o.settings.lanes else { return Ok(None) };
-        let stored = store.lane_change().await?;
-        let lane = self.state.lane(index);
-        if stored.as_ref() == lane.change() {
-            return Ok(None);
-        }
-        let settings = match lanes.lane_changed(lane.id(), &stored.clone().unwrap_or_default()) {
-            Ok(settings) => settings,
-            Err(problem) => {
-                warn!(lane = %lane.id(), %problem, "the lane's settings in the store cannot be used: the ones in force stay");
-                return Ok(None);
-            }
-        };
-        let calendar_used = load_calendar_usage(store, &settings.quota, self.o.clock.now()).await?;
-        Ok(Some(Retune { change: stored, quota: settings.quota, weight: settings.weight, calendar_used }))
+        let Some(lanes) = &self.o.lanes else { return Ok(None) };
+        retune_of(lanes, &self.lane_to_read(index), store.lane_change().await?, self.o.clock.as_ref()).await
     }
 
     /// The circuit and cool-down in `store`, and under a cap on calls in flight (in
     /// `quota`) the call slots held.
     async fn read_shared_state(&self, store: &dyn StateStore, quota: &Quota) -> PortResult<SharedState> {
-        let mut signals = store.shared_state().await?;
-        // A 429 that cools every lane (`[lanes] on_429 = "stack"`) is the stack's.
+        let signals = store.shared_state().await?;
+        let stack_cool_down = self.stack_cool_down().await?;
+        shared_state_of(signals, stack_cool_down, store, quota, self.o.clock.as_ref()).await
+    }
+
+    /// A 429 that cools every lane (`[lanes] on_429 = "stack"`) is the stack's: its
+    /// cool-down then, none otherwise.
+    async fn stack_cool_down(&self) -> PortResult<UnixMillis> {
         if self.o.settings.lanes.as_ref().is_some_and(|lanes| lanes.on_429 == CoolDownScope::Stack) {
-            signals.cool_down = signals.cool_down.max(self.o.store_for(&StoreScope::Stack).cool_down().await?);
+            return self.o.store_for(&StoreScope::Stack).cool_down().await;
         }
-        let call_slots = match quota.max_in_flight() {
-            Some(capacity) => {
-                let in_use = store.call_slots_in_use(capacity, self.o.clock.now()).await?;
-                let full = store.load_usage(&[CALL_SLOTS_FULL_KEY.to_owned()]).await?;
-                Some(CallSlotsRead { in_use, full_so_far: full.first().copied().unwrap_or(0) })
-            }
-            None => None,
-        };
-        Ok(SharedState { circuit: signals.circuit, cool_down: signals.cool_down, provider_reading: signals.provider_reading, call_slots, retune: None })
+        Ok(UnixMillis(0))
     }
 
     /// Asks the decision step what to do, does it, and feeds back what came of it,
@@ -423,12 +395,42 @@ impl Executor<'_> {
                 };
                 Event::Refreshed(lane, read)
             }
-            Action::HydrateLane(lane) => Event::LaneHydrated(lane, self.hydrate_lane(lane).await),
+            Action::RefreshLanes(indices) => {
+                let stores = o.scoped_stores.clone().expect("a stack of many lanes has its scoped stores");
+                let lanes: Vec<(usize, LaneId, Quota)> =
+                    indices.into_iter().map(|index| (index, self.state.lane(index).id().clone(), self.state.lane_scope(index).1.clone())).collect();
+                // Read here, once for them all (rarely used: `on_429 = "stack"`).
+                let stack_cool_down = self.stack_cool_down().await;
+                let clock = o.clock.clone();
+                self.background.spawn(async move { Event::LanesRefreshed(refresh_lanes(stores.as_ref(), lanes, stack_cool_down, clock.as_ref()).await) });
+                return Ok(());
+            }
+            // In the background: a thousand lanes' first reads must not hold the loop.
+            Action::HydrateLane(index) => {
+                let lane = self.lane_to_read(index);
+                let (lanes, lease, clock) = (o.lanes.clone(), self.state.lease().clone(), o.clock.clone());
+                let stack_cool_down = self.stack_cool_down().await;
+                self.background.spawn(async move {
+                    let start = match stack_cool_down {
+                        Ok(stack_cool_down) => hydrate_lane(&lane, lanes.as_deref(), &lease, stack_cool_down, clock.as_ref()).await,
+                        Err(e) => Err(e),
+                    };
+                    Event::LaneHydrated(index, start)
+                });
+                return Ok(());
+            }
             Action::SwapCircuit { lane, expected_epoch, next } => {
                 let result = o.store_for(&self.state.lane_scope(lane).0).swap_circuit(expected_epoch, &next).await;
                 Event::CircuitSwapped(lane, next, result)
             }
-            Action::Flush(lease, snapshots) => Event::Flushed(save_snapshots(o, &lease, &snapshots).await),
+            Action::Flush(lease, snapshots) if o.settings.lanes.is_none() => Event::Flushed(save_snapshots(o, &lease, &snapshots).await),
+            // Many lanes' snapshots are saved in the background: a thousand writes must
+            // not hold the loop (the run's last ones wait for it, see `finish`).
+            Action::Flush(lease, snapshots) => {
+                let writes = snapshots.into_iter().map(|(scope, snapshot)| (o.store_for(&scope), snapshot)).collect();
+                self.background.spawn(async move { Event::Flushed(save_each(&lease, writes).await) });
+                return Ok(());
+            }
             Action::Reserve(lane, needed) => {
                 let result = o.store_for(&self.state.lane_scope(lane).0).add_usage(&as_deltas(&needed)).await;
                 Event::Reserved(lane, needed, result)
@@ -594,8 +596,13 @@ async fn save_snapshots(
     lease: &paceline_shared::ports::Lease,
     snapshots: &[(StoreScope, paceline_shared::ports::PacerSnapshot)],
 ) -> PortResult<()> {
-    for (scope, snapshot) in snapshots {
-        o.store_for(scope).save_pacer(lease, snapshot).await?;
+    save_each(lease, snapshots.iter().map(|(scope, snapshot)| (o.store_for(scope), snapshot.clone())).collect()).await
+}
+
+/// Saves each snapshot in its store while `lease` is held, stopping at the first error.
+async fn save_each(lease: &paceline_shared::ports::Lease, writes: Vec<(Arc<dyn StateStore>, PacerSnapshot)>) -> PortResult<()> {
+    for (store, snapshot) in writes {
+        store.save_pacer(lease, &snapshot).await?;
     }
     Ok(())
 }
@@ -610,6 +617,109 @@ where
         each(batch).await?;
     }
     Ok(())
+}
+
+/// What a read of one lane in the background needs: its id, quota, settings in force
+/// and store.
+struct LaneToRead {
+    id: LaneId,
+    quota: Quota,
+    change: Option<LaneChange>,
+    store: Arc<dyn StateStore>,
+}
+
+/// A lane's last snapshot (as judged: `earlier_runs` when a run held the lease before)
+/// and calendar usage in `store`, under `quota`, and its shared state.
+async fn lane_start(store: &dyn StateStore, quota: &Quota, earlier_runs: bool, stack_cool_down: UnixMillis, clock: &dyn Clock) -> PortResult<LaneStart> {
+    let last_run = LastRun::judge(store.load_pacer().await, quota, earlier_runs, clock.now())?;
+    let calendar_used = load_calendar_usage(store, quota, clock.now()).await?;
+    let shared = shared_state_of(store.shared_state().await?, stack_cool_down, store, quota, clock).await?;
+    Ok(LaneStart { last_run, calendar_used, shared })
+}
+
+/// A lane's first read in a stack of many lanes (`lanes`): what it starts from, an
+/// operator's change of its settings, and its snapshot marked as under way.
+async fn hydrate_lane(lane: &LaneToRead, lanes: Option<&LanesConfig>, lease: &Lease, stack_cool_down: UnixMillis, clock: &dyn Clock) -> PortResult<LaneStart> {
+    let store = lane.store.as_ref();
+    // A lane with no snapshot never dispatched: its first run writes one first.
+    let mut start = lane_start(store, &lane.quota, false, stack_cool_down, clock).await?;
+    if let Some(lanes) = lanes {
+        start.shared.retune = retune_of(lanes, lane, store.lane_change().await?, clock).await?;
+    }
+    let now = Some(clock.now());
+    let marker = match &start.last_run {
+        LastRun::Clean(last) | LastRun::Unclean { snapshot: Some(last), .. } => PacerSnapshot { at_exit: false, saved_at: now, ..last.clone() },
+        LastRun::None | LastRun::Unclean { snapshot: None, .. } => {
+            PacerSnapshot { state: paceline_shared::pacer::PacerState::new(&lane.quota), at_exit: false, effective_rate: None, saved_at: now }
+        }
+    };
+    match store.save_pacer(lease, &marker).await {
+        Ok(()) | Err(PortError::Conflict(_)) => Ok(start),
+        Err(e) => Err(e),
+    }
+}
+
+/// `lane`'s settings under the operator's change `stored` (`paceline lanes set`,
+/// `remove`), when that differs from what is in force.
+async fn retune_of(lanes: &LanesConfig, lane: &LaneToRead, stored: Option<LaneChange>, clock: &dyn Clock) -> PortResult<Option<Retune>> {
+    if stored == lane.change {
+        return Ok(None);
+    }
+    let settings = match lanes.lane_changed(&lane.id, &stored.clone().unwrap_or_default()) {
+        Ok(settings) => settings,
+        Err(problem) => {
+            warn!(lane = %lane.id, %problem, "the lane's settings in the store cannot be used: the ones in force stay");
+            return Ok(None);
+        }
+    };
+    let calendar_used = load_calendar_usage(lane.store.as_ref(), &settings.quota, clock.now()).await?;
+    Ok(Some(Retune { change: stored, quota: settings.quota, weight: settings.weight, calendar_used }))
+}
+
+/// A lane's state from its `signals` (in `store`, under `quota`): cooled down until the
+/// stack's cool-down too, and under a cap on calls in flight the call slots held.
+async fn shared_state_of(
+    signals: LaneSignals,
+    stack_cool_down: UnixMillis,
+    store: &dyn StateStore,
+    quota: &Quota,
+    clock: &dyn Clock,
+) -> PortResult<SharedState> {
+    let call_slots = match quota.max_in_flight() {
+        Some(capacity) => {
+            let in_use = store.call_slots_in_use(capacity, clock.now()).await?;
+            let full = store.load_usage(&[CALL_SLOTS_FULL_KEY.to_owned()]).await?;
+            Some(CallSlotsRead { in_use, full_so_far: full.first().copied().unwrap_or(0) })
+        }
+        None => None,
+    };
+    let cool_down = signals.cool_down.max(stack_cool_down);
+    Ok(SharedState { circuit: signals.circuit, cool_down, provider_reading: signals.provider_reading, call_slots, retune: None })
+}
+
+/// Re-reads many lanes' state together ([`Action::RefreshLanes`]): each lane's index,
+/// id and quota. An operator's change of a lane's settings is returned, not applied.
+async fn refresh_lanes(
+    stores: &dyn ScopedStores,
+    lanes: Vec<(usize, LaneId, Quota)>,
+    stack_cool_down: PortResult<UnixMillis>,
+    clock: &dyn Clock,
+) -> Vec<(usize, LaneRead)> {
+    let ids: Vec<LaneId> = lanes.iter().map(|(_, id, _)| id.clone()).collect();
+    let read = match stack_cool_down {
+        Ok(stack_cool_down) => stores.lanes_signals(&ids).await.map(|signals| (signals, stack_cool_down)),
+        Err(e) => Err(e),
+    };
+    let (signals, stack_cool_down) = match read {
+        Ok(read) => read,
+        Err(e) => return lanes.into_iter().map(|(index, ..)| (index, Err(e.clone()))).collect(),
+    };
+    let mut read = Vec::with_capacity(lanes.len());
+    for ((index, id, quota), (signals, change)) in lanes.into_iter().zip(signals) {
+        let store = stores.scoped(&StoreScope::Lane(id));
+        read.push((index, shared_state_of(signals, stack_cool_down, store.as_ref(), &quota, clock).await.map(|shared| (shared, change))));
+    }
+    read
 }
 
 /// A background task's event; a task that panicked or was cancelled ends the run.

@@ -12,7 +12,7 @@ use std::time::Duration;
 use paceline_shared::breaker::CircuitStatus;
 use paceline_shared::config::LanesConfig;
 use paceline_shared::pacer::{Decision, PacerState};
-use paceline_shared::ports::QueuedMessage;
+use paceline_shared::ports::{PacerSnapshot, QueuedMessage};
 use paceline_shared::quota::Quota;
 use paceline_shared::time::UnixMillis;
 
@@ -228,6 +228,11 @@ impl<'a> ManyLanes<'a> {
         let units = self.shared.capacity_until(&self.pacer, from, from.plus(stretch), max);
         self.capacity_seen = Some((from, units, self.spent));
         units
+    }
+
+    /// The shared quota's pacer snapshot at `now`.
+    pub fn snapshot(&self, at_exit: bool, now: UnixMillis) -> PacerSnapshot {
+        PacerSnapshot { state: self.pacer.clone(), at_exit, effective_rate: None, saved_at: Some(now) }
     }
 
     /// Lane `index` gives `surplus` back to the queue, keeping `kept`: when each batch

@@ -15,6 +15,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use paceline_shared::breaker::{Circuit, CircuitStatus};
+use paceline_shared::config::LaneChange;
 use paceline_shared::job::{DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
 use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
@@ -76,8 +77,13 @@ pub(crate) fn lease_valid_for(ttl: Duration) -> Duration {
 pub(crate) enum Action {
     /// Renew the lease (await it).
     Renew(Lease),
-    /// Re-read this lane's circuit and the provider's cool-down (await it).
+    /// Re-read this lane's circuit and the provider's cool-down, and an operator's
+    /// change of its settings (await it).
     Refresh(usize),
+    /// Re-read these lanes' circuits, cool-downs and settings together (background): a
+    /// stack of many lanes reads those due about together in a request or a few, and
+    /// never holds the loop for them. A lane whose settings changed is then read alone.
+    RefreshLanes(Vec<usize>),
     /// Write this lane's circuit if the stored one is still at `expected_epoch` (await
     /// it): the ramp after a half-open reached the full pace and closes it.
     SwapCircuit { lane: usize, expected_epoch: u64, next: Circuit },
@@ -125,6 +131,9 @@ pub(crate) enum Action {
 pub(crate) enum Event {
     Renewed(PortResult<Lease>),
     Refreshed(usize, PortResult<SharedState>),
+    /// What [`Action::RefreshLanes`] read: each lane's state (its settings not applied)
+    /// and the operator's change of its settings in the store.
+    LanesRefreshed(Vec<(usize, LaneRead)>),
     CircuitSwapped(usize, Circuit, PortResult<()>),
     Flushed(PortResult<()>),
     Reserved(usize, Vec<(String, u64)>, PortResult<()>),
@@ -155,6 +164,10 @@ pub(crate) enum Event {
 /// Calendar units a lane reserved and did not spend (negative deltas), in its scope.
 pub(crate) type UnspentUnits = (StoreScope, Vec<(String, i64)>);
 
+/// A lane's state as re-read with others: its settings not applied, and an operator's
+/// change of them in the store.
+pub(crate) type LaneRead = PortResult<(SharedState, Option<LaneChange>)>;
+
 /// What a lane starts a run from: its last snapshot, calendar usage and shared state.
 pub(crate) struct LaneStart {
     pub last_run: LastRun,
@@ -168,13 +181,18 @@ struct InFlight {
     hand_offs: usize,
     receives: usize,
     deletes: usize,
+    /// Lanes' first reads.
+    hydrations: usize,
 }
 
 impl InFlight {
     fn any(&self) -> bool {
-        self.hand_offs > 0 || self.receives > 0 || self.deletes > 0
+        self.hand_offs > 0 || self.receives > 0 || self.deletes > 0 || self.hydrations > 0
     }
 }
+
+/// Lanes' first reads under way at once at most (each a few requests to the store).
+const HYDRATIONS_IN_FLIGHT: usize = 32;
 
 /// Retries of each kind, backing off independently.
 struct Backoffs {
@@ -206,6 +224,8 @@ pub(crate) struct StackMachine<'a> {
     pending_deletes: Vec<String>,
     /// Messages to dead-letter whose reason came back from a hand-off.
     to_dead_letter: VecDeque<(QueuedMessage, DeadLetterReason, Option<Box<Job>>)>,
+    /// Lanes an operator changed the settings of: each re-read alone, its settings too.
+    to_refresh_alone: VecDeque<usize>,
     timers: TimerTable<Timer, { Timer::COUNT }>,
     backoffs: Backoffs,
     in_flight: InFlight,
@@ -255,6 +275,7 @@ impl<'a> StackMachine<'a> {
             to_release: Vec::new(),
             pending_deletes: Vec::new(),
             to_dead_letter: VecDeque::new(),
+            to_refresh_alone: VecDeque::new(),
             timers,
             backoffs: Backoffs { renew: RENEW_BACKOFF, flush: crate::lane::PORT_BACKOFF, receive: crate::lane::PORT_BACKOFF, invoke: INVOKE_BACKOFF },
             in_flight: InFlight::default(),
@@ -345,8 +366,20 @@ impl<'a> StackMachine<'a> {
         let mut snapshots: Vec<(StoreScope, PacerSnapshot)> =
             self.lanes.iter().map(|lane| (StoreScope::Lane(lane.id().clone()), lane.snapshot(at_exit, now))).collect();
         if let Some(many) = &self.many {
-            let shared = PacerSnapshot { state: many.pacer.clone(), at_exit, effective_rate: None, saved_at: Some(now) };
-            snapshots.push((StoreScope::Stack, shared));
+            snapshots.push((StoreScope::Stack, many.snapshot(at_exit, now)));
+        }
+        snapshots
+    }
+
+    /// The snapshots a flush mid-run saves: the lane's; with many lanes, those of the
+    /// lanes that dispatched since the last flush (an idle lane's is as it was saved),
+    /// and the shared quota's when any did.
+    fn flush_snapshots(&mut self, now: UnixMillis) -> Vec<(StoreScope, PacerSnapshot)> {
+        let Some(many) = &self.many else { return self.snapshots(false, now) };
+        let mut snapshots: Vec<(StoreScope, PacerSnapshot)> =
+            self.lanes.iter_mut().filter_map(|lane| lane.take_unsaved(now).then(|| (StoreScope::Lane(lane.id().clone()), lane.snapshot(false, now)))).collect();
+        if !snapshots.is_empty() {
+            snapshots.push((StoreScope::Stack, many.snapshot(false, now)));
         }
         snapshots
     }
@@ -409,7 +442,7 @@ impl<'a> StackMachine<'a> {
         }
         if flush_due {
             self.timers.stop(Timer::Flush);
-            return Action::Flush(self.lease.clone(), self.snapshots(false, now));
+            return Action::Flush(self.lease.clone(), self.flush_snapshots(now));
         }
         if self.timers.is_expired(Timer::LeaseExpiry, now) {
             warn!(valid_until = ?self.timers.get(Timer::LeaseExpiry), "the lease ran out before a renewal came through: dispatching stops now");
@@ -442,7 +475,11 @@ impl<'a> StackMachine<'a> {
         let Some(many) = &mut self.many else {
             return self.lanes[0].refresh_due(now).then_some(Action::Refresh(0));
         };
+        if let Some(index) = self.to_refresh_alone.pop_front() {
+            return Some(Action::Refresh(index));
+        }
         many.settle_touched(&self.lanes);
+        let mut due = Vec::new();
         while let Some(index) = many.deadlines.pop_due(now) {
             many.touch(index);
             let lane = &mut self.lanes[index];
@@ -452,10 +489,10 @@ impl<'a> StackMachine<'a> {
                     lane.skip_refresh_while_idle();
                     continue;
                 }
-                return Some(Action::Refresh(index));
+                due.push(index);
             }
         }
-        None
+        (!due.is_empty()).then_some(Action::RefreshLanes(due))
     }
 
     /// A half-open lane whose ramp reached the full pace closes its circuit (with many
@@ -627,8 +664,10 @@ impl<'a> StackMachine<'a> {
                 return Action::Release(VisibleAgain::all(lane.release_all(), self.settings.circuit.health_check_interval));
             }
         }
-        while let Some(index) = many.to_hydrate.pop_front() {
+        while self.in_flight.hydrations < HYDRATIONS_IN_FLIGHT {
+            let Some(index) = many.to_hydrate.pop_front() else { break };
             if !many.hydrated[index] {
+                self.in_flight.hydrations += 1;
                 return Action::HydrateLane(index);
             }
         }
@@ -950,6 +989,7 @@ impl<'a> StackMachine<'a> {
 
     /// A lane's first read came back.
     fn on_lane_hydrated(&mut self, index: usize, result: PortResult<LaneStart>, now: UnixMillis) -> Result<(), RunError> {
+        self.in_flight.hydrations -= 1;
         let many = self.many.as_mut().expect("many lanes");
         many.touch(index);
         match result {
@@ -982,6 +1022,23 @@ impl<'a> StackMachine<'a> {
                 self.touch(lane);
                 self.lanes[lane].on_refresh_failed(e, now)
             }
+            Event::LanesRefreshed(read) => {
+                for (lane, result) in read {
+                    match result {
+                        Ok((shared, change)) => {
+                            if change.as_ref() != self.lanes[lane].change() {
+                                self.to_refresh_alone.push_back(lane);
+                            }
+                            self.apply_shared_state(lane, shared, now);
+                        }
+                        Err(e) => {
+                            self.touch(lane);
+                            self.lanes[lane].on_refresh_failed(e, now)?;
+                        }
+                    }
+                }
+                Ok(())
+            }
             Event::CircuitSwapped(lane, next, result) => {
                 self.touch(lane);
                 self.lanes[lane].on_circuit_swapped(next, result, now)
@@ -993,7 +1050,10 @@ impl<'a> StackMachine<'a> {
                 self.timers.set(Timer::Flush, now.plus(self.settings.orchestrator.flush_interval));
                 Ok(())
             }
-            Event::Flushed(Err(e)) => self.retry_later(e, Timer::Flush, now, "could not save the pacer snapshot"),
+            Event::Flushed(Err(e)) => {
+                self.lanes.iter_mut().for_each(|lane| lane.mark_unsaved());
+                self.retry_later(e, Timer::Flush, now, "could not save the pacer snapshot")
+            }
             Event::Reserved(lane, needed, result) => {
                 self.touch(lane);
                 self.lanes[lane].on_reserved(needed, result, now)

@@ -632,8 +632,24 @@ pub trait StateStore: Send + Sync {
 
 /// A state store for each scope (a lane's state, the stack's), all in one backend: a
 /// stack of many lanes needs one.
+#[async_trait]
 pub trait ScopedStores: Send + Sync {
     fn scoped(&self, scope: &StoreScope) -> Arc<dyn StateStore>;
+
+    /// What the orchestrator re-reads of each of `lanes` (its signals, an operator's
+    /// change of its settings), in their order, in as few requests as the backend
+    /// allows: a stack re-reads every lane with jobs in hand each `state_refresh`.
+    ///
+    /// # Errors
+    /// As [`StateStore::shared_state`] and [`StateStore::lane_change`], for all of them.
+    async fn lanes_signals(&self, lanes: &[LaneId]) -> PortResult<Vec<(LaneSignals, Option<LaneChange>)>> {
+        let mut read = Vec::with_capacity(lanes.len());
+        for lane in lanes {
+            let store = self.scoped(&StoreScope::Lane(lane.clone()));
+            read.push((store.shared_state().await?, store.lane_change().await?));
+        }
+        Ok(read)
+    }
 }
 
 /// Forgets the call records of attempts 0 to `up_to` of job `job_id`, before a redrive

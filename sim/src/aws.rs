@@ -2,7 +2,7 @@
 //! profile's latency on every call, counting the AWS requests (and capacity units, and
 //! Lambda compute time) each call stands for, as the AWS adapters would make them.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -10,10 +10,13 @@ use std::time::Duration;
 use async_trait::async_trait;
 use paceline_shared::adaptive::ProviderReading;
 use paceline_shared::breaker::Circuit;
+use paceline_shared::config::LaneChange;
 use paceline_shared::job::{DeadLetterReason, WorkerPayload};
+use paceline_shared::keys::StoreScope;
+use paceline_shared::lane::LaneId;
 use paceline_shared::ports::{
     slot_probe_start, BatchClaim, BatchProgress, CallClaim, Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult,
-    QueueDepth, QueuedMessage, StateStore, VisibleAgain, WorkerHandler,
+    QueueDepth, QueuedMessage, ScopedStores, StateStore, VisibleAgain, WorkerHandler,
 };
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 
@@ -283,6 +286,12 @@ struct StoreState {
     batches: BTreeMap<String, (String, UnixMillis, BatchProgress)>,
 }
 
+impl StoreState {
+    fn signals(&self) -> LaneSignals {
+        LaneSignals { circuit: self.circuit.clone(), cool_down: self.cool_down, provider_reading: self.provider_reading }
+    }
+}
+
 /// The DynamoDB state table, with the calls (and capacity units) the DynamoDB adapter
 /// makes for each operation.
 pub struct SimStore {
@@ -290,12 +299,22 @@ pub struct SimStore {
     state: Mutex<StoreState>,
     /// The next run's final snapshot and lease release fail (a fault at the hand-over).
     fail_release: std::sync::atomic::AtomicBool,
+    /// A lane's items: the stack's, which hold the lease its writes are conditioned on.
+    stack: Option<Arc<SimStore>>,
 }
 
 impl SimStore {
     #[must_use]
     pub fn new(world: Arc<World>) -> Self {
-        Self { world, state: Mutex::default(), fail_release: std::sync::atomic::AtomicBool::new(false) }
+        Self { world, state: Mutex::default(), fail_release: std::sync::atomic::AtomicBool::new(false), stack: None }
+    }
+
+    /// Whether `lease` is the one held (in the stack's items, for a lane's).
+    fn holds(&self, lease: &Lease) -> bool {
+        match &self.stack {
+            Some(stack) => stack.holds(lease),
+            None => self.state().lease.as_ref().is_some_and(|l| l.epoch == lease.epoch && l.holder == lease.holder),
+        }
     }
 
     /// Who holds the lease at `now`, if anyone.
@@ -347,6 +366,53 @@ impl SimStore {
 
     fn state(&self) -> MutexGuard<'_, StoreState> {
         lock(&self.state)
+    }
+}
+
+/// The DynamoDB table of a stack of many lanes: the stack's items (its lease, the shared
+/// quota's) and each lane's apart, as the DynamoDB adapter keeps them under `lane#ID#`
+/// keys, every request counted in the one ledger.
+pub struct SimStores {
+    world: Arc<World>,
+    stack: Arc<SimStore>,
+    lanes: Mutex<HashMap<LaneId, Arc<SimStore>>>,
+}
+
+impl SimStores {
+    #[must_use]
+    pub fn new(world: Arc<World>) -> Self {
+        Self { stack: Arc::new(SimStore::new(world.clone())), world, lanes: Mutex::default() }
+    }
+
+    /// The stack's own items: its lease and the shared quota's state.
+    #[must_use]
+    pub fn stack(&self) -> Arc<SimStore> {
+        self.stack.clone()
+    }
+}
+
+#[async_trait]
+impl ScopedStores for SimStores {
+    /// As the DynamoDB adapter reads them: four items a lane, 100 a BatchGetItem.
+    async fn lanes_signals(&self, lanes: &[LaneId]) -> PortResult<Vec<(LaneSignals, Option<LaneChange>)>> {
+        let items = 4 * lanes.len() as u64;
+        for _ in 0..items.div_ceil(100) {
+            self.world.ledger.count("dynamodb:BatchGetItem", 1);
+            self.world.call(Stream::DynamoDb).await;
+        }
+        self.world.ledger.dynamodb_read_units.fetch_add(items, Ordering::Relaxed);
+        let store = |lane: &LaneId| lock(&self.lanes).get(lane).cloned();
+        Ok(lanes.iter().map(|lane| (store(lane).map_or_else(LaneSignals::default, |store| store.state().signals()), None)).collect())
+    }
+
+    fn scoped(&self, scope: &StoreScope) -> Arc<dyn StateStore> {
+        match scope {
+            StoreScope::Stack => self.stack.clone(),
+            StoreScope::Lane(lane) => lock(&self.lanes)
+                .entry(lane.clone())
+                .or_insert_with(|| Arc::new(SimStore { stack: Some(self.stack.clone()), ..SimStore::new(self.world.clone()) }))
+                .clone(),
+        }
     }
 }
 
@@ -422,11 +488,10 @@ impl StateStore for SimStore {
         if snapshot.at_exit && self.fail_release.load(Ordering::Relaxed) {
             return Err(PortError::Transient("injected: the final snapshot write failed".into()));
         }
-        let mut state = self.state();
-        if state.lease.as_ref().is_none_or(|l| l.epoch != lease.epoch || l.holder != lease.holder) {
+        if !self.holds(lease) {
             return Err(PortError::Conflict("the lease was lost".into()));
         }
-        state.pacer = Some(snapshot.clone());
+        self.state().pacer = Some(snapshot.clone());
         Ok(())
     }
 
@@ -565,12 +630,17 @@ impl StateStore for SimStore {
         Ok(u32::try_from(state.call_slots.iter().filter(|(index, (_, until))| **index < capacity && *until > now).count()).unwrap_or(u32::MAX))
     }
 
+    /// No operator changes a simulated lane; the read is counted as the adapter makes it.
+    async fn lane_change(&self) -> PortResult<Option<LaneChange>> {
+        self.read(1).await;
+        Ok(None)
+    }
+
     async fn shared_state(&self) -> PortResult<LaneSignals> {
         self.world.ledger.count("dynamodb:BatchGetItem", 1);
         self.world.ledger.dynamodb_read_units.fetch_add(3, Ordering::Relaxed);
         self.world.call(Stream::DynamoDb).await;
-        let state = self.state();
-        Ok(LaneSignals { circuit: state.circuit.clone(), cool_down: state.cool_down, provider_reading: state.provider_reading })
+        Ok(self.state().signals())
     }
 
     async fn provider_reading(&self) -> PortResult<Option<ProviderReading>> {

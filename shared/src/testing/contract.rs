@@ -16,7 +16,8 @@ use crate::keys::StoreScope;
 use crate::lane::LaneId;
 use crate::pacer::PacerState;
 use crate::ports::{
-    BatchClaim, BatchProgress, CallClaim, DeadLetterQueues, Invoker, JobQueue, LaneSignals, OutgoingMessage, PacerSnapshot, PortError, StateStore, VisibleAgain,
+    BatchClaim, BatchProgress, CallClaim, DeadLetterQueues, Invoker, JobQueue, LaneSignals, OutgoingMessage, PacerSnapshot, PortError, ScopedStores,
+    StateStore, VisibleAgain,
 };
 use crate::quota::Quota;
 use crate::time::{Clock, UnixMillis};
@@ -312,14 +313,15 @@ where
 }
 
 /// Lanes keep apart: each lane's circuit, cool-down, counters, call records, call
-/// slots and operator's change are its own, and the stack lists the lanes an operator
-/// changed. `scoped` gives a fresh store's view of one scope; `now` is its clock's.
+/// slots and operator's change are its own, many lanes read together are each read as
+/// alone, and the stack lists the lanes an operator changed. `stores` are a fresh
+/// store's scopes; `now` is its clock's.
 ///
 /// # Panics
 /// On the first rule the adapter breaks, naming it.
-pub async fn lanes_apart(scoped: &dyn Fn(&StoreScope) -> Arc<dyn StateStore>, now: UnixMillis) {
+pub async fn lanes_apart(stores: &dyn ScopedStores, now: UnixMillis) {
     use crate::config::LaneChange;
-    let lane = |id: &str| scoped(&StoreScope::Lane(LaneId::parse(id).unwrap()));
+    let lane = |id: &str| stores.scoped(&StoreScope::Lane(LaneId::parse(id).unwrap()));
     let (default, acme, acme_b, gold) = (lane("default"), lane("acme"), lane("acme_b"), lane("gold:eu"));
     let later = now.plus(Duration::from_secs(30));
     let open = Circuit::default().open(0, "HTTP 503", now).unwrap();
@@ -340,9 +342,13 @@ pub async fn lanes_apart(scoped: &dyn Fn(&StoreScope) -> Arc<dyn StateStore>, no
 
     let change = LaneChange { weight: Some(3.0), tiers: Some(vec!["2/s".parse().unwrap()]), max_in_flight: None };
     gold.set_lane_change(Some(&change)).await.unwrap();
-    assert_eq!(gold.lane_change().await.unwrap(), Some(change));
+    assert_eq!(gold.lane_change().await.unwrap(), Some(change.clone()));
     assert_eq!(acme.lane_change().await.unwrap(), None, "gold's change is gold's alone");
-    let listed: Vec<String> = scoped(&StoreScope::Stack).lanes_with_state().await.unwrap().iter().map(ToString::to_string).collect();
+    let ids: Vec<LaneId> = ["acme", "default", "gold:eu"].iter().map(|id| LaneId::parse(id).unwrap()).collect();
+    let together = stores.lanes_signals(&ids).await.unwrap();
+    let alone = [(acme.shared_state().await.unwrap(), None), (default.shared_state().await.unwrap(), None), (gold.shared_state().await.unwrap(), Some(change))];
+    assert_eq!(together, alone, "many lanes read together are each read as alone");
+    let listed: Vec<String> = stores.scoped(&StoreScope::Stack).lanes_with_state().await.unwrap().iter().map(ToString::to_string).collect();
     assert!(listed.contains(&"gold:eu".to_owned()), "a changed lane is listed: {listed:?}");
     gold.set_lane_change(None).await.unwrap();
     assert_eq!(gold.lane_change().await.unwrap(), None, "forgotten: the config's settings again");

@@ -78,6 +78,21 @@ fn provider_reading_of(item: &Item) -> Option<ProviderReading> {
     })
 }
 
+/// A lane's signals from its items, found by name (none: a closed circuit, no cool-down,
+/// no reading).
+fn signals_of<'a>(item: impl Fn(&str) -> Option<&'a Item>) -> PortResult<LaneSignals> {
+    Ok(LaneSignals {
+        circuit: item(CIRCUIT).map_or_else(|| Ok(Circuit::default()), circuit_of)?,
+        cool_down: UnixMillis(item(COOL_DOWN).map_or(0, |i| get_n(i, "until"))),
+        provider_reading: item(PROVIDER_READING).and_then(provider_reading_of),
+    })
+}
+
+/// An operator's change of `scope`'s lane settings, as stored in its item.
+fn lane_change_of(item: &Item, scope: &StoreScope) -> PortResult<LaneChange> {
+    serde_json::from_str(get_s(item, "change")).map_err(|e| PortError::Unreadable(format!("stored settings of {scope}: {e}")))
+}
+
 fn get_n(item: &Item, key: &str) -> u64 {
     item.get(key).and_then(|v| v.as_n().ok()).and_then(|v| v.parse().ok()).unwrap_or(0)
 }
@@ -112,9 +127,16 @@ impl DynamoStateStore {
     /// The items of these names (in this scope) that exist, read consistently, 100 a
     /// request.
     async fn batch_get(&self, names: &[String], what: &str) -> PortResult<Vec<Item>> {
+        let keys: Vec<String> = names.iter().map(|name| self.scope.key(name)).collect();
+        self.batch_get_keys(&keys, what).await
+    }
+
+    /// The items of these keys (in any scope) that exist, read consistently, 100 a
+    /// request.
+    async fn batch_get_keys(&self, keys: &[String], what: &str) -> PortResult<Vec<Item>> {
         let mut found = Vec::new();
-        for batch in names.chunks(100) {
-            let keys: Vec<Item> = batch.iter().map(|name| HashMap::from([("pk".to_owned(), self.pk(name))])).collect();
+        for batch in keys.chunks(100) {
+            let keys: Vec<Item> = batch.iter().map(|key| HashMap::from([("pk".to_owned(), s(key.as_str()))])).collect();
             let wanted = KeysAndAttributes::builder().set_keys(Some(keys)).consistent_read(true).build().map_err(build_error)?;
             let out = self
                 .client
@@ -181,9 +203,25 @@ impl DynamoStateStore {
 }
 
 /// The stack's table keeps every scope's state, each lane's items under keys of its own.
+#[async_trait]
 impl ScopedStores for DynamoStateStore {
     fn scoped(&self, scope: &StoreScope) -> std::sync::Arc<dyn StateStore> {
         std::sync::Arc::new(DynamoStateStore::scoped(self, scope))
+    }
+
+    /// Four items a lane, 25 lanes a BatchGetItem: 40 requests for 1,000 lanes.
+    async fn lanes_signals(&self, lanes: &[LaneId]) -> PortResult<Vec<(LaneSignals, Option<LaneChange>)>> {
+        let scopes: Vec<StoreScope> = lanes.iter().map(|lane| StoreScope::Lane(lane.clone())).collect();
+        let keys: Vec<String> = scopes.iter().flat_map(|scope| [CIRCUIT, COOL_DOWN, PROVIDER_READING, LANE_CHANGE].map(|name| scope.key(name))).collect();
+        let items = self.batch_get_keys(&keys, "lanes' circuits, cool-downs, readings and settings").await?;
+        let by_key: HashMap<&str, &Item> = items.iter().map(|item| (get_s(item, "pk"), item)).collect();
+        scopes
+            .iter()
+            .map(|scope| {
+                let item = |name: &str| by_key.get(scope.key(name).as_str()).copied();
+                Ok((signals_of(item)?, item(LANE_CHANGE).map(|item| lane_change_of(item, scope)).transpose()?))
+            })
+            .collect()
     }
 }
 
@@ -451,15 +489,9 @@ impl StateStore for DynamoStateStore {
     async fn shared_state(&self) -> PortResult<LaneSignals> {
         let keys = [CIRCUIT.to_owned(), COOL_DOWN.to_owned(), PROVIDER_READING.to_owned()];
         let items = self.batch_get(&keys, "circuit, cool-down, provider reading").await?;
-        let item = |name: &str| {
+        signals_of(|name: &str| {
             let pk = self.scope.key(name);
-            items.iter().find(|item| item.get("pk").and_then(|v| v.as_s().ok()).is_some_and(|v| *v == pk))
-        };
-        let circuit = item(CIRCUIT).map_or_else(|| Ok(Circuit::default()), circuit_of)?;
-        Ok(LaneSignals {
-            circuit,
-            cool_down: UnixMillis(item(COOL_DOWN).map_or(0, |i| get_n(i, "until"))),
-            provider_reading: item(PROVIDER_READING).and_then(provider_reading_of),
+            items.iter().find(|item| get_s(item, "pk") == pk)
         })
     }
 
@@ -542,8 +574,7 @@ impl StateStore for DynamoStateStore {
         Ok(())
     }
     async fn lane_change(&self) -> PortResult<Option<LaneChange>> {
-        let Some(item) = self.get(LANE_CHANGE).await? else { return Ok(None) };
-        serde_json::from_str(get_s(&item, "change")).map(Some).map_err(|e| PortError::Unreadable(format!("stored settings of {}: {e}", self.scope)))
+        self.get(LANE_CHANGE).await?.map(|item| lane_change_of(&item, &self.scope)).transpose()
     }
 
     async fn set_lane_change(&self, change: Option<&LaneChange>) -> PortResult<()> {
