@@ -339,10 +339,13 @@ impl Executor<'_> {
     /// A 429 that cools every lane (`[lanes] on_429 = "stack"`) is the stack's: its
     /// cool-down then, none otherwise.
     async fn stack_cool_down(&self) -> PortResult<UnixMillis> {
-        if self.o.settings.lanes.as_ref().is_some_and(|lanes| lanes.on_429 == CoolDownScope::Stack) {
-            return self.o.store_for(&StoreScope::Stack).cool_down().await;
-        }
-        Ok(UnixMillis(0))
+        cool_down_in(self.stack_cooling().as_deref()).await
+    }
+
+    /// The store of the stack's cool-down when a 429 cools every lane.
+    fn stack_cooling(&self) -> Option<Arc<dyn StateStore>> {
+        let stack_wide = self.o.settings.lanes.as_ref().is_some_and(|lanes| lanes.on_429 == CoolDownScope::Stack);
+        stack_wide.then(|| self.o.store_for(&StoreScope::Stack))
     }
 
     /// Asks the decision step what to do, does it, and feeds back what came of it,
@@ -397,21 +400,17 @@ impl Executor<'_> {
             }
             Action::RefreshLanes(indices) => {
                 let stores = o.scoped_stores.clone().expect("a stack of many lanes has its scoped stores");
-                let lanes: Vec<(usize, LaneId, Quota)> =
-                    indices.into_iter().map(|index| (index, self.state.lane(index).id().clone(), self.state.lane_scope(index).1.clone())).collect();
-                // Read here, once for them all (rarely used: `on_429 = "stack"`).
-                let stack_cool_down = self.stack_cool_down().await;
-                let clock = o.clock.clone();
-                self.background.spawn(async move { Event::LanesRefreshed(refresh_lanes(stores.as_ref(), lanes, stack_cool_down, clock.as_ref()).await) });
+                let lanes: Vec<(usize, LaneToRead)> = indices.into_iter().map(|index| (index, self.lane_to_read(index))).collect();
+                let (stack, clock) = (self.stack_cooling(), o.clock.clone());
+                self.background.spawn(async move { Event::LanesRefreshed(refresh_lanes(stores.as_ref(), lanes, stack.as_deref(), clock.as_ref()).await) });
                 return Ok(());
             }
             // In the background: a thousand lanes' first reads must not hold the loop.
             Action::HydrateLane(index) => {
                 let lane = self.lane_to_read(index);
-                let (lanes, lease, clock) = (o.lanes.clone(), self.state.lease().clone(), o.clock.clone());
-                let stack_cool_down = self.stack_cool_down().await;
+                let (lanes, lease, stack, clock) = (o.lanes.clone(), self.state.lease().clone(), self.stack_cooling(), o.clock.clone());
                 self.background.spawn(async move {
-                    let start = match stack_cool_down {
+                    let start = match cool_down_in(stack.as_deref()).await {
                         Ok(stack_cool_down) => hydrate_lane(&lane, lanes.as_deref(), &lease, stack_cool_down, clock.as_ref()).await,
                         Err(e) => Err(e),
                     };
@@ -697,27 +696,36 @@ async fn shared_state_of(
     Ok(SharedState { circuit: signals.circuit, cool_down, provider_reading: signals.provider_reading, call_slots, retune: None })
 }
 
-/// Re-reads many lanes' state together ([`Action::RefreshLanes`]): each lane's index,
-/// id and quota. An operator's change of a lane's settings is returned, not applied.
+/// The stack's cool-down in `stack` (none without it).
+async fn cool_down_in(stack: Option<&dyn StateStore>) -> PortResult<UnixMillis> {
+    match stack {
+        Some(stack) => stack.cool_down().await,
+        None => Ok(UnixMillis(0)),
+    }
+}
+
+/// Re-reads many lanes' state together ([`Action::RefreshLanes`]), each by its index;
+/// `stack`: the store of the stack's cool-down when a 429 cools every lane. An
+/// operator's change of a lane's settings is returned, not applied.
 async fn refresh_lanes(
     stores: &dyn ScopedStores,
-    lanes: Vec<(usize, LaneId, Quota)>,
-    stack_cool_down: PortResult<UnixMillis>,
+    lanes: Vec<(usize, LaneToRead)>,
+    stack: Option<&dyn StateStore>,
     clock: &dyn Clock,
 ) -> Vec<(usize, LaneRead)> {
-    let ids: Vec<LaneId> = lanes.iter().map(|(_, id, _)| id.clone()).collect();
-    let read = match stack_cool_down {
+    let ids: Vec<LaneId> = lanes.iter().map(|(_, lane)| lane.id.clone()).collect();
+    let read = match cool_down_in(stack).await {
         Ok(stack_cool_down) => stores.lanes_signals(&ids).await.map(|signals| (signals, stack_cool_down)),
         Err(e) => Err(e),
     };
     let (signals, stack_cool_down) = match read {
         Ok(read) => read,
-        Err(e) => return lanes.into_iter().map(|(index, ..)| (index, Err(e.clone()))).collect(),
+        Err(e) => return lanes.into_iter().map(|(index, _)| (index, Err(e.clone()))).collect(),
     };
     let mut read = Vec::with_capacity(lanes.len());
-    for ((index, id, quota), (signals, change)) in lanes.into_iter().zip(signals) {
-        let store = stores.scoped(&StoreScope::Lane(id));
-        read.push((index, shared_state_of(signals, stack_cool_down, store.as_ref(), &quota, clock).await.map(|shared| (shared, change))));
+    for ((index, lane), (signals, change)) in lanes.into_iter().zip(signals) {
+        let shared = shared_state_of(signals, stack_cool_down, lane.store.as_ref(), &lane.quota, clock).await;
+        read.push((index, shared.map(|shared| (shared, change))));
     }
     read
 }
