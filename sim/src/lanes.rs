@@ -173,6 +173,10 @@ pub struct LanesReport {
     /// DynamoDB requests per job (the orchestrator's: lease, lanes' reads and
     /// snapshots, reservations), on an SQS queue, whose stack keeps its state there.
     pub dynamodb_requests_per_job: Option<f64>,
+    /// What SQS (the producers' sends too) and the orchestrator's DynamoDB requests
+    /// cost per million jobs at list prices (`sim/src/pricing.rs`), on an SQS queue:
+    /// the workers here are in process, their Lambda and call records apart.
+    pub queue_and_state_usd_per_million: Option<f64>,
     /// Wall-clock seconds the simulation took.
     pub wall_seconds: f64,
     /// Units called each second from the start: the [`PLOTTED_LANES`] lanes with most
@@ -256,7 +260,8 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
         let of = |service: &str| -> u64 {
             requests.iter().filter(|(operation, _)| operation.starts_with(service) && !operation.contains("producer")).map(|(_, n)| n).sum()
         };
-        (calls, (of("sqs:"), of("dynamodb:")))
+        let cost = crate::pricing::estimate(&world.ledger, crate::pricing::FunctionMemory::default(), plan.jobs as u64);
+        (calls, (of("sqs:"), of("dynamodb:"), cost.per_million_jobs_usd))
     });
     let dispatcher = match plan.queue {
         LanesQueue::Embedded => "paceline (weighted fair lanes)",
@@ -266,6 +271,7 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
     let mut report = analyse(plan, dispatcher, &job_lanes, calls, wall.elapsed());
     let per_job = |requests: u64| (plan.queue != LanesQueue::Embedded).then(|| requests as f64 / plan.jobs.max(1) as f64);
     (report.sqs_requests_per_job, report.dynamodb_requests_per_job) = (per_job(requests.0), per_job(requests.1));
+    report.queue_and_state_usd_per_million = (plan.queue != LanesQueue::Embedded).then_some(requests.2);
     report
 }
 
@@ -521,6 +527,7 @@ fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: V
         light_wait_p99_seconds: percentile(&light, 0.99),
         sqs_requests_per_job: None,
         dynamodb_requests_per_job: None,
+        queue_and_state_usd_per_million: None,
         wall_seconds: wall.as_secs_f64(),
     }
 }
@@ -541,7 +548,7 @@ pub fn render_lanes(reports: &[LanesReport]) -> String {
     let mut header = vec!["".to_owned()];
     header.extend(reports.iter().map(|r| r.dispatcher.clone()));
     let mut table = crate::report::text_table(&header.iter().map(String::as_str).collect::<Vec<_>>(), &(1..=reports.len()).collect::<Vec<_>>());
-    let rows: [(&str, ReportCell); 10] = [
+    let rows: [(&str, ReportCell); 11] = [
         ("drained in", |r| format!("{:.1} s", r.seconds)),
         ("calls over a lane's tier", |r| r.lane_violations.to_string()),
         ("calls over a shared tier", |r| r.shared_violations.to_string()),
@@ -552,6 +559,7 @@ pub fn render_lanes(reports: &[LanesReport]) -> String {
         ("light lanes' job wait p50 / p99", |r| format!("{:.1} / {:.1} s", r.light_wait_p50_seconds, r.light_wait_p99_seconds)),
         ("SQS requests per job", |r| optional(r.sqs_requests_per_job, 3)),
         ("DynamoDB requests per job", |r| optional(r.dynamodb_requests_per_job, 3)),
+        ("SQS and DynamoDB per million jobs", |r| r.queue_and_state_usd_per_million.map_or_else(|| "-".to_owned(), |usd| format!("${usd:.3}"))),
     ];
     for (name, cell) in rows {
         let mut row = vec![name.to_owned()];
