@@ -372,8 +372,8 @@ impl<'a> StackMachine<'a> {
     }
 
     /// The snapshots a flush mid-run saves: the lane's; with many lanes, those of the
-    /// lanes that dispatched since the last flush (an idle lane's is as it was saved),
-    /// and the shared quota's when any did.
+    /// lanes that dispatched since their last save, each at most every 30 s (an idle
+    /// lane's is as it was saved), and the shared quota's when any did.
     fn flush_snapshots(&mut self, now: UnixMillis) -> Vec<(StoreScope, PacerSnapshot)> {
         let Some(many) = &self.many else { return self.snapshots(false, now) };
         let mut snapshots: Vec<(StoreScope, PacerSnapshot)> =
