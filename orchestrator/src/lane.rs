@@ -95,7 +95,6 @@ pub(crate) struct HandOff {
 }
 
 /// What a lane would do next.
-#[allow(clippy::large_enum_variant)]
 pub(crate) enum LaneStep {
     /// Nothing before this instant (its slot, its spacing, a call slot, a health check).
     WaitUntil(UnixMillis),

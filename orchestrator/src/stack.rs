@@ -71,9 +71,7 @@ pub(crate) fn lease_valid_for(ttl: Duration) -> Duration {
     ttl - ttl / 5
 }
 
-/// What the executor is to do next. (Moved once per decision; boxing the hand-off would
-/// only add an allocation per job.)
-#[allow(clippy::large_enum_variant)]
+/// What the executor is to do next.
 pub(crate) enum Action {
     /// Renew the lease (await it).
     Renew(Lease),
@@ -127,7 +125,6 @@ pub(crate) enum Action {
 }
 
 /// What came of an action.
-#[allow(clippy::large_enum_variant)]
 pub(crate) enum Event {
     Renewed(PortResult<Lease>),
     Refreshed(usize, PortResult<SharedState>),
@@ -212,9 +209,10 @@ pub(crate) struct StackMachine<'a> {
     renew_sent_at: UnixMillis,
     /// The lanes this stack paces: one (`default`) without `[lanes]`, else each lane
     /// that had jobs in this run, by its index.
-    /// (Boxed: a stack of 10,000 lanes keeps no room for thousands more in its `Vec`,
-    /// a kilobyte each; see the memory figures of `benches/scheduler.rs`.)
-    #[allow(clippy::vec_box)]
+    #[expect(
+        clippy::vec_box,
+        reason = "a stack of 10,000 lanes keeps no room for thousands more in its `Vec`, a kilobyte each (the memory figures of `benches/scheduler.rs`)"
+    )]
     lanes: Vec<Box<LaneMachine<'a>>>,
     lane_index: HashMap<LaneId, usize>,
     /// With `[lanes]`: the shared quota and the scheduler.

@@ -16,7 +16,6 @@ pub fn round_significant(x: f64, digits: usize) -> f64 {
 ///
 /// # Errors
 /// As the serializer's.
-#[allow(clippy::trivially_copy_pass_by_ref)]
 pub fn six_digits<S: Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_f64(round_significant(*x, 6))
 }

@@ -406,9 +406,7 @@ fn is_dot_or_encoded_separator(segment: &str) -> bool {
 }
 
 /// What the orchestrator hands to a worker.
-// One payload is built per hand-off and serialized at once: boxing the job would buy
-// nothing but an allocation.
-#[allow(clippy::large_enum_variant)]
+#[expect(clippy::large_enum_variant, reason = "one payload is built per hand-off and serialized at once: boxing the job would buy nothing but an allocation")]
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum WorkerPayload {

@@ -92,7 +92,6 @@ pub mod rfc3339 {
 
         /// # Errors
         /// As the serializer's.
-        #[allow(clippy::ref_option)]
         pub fn serialize<S: Serializer>(at: &Option<UnixMillis>, s: S) -> Result<S::Ok, S::Error> {
             match at {
                 Some(at) => s.serialize_str(&at.to_rfc3339()),
@@ -169,7 +168,7 @@ pub fn system_now() -> UnixMillis {
 }
 
 /// The wall clock to the microsecond. The only place in the workspace allowed to read it.
-#[allow(clippy::disallowed_methods)]
+#[expect(clippy::disallowed_methods, reason = "the one place the wall clock is read")]
 #[must_use]
 pub fn system_since_epoch() -> Duration {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default()

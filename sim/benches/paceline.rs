@@ -56,6 +56,7 @@ fn settings(tiers: &[&str], margin_ms: u64, ahead_ms: u64) -> Settings {
 }
 
 /// CPU time (user + system) of this process so far.
+#[expect(unsafe_code, reason = "getrusage is C's: the one way to read the process's CPU time")]
 fn cpu_time() -> Duration {
     // SAFETY: getrusage only writes the struct it is given.
     let usage = unsafe {

@@ -135,7 +135,6 @@ struct CircuitView {
     held: bool,
 }
 
-#[allow(clippy::ref_option)]
 fn circuit_view<S: serde::Serializer>(c: &Option<Circuit>, s: S) -> Result<S::Ok, S::Error> {
     c.as_ref()
         .map(|c| CircuitView { status: c.status, epoch: c.epoch, since: c.since.to_rfc3339(), reason: c.reason.clone(), reopened: c.reopened, held: c.held })
@@ -150,7 +149,6 @@ struct LeaseView {
     expires_at: String,
 }
 
-#[allow(clippy::ref_option)]
 fn lease_view<S: serde::Serializer>(lease: &Option<Lease>, s: S) -> Result<S::Ok, S::Error> {
     lease.as_ref().map(|l| LeaseView { holder: l.holder.clone(), epoch: l.epoch, expires_at: l.expires_at.to_rfc3339() }).serialize(s)
 }

@@ -46,6 +46,7 @@ impl Default for CountingAllocator {
 
 // SAFETY: every call goes to the system allocator with the caller's own arguments; the
 // counters are only arithmetic beside it.
+#[expect(unsafe_code, reason = "a global allocator is an unsafe trait; the workspace's only unsafe code")]
 unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         self.grew(layout.size());
