@@ -590,16 +590,12 @@ where
 const HAND_OVER_RETRIES: usize = 3;
 
 /// Saves each scope's pacer snapshot while `lease` is held, stopping at the first error.
-async fn save_snapshots(
-    o: &Orchestrator,
-    lease: &paceline_shared::ports::Lease,
-    snapshots: &[(StoreScope, paceline_shared::ports::PacerSnapshot)],
-) -> PortResult<()> {
+async fn save_snapshots(o: &Orchestrator, lease: &Lease, snapshots: &[(StoreScope, paceline_shared::ports::PacerSnapshot)]) -> PortResult<()> {
     save_each(lease, snapshots.iter().map(|(scope, snapshot)| (o.store_for(scope), snapshot.clone())).collect()).await
 }
 
 /// Saves each snapshot in its store while `lease` is held, stopping at the first error.
-async fn save_each(lease: &paceline_shared::ports::Lease, writes: Vec<(Arc<dyn StateStore>, PacerSnapshot)>) -> PortResult<()> {
+async fn save_each(lease: &Lease, writes: Vec<(Arc<dyn StateStore>, PacerSnapshot)>) -> PortResult<()> {
     for (store, snapshot) in writes {
         store.save_pacer(lease, &snapshot).await?;
     }

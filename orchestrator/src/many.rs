@@ -296,7 +296,7 @@ impl<'a> ManyLanes<'a> {
 const NOISY_IN_FLIGHT: usize = 30;
 
 /// The fewest jobs a stack of many lanes may hold in hand at once (see [`in_hand_most`]).
-pub(crate) const MANY_LANES_IN_HAND: usize = 5_000;
+const MANY_LANES_IN_HAND: usize = 5_000;
 
 /// The most, whatever the pace: well inside the 120,000 messages a standard SQS queue
 /// lets be in flight.

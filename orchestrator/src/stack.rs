@@ -1024,7 +1024,7 @@ impl<'a> StackMachine<'a> {
                 for (lane, result) in read {
                     match result {
                         Ok((shared, change)) => {
-                            if change.as_ref() != self.lanes[lane].change() {
+                            if change.as_ref() != self.lanes[lane].change() && !self.to_refresh_alone.contains(&lane) {
                                 self.to_refresh_alone.push_back(lane);
                             }
                             self.apply_shared_state(lane, shared, now);
