@@ -15,6 +15,7 @@ use paceline_cli::commands::{
     simulate::{OverQuota, SimulateArgs, EXIT_OVER_QUOTA},
     status::StatusArgs,
 };
+use paceline_cli::serve::ServeArgs;
 
 /// Call rate-limited APIs as fast as their quotas allow, and never faster.
 #[derive(Parser)]
@@ -40,6 +41,7 @@ enum LogFormat {
 enum Command {
     Demo(DemoArgs),
     Run(RunArgs),
+    Serve(ServeArgs),
     Enqueue(EnqueueArgs),
     Status(StatusArgs),
     Results(ResultsArgs),
@@ -95,6 +97,7 @@ async fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Demo(args) => args.run().await,
         Command::Run(args) => args.run().await,
+        Command::Serve(args) => args.run().await,
         Command::Enqueue(args) => args.run().await,
         Command::Status(args) => args.run().await,
         Command::Results(args) => args.run().await,

@@ -68,7 +68,7 @@ pub struct CircuitArgs {
 
 /// `circuit --json`.
 #[derive(serde::Serialize)]
-struct CircuitChanged {
+pub struct CircuitChanged {
     changed: bool,
     status: paceline_shared::breaker::CircuitStatus,
     epoch: u64,
@@ -132,51 +132,69 @@ impl CircuitArgs {
     /// A bad lane, an unavailable store, or a circuit that moved past `--epoch`.
     pub async fn run(self) -> anyhow::Result<()> {
         let stack = self.stack.open().await?;
-        let state = stack.lane_state(self.lane.as_ref())?;
-        let mut cool_down_cleared = None;
-        if matches!(self.action, CircuitAction::Close(_)) {
-            let cleared = clear_provider_limits(&stack, state.as_ref()).await?;
-            if !self.json {
+        let (changed, said, cleared) = change_circuit(&stack, self.lane.as_ref(), &self.action).await?;
+        if self.json {
+            println!("{}", serde_json::to_string_pretty(&changed)?);
+        } else {
+            if let Some(cleared) = cleared {
                 cleared.print();
             }
-            cool_down_cleared = cleared.cool_down.map(|until| until.to_rfc3339());
+            println!("{said}");
         }
-        let say = |circuit: &Circuit, changed: bool, note: String| -> anyhow::Result<()> {
-            if self.json {
-                let note = (!changed).then_some(note);
-                println!("{}", serde_json::to_string_pretty(&CircuitChanged::of(circuit, changed, cool_down_cleared.clone(), note))?);
-            } else {
-                println!("{note}");
-            }
-            Ok(())
-        };
-        let current = state.circuit().await?;
-        let (change, transition): (&Change, Transition) = match &self.action {
-            CircuitAction::Open(OpenChange { change, hold: true }) => (change, Circuit::hold),
-            CircuitAction::Open(OpenChange { change, hold: false }) => (change, Circuit::open),
-            CircuitAction::Close(change) => (change, Circuit::close),
-        };
-        let seen = change.epoch.unwrap_or(current.epoch);
-        let reason = change.reason.as_ref().map_or_else(|| "operator".to_owned(), |why| format!("operator: {why}"));
-        let next = match transition(&current, seen, &reason, system_now()) {
-            Ok(next) => next,
-            Err(Refusal::Already(status)) => {
-                return say(&current, false, format!("the circuit is already {status} (epoch {}): nothing to do", current.epoch));
-            }
-            Err(Refusal::Held) => {
-                return say(&current, false, format!("the circuit is already held open (epoch {}): `paceline circuit close` lifts the hold", current.epoch));
-            }
-            Err(Refusal::Stale { seen, current }) => {
-                bail!("the circuit is at epoch {current}, not {seen}: it changed since; check `paceline status` and decide again")
-            }
-        };
-        match state.swap_circuit(seen, &next).await {
-            Ok(()) => {
-                let held = if next.held { ", held until `paceline circuit close`" } else { "" };
-                say(&next, true, format!("circuit {} at epoch {} ({}){held}", next.status, next.epoch, next.reason))
-            }
-            Err(PortError::Conflict(_)) => bail!("the circuit changed while we wrote (epoch {seen} is gone); check `paceline status` and decide again"),
-            Err(e) => Err(e.into()),
+        Ok(())
+    }
+}
+
+/// Opens, holds or closes `lane`'s circuit (the stack's without lanes) as `action` says:
+/// the circuit after it, what to say of it, and what a close cleared.
+///
+/// # Errors
+/// A bad lane, an unavailable store, or a circuit that moved past the epoch given.
+pub(crate) async fn change_circuit(
+    stack: &OperatorStack,
+    lane: Option<&LaneId>,
+    action: &CircuitAction,
+) -> anyhow::Result<(CircuitChanged, String, Option<ClearedLimits>)> {
+    let state = stack.lane_state(lane)?;
+    let cleared = match action {
+        CircuitAction::Close(_) => Some(clear_provider_limits(stack, state.as_ref()).await?),
+        CircuitAction::Open(_) => None,
+    };
+    let cool_down_cleared = cleared.as_ref().and_then(|cleared| cleared.cool_down).map(|until| until.to_rfc3339());
+    let said = |circuit: &Circuit, changed: bool, note: String| {
+        let json = CircuitChanged::of(circuit, changed, cool_down_cleared.clone(), (!changed).then(|| note.clone()));
+        (json, note)
+    };
+    let current = state.circuit().await?;
+    let (change, transition): (&Change, Transition) = match action {
+        CircuitAction::Open(OpenChange { change, hold: true }) => (change, Circuit::hold),
+        CircuitAction::Open(OpenChange { change, hold: false }) => (change, Circuit::open),
+        CircuitAction::Close(change) => (change, Circuit::close),
+    };
+    let seen = change.epoch.unwrap_or(current.epoch);
+    let reason = change.reason.as_ref().map_or_else(|| "operator".to_owned(), |why| format!("operator: {why}"));
+    let next = match transition(&current, seen, &reason, system_now()) {
+        Ok(next) => next,
+        Err(Refusal::Already(status)) => {
+            let (json, note) = said(&current, false, format!("the circuit is already {status} (epoch {}): nothing to do", current.epoch));
+            return Ok((json, note, cleared));
         }
+        Err(Refusal::Held) => {
+            let (json, note) =
+                said(&current, false, format!("the circuit is already held open (epoch {}): `paceline circuit close` lifts the hold", current.epoch));
+            return Ok((json, note, cleared));
+        }
+        Err(Refusal::Stale { seen, current }) => {
+            bail!("the circuit is at epoch {current}, not {seen}: it changed since; check `paceline status` and decide again")
+        }
+    };
+    match state.swap_circuit(seen, &next).await {
+        Ok(()) => {
+            let held = if next.held { ", held until `paceline circuit close`" } else { "" };
+            let (json, note) = said(&next, true, format!("circuit {} at epoch {} ({}){held}", next.status, next.epoch, next.reason));
+            Ok((json, note, cleared))
+        }
+        Err(PortError::Conflict(_)) => bail!("the circuit changed while we wrote (epoch {seen} is gone); check `paceline status` and decide again"),
+        Err(e) => Err(e.into()),
     }
 }

@@ -7,6 +7,7 @@
 //! the dead-letter queue and why.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -16,7 +17,9 @@ use paceline_shared::ports::{JobQueue, OutgoingMessage};
 use paceline_shared::quota::{Period, Tier};
 use serde::Serialize;
 
+use crate::access::StackArgs;
 use crate::fake_api::{FakeApi, FakeApiLog, FakeApiSpec};
+use crate::serve::{stop_signal, Serving};
 use crate::stack::{load_config, EmbeddedStack};
 use crate::summary::Summary;
 use paceline_sim::report::text_table;
@@ -54,6 +57,10 @@ pub struct DemoArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Serve the web console on the demo while it runs, and keep it open after the
+    /// report until Ctrl-C (on 127.0.0.1:8080, or the address given).
+    #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = "127.0.0.1:8080", conflicts_with = "json")]
+    pub serve: Option<SocketAddr>,
 }
 
 #[derive(Serialize)]
@@ -200,6 +207,15 @@ impl DemoArgs {
         for batch in messages.chunks(10) {
             stack.store.send(batch).await?;
         }
+        let serving = match self.serve {
+            Some(listen) => {
+                let operated = StackArgs { config: config_path.clone(), ..StackArgs::default() }.open().await?;
+                let serving = Serving::start(operated, listen, false).await?;
+                println!("  (open http://{} and paste the token that may act to watch the demo live)", serving.address);
+                Some(serving)
+            }
+            None => None,
+        };
         if !self.json {
             println!("Paceline demo");
             println!("  fake API   {} (strict quota {}; calls take 0.2-1.5 s)", api.base_url, TIERS.join(" + "));
@@ -249,6 +265,12 @@ impl DemoArgs {
             println!("{}", serde_json::to_string_pretty(&report)?);
         } else {
             print_report(&report);
+        }
+        if let Some(serving) = serving {
+            println!();
+            println!("The console stays open at http://{} (the demo's API is still up); Ctrl-C ends it.", serving.address);
+            stop_signal().await?;
+            serving.stop().await?;
         }
         Ok(())
     }

@@ -140,20 +140,21 @@ impl Selection {
 
 /// What a redrive or purge did.
 #[derive(Debug, Default, Serialize)]
-struct Removal {
-    matched: u64,
+pub struct Removal {
+    pub matched: u64,
     /// Redriven or purged (0 on a dry run).
-    done: u64,
+    pub done: u64,
     /// Matched but hold no job to redrive (a health check, an unreadable record).
-    no_job: u64,
-    dry_run: bool,
+    pub no_job: u64,
+    pub dry_run: bool,
     /// On a dry run, what would be redriven or purged.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    would: Vec<DeadLetterRecord>,
+    pub would: Vec<DeadLetterRecord>,
 }
 
-#[derive(Clone, Copy)]
-enum RemovalKind {
+/// What to do with the dead letters selected.
+#[derive(Clone, Copy, Debug)]
+pub enum RemovalKind {
     Redrive { keep_attempts: bool },
     Purge,
 }
@@ -170,9 +171,9 @@ impl DlqArgs {
             DlqAction::Show { id, json } => show(queues, &id, hold, json).await,
             DlqAction::Summary { select, json } => summary(queues, &select, hold, json).await,
             DlqAction::Redrive { target, dry_run, keep_attempts, json } => {
-                remove(&stack, &target, hold, RemovalKind::Redrive { keep_attempts }, dry_run, json).await
+                remove_and_say(&stack, &target, hold, RemovalKind::Redrive { keep_attempts }, dry_run, json).await
             }
-            DlqAction::Purge { target, dry_run, json } => remove(&stack, &target, hold, RemovalKind::Purge, dry_run, json).await,
+            DlqAction::Purge { target, dry_run, json } => remove_and_say(&stack, &target, hold, RemovalKind::Purge, dry_run, json).await,
         }
     }
 }
@@ -207,7 +208,10 @@ async fn each_selected(
 }
 
 /// The selected dead letters (up to `limit`).
-async fn collect(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duration, limit: usize) -> anyhow::Result<Vec<DeadLetterRecord>> {
+///
+/// # Errors
+/// A DLQ the stack does not have, or one that cannot be read.
+pub async fn collect(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duration, limit: usize) -> anyhow::Result<Vec<DeadLetterRecord>> {
     let mut found = Vec::new();
     each_selected(queues, select, hold, limit, |r| found.push(r)).await?;
     Ok(found)
@@ -268,9 +272,18 @@ async fn show(queues: &dyn DeadLetterQueues, id: &str, hold: Duration, json: boo
     Ok(())
 }
 
-async fn summary(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duration, json: bool) -> anyhow::Result<()> {
+/// The selected dead letters counted by DLQ and cause.
+///
+/// # Errors
+/// A DLQ the stack does not have, or one that cannot be read.
+pub async fn summarize(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duration) -> anyhow::Result<CauseSummary> {
     let mut summary = CauseSummary::default();
     each_selected(queues, select, hold, usize::MAX, |r| summary.add(&r)).await?;
+    Ok(summary)
+}
+
+async fn summary(queues: &dyn DeadLetterQueues, select: &Selection, hold: Duration, json: bool) -> anyhow::Result<()> {
+    let summary = summarize(queues, select, hold).await?;
     let total = summary.total();
     let groups = summary.groups();
     if json {
@@ -304,14 +317,32 @@ fn progress_bar(len: u64, verb: &str) -> ProgressBar {
     bar
 }
 
-/// Redrives or purges the selected dead letters, a page at a time.
-async fn remove(stack: &OperatorStack, target: &RemovalTarget, hold: Duration, kind: RemovalKind, dry_run: bool, json: bool) -> anyhow::Result<()> {
+impl RemovalKind {
+    /// What the progress bar and the closing line say.
+    fn verbs(self) -> (&'static str, &'static str) {
+        match self {
+            Self::Redrive { .. } => ("redriving", "redrove"),
+            Self::Purge => ("purging", "purged"),
+        }
+    }
+}
+
+/// Redrives or purges the selected dead letters, a page at a time, counting what it
+/// reads on `bar`. A redrive puts each job back on the jobs queue, where it is paced
+/// like any job.
+///
+/// # Errors
+/// No filter and no `all`, a DLQ the stack does not have, or a queue that fails.
+pub async fn remove(
+    stack: &OperatorStack,
+    target: &RemovalTarget,
+    hold: Duration,
+    kind: RemovalKind,
+    dry_run: bool,
+    bar: &ProgressBar,
+) -> anyhow::Result<Removal> {
     let select = &target.select;
     let queues = stack.queues.as_ref();
-    let (verb, done_verb) = match kind {
-        RemovalKind::Redrive { .. } => ("redriving", "redrove"),
-        RemovalKind::Purge => ("purging", "purged"),
-    };
     let filter = select.filter();
     if filter.is_everything() && !target.all {
         bail!("say which dead letters: --cause, --id, --older-than, --newer-than, or --all for every one (add --dry-run to see first)");
@@ -321,7 +352,8 @@ async fn remove(stack: &OperatorStack, target: &RemovalTarget, hold: Duration, k
     for source in &sources {
         total += queues.count(*source).await?;
     }
-    let bar = progress_bar(total, verb);
+    bar.set_length(total);
+    let done_verb = kind.verbs().1;
     let mut outcome = Removal { dry_run, ..Removal::default() };
     let now = system_now();
     for source in sources {
@@ -361,6 +393,14 @@ async fn remove(stack: &OperatorStack, target: &RemovalTarget, hold: Duration, k
         }
         scan.finish().await?;
     }
+    Ok(outcome)
+}
+
+/// Redrives or purges the selected dead letters and says what it did.
+async fn remove_and_say(stack: &OperatorStack, target: &RemovalTarget, hold: Duration, kind: RemovalKind, dry_run: bool, json: bool) -> anyhow::Result<()> {
+    let (verb, done_verb) = kind.verbs();
+    let bar = progress_bar(0, verb);
+    let outcome = remove(stack, target, hold, kind, dry_run, &bar).await?;
     bar.finish_and_clear();
     if json {
         println!("{}", serde_json::to_string_pretty(&outcome)?);

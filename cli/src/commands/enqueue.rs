@@ -9,7 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use paceline_shared::config::{Config, RequestLimits};
 use paceline_shared::job::Job;
 use paceline_shared::lane::LaneId;
-use paceline_shared::ports::OutgoingMessage;
+use paceline_shared::ports::{JobQueue, OutgoingMessage};
 
 use crate::access::StackArgs;
 
@@ -76,6 +76,26 @@ pub fn parse_lines(lines: impl Iterator<Item = std::io::Result<String>>, lane: O
     (jobs, errors)
 }
 
+/// The most messages one send takes (SQS's batch).
+const SEND_BATCH: usize = 10;
+
+/// Puts `jobs` on `queue` in order, in batches of ten (each deduplicated by its job id
+/// on a FIFO queue), telling `sent` how many went after each batch.
+///
+/// # Errors
+/// A send that failed, saying how many jobs went before it (the first ones, in order).
+pub async fn send_jobs(queue: &dyn JobQueue, jobs: &[Job], mut sent: impl FnMut(usize)) -> anyhow::Result<()> {
+    for (index, batch) in jobs.chunks(SEND_BATCH).enumerate() {
+        let messages: Vec<OutgoingMessage> = batch
+            .iter()
+            .map(|job| OutgoingMessage { body: job.to_json(), attempt: 0, delay: std::time::Duration::ZERO, dedup_id: Some(job.id.to_string()) })
+            .collect();
+        queue.send(&messages).await.with_context(|| format!("after {} job(s) were enqueued", index * SEND_BATCH))?;
+        sent(batch.len());
+    }
+    Ok(())
+}
+
 impl EnqueueArgs {
     /// # Errors
     /// Bad config, unreadable input, a failed send, or rejected lines (after the good
@@ -97,22 +117,15 @@ impl EnqueueArgs {
                 eprintln!("{error}");
             }
         }
-        let messages: Vec<OutgoingMessage> = jobs
-            .iter()
-            .map(|job| OutgoingMessage { body: job.to_json(), attempt: 0, delay: std::time::Duration::ZERO, dedup_id: Some(job.id.to_string()) })
-            .collect();
-        let bar = ProgressBar::new(messages.len() as u64);
+        let bar = ProgressBar::new(jobs.len() as u64);
         bar.set_style(ProgressStyle::with_template("enqueueing {wide_bar} {pos}/{len} {per_sec} ETA {eta}").unwrap_or_else(|_| ProgressStyle::default_bar()));
-        for (index, batch) in messages.chunks(10).enumerate() {
-            stack.queues.send(batch).await.with_context(|| format!("after {} job(s) were enqueued", index * 10))?;
-            bar.inc(batch.len() as u64);
-        }
+        send_jobs(stack.queues.as_ref(), &jobs, |sent| bar.inc(sent as u64)).await?;
         bar.finish_and_clear();
         if self.json {
             let job_ids = jobs.iter().map(|job| job.id.as_str()).collect();
-            println!("{}", serde_json::to_string_pretty(&Enqueued { enqueued: messages.len(), job_ids, rejected: &errors })?);
+            println!("{}", serde_json::to_string_pretty(&Enqueued { enqueued: jobs.len(), job_ids, rejected: &errors })?);
         } else {
-            println!("enqueued {} job(s); {} line(s) rejected", messages.len(), errors.len());
+            println!("enqueued {} job(s); {} line(s) rejected", jobs.len(), errors.len());
         }
         if errors.is_empty() {
             Ok(())

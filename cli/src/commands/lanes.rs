@@ -73,7 +73,7 @@ fn parse_tier(text: &str) -> Result<Tier, String> {
 
 /// A lane as `lanes` shows it.
 #[derive(Serialize)]
-pub(crate) struct LaneView {
+pub struct LaneView {
     pub lane: String,
     /// `config` (`[lanes.ID]`) or `defaults` (`[lanes]`), with `+ operator` when an
     /// operator's change is over them.

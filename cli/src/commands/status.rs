@@ -17,7 +17,7 @@ use paceline_shared::quota::Quota;
 use paceline_shared::time::{system_now, UnixMillis};
 use serde::Serialize;
 
-use crate::access::StackArgs;
+use crate::access::{OperatorStack, StackArgs};
 use crate::commands::lanes::{lane_views, print_table, LaneView};
 
 /// Show the stack's state (with `[lanes]`: the shared tiers and the lanes), or one lane's.
@@ -34,39 +34,39 @@ pub struct StatusArgs {
 }
 
 #[derive(Serialize)]
-struct TierUsage {
-    tier: String,
-    limit: u64,
+pub struct TierUsage {
+    pub tier: String,
+    pub limit: u64,
     /// Used in the current window: a calendar tier's count, or a rolling tier's from
     /// the pacer's last snapshot (written every flush and at the end of a run); `None`
     /// for a rolling tier no run has paced yet.
-    used: Option<u64>,
+    pub used: Option<u64>,
     /// Calendar tiers: when the window resets.
-    resets_at: Option<String>,
+    pub resets_at: Option<String>,
     /// Rolling tiers: when the oldest unit in the window leaves it (none while empty).
-    next_unit_frees_at: Option<String>,
+    pub next_unit_frees_at: Option<String>,
 }
 
 /// The rate the last run went at, as it saved it with the pacer.
 #[derive(Serialize)]
-struct RateStatus {
-    per_second: f64,
-    configured_per_second: f64,
+pub struct RateStatus {
+    pub per_second: f64,
+    pub configured_per_second: f64,
     /// Why, in words.
-    reason: String,
+    pub reason: String,
     /// Why, as data.
-    detail: RateReason,
-    as_of: String,
+    pub detail: RateReason,
+    pub as_of: String,
 }
 
 /// What the provider's rate-limit headers last said.
 #[derive(Serialize)]
-struct ReadingStatus {
-    limit: u64,
-    remaining: u64,
-    window_seconds: Option<f64>,
-    resets_at: String,
-    read_at: String,
+pub struct ReadingStatus {
+    pub limit: u64,
+    pub remaining: u64,
+    pub window_seconds: Option<f64>,
+    pub resets_at: String,
+    pub read_at: String,
 }
 
 impl From<ProviderReading> for ReadingStatus {
@@ -82,35 +82,35 @@ impl From<ProviderReading> for ReadingStatus {
 }
 
 #[derive(Serialize)]
-struct Status {
+pub struct Status {
     /// The lane shown (`status --lane`).
     #[serde(skip_serializing_if = "Option::is_none")]
-    lane: Option<String>,
+    pub lane: Option<String>,
     /// The queue's depths (of the lane's jobs, for one lane, where the store counts them
     /// by lane).
-    queue: QueueDepth,
+    pub queue: QueueDepth,
     /// `status --lane` on SQS, which counts no lane apart: `queue` is the whole stack's.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
-    queue_is_the_stacks: bool,
+    pub queue_is_the_stacks: bool,
     /// The worker's DLQ, where the lane has one.
-    worker_dead: Option<u64>,
+    pub worker_dead: Option<u64>,
     /// The lane's circuit (none for a stack of many lanes: each has its own, in `lanes`).
     #[serde(serialize_with = "circuit_view")]
-    circuit: Option<Circuit>,
+    pub circuit: Option<Circuit>,
     #[serde(serialize_with = "lease_view")]
-    lease: Option<Lease>,
-    cool_down_until: Option<String>,
+    pub lease: Option<Lease>,
+    pub cool_down_until: Option<String>,
     /// None before a run saved one.
-    effective_rate: Option<RateStatus>,
-    provider_reading: Option<ReadingStatus>,
-    tiers: Vec<TierUsage>,
+    pub effective_rate: Option<RateStatus>,
+    pub provider_reading: Option<ReadingStatus>,
+    pub tiers: Vec<TierUsage>,
     /// The margin added to rolling windows: as configured, and as 429s widened it.
-    safety_margin: Option<MarginStatus>,
+    pub safety_margin: Option<MarginStatus>,
     /// Seconds the waiting jobs take at the quota (one unit each), when the quota is known.
-    drain_estimate_seconds: Option<u64>,
+    pub drain_estimate_seconds: Option<u64>,
     /// With `[lanes]`: every lane, the largest backlog first.
     #[serde(skip_serializing_if = "Option::is_none")]
-    lanes: Option<Vec<LaneView>>,
+    pub lanes: Option<Vec<LaneView>>,
 }
 
 /// How many lanes the text view lists (`--json` has all).
@@ -118,10 +118,10 @@ const LANES_SHOWN: usize = 20;
 
 /// The safety margin as `status` shows it.
 #[derive(Serialize)]
-struct MarginStatus {
-    configured_ms: u64,
+pub struct MarginStatus {
+    pub configured_ms: u64,
     /// What the pacer adds now (more than configured after 429s showed more jitter).
-    in_use_ms: u64,
+    pub in_use_ms: u64,
 }
 
 /// The circuit as `status --json` shows it (times in RFC 3339).
@@ -158,111 +158,119 @@ impl StatusArgs {
     /// A bad lane or an unreadable store.
     pub async fn run(self) -> anyhow::Result<()> {
         let stack = self.stack.open().await?;
-        let now = system_now();
-        let worker_dead = if stack.queues.sources().contains(&DlqSource::Worker) { Some(stack.queues.count(DlqSource::Worker).await?) } else { None };
-        let with_lanes = stack.has_lanes();
-        let mut queue_is_the_stacks = false;
-        let (state, quota, queue, lanes): (Arc<dyn StateStore>, Option<Quota>, QueueDepth, Option<Vec<LaneView>>) = match &self.lane {
-            Some(lane) if with_lanes => {
-                let (config, _) = stack.lanes()?;
-                let state = stack.lane_state(Some(lane))?;
-                let quota = config.lane_changed(lane, &state.lane_change().await?.unwrap_or_default())?.quota;
-                let queue = match stack.backlog_by_lane()? {
-                    Some(depths) => depths.get(lane).copied().unwrap_or_default(),
-                    None => {
-                        queue_is_the_stacks = true;
-                        stack.queues.depth().await?
-                    }
-                };
-                (state, Some(quota), queue, None)
-            }
-            None if with_lanes => {
-                let shared = stack.lanes()?.1.scoped(&StoreScope::Stack);
-                let quota = stack.shared_quota().cloned();
-                (shared, quota, stack.queues.depth().await?, Some(lane_views(&stack).await?))
-            }
-            lane => {
-                let state = stack.lane_state(lane.as_ref())?;
-                (state, stack.config.as_ref().map(|config| config.quota.clone()), stack.queues.depth().await?, None)
-            }
-        };
-        let mut tiers = Vec::new();
-        let mut drain_estimate_seconds = None;
-        let mut safety_margin = None;
-        let snapshot = state.load_pacer().await?;
-        let cool_down = state.cool_down().await?;
-        let provider_reading = state.provider_reading().await?;
-        // A budget the provider set ends at its reset, or when an operator forgot its reading.
-        let in_force = |rate: &EffectiveRate| match rate.reason {
-            RateReason::ProviderBudget { resets_at, .. } => resets_at > now && provider_reading.is_some(),
-            _ => true,
-        };
-        let effective_rate = snapshot.as_ref().and_then(|s| s.effective_rate.clone()).filter(in_force).map(|rate| RateStatus {
-            per_second: (rate.per_second * 100.0).round() / 100.0,
-            configured_per_second: rate.configured_per_second,
-            reason: rate.reason.to_string(),
-            detail: rate.reason,
-            as_of: rate.at.to_rfc3339(),
-        });
-        if let Some(quota) = &quota {
-            let calendar_used = load_calendar_usage(state.as_ref(), quota, now).await?;
-            let pacer = snapshot.map(|snapshot| PacerState::restored(quota, &snapshot.state));
-            let rolling_used = pacer.as_ref().map(|pacer| pacer.usage(quota, now));
-            // A run forgets a learned margin whose 429's cool-down an operator cleared.
-            let learned = pacer.as_ref().filter(|_| cool_down > UnixMillis(0));
-            let in_use = learned.map_or(quota.safety_margin(), |pacer| pacer.safety_margin(quota));
-            safety_margin = Some(MarginStatus { configured_ms: millis(quota.safety_margin()), in_use_ms: millis(in_use) });
-            for (index, (tier, used)) in quota.tiers().iter().zip(&calendar_used).enumerate() {
-                let usage = if tier.is_calendar() {
-                    TierUsage {
-                        tier: tier.to_string(),
-                        limit: tier.limit,
-                        used: Some(*used),
-                        resets_at: Some(tier.window_at(quota.zone(), now).1.to_rfc3339()),
-                        next_unit_frees_at: None,
-                    }
-                } else {
-                    TierUsage {
-                        tier: tier.to_string(),
-                        limit: tier.limit,
-                        used: rolling_used.as_ref().map(|used| used[index]),
-                        resets_at: None,
-                        next_unit_frees_at: pacer.as_ref().and_then(|pacer| pacer.frees_at(index, now)).map(|at| at.to_rfc3339()),
-                    }
-                };
-                tiers.push(usage);
-            }
-            let waiting = queue.visible + queue.not_visible;
-            // Lanes that share no quota drain at their own paces: no estimate for the stack;
-            // nor one for a lane whose jobs are not counted apart.
-            if !quota.tiers().is_empty() && !queue_is_the_stacks {
-                drain_estimate_seconds = Some(quota.drain_estimate(waiting, &calendar_used, now).as_secs());
-            }
-        }
-        // Nothing is dispatched before the cool-down ends.
-        let drain_estimate_seconds = drain_estimate_seconds.map(|seconds| seconds + cool_down.since(now).as_secs());
-        let status = Status {
-            lane: self.lane.as_ref().map(ToString::to_string),
-            queue,
-            queue_is_the_stacks,
-            worker_dead,
-            circuit: if lanes.is_some() { None } else { Some(state.circuit().await?) },
-            lease: stack.state.lease().await?.filter(|l| l.expires_at > now),
-            cool_down_until: (cool_down > now).then(|| cool_down.to_rfc3339()),
-            effective_rate,
-            provider_reading: provider_reading.map(ReadingStatus::from),
-            tiers,
-            safety_margin,
-            drain_estimate_seconds,
-            lanes,
-        };
+        let status = read_status(&stack, self.lane.as_ref(), system_now()).await?;
         if self.json {
             println!("{}", serde_json::to_string_pretty(&status)?);
         } else {
-            print_status(&status, now);
+            print_status(&status, system_now());
         }
         Ok(())
     }
+}
+
+/// The stack's state at `now` (with `[lanes]` and no `lane`: the shared tiers and every
+/// lane), or one lane's: what `status` prints and `serve` answers.
+///
+/// # Errors
+/// A bad lane or an unreadable store.
+pub async fn read_status(stack: &OperatorStack, lane: Option<&LaneId>, now: UnixMillis) -> anyhow::Result<Status> {
+    let worker_dead = if stack.queues.sources().contains(&DlqSource::Worker) { Some(stack.queues.count(DlqSource::Worker).await?) } else { None };
+    let with_lanes = stack.has_lanes();
+    let mut queue_is_the_stacks = false;
+    let (state, quota, queue, lanes): (Arc<dyn StateStore>, Option<Quota>, QueueDepth, Option<Vec<LaneView>>) = match lane {
+        Some(lane) if with_lanes => {
+            let (config, _) = stack.lanes()?;
+            let state = stack.lane_state(Some(lane))?;
+            let quota = config.lane_changed(lane, &state.lane_change().await?.unwrap_or_default())?.quota;
+            let queue = match stack.backlog_by_lane()? {
+                Some(depths) => depths.get(lane).copied().unwrap_or_default(),
+                None => {
+                    queue_is_the_stacks = true;
+                    stack.queues.depth().await?
+                }
+            };
+            (state, Some(quota), queue, None)
+        }
+        None if with_lanes => {
+            let shared = stack.lanes()?.1.scoped(&StoreScope::Stack);
+            let quota = stack.shared_quota().cloned();
+            (shared, quota, stack.queues.depth().await?, Some(lane_views(stack).await?))
+        }
+        lane => {
+            let state = stack.lane_state(lane)?;
+            (state, stack.config.as_ref().map(|config| config.quota.clone()), stack.queues.depth().await?, None)
+        }
+    };
+    let mut tiers = Vec::new();
+    let mut drain_estimate_seconds = None;
+    let mut safety_margin = None;
+    let snapshot = state.load_pacer().await?;
+    let cool_down = state.cool_down().await?;
+    let provider_reading = state.provider_reading().await?;
+    // A budget the provider set ends at its reset, or when an operator forgot its reading.
+    let in_force = |rate: &EffectiveRate| match rate.reason {
+        RateReason::ProviderBudget { resets_at, .. } => resets_at > now && provider_reading.is_some(),
+        _ => true,
+    };
+    let effective_rate = snapshot.as_ref().and_then(|s| s.effective_rate.clone()).filter(in_force).map(|rate| RateStatus {
+        per_second: (rate.per_second * 100.0).round() / 100.0,
+        configured_per_second: rate.configured_per_second,
+        reason: rate.reason.to_string(),
+        detail: rate.reason,
+        as_of: rate.at.to_rfc3339(),
+    });
+    if let Some(quota) = &quota {
+        let calendar_used = load_calendar_usage(state.as_ref(), quota, now).await?;
+        let pacer = snapshot.map(|snapshot| PacerState::restored(quota, &snapshot.state));
+        let rolling_used = pacer.as_ref().map(|pacer| pacer.usage(quota, now));
+        // A run forgets a learned margin whose 429's cool-down an operator cleared.
+        let learned = pacer.as_ref().filter(|_| cool_down > UnixMillis(0));
+        let in_use = learned.map_or(quota.safety_margin(), |pacer| pacer.safety_margin(quota));
+        safety_margin = Some(MarginStatus { configured_ms: millis(quota.safety_margin()), in_use_ms: millis(in_use) });
+        for (index, (tier, used)) in quota.tiers().iter().zip(&calendar_used).enumerate() {
+            let usage = if tier.is_calendar() {
+                TierUsage {
+                    tier: tier.to_string(),
+                    limit: tier.limit,
+                    used: Some(*used),
+                    resets_at: Some(tier.window_at(quota.zone(), now).1.to_rfc3339()),
+                    next_unit_frees_at: None,
+                }
+            } else {
+                TierUsage {
+                    tier: tier.to_string(),
+                    limit: tier.limit,
+                    used: rolling_used.as_ref().map(|used| used[index]),
+                    resets_at: None,
+                    next_unit_frees_at: pacer.as_ref().and_then(|pacer| pacer.frees_at(index, now)).map(|at| at.to_rfc3339()),
+                }
+            };
+            tiers.push(usage);
+        }
+        let waiting = queue.visible + queue.not_visible;
+        // Lanes that share no quota drain at their own paces: no estimate for the stack;
+        // nor one for a lane whose jobs are not counted apart.
+        if !quota.tiers().is_empty() && !queue_is_the_stacks {
+            drain_estimate_seconds = Some(quota.drain_estimate(waiting, &calendar_used, now).as_secs());
+        }
+    }
+    // Nothing is dispatched before the cool-down ends.
+    let drain_estimate_seconds = drain_estimate_seconds.map(|seconds| seconds + cool_down.since(now).as_secs());
+    Ok(Status {
+        lane: lane.map(ToString::to_string),
+        queue,
+        queue_is_the_stacks,
+        worker_dead,
+        circuit: if lanes.is_some() { None } else { Some(state.circuit().await?) },
+        lease: stack.state.lease().await?.filter(|l| l.expires_at > now),
+        cool_down_until: (cool_down > now).then(|| cool_down.to_rfc3339()),
+        effective_rate,
+        provider_reading: provider_reading.map(ReadingStatus::from),
+        tiers,
+        safety_margin,
+        drain_estimate_seconds,
+        lanes,
+    })
 }
 
 fn print_status(status: &Status, now: UnixMillis) {

@@ -309,6 +309,48 @@ impl EmbeddedStore {
         text.map(|t| serde_json::from_str(&t).map_err(|e| PortError::Unreadable(format!("stored {key}: {e}")))).transpose()
     }
 
+    /// What an operator tool keeps beside the stack's state under `name` (`paceline
+    /// serve`'s token hashes), if anything.
+    ///
+    /// # Errors
+    /// `Fatal` on a database failure, `Unreadable` for a value that is not `T`.
+    pub fn operator_setting<T: serde::de::DeserializeOwned>(&self, name: &str) -> PortResult<Option<T>> {
+        self.get_kv(&format!("operator#{name}"))
+    }
+
+    /// When the oldest job on the queue was first enqueued (none on an empty queue).
+    ///
+    /// # Errors
+    /// `Fatal` on a database failure.
+    pub fn oldest_enqueued(&self) -> PortResult<Option<UnixMillis>> {
+        self.on_db(|| {
+            let oldest: Option<i64> = self.conn().query_row("SELECT min(enqueued_at) FROM messages", [], |r| r.get(0)).map_err(sql_err)?;
+            Ok(oldest.map(|at| UnixMillis(to_u64(at))))
+        })
+    }
+
+    /// Keeps `value` under `name`, over what was there.
+    ///
+    /// # Errors
+    /// `Fatal` on a database failure.
+    pub fn set_operator_setting<T: serde::Serialize>(&self, name: &str, value: &T) -> PortResult<()> {
+        self.on_db(|| Self::put_kv(&self.conn(), &format!("operator#{name}"), value))
+    }
+
+    /// Keeps `value` under `name` unless a value is there already; whether it was kept
+    /// (two processes starting at once keep one of theirs, never both).
+    ///
+    /// # Errors
+    /// `Fatal` on a database failure.
+    pub fn keep_operator_setting<T: serde::Serialize>(&self, name: &str, value: &T) -> PortResult<bool> {
+        let text = serde_json::to_string(value).map_err(fatal)?;
+        self.on_db(|| {
+            let kept =
+                self.conn().execute("INSERT INTO kv (key, value) VALUES (?1, ?2) ON CONFLICT(key) DO NOTHING", params![format!("operator#{name}"), text]);
+            Ok(kept.map_err(sql_err)? == 1)
+        })
+    }
+
     /// Every lane's stored circuit as JSON text, by lane (the default lane's too), in one
     /// read: what a run's circuit watcher compares from one look to the next.
     ///

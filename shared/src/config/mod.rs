@@ -18,8 +18,10 @@ use crate::outcome::{OutcomeSettings, RecordOutcomes};
 use crate::quota::{Quota, Tier};
 
 mod lanes;
+mod serve;
 
 pub use lanes::{CoolDownScope, LaneChange, LaneSettings, LanesConfig, LANE_PLACEHOLDER};
+pub use serve::{ServeConfig, MIN_TOKEN_LEN};
 
 /// Why the configuration cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +61,8 @@ pub struct Config {
     /// `[lanes]`: many lanes under `quota`, shared. `None`: one lane, `default`, whose
     /// quota is `quota`.
     pub lanes: Option<LanesConfig>,
+    /// `[serve]`: `paceline serve`'s tokens and limits.
+    pub serve: ServeConfig,
 }
 
 /// The third-party API.
@@ -647,6 +651,8 @@ struct RawConfig {
     #[serde(default)]
     backend: RawBackend,
     lanes: Option<toml::Table>,
+    #[serde(default)]
+    serve: serve::RawServe,
 }
 
 /// `[outcomes]` as written; defaults from [`OutcomeSettings::default`].
@@ -831,6 +837,7 @@ impl Config {
         let health_check = check_health_request(raw.api.health_check).map_err(|e| ConfigProblem::at("api.health_check", e))?;
         let idempotency_header = check_idempotency_header(raw.api.idempotency_header, &headers).map_err(|e| ConfigProblem::at("api.idempotency_header", e))?;
         let outcomes = raw.outcomes.settings()?;
+        let serve = raw.serve.settings(env)?;
         let backend = match raw.backend {
             RawBackend::Embedded { path } => Backend::Embedded { path: base_dir.join(path) },
             RawBackend::Aws(aws) => Backend::Aws(aws),
@@ -849,6 +856,7 @@ impl Config {
             outcomes,
             backend,
             lanes,
+            serve,
         })
     }
 

@@ -74,6 +74,15 @@ impl EmbeddedStore {
         })
     }
 
+    /// The row of the newest record kept (0 with none): where a reader that wants only
+    /// what comes next starts.
+    ///
+    /// # Errors
+    /// `Fatal` when the database cannot be read.
+    pub fn newest_outcome_row(&self) -> PortResult<i64> {
+        self.on_db(|| self.conn().query_row("SELECT coalesce(max(seq), 0) FROM outcomes", [], |r| r.get(0)).map_err(sql_err))
+    }
+
     /// Deletes records kept longer than the retention, at most once a minute.
     fn sweep_outcomes(&self, conn: &rusqlite::Connection, now: UnixMillis) -> PortResult<()> {
         let last = self.last_outcome_sweep.load(Ordering::Relaxed);

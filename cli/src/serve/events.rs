@@ -1,0 +1,139 @@
+//! The live events `serve` streams (`GET /v1/events`, server-sent events): calls, dead
+//! letters, circuit changes and the queue's depths, found by one watcher that reads the
+//! stack twice a second and hands each event to every open stream.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use paceline_shared::adapters::embedded::{EmbeddedStore, OutcomeQuery};
+use paceline_shared::breaker::{Circuit, CircuitStatus};
+use paceline_shared::lane::LaneId;
+use paceline_shared::outcome::{Ending, OutcomeRecord};
+use paceline_shared::ports::QueueDepth;
+use serde::Serialize;
+
+use super::Served;
+
+/// How often the watcher reads the stack.
+const WATCH_EVERY: Duration = Duration::from_millis(500);
+/// Outcome records read per look.
+const RECORDS_PER_LOOK: usize = 1_000;
+
+/// One thing that happened, as a stream sends it (`event:` is its `type`).
+#[derive(Clone, Debug, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ServedEvent {
+    /// A call was answered (or got no answer), as its outcome record says.
+    Call { job_id: String, lane: String, outcome: String, status: Option<u16>, attempts: u32, at: Option<String> },
+    /// A job went to the DLQ.
+    DeadLetter { job_id: String, lane: String, reason: Option<String> },
+    /// A lane's circuit changed.
+    Circuit { lane: String, status: CircuitStatus, epoch: u64, reason: String, held: bool },
+    /// The queue's depths changed.
+    Queue { ready: u64, in_flight: u64, dead: u64 },
+}
+
+impl ServedEvent {
+    /// The SSE `event:` name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Call { .. } => "call",
+            Self::DeadLetter { .. } => "dead_letter",
+            Self::Circuit { .. } => "circuit",
+            Self::Queue { .. } => "queue",
+        }
+    }
+
+    fn of_record(record: &OutcomeRecord) -> Vec<Self> {
+        let lane = record.lane.to_string();
+        let mut events = Vec::new();
+        if record.times.called.is_some() {
+            events.push(Self::Call {
+                job_id: record.job_id.clone(),
+                lane: lane.clone(),
+                outcome: record.outcome.label().to_owned(),
+                status: record.status,
+                attempts: record.attempts,
+                at: record.times.answered.or(record.times.called).map(|at| at.to_rfc3339()),
+            });
+        }
+        if record.outcome == Ending::DeadLettered {
+            events.push(Self::DeadLetter { job_id: record.job_id.clone(), lane, reason: record.reason.clone() });
+        }
+        events
+    }
+}
+
+/// What the watcher saw last, to tell what is new.
+#[derive(Default)]
+struct Seen {
+    after_row: i64,
+    circuits: HashMap<LaneId, String>,
+    queue: Option<QueueDepth>,
+}
+
+/// Reads the stack every [`WATCH_EVERY`] and publishes what changed, until `serve` stops.
+/// Outcome records (calls, dead letters) and every lane's circuit are read where the
+/// embedded store keeps them; the queue's depths on any stack.
+pub async fn watch(served: Arc<Served>) {
+    let mut seen = Seen::default();
+    if let Some(store) = &served.stack.embedded {
+        // What happened before `serve` started is in `results`, not news.
+        seen.after_row = store.newest_outcome_row().unwrap_or(0);
+        seen.circuits = store.circuits_as_stored().unwrap_or_default().into_iter().collect();
+    }
+    let mut stopping = served.stopping.clone();
+    loop {
+        if let Some(store) = &served.stack.embedded {
+            look_at_records(&served, store, &mut seen);
+            look_at_circuits(&served, store, &mut seen);
+        }
+        if let Ok(depth) = served.stack.queues.depth().await {
+            if seen.queue != Some(depth) {
+                seen.queue = Some(depth);
+                served.publish(ServedEvent::Queue { ready: depth.visible, in_flight: depth.not_visible, dead: depth.dead });
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(WATCH_EVERY) => {}
+            _ = stopping.wait_for(|stop| *stop) => return,
+        }
+    }
+}
+
+fn look_at_records(served: &Served, store: &EmbeddedStore, seen: &mut Seen) {
+    loop {
+        let query = OutcomeQuery { after_row: seen.after_row, limit: RECORDS_PER_LOOK, ..OutcomeQuery::default() };
+        let Ok(page) = store.outcomes(&query) else { return };
+        for kept in &page {
+            seen.after_row = kept.row;
+            served.metrics.saw(&kept.record);
+            for event in ServedEvent::of_record(&kept.record) {
+                served.publish(event);
+            }
+        }
+        if page.len() < RECORDS_PER_LOOK {
+            return;
+        }
+    }
+}
+
+fn look_at_circuits(served: &Served, store: &EmbeddedStore, seen: &mut Seen) {
+    let Ok(circuits) = store.circuits_as_stored() else { return };
+    for (lane, text) in circuits {
+        if seen.circuits.get(&lane) == Some(&text) {
+            continue;
+        }
+        if let Ok(circuit) = serde_json::from_str::<Circuit>(&text) {
+            served.publish(ServedEvent::Circuit {
+                lane: lane.to_string(),
+                status: circuit.status,
+                epoch: circuit.epoch,
+                reason: circuit.reason,
+                held: circuit.held,
+            });
+        }
+        seen.circuits.insert(lane, text);
+    }
+}
