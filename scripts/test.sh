@@ -3,15 +3,23 @@
 # AWS adapters and operator commands against the moto server, the SAM template
 # (cfn-lint, sam validate, checkov, a deploy into moto's CloudFormation) and the
 # Lambda functions' arm64 build. Installs what it needs on first use: Python tools from
-# PyPI into ./.venv (checkov into ./.venv-checkov, whose pins clash with the others)
-# and the aarch64 Rust target.
+# PyPI into ./.venv (checkov into ./.venv-checkov, whose pins clash with the others),
+# the aarch64 Rust target, and Debian's chromium and chromium-driver for the console's
+# browser tests (with apt-get, as root or through sudo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ ! -x .venv/bin/moto_server ] || [ ! -x .venv/bin/cfn-lint ] || [ ! -x .venv/bin/sam ] || [ ! -x .venv/bin/cargo-lambda ]; then
-    echo "== installing moto, cfn-lint, aws-sam-cli and cargo-lambda into .venv (first run only)"
+if [ ! -x .venv/bin/moto_server ] || [ ! -x .venv/bin/cfn-lint ] || [ ! -x .venv/bin/sam ] || [ ! -x .venv/bin/cargo-lambda ] || [ ! -x .venv/bin/pytest ]; then
+    echo "== installing moto, cfn-lint, aws-sam-cli, cargo-lambda, and selenium, pytest and prometheus_client into .venv (first run only)"
     python3 -m venv .venv
-    .venv/bin/pip install --quiet --disable-pip-version-check 'moto[server]' cfn-lint aws-sam-cli cargo-lambda
+    .venv/bin/pip install --quiet --disable-pip-version-check 'moto[server]' cfn-lint aws-sam-cli cargo-lambda selenium pytest prometheus_client
+fi
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+    echo "== installing Debian's chromium and chromium-driver (first run only; a browser download of Selenium's own cannot be fetched here)"
+    as_root=""
+    [ "$(id -u)" -eq 0 ] || as_root="sudo"
+    $as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $as_root apt-get install -y -qq chromium chromium-driver > /dev/null
 fi
 if [ ! -x .venv-checkov/bin/checkov ]; then
     echo "== installing checkov into .venv-checkov (first run only)"
@@ -63,3 +71,6 @@ echo "== deploy the template into moto's CloudFormation"
 
 echo "== tests"
 cargo test --workspace --all-features
+
+echo "== the web console in headless chromium, and /metrics through Prometheus's parser"
+PACELINE_BIN=target/debug/paceline .venv/bin/pytest -q tests/console
