@@ -431,3 +431,78 @@ async fn the_same_operator_commands_work_on_the_embedded_store() {
     let kick = paceline(&["kick", "--config", config], "").await;
     assert!(!kick.status.success() && stderr(&kick).contains("paceline run"), "{}", stderr(&kick));
 }
+
+/// `paceline serve --no-run` over an AWS stack: what an operator does from a browser
+/// after an outage (the summary by cause, a redrive) through the API, with nothing
+/// paced by `serve` itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_without_a_run_shows_an_aws_stack_s_dead_letters_by_cause_and_redrives_them() {
+    let (sdk, names, config) = aws_lane("ops-serve", r#""10/s""#).await;
+    outage_fills_the_dlqs(&sdk, &names).await;
+    let token = "a-token-for-serving-an-aws-stack-0123";
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    text.push_str("[serve]\ntoken = { env = \"PACELINE_TEST_SERVE_TOKEN\" }\n");
+    std::fs::write(&config, text).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut serve = tokio::process::Command::new(paceline_bin())
+        .args(["serve", "--no-run", "--config", config.to_str().unwrap(), "--listen", &format!("127.0.0.1:{port}")])
+        .envs(moto_env())
+        .env("PACELINE_TEST_SERVE_TOKEN", token)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let client = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    let call = |method: reqwest::Method, path: &str, body: Option<&str>| {
+        let mut request = client.request(method, format!("{base}{path}")).bearer_auth(token);
+        if let Some(body) = body {
+            request = request.header("content-type", "application/json").body(body.to_owned());
+        }
+        async move {
+            let response = request.send().await?;
+            let status = response.status().as_u16();
+            Ok::<_, reqwest::Error>((status, serde_json::from_str::<serde_json::Value>(&response.text().await?).unwrap_or_default()))
+        }
+    };
+    let mut status = None;
+    for _ in 0..100 {
+        if serve.try_wait().unwrap().is_some() {
+            let output = serve.wait_with_output().await.unwrap();
+            panic!("serve ended: {}", String::from_utf8_lossy(&output.stderr));
+        }
+        if let Ok(answer) = call(reqwest::Method::GET, "/v1/status", None).await {
+            status = Some(answer);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (code, status) = status.expect("serve listened within 10 s");
+    assert_eq!(code, 200, "{status}");
+    assert_eq!(status["worker_dead"], 14, "{status}");
+
+    let (_, dlq) = call(reqwest::Method::GET, "/v1/dlq?cause=5xx&limit=5", None).await.unwrap();
+    let causes: BTreeMap<String, u64> = dlq["summary"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| (format!("{}/{}", g["source"].as_str().unwrap(), g["cause"].as_str().unwrap()), g["count"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(causes.get("jobs/attempts_exhausted:http_503"), Some(&30), "{dlq}");
+    assert_eq!(causes.get("worker/worker:retries_exhausted:Unhandled"), Some(&14), "{dlq}");
+    assert_eq!(dlq["records"].as_array().unwrap().len(), 5);
+    let (code, moved) = call(reqwest::Method::POST, "/v1/dlq/redrive", Some(r#"{"cause":["5xx"]}"#)).await.unwrap();
+    assert_eq!((code, moved["done"].as_u64()), (200, Some(30)), "{moved}");
+    let (code, results) = call(reqwest::Method::GET, "/v1/results", None).await.unwrap();
+    assert_eq!(code, 404, "on AWS the records go to the results destination: {results}");
+    let (code, enqueued) = call(reqwest::Method::POST, "/v1/jobs", Some(r#"{"id":"from-http","request":{"method":"GET","path":"/items/1"}}"#)).await.unwrap();
+    assert_eq!((code, &enqueued["job_ids"]), (202, &serde_json::json!(["from-http"])), "{enqueued}");
+
+    let adapters = AwsAdapters::new(&sdk, &names, None);
+    let queued = take_all(&adapters.queue).await;
+    assert_eq!(queued.len(), 31, "the 30 redriven and the one enqueued over HTTP: {queued:?}");
+    let pid = serve.id().unwrap().to_string();
+    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let output = serve.wait_with_output().await.unwrap();
+    assert!(output.status.success(), "serve stops cleanly on SIGTERM: {}", String::from_utf8_lossy(&output.stderr));
+}

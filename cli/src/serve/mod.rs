@@ -26,7 +26,7 @@ use tokio::sync::{broadcast, watch, Semaphore};
 use crate::access::{OperatorStack, StackArgs};
 use crate::commands::dlq::{summarize, Selection};
 use crate::commands::status::read_status;
-use crate::stack::{load_config, EmbeddedStack};
+use crate::stack::{load_config, load_config_for_operations, EmbeddedStack};
 use crate::summary::Summary;
 pub use auth::{Access, Tokens};
 use events::ServedEvent;
@@ -125,7 +125,9 @@ impl ServeArgs {
     /// # Errors
     /// A bad config, a refused address, a held database, a port in use, or a failed run.
     pub async fn run(self) -> anyhow::Result<()> {
-        let config = if self.stack.config.exists() { Some(load_config(&self.stack.config)?) } else { None };
+        // Serving alone calls no API: its secrets need not be in this environment.
+        let load = if self.no_run { load_config_for_operations } else { load_config };
+        let config = if self.stack.config.exists() { Some(load(&self.stack.config)?) } else { None };
         let embedded = config.as_ref().is_some_and(|config| matches!(config.backend, Backend::Embedded { .. }));
         let lanes = match (&config, self.no_run) {
             (Some(config), false) if embedded => Some(EmbeddedStack::open(config)?),

@@ -288,3 +288,21 @@ async fn results_are_filtered_as_the_cli_filters_them_and_each_new_call_is_an_ev
     drop(stream);
     served.stop().await;
 }
+
+#[tokio::test]
+async fn a_stack_of_lanes_lists_them_and_jobs_go_in_the_lane_named_by_the_line_or_the_query() {
+    let served = Served::start("lanes", "[lanes]\ntiers = [\"2/s\"]\n[lanes.gold]\ntiers = [\"3/s\"]\n").await;
+    let lines = format!("{}\n{}\n", job_line("plain"), json!({ "id": "own", "lane": "gold", "request": { "method": "GET", "path": "/own" } }));
+    let (status, answer) = served.post_lines("/v1/jobs?lane=acme", &lines).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
+    let (status, lanes) = served.get("/v1/lanes").await;
+    assert_eq!(status, StatusCode::OK, "{lanes}");
+    let backlog: Vec<(&str, u64)> =
+        lanes.as_array().unwrap().iter().map(|lane| (lane["lane"].as_str().unwrap(), lane["backlog"]["visible"].as_u64().unwrap())).collect();
+    assert_eq!(backlog, vec![("acme", 1), ("gold", 1)], "{lanes}");
+    let (_, gold) = served.get("/v1/status?lane=gold").await;
+    assert_eq!(gold["tiers"][0]["tier"], json!("3/s"), "{gold}");
+    let (_, shared) = served.get("/v1/status").await;
+    assert_eq!(shared["lanes"].as_array().map(Vec::len), Some(2), "{shared}");
+    served.stop().await;
+}
