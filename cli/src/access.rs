@@ -75,6 +75,21 @@ pub struct OperatorStack {
 const ONE_LANE: &str = "this stack has no [lanes] in its config: its one lane is `default`";
 
 impl OperatorStack {
+    /// The embedded stack of `config` in `store` (the store a run in this process uses,
+    /// or one opened beside it).
+    #[must_use]
+    pub fn embedded(config: Config, store: Arc<EmbeddedStore>) -> Self {
+        Self {
+            lanes: configured_lanes(Some(&config)).ok_or_else(|| ONE_LANE.to_owned()),
+            config: Some(config),
+            queues: store.clone(),
+            state: store.clone(),
+            stores: store.clone(),
+            orchestrator: Err("an embedded stack has no orchestrator function: `paceline run` runs one in this process".into()),
+            embedded: Some(store),
+        }
+    }
+
     /// The stack's lanes and each lane's state.
     ///
     /// # Errors
@@ -216,15 +231,7 @@ impl StackArgs {
             None => {
                 let config = config.context("an embedded stack needs its config file")?;
                 let store = open_store(&config, if_missing)?;
-                Ok(OperatorStack {
-                    lanes: configured_lanes(Some(&config)).ok_or_else(|| ONE_LANE.to_owned()),
-                    config: Some(config),
-                    queues: store.clone(),
-                    state: store.clone(),
-                    stores: store.clone(),
-                    orchestrator: Err("an embedded stack has no orchestrator function: `paceline run` runs one in this process".into()),
-                    embedded: Some(store),
-                })
+                Ok(OperatorStack::embedded(config, store))
             }
             Some(mut aws) => {
                 // Where and as whom to reach AWS comes first: the stack is read with it.

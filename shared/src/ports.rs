@@ -154,12 +154,19 @@ pub trait JobQueue: Send + Sync {
     /// As for `receive`; a message not released comes back after its visibility timeout.
     async fn release(&self, messages: &[VisibleAgain]) -> PortResult<()>;
 
-    /// Puts messages on the queue (at most 10 at a time). All or nothing is not promised:
-    /// the error lists nothing, so callers resend the whole batch (jobs carry ids).
+    /// Puts messages on the queue (at most [`JobQueue::most_per_send`] at a time). All
+    /// or nothing is not promised: the error lists nothing, so callers resend the whole
+    /// batch (jobs carry ids).
     ///
     /// # Errors
     /// As for `receive`.
     async fn send(&self, messages: &[OutgoingMessage]) -> PortResult<()>;
+
+    /// The most messages one `send` should carry: SQS's batch of 10, unless the queue
+    /// takes more in one go (the embedded store, in one transaction).
+    fn most_per_send(&self) -> usize {
+        10
+    }
 
     /// Moves a message's body to the dead-letter queue with its reason.
     ///

@@ -17,7 +17,7 @@ use paceline_shared::ports::{JobQueue, OutgoingMessage};
 use paceline_shared::quota::{Period, Tier};
 use serde::Serialize;
 
-use crate::access::StackArgs;
+use crate::access::OperatorStack;
 use crate::fake_api::{FakeApi, FakeApiLog, FakeApiSpec};
 use crate::serve::{stop_signal, Serving};
 use crate::stack::{load_config, EmbeddedStack};
@@ -209,8 +209,7 @@ impl DemoArgs {
         }
         let serving = match self.serve {
             Some(listen) => {
-                let operated = StackArgs { config: config_path.clone(), ..StackArgs::default() }.open().await?;
-                let serving = Serving::start(operated, listen, false).await?;
+                let serving = Serving::start(OperatorStack::embedded(config.clone(), stack.store.clone()), listen, false).await?;
                 println!("  (open http://{} and paste the token that may act to watch the demo live)", serving.address);
                 Some(serving)
             }

@@ -13,7 +13,7 @@ use paceline_shared::ports::{JobQueue, OutgoingMessage};
 
 use crate::access::StackArgs;
 
-/// Put jobs (one JSON object per line) on the queue, in batches of 10.
+/// Put jobs (one JSON object per line) on the queue, in batches (of 10 on SQS).
 #[derive(Debug, clap::Args)]
 pub struct EnqueueArgs {
     #[command(flatten)]
@@ -76,21 +76,20 @@ pub fn parse_lines(lines: impl Iterator<Item = std::io::Result<String>>, lane: O
     (jobs, errors)
 }
 
-/// The most messages one send takes (SQS's batch).
-const SEND_BATCH: usize = 10;
-
-/// Puts `jobs` on `queue` in order, in batches of ten (each deduplicated by its job id
-/// on a FIFO queue), telling `sent` how many went after each batch.
+/// Puts `jobs` on `queue` in order, as many at a time as it takes in one send (ten on
+/// SQS, each deduplicated by its job id on a FIFO queue), telling `sent` how many went
+/// after each send.
 ///
 /// # Errors
 /// A send that failed, saying how many jobs went before it (the first ones, in order).
 pub async fn send_jobs(queue: &dyn JobQueue, jobs: &[Job], mut sent: impl FnMut(usize)) -> anyhow::Result<()> {
-    for (index, batch) in jobs.chunks(SEND_BATCH).enumerate() {
+    let per_send = queue.most_per_send();
+    for (index, batch) in jobs.chunks(per_send).enumerate() {
         let messages: Vec<OutgoingMessage> = batch
             .iter()
             .map(|job| OutgoingMessage { body: job.to_json(), attempt: 0, delay: std::time::Duration::ZERO, dedup_id: Some(job.id.to_string()) })
             .collect();
-        queue.send(&messages).await.with_context(|| format!("after {} job(s) were enqueued", index * SEND_BATCH))?;
+        queue.send(&messages).await.with_context(|| format!("after {} job(s) were enqueued", index * per_send))?;
         sent(batch.len());
     }
     Ok(())

@@ -9,7 +9,6 @@ mod console;
 mod events;
 mod metrics;
 
-use std::future::IntoFuture as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,7 +28,7 @@ use crate::commands::status::read_status;
 use crate::stack::{load_config, load_config_for_operations, EmbeddedStack};
 use crate::summary::Summary;
 pub use auth::{Access, Tokens};
-use events::ServedEvent;
+use events::{Published, ServedEvent};
 use metrics::{Metrics, Scraped};
 
 /// Events a slow stream may fall behind by before it is told it missed some.
@@ -59,7 +58,7 @@ pub struct Served {
     pub limits: ServeConfig,
     tokens: Tokens,
     metrics: Metrics,
-    events: broadcast::Sender<Arc<ServedEvent>>,
+    events: broadcast::Sender<Arc<Published>>,
     /// Event streams that may still open.
     streams: Arc<Semaphore>,
     /// Turns true when `serve` stops: streams end, so the server can.
@@ -79,7 +78,7 @@ impl Served {
 
     fn publish(&self, event: ServedEvent) {
         // No stream open: nobody to tell.
-        let _ = self.events.send(Arc::new(event));
+        let _ = self.events.send(Arc::new(Published::from(event)));
     }
 }
 
@@ -134,7 +133,13 @@ impl ServeArgs {
             (_, true) => None,
             _ => bail!("on AWS the Lambda functions run the lanes: serve the stack with --no-run"),
         };
-        let serving = Serving::start(self.stack.open_to_enqueue().await?, self.listen, self.new_tokens).await?;
+        // Served through the run's own store: one connection, so requests never wait on
+        // SQLite's lock (whose busy handler sleeps whole milliseconds) behind the run.
+        let stack = match (&lanes, config) {
+            (Some(lanes), Some(config)) => OperatorStack::embedded(config, lanes.store.clone()),
+            _ => self.stack.open_to_enqueue().await?,
+        };
+        let serving = Serving::start(stack, self.listen, self.new_tokens).await?;
         let outcome = match &lanes {
             Some(lanes) => Some(lanes.run(false, None, false).await),
             None => {
@@ -155,13 +160,30 @@ pub struct Serving {
     /// Where it listens (the port the OS chose for `:0`).
     pub address: SocketAddr,
     stop: watch::Sender<bool>,
-    server: tokio::task::JoinHandle<std::io::Result<()>>,
-    watcher: tokio::task::JoinHandle<()>,
+    stopped: tokio::sync::oneshot::Receiver<std::io::Result<()>>,
+}
+
+/// The server's own threads: requests (parsing a thousand jobs, writing to a hundred
+/// event streams) never queue ahead of the lanes' timers on the run's threads.
+const SERVER_THREADS: usize = 2;
+
+/// The nice value of the server's threads (the run's stay at 0): on a busy core the
+/// scheduler runs a lane whose slot has come before a request, rather than after the
+/// request's time slice (milliseconds).
+const SERVER_NICE: i32 = 10;
+
+/// Lowers the calling thread's priority to [`SERVER_NICE`] (Linux keeps a nice value per
+/// thread). Where it cannot, the thread keeps its priority: serving still works.
+#[expect(unsafe_code, reason = "setpriority(2) is C's: the one way to lower a thread's priority")]
+fn yield_to_the_lanes() {
+    // SAFETY: setpriority takes plain integers and touches no memory of ours; `who` 0 is
+    // the calling thread.
+    let _ = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, SERVER_NICE) };
 }
 
 impl Serving {
-    /// Serves `stack` on `listen`, with the tokens of its config's `[serve]` (or
-    /// generated ones, printed once; new ones with `new_tokens`).
+    /// Serves `stack` on `listen`, on a runtime of its own, with the tokens of its
+    /// config's `[serve]` (or generated ones, printed once; new ones with `new_tokens`).
     ///
     /// # Errors
     /// A non-loopback address without `[serve] token`, no token to be had, or an address
@@ -179,21 +201,41 @@ impl Serving {
             println!("  may act:    {}", generated.act);
             println!("  read only:  {}", generated.read);
         }
-        let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("listening on {listen}"))?;
+        let listener = std::net::TcpListener::bind(listen).with_context(|| format!("listening on {listen}"))?;
+        listener.set_nonblocking(true)?;
         let address = listener.local_addr()?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(SERVER_THREADS)
+            .thread_name("paceline-serve")
+            .on_thread_start(yield_to_the_lanes)
+            .enable_all()
+            .build()?;
         let (stop, stopping) = watch::channel(false);
+        let (said_stopped, stopped) = tokio::sync::oneshot::channel();
         let served = Served::new(stack, tokens, stopping.clone());
+        let seen = events::Seen::as_of_now(&served);
+        std::thread::Builder::new().name("paceline-serve".into()).spawn(move || {
+            // This thread polls the accept loop; the runtime's own threads the rest.
+            yield_to_the_lanes();
+            let served = runtime.block_on(async move {
+                let watcher = tokio::spawn(events::watch(served.clone(), seen));
+                let mut until_stopped = stopping;
+                let serving = async move {
+                    let listener = tokio::net::TcpListener::from_std(listener)?;
+                    axum::serve(listener, router(served))
+                        .with_graceful_shutdown(async move {
+                            let _ = until_stopped.wait_for(|stop| *stop).await;
+                        })
+                        .await
+                };
+                let result = serving.await;
+                watcher.abort();
+                result
+            });
+            let _ = said_stopped.send(served);
+        })?;
         println!("serving on http://{address}: the console at /, the API at /v1 (/v1/openapi.json), metrics at /metrics");
-        let watcher = tokio::spawn(events::watch(served.clone()));
-        let mut until_stopped = stopping;
-        let server = tokio::spawn(
-            axum::serve(listener, router(served))
-                .with_graceful_shutdown(async move {
-                    let _ = until_stopped.wait_for(|stop| *stop).await;
-                })
-                .into_future(),
-        );
-        Ok(Self { address, stop, server, watcher })
+        Ok(Self { address, stop, stopped })
     }
 
     /// Ends the event streams, lets requests under way finish, and stops.
@@ -202,8 +244,7 @@ impl Serving {
     /// The server failed.
     pub async fn stop(self) -> anyhow::Result<()> {
         let _ = self.stop.send(true);
-        self.watcher.abort();
-        self.server.await.context("the server task")?.context("serving")
+        self.stopped.await.context("the server's thread ended")?.context("serving")
     }
 }
 

@@ -27,9 +27,14 @@ struct Served {
 }
 
 impl Served {
-    /// An embedded stack of `quota` (its `[quota]` lines) with `serve` (its `[serve]`
-    /// lines beyond the tokens), served with no run.
+    /// An embedded stack with `serve` (its `[serve]` lines beyond the tokens, and any
+    /// sections after), served with no run.
     async fn start(name: &str, serve: &str) -> Self {
+        Self::start_after(name, serve, &[]).await
+    }
+
+    /// As [`Served::start`], with the outcome records `before` kept before it starts.
+    async fn start_after(name: &str, serve: &str, before: &[OutcomeRecord]) -> Self {
         // Both tests' values are the same: setting them from several threads is harmless.
         std::env::set_var("PACELINE_TEST_SERVE_ACT", ACT);
         std::env::set_var("PACELINE_TEST_SERVE_READ", READ);
@@ -42,7 +47,11 @@ impl Served {
         );
         std::fs::write(&config, text).unwrap();
         let args = StackArgs { config, ..StackArgs::default() };
-        let serving = Serving::start(args.open_to_enqueue().await.unwrap(), "127.0.0.1:0".parse().unwrap(), false).await.unwrap();
+        let stack = args.open_to_enqueue().await.unwrap();
+        for record in before {
+            stack.embedded.as_ref().unwrap().record_outcome(record).await.unwrap();
+        }
+        let serving = Serving::start(stack, "127.0.0.1:0".parse().unwrap(), false).await.unwrap();
         let base = format!("http://{}", serving.address);
         let stack = args.open().await.unwrap();
         Self { serving: Some(serving), base, stack, dir, client: reqwest::Client::new() }
@@ -256,9 +265,8 @@ fn record(id: &str, status: u16, body: &str) -> OutcomeRecord {
 
 #[tokio::test]
 async fn results_are_filtered_as_the_cli_filters_them_and_each_new_call_is_an_event_and_a_metric() {
-    let served = Served::start("results", "max_streams = 1\n").await;
+    let served = Served::start_after("results", "max_streams = 1\n", &[record("old", 200, "before serve")]).await;
     let store = served.stack.embedded.clone().unwrap();
-    store.record_outcome(&record("old", 200, "before serve")).await.unwrap();
     let mut stream = served.client.get(format!("{}/v1/events", served.base)).bearer_auth(READ).send().await.unwrap();
     assert_eq!(stream.status(), StatusCode::OK);
     let (status, refused) = served.send(reqwest::Method::GET, "/v1/events", Some(READ), None).await;
@@ -274,11 +282,12 @@ async fn results_are_filtered_as_the_cli_filters_them_and_each_new_call_is_an_ev
     assert_eq!(after["records"].as_array().unwrap().len(), 0);
 
     let mut seen = String::new();
-    while !(seen.contains("\"job_id\":\"gone\"") && seen.contains("event: dead_letter")) {
+    while !(seen.contains("\"job_id\":\"gone\"") && seen.contains("event: dead_letters")) {
         let chunk = tokio::time::timeout(Duration::from_secs(10), stream.chunk()).await.expect("the events came within 10 s").unwrap().unwrap();
         seen.push_str(&String::from_utf8_lossy(&chunk));
     }
-    assert!(seen.contains("event: call\ndata: {\"type\":\"call\",\"job_id\":\"ok\""), "{seen}");
+    assert!(seen.contains("event: calls\ndata: {\"type\":\"calls\",\"calls\":[{\"job_id\":\"ok\""), "{seen}");
+    assert!(seen.contains("event: dead_letters\ndata: {\"type\":\"dead_letters\",\"dead_letters\":[{\"job_id\":\"gone\""), "{seen}");
     assert!(!seen.contains("\"old\""), "what came before serve started is not news: {seen}");
     let (_, metrics) = served.get("/metrics").await;
     let metrics = metrics.as_str().unwrap();

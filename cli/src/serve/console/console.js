@@ -154,18 +154,26 @@ async function searchResults(event) {
   } catch (e) { say(e.message); }
 }
 
-function logEvent(name, data) {
-  if (name === "call") { callsSeen += 1; $("calls-seen").textContent = callsSeen; }
+function logLine(text) {
   const item = document.createElement("li");
-  const detail = name === "call" ? data.job_id + " " + data.outcome + " " + (data.status === null ? "no answer" : data.status)
-    : name === "circuit" ? (data.lane + " " + data.status + " (" + data.reason + ")")
-    : name === "dead_letter" ? (data.job_id + " " + (data.reason || ""))
-    : name === "queue" ? ("ready " + data.ready + ", in flight " + data.in_flight + ", dead " + data.dead)
-    : JSON.stringify(data);
-  item.textContent = new Date().toLocaleTimeString() + " " + name + " " + detail;
+  item.textContent = new Date().toLocaleTimeString() + " " + text;
   const list = $("events");
   list.prepend(item);
   while (list.children.length > 200) list.lastChild.remove();
+}
+
+function logEvent(name, data) {
+  if (name === "calls") {
+    callsSeen += data.calls.length;
+    $("calls-seen").textContent = callsSeen;
+    for (const call of data.calls) logLine("call " + call.job_id + " " + call.outcome + " " + (call.status === null ? "no answer" : call.status));
+  } else if (name === "dead_letters") {
+    for (const dead of data.dead_letters) logLine("dead letter " + dead.job_id + " " + (dead.reason || ""));
+  } else if (name === "circuit") {
+    logLine("circuit " + data.lane + " " + data.status + " (" + data.reason + ")");
+  } else if (name === "queue") {
+    logLine("queue: ready " + data.ready + ", in flight " + data.in_flight + ", dead " + data.dead);
+  }
 }
 
 // Server-sent events read with fetch, so that the token goes in a header.
