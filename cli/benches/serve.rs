@@ -195,6 +195,16 @@ async fn main() {
                 *counts.entry(*ms as i64).or_insert(0) += 1;
             }
             eprintln!("{name}: calls by ms late {counts:?}");
+            let leads: Vec<(f64, f64)> = records
+                .iter()
+                .filter_map(|record| {
+                    let times = &record["times"];
+                    let late = millis(&times["called"])? - millis(&times["slotted"])?;
+                    Some((late, millis(&times["slotted"])? - millis(&times["dispatched"])?))
+                })
+                .filter(|(late, _)| *late >= 2.0)
+                .collect();
+            eprintln!("{name}: (late, hand-off lead) of the calls 2 ms late or more: {leads:?}");
         }
         let seen = arrivals.lock().unwrap()[arrivals_before..].to_vec();
         let interval_us = 1e6 / PACE as f64;
