@@ -15,6 +15,7 @@
 //! outcome records `GET /v1/results` returns, in ms; the spread of the gaps between
 //! calls at the API, in µs) and `serve`'s CPU time as a share of its one core (from
 //! /proc/PID/stat).
+#![expect(clippy::disallowed_methods, reason = "a benchmark: it measures and waits on this machine's clock")]
 
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};

@@ -16,7 +16,7 @@ use axum::extract::Request;
 use axum::http::{HeaderMap, StatusCode};
 use paceline_shared::check::StrictWindowLimiter;
 use paceline_shared::quota::{Period, Tier};
-use paceline_shared::time::{system_now, UnixMillis};
+use paceline_shared::time::{system_now, Clock as _, SystemClock, UnixMillis};
 use serde::Serialize;
 
 /// How the fake API behaves (by default: no tier, instant answers, no failure).
@@ -217,7 +217,7 @@ async fn answer(state: &Mutex<State>, request: Request) -> (StatusCode, HeaderMa
         };
         (verdict, latency, s.rate_limit_headers(now))
     };
-    tokio::time::sleep(latency).await;
+    SystemClock.sleep_until_coarse(system_now().plus(latency)).await;
     state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).in_flight -= 1;
     let mut headers = HeaderMap::new();
     headers.insert("content-type", axum::http::HeaderValue::from_static("application/json"));

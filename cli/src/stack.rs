@@ -180,7 +180,7 @@ impl EmbeddedStack {
         let opts = RunOptions { holder: run_holder(std::process::id()), deadline, drain, stop: Some(stop_rx) };
         let bar = show_progress.then(|| self.progress_bar());
         let (changes_tx, changes_rx) = tokio::sync::watch::channel(Vec::new());
-        let watcher = tokio::spawn(watch_circuit(self.store.clone(), changes_tx));
+        let watcher = tokio::spawn(watch_circuit(self.store.clone(), self.orchestrator.clock().clone(), changes_tx));
         let report = self.orchestrator.run(&opts).await;
         if let Some((bar, ticker)) = bar {
             ticker.abort();
@@ -216,10 +216,11 @@ impl EmbeddedStack {
     /// Waits for the workers' calls in flight to finish, at most as long as a call may
     /// take; returns how many are still running.
     async fn settle_in_flight(&self) -> usize {
-        let give_up = tokio::time::Instant::now() + self.settle_for;
+        let clock = self.orchestrator.clock();
+        let give_up = clock.now().plus(self.settle_for);
         let invoker = self.orchestrator.invoker();
-        while invoker.in_flight() > 0 && tokio::time::Instant::now() < give_up {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        while invoker.in_flight() > 0 && clock.now() < give_up {
+            clock.sleep_until_coarse(clock.now().plus(Duration::from_millis(20))).await;
         }
         invoker.in_flight()
     }
@@ -231,7 +232,7 @@ impl EmbeddedStack {
                 .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
         let (store, stats, progress, ticking) = (self.store.clone(), self.worker_stats.clone(), self.orchestrator.progress().clone(), bar.clone());
-        let invoker = self.orchestrator.invoker().clone();
+        let (invoker, clock) = (self.orchestrator.invoker().clone(), self.orchestrator.clock().clone());
         let ticker = tokio::spawn(async move {
             loop {
                 // Every job is settled, waiting on the queue, or with a worker: the total
@@ -243,7 +244,7 @@ impl EmbeddedStack {
                 ticking.set_position(settled);
                 let open = progress.circuit_open.load(std::sync::atomic::Ordering::Relaxed);
                 ticking.set_message(if open { "circuit OPEN: waiting for a healthy check" } else { "" });
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                clock.sleep_until_coarse(clock.now().plus(Duration::from_millis(200))).await;
             }
         });
         (bar, ticker)
@@ -313,8 +314,9 @@ fn embedded_orchestrator(
 /// less than this may be missed (the ramp's steps and a break last seconds).
 const CIRCUIT_WATCH_EVERY: Duration = Duration::from_millis(100);
 
-/// Records each new state of the circuit (a new epoch) in `changes`, until aborted.
-async fn watch_circuit(store: Arc<EmbeddedStore>, changes: tokio::sync::watch::Sender<Vec<(LaneId, Circuit)>>) {
+/// Records each new state of the circuit (a new epoch) in `changes`, reading it every
+/// [`CIRCUIT_WATCH_EVERY`] on `clock`, until aborted.
+async fn watch_circuit(store: Arc<EmbeddedStore>, clock: Arc<dyn Clock>, changes: tokio::sync::watch::Sender<Vec<(LaneId, Circuit)>>) {
     let mut seen: HashMap<LaneId, u64> = HashMap::new();
     let mut as_stored: HashMap<LaneId, String> = HashMap::new();
     let mut first = true;
@@ -333,11 +335,12 @@ async fn watch_circuit(store: Arc<EmbeddedStore>, changes: tokio::sync::watch::S
             }
         }
         first = false;
-        tokio::time::sleep(CIRCUIT_WATCH_EVERY).await;
+        clock.sleep_until_coarse(clock.now().plus(CIRCUIT_WATCH_EVERY)).await;
     }
 }
 
 #[cfg(test)]
+#[expect(clippy::disallowed_methods, reason = "the tests wait on tokio's clock, paused or real, as the runs they check do")]
 mod tests {
     use async_trait::async_trait;
     use paceline_shared::adapters::embedded::OutcomeQuery;

@@ -9,6 +9,7 @@
 //! 2. Dispatches per second from one orchestrator in real time, with every invoke
 //!    answered only after 20 ms (Lambda's `Event` invoke takes about that), and again
 //!    with 10 ms added to every queue receive.
+#![expect(clippy::disallowed_methods, reason = "a benchmark: it measures and waits on this machine's clock")]
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};

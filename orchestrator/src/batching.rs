@@ -220,6 +220,7 @@ impl Invoker for BatchingInvoker {
 }
 
 #[cfg(test)]
+#[expect(clippy::disallowed_methods, reason = "paused-time tests move tokio's clock, the source of the TokioClock under test")]
 mod tests {
     use paceline_shared::adapters::memory::RecordingInvoker;
     use paceline_shared::job::{CallSlot, Job};

@@ -97,6 +97,7 @@ impl QueuedJob {
 ///
 /// # Panics
 /// If the run takes far more decisions than it should (a loop).
+#[expect(clippy::disallowed_methods, reason = "a benchmark: times the decisions on this machine's clock")]
 pub fn drain(
     settings: &Settings,
     jobs: &[QueuedJob],

@@ -175,6 +175,7 @@ pub fn system_since_epoch() -> Duration {
 }
 
 #[async_trait]
+#[expect(clippy::disallowed_methods, reason = "the real clock: the one place that waits on tokio's timer for wall time")]
 impl Clock for SystemClock {
     fn now(&self) -> UnixMillis {
         system_now()
@@ -219,6 +220,7 @@ impl TokioClock {
 
     /// Anchors at a chosen wall time: tests get literal, repeatable instants.
     #[must_use]
+    #[expect(clippy::disallowed_methods, reason = "tokio's (pausable) clock is this Clock's source")]
     pub fn anchored_at(wall: UnixMillis) -> Self {
         Self { anchor_wall: wall, anchor_instant: tokio::time::Instant::now() }
     }
@@ -235,6 +237,7 @@ impl Default for TokioClock {
 }
 
 #[async_trait]
+#[expect(clippy::disallowed_methods, reason = "tokio's (pausable) clock is this Clock's source")]
 impl Clock for TokioClock {
     fn now(&self) -> UnixMillis {
         self.anchor_wall.plus(self.anchor_instant.elapsed())

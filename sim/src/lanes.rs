@@ -214,7 +214,7 @@ impl Invoker for CallLog {
 /// If the runtime or the in-memory store cannot be built.
 #[must_use]
 pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
-    let wall = std::time::Instant::now();
+    let wall = crate::stopwatch();
     let job_lanes = plan.job_lanes();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().expect("a tokio runtime");
     let (calls, requests) = runtime.block_on(async {
@@ -301,7 +301,7 @@ fn plotted_calls(plan: &LanesPlan, calls: &[Call]) -> Vec<(String, Vec<u32>)> {
 /// before it.
 #[must_use]
 pub fn first_come_first_served(plan: &LanesPlan) -> LanesReport {
-    let wall = std::time::Instant::now();
+    let wall = crate::stopwatch();
     let job_lanes = plan.job_lanes();
     let mut pacers = Pacers::new(plan);
     let mut now = SIM_START;
@@ -321,7 +321,7 @@ pub fn first_come_first_served(plan: &LanesPlan) -> LanesReport {
 /// allow now goes; when none may, time moves on to the first moment one may.
 #[must_use]
 pub fn round_robin(plan: &LanesPlan) -> LanesReport {
-    let wall = std::time::Instant::now();
+    let wall = crate::stopwatch();
     let job_lanes = plan.job_lanes();
     let mut pending: Vec<VecDeque<usize>> = vec![VecDeque::new(); plan.lanes];
     for (job, lane) in job_lanes.iter().enumerate() {

@@ -358,6 +358,14 @@ async fn run_baseline(plan: &Plan, lane: &Lane, admission: Box<dyn Admission>) -
     drained
 }
 
+/// Starts timing the simulator's own run on this machine, for its report's wall time:
+/// the simulator's one reading of the machine's clock (what it simulates runs on
+/// tokio's paused clock).
+#[expect(clippy::disallowed_methods, reason = "times the simulator's own run on this machine, not the simulated clock")]
+pub(crate) fn stopwatch() -> std::time::Instant {
+    std::time::Instant::now()
+}
+
 /// Runs `plan` with `dispatcher` to the end and reports. Builds its own paused,
 /// single-threaded runtime: call it from a plain thread (not inside a runtime).
 ///
@@ -365,7 +373,7 @@ async fn run_baseline(plan: &Plan, lane: &Lane, admission: Box<dyn Admission>) -
 /// If the runtime cannot be built.
 #[must_use]
 pub fn simulate(plan: &Plan, dispatcher: &Dispatcher) -> SimReport {
-    let wall = std::time::Instant::now();
+    let wall = stopwatch();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().expect("a tokio runtime");
     runtime.block_on(async {
         let lane = Lane::build(plan);

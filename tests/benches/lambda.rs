@@ -15,6 +15,7 @@
 //! Run with `cargo build --release -p paceline-orchestrator && cargo bench -p
 //! paceline-e2e --bench lambda`; it starts `.venv/bin/moto_server` unless
 //! `PACELINE_TEST_MOTO_URL` names one (`./scripts/test.sh` installs it).
+#![expect(clippy::disallowed_methods, reason = "a benchmark: it measures and waits on this machine's clock")]
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -3,6 +3,7 @@
 //! created there, and a fake Lambda Invoke endpoint that answers 202 at once, records
 //! every invocation with its time, runs the worker, and can refuse invokes (429 or 500)
 //! on request; also what Lambda writes to a worker's on-failure destination.
+#![expect(clippy::disallowed_methods, reason = "end-to-end: waits on this machine's clock for servers, processes and moto")]
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};

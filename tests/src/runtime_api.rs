@@ -2,6 +2,7 @@
 //! polls), so the functions' real binaries run as Lambda runs them: `next` hands out
 //! queued events with their request id and deadline, and the function's response, its
 //! invocation error or its init error is recorded. Also starts a binary against it.
+#![expect(clippy::disallowed_methods, reason = "end-to-end: waits on this machine's clock for servers, processes and moto")]
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;

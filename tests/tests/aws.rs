@@ -1,6 +1,7 @@
 //! The AWS adapters and Lambda handlers end to end: SQS and DynamoDB on the moto server,
 //! Lambda Invoke on a fake endpoint of ours that runs the real worker, and a strict
 //! fake API. These drive the real drain loop through the real adapters.
+#![expect(clippy::disallowed_methods, reason = "end-to-end: waits on this machine's clock for servers, processes and moto")]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;

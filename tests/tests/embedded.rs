@@ -1,5 +1,6 @@
 //! End to end on the embedded backend: the real `paceline` binary paces jobs at a fake
 //! API that enforces its quota strictly, through an outage and a `kill -9`.
+#![expect(clippy::disallowed_methods, reason = "end-to-end: waits on this machine's clock for servers, processes and moto")]
 
 use std::collections::BTreeSet;
 use std::time::Duration;

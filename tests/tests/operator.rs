@@ -1,5 +1,6 @@
 //! The operator commands (`enqueue`, `status`, `dlq`, `circuit`, `kick`) of the real
 //! `paceline` binary, against an AWS lane on the moto server and on the embedded store.
+#![expect(clippy::disallowed_methods, reason = "end-to-end: waits on this machine's clock for servers, processes and moto")]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

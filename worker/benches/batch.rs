@@ -6,6 +6,7 @@
 //! 1,000 and 5,000, or the counts given after `--`): the most heap the batch held at
 //! once (counted by the global allocator), the run's wall time, the calls that missed
 //! their slot, and how far after its slot each call went out (p50, p99).
+#![expect(clippy::disallowed_methods, reason = "a benchmark: it measures and waits on this machine's clock")]
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -1,4 +1,5 @@
 //! Worker tests against a scripted HTTP server on loopback and an in-memory store.
+#![expect(clippy::disallowed_methods, reason = "paused-time tests move tokio's clock, the source of the TokioClock under test")]
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

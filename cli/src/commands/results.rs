@@ -9,7 +9,7 @@ use anyhow::bail;
 use paceline_shared::adapters::embedded::OutcomeQuery;
 use paceline_shared::lane::LaneId;
 use paceline_shared::outcome::{OutcomeRecord, StatusFilter};
-use paceline_shared::time::{system_now, UnixMillis};
+use paceline_shared::time::{system_now, Clock as _, SystemClock, UnixMillis};
 
 use crate::commands::ConfigArg;
 use crate::stack::{load_config_for_operations, open_store, IfMissing};
@@ -82,7 +82,7 @@ impl ResultsArgs {
                 break;
             }
             tokio::select! {
-                () = tokio::time::sleep(FOLLOW_EVERY) => {}
+                () = SystemClock.sleep_until_coarse(system_now().plus(FOLLOW_EVERY)) => {}
                 _ = tokio::signal::ctrl_c() => break,
             }
         }

@@ -10,6 +10,7 @@ use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressStyle};
 use paceline_orchestrator::Settings;
 use paceline_shared::config::{WorkerHost, MAX_DISPATCH_AHEAD};
+use paceline_shared::time::{system_now, Clock as _, SystemClock};
 use paceline_sim::lanes::{first_come_first_served, render_lanes, round_robin, simulate_lanes, LanesPlan, LanesQueue, Skew};
 use paceline_sim::profile::{Failures, LatencyProfile, Outage};
 use paceline_sim::provider::ProviderModel;
@@ -333,7 +334,7 @@ impl Progress {
         let ticker = tokio::spawn(async move {
             loop {
                 shown.set_position(seen.load(Ordering::Relaxed));
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                SystemClock.sleep_until_coarse(system_now().plus(Duration::from_millis(200))).await;
             }
         });
         Self { bar, ticker }

@@ -11,6 +11,7 @@ use paceline_shared::breaker::{Circuit, CircuitStatus};
 use paceline_shared::lane::LaneId;
 use paceline_shared::outcome::{Ending, OutcomeRecord};
 use paceline_shared::ports::QueueDepth;
+use paceline_shared::time::{system_now, Clock as _, SystemClock};
 use serde::Serialize;
 
 use super::Served;
@@ -152,7 +153,7 @@ pub async fn watch(served: Arc<Served>, mut seen: Seen) {
             }
         }
         tokio::select! {
-            () = tokio::time::sleep(WATCH_EVERY) => {}
+            () = SystemClock.sleep_until_coarse(system_now().plus(WATCH_EVERY)) => {}
             _ = stopping.wait_for(|stop| *stop) => return,
         }
     }

@@ -2,6 +2,7 @@
 //! calls fails (passing faults and fatal ones, a panic, a clock that jumps), and each
 //! test asserts what the run did about it (dispatched, released, retried, ended) at
 //! exact instants.
+#![expect(clippy::disallowed_methods, reason = "paused-time tests move tokio's clock, the source of the TokioClock under test")]
 
 use super::*;
 

@@ -1,5 +1,6 @@
 //! Drain-loop tests under paused tokio time: exact dispatch instants, malformed
 //! messages, the circuit, deadlines, the lease and invoke throttling.
+#![expect(clippy::disallowed_methods, reason = "paused-time tests move tokio's clock, the source of the TokioClock under test")]
 
 use std::sync::Arc;
 use std::time::Duration;
