@@ -3,6 +3,7 @@
 //! end-to-end tests run against.
 
 pub mod access;
+pub mod cli;
 pub mod commands;
 pub mod dlq_scan;
 pub mod fake_api;

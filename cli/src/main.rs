@@ -1,63 +1,9 @@
 //! `paceline`: run a paced lane locally, try the demo, and operate a lane (embedded or
 //! on AWS): enqueue jobs, inspect state, redrive dead letters, steer the circuit.
 
-use clap::{CommandFactory as _, Parser, Subcommand};
-use paceline_cli::commands::{
-    circuit::CircuitArgs,
-    demo::DemoArgs,
-    dlq::DlqArgs,
-    enqueue::EnqueueArgs,
-    kick::KickArgs,
-    lanes::LanesArgs,
-    rate::RateArgs,
-    results::ResultsArgs,
-    run::RunArgs,
-    simulate::{OverQuota, SimulateArgs, EXIT_OVER_QUOTA},
-    status::StatusArgs,
-};
-use paceline_cli::serve::ServeArgs;
-
-/// Call rate-limited APIs as fast as their quotas allow, and never faster.
-#[derive(Parser)]
-#[command(name = "paceline", version, about)]
-struct Cli {
-    /// Log filter (error, warn, info, debug, or a tracing directive).
-    #[arg(long, global = true, env = "PACELINE_LOG", default_value = "error")]
-    log: String,
-    /// Log lines (on standard error) as text or as JSON, one object a line.
-    #[arg(long, global = true, env = "PACELINE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
-    log_format: LogFormat,
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    Demo(DemoArgs),
-    Run(RunArgs),
-    Serve(ServeArgs),
-    Enqueue(EnqueueArgs),
-    Status(StatusArgs),
-    Results(ResultsArgs),
-    Dlq(DlqArgs),
-    Circuit(CircuitArgs),
-    Kick(KickArgs),
-    Lanes(LanesArgs),
-    Rate(RateArgs),
-    Simulate(SimulateArgs),
-    /// Print a completion script for a shell (e.g. `paceline completions bash >
-    /// ~/.local/share/bash-completion/completions/paceline`).
-    Completions {
-        /// bash, zsh, fish, elvish or powershell.
-        shell: clap_complete::Shell,
-    },
-}
+use clap::CommandFactory as _;
+use paceline_cli::cli::{Cli, Command, LogFormat};
+use paceline_cli::commands::simulate::{OverQuota, EXIT_OVER_QUOTA};
 
 /// Colour codes only on a terminal, and not when `NO_COLOR` is set (no-color.org).
 fn colour_on_stderr() -> bool {
@@ -85,7 +31,7 @@ fn end_quietly_on_a_broken_pipe() {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     end_quietly_on_a_broken_pipe();
-    let cli = Cli::parse();
+    let cli = <Cli as clap::Parser>::parse();
     let logs = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "error".into()))
         .with_writer(std::io::stderr)
