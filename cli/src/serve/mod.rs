@@ -131,7 +131,11 @@ impl ServeArgs {
         let lanes = match (&config, self.no_run) {
             (Some(config), false) if embedded => Some(EmbeddedStack::open(config)?),
             (_, true) => None,
-            _ => bail!("on AWS the Lambda functions run the lanes: serve the stack with --no-run"),
+            (Some(_), false) => bail!("on AWS the Lambda functions run the lanes: serve the stack with --no-run"),
+            (None, false) => bail!(
+                "config {} not found: pass --config FILE to run its lanes and serve them (or --no-run with an AWS stack's names)",
+                self.stack.config.display()
+            ),
         };
         // Served through the run's own store: one connection, so requests never wait on
         // SQLite's lock (whose busy handler sleeps whole milliseconds) behind the run.

@@ -315,3 +315,17 @@ async fn a_stack_of_lanes_lists_them_and_jobs_go_in_the_lane_named_by_the_line_o
     assert_eq!(shared["lanes"].as_array().map(Vec::len), Some(2), "{shared}");
     served.stop().await;
 }
+
+/// With no config file, `serve` said the lanes run on AWS's Lambda functions.
+#[tokio::test]
+async fn serve_without_a_config_file_says_it_is_not_found() {
+    let missing = std::env::temp_dir().join(format!("paceline-serve-none-{}/paceline.toml", std::process::id()));
+    let args = super::ServeArgs {
+        stack: StackArgs { config: missing, ..StackArgs::default() },
+        listen: "127.0.0.1:0".parse().unwrap(),
+        no_run: false,
+        new_tokens: false,
+    };
+    let refused = args.run().await.unwrap_err().to_string();
+    assert!(refused.contains("paceline.toml not found: pass --config FILE"), "{refused}");
+}
