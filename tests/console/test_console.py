@@ -87,23 +87,22 @@ def wait_for(what, check, timeout=30):
     raise AssertionError("timed out waiting for " + what)
 
 
-@pytest.fixture(scope="module")
-def stack():
-    api = ThreadingHTTPServer(("127.0.0.1", 0), FakeApi)
-    threading.Thread(target=api.serve_forever, daemon=True).start()
+def start_serve(api_port, quota_lines):
+    """`paceline serve` of a new embedded stack against the fake API, and its base URL."""
     folder = tempfile.mkdtemp(prefix="paceline-console-")
     config = os.path.join(folder, "paceline.toml")
     with open(config, "w") as f:
         f.write(
-            f'[api]\nbase_url = "http://127.0.0.1:{api.server_port}"\n'
-            '[quota]\ntiers = ["8/s"]\n'
-            '[serve]\ntoken = { env = "CONSOLE_ACT" }\nread_token = { env = "CONSOLE_READ" }\n'
+            f'[api]\nbase_url = "http://127.0.0.1:{api_port}"\n'
+            + quota_lines
+            + '[serve]\ntoken = { env = "CONSOLE_ACT" }\nread_token = { env = "CONSOLE_READ" }\n'
         )
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = dict(os.environ, CONSOLE_ACT=ACT, CONSOLE_READ=READ)
     binary = os.environ.get("PACELINE_BIN", "target/debug/paceline")
     serve = subprocess.Popen([binary, "serve", "--config", config, "--listen", f"127.0.0.1:{port}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
     def listening():
         try:
             return request(base, "GET", "/v1/status")[0] == 200
@@ -112,16 +111,33 @@ def stack():
             return False
 
     wait_for("serve to listen", listening)
+    return base, serve
+
+
+def stop_serve(serve):
+    serve.terminate()
+    output = serve.communicate(timeout=30)[0]
+    assert serve.returncode == 0, output
+    assert "run ended" in output, output
+
+
+@pytest.fixture(scope="module")
+def api():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeApi)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_port
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stack(api):
+    base, serve = start_serve(api, '[quota]\ntiers = ["8/s"]\n')
     lines = [json.dumps({"id": f"item-{n}", "request": {"method": "GET", "path": f"/items/{n}"}}) for n in range(GOOD_JOBS)]
     lines += [json.dumps({"id": f"missing-{n}", "request": {"method": "POST", "path": f"/missing/{n}", "body": {"comment": XSS}}}) for n in range(MISSING_JOBS)]
     status, answer = request(base, "POST", "/v1/jobs", body="\n".join(lines).encode(), content_type="application/x-ndjson")
     assert status == 202, answer
     yield base
-    serve.terminate()
-    output = serve.communicate(timeout=30)[0]
-    api.shutdown()
-    assert serve.returncode == 0, output
-    assert "run ended" in output, output
+    stop_serve(serve)
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +234,20 @@ def test_metrics_parse_as_prometheus_text_and_count_the_calls(stack):
     assert calls >= GOOD_JOBS, body
     limits = {sample.labels["tier"]: sample.value for sample in families["paceline_tier_limit"].samples}
     assert limits == {"8/s": 8}
+
+
+def test_the_lanes_table_shows_each_lane_s_backlog_and_rate(api, browser):
+    base, serve = start_serve(api, '[quota]\ntiers = ["10/s"]\n[lanes]\ntiers = ["4/s"]\n')
+    try:
+        lines = [json.dumps({"id": f"{lane}-{n}", "lane": lane, "request": {"method": "GET", "path": f"/items/{n}"}}) for lane in ["acme", "globex"] for n in range(60)]
+        assert request(base, "POST", "/v1/jobs", body="\n".join(lines).encode(), content_type="application/x-ndjson")[0] == 202
+        log_in(browser, base, READ)
+        # Read in one script: the table is drawn anew every second.
+        script = 'return Array.from(document.querySelectorAll("#lanes tr"), (r) => Array.from(r.cells, (c) => c.textContent));'
+        rows = lambda: {cells[0]: cells for cells in browser.execute_script(script)}
+        WebDriverWait(browser, 30).until(lambda b: {"acme", "globex"} <= set(rows()))
+        # Each lane paced at its own 4/s: the console's rate comes from the calls it sees.
+        WebDriverWait(browser, 30).until(lambda b: all(float(rows()[lane][6]) >= 1.0 for lane in ["acme", "globex"]))
+        assert rows()["acme"][2] == "4/s", rows()
+    finally:
+        stop_serve(serve)

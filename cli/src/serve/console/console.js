@@ -11,6 +11,25 @@ let timers = [];
 let eventsAbort = null;
 let callsSeen = 0;
 const charts = new Map();
+// When each lane's calls were seen (the last RATE_WINDOW_MS), for its rate.
+const RATE_WINDOW_MS = 10000;
+const callTimes = new Map();
+
+function noteCalls(calls) {
+  const now = Date.now();
+  for (const call of calls) {
+    const lane = call.lane || "default";
+    if (!callTimes.has(lane)) callTimes.set(lane, []);
+    callTimes.get(lane).push(now);
+  }
+}
+
+function laneRate(lane) {
+  const times = callTimes.get(lane) || [];
+  const since = Date.now() - RATE_WINDOW_MS;
+  while (times.length && times[0] < since) times.shift();
+  return (times.length / (RATE_WINDOW_MS / 1000)).toFixed(1);
+}
 
 function say(text, ok) {
   $("message").textContent = text;
@@ -94,7 +113,7 @@ function showLanes(lanes) {
   fill($("lanes"), lanes.map((lane) => row([
     lane.lane, lane.weight, lane.tiers.join(" + "),
     lane.backlog ? lane.backlog.visible : null, lane.backlog ? lane.backlog.not_visible : null, lane.backlog ? lane.backlog.dead : null,
-    lane.circuit + (lane.circuit_held ? " (held)" : ""),
+    laneRate(lane.lane), lane.circuit + (lane.circuit_held ? " (held)" : ""),
   ])));
 }
 
@@ -165,6 +184,7 @@ function logLine(text) {
 function logEvent(name, data) {
   if (name === "calls") {
     callsSeen += data.calls.length;
+    noteCalls(data.calls);
     $("calls-seen").textContent = callsSeen;
     for (const call of data.calls) logLine("call " + call.job_id + " " + call.outcome + " " + (call.status === null ? "no answer" : call.status));
   } else if (name === "dead_letters") {
