@@ -126,7 +126,9 @@ impl EmbeddedStack {
         let store = Arc::new(
             EmbeddedStore::open(&path, Arc::new(SystemClock))
                 .with_context(|| format!("opening {}", path.display()))?
-                .with_outcome_retention(config.outcomes.retention),
+                .with_outcome_retention(config.outcomes.retention)
+                .with_background_checkpoints()
+                .with_context(|| format!("opening {}", path.display()))?,
         );
         // We hold the lock, so whatever lease or in-flight work is recorded should belong
         // to a process that is gone; a live run's lease is refused all the same (one that

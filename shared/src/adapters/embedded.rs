@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -153,6 +153,23 @@ pub struct EmbeddedStore {
     /// Whose state this store reads and writes, and its keys' prefix.
     scope: StoreScope,
     prefix: String,
+    /// The thread that checkpoints the WAL, where this store's process runs the stack.
+    checkpointer: Option<Arc<Checkpointer>>,
+}
+
+/// How often a run's store moves its WAL into the database (see
+/// [`EmbeddedStore::with_background_checkpoints`]).
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(200);
+
+/// Stops the checkpointing thread when the last handle on its store goes.
+struct Checkpointer {
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for Checkpointer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
 }
 
 /// Runs store work that may wait on SQLite's lock: on a multi-threaded runtime through
@@ -264,6 +281,7 @@ impl EmbeddedStore {
             path: None,
             scope: StoreScope::default_lane(),
             prefix: String::new(),
+            checkpointer: None,
         })
     }
 
@@ -280,6 +298,7 @@ impl EmbeddedStore {
             path: self.path.clone(),
             prefix: scope.prefix(),
             scope: scope.clone(),
+            checkpointer: self.checkpointer.clone(),
         }
     }
 
@@ -292,6 +311,35 @@ impl EmbeddedStore {
     /// `name` under this store's scope.
     fn key(&self, name: &str) -> String {
         format!("{}{name}", self.prefix)
+    }
+
+    /// The same store, its WAL checkpointed into the database every
+    /// [`CHECKPOINT_EVERY`] on a thread and connection of their own, passively (writers
+    /// never wait for it), instead of by SQLite inside the commit that grows the WAL past
+    /// 1,000 pages: that commit held the store, and a run's hand-offs and calls behind it,
+    /// for the copy (and its fsync). For the process that runs the stack; in memory, the
+    /// store is returned as it is.
+    ///
+    /// # Errors
+    /// `Fatal` when the second connection cannot be opened or the thread started.
+    pub fn with_background_checkpoints(self) -> PortResult<Self> {
+        let Some(path) = self.path.clone() else { return Ok(self) };
+        let checkpoints = Connection::open(&path).map_err(|e| fatal(format!("cannot open {} to checkpoint it: {e}", path.display())))?;
+        checkpoints.busy_timeout(BUSY_TIMEOUT).map_err(fatal)?;
+        self.on_db(|| self.conn().pragma_update(None, "wal_autocheckpoint", 0).map_err(sql_err))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        std::thread::Builder::new()
+            .name("paceline-checkpoint".into())
+            .spawn(move || {
+                while !stopped.load(Ordering::Relaxed) {
+                    // A checkpoint a reader keeps from finishing is finished by a later one.
+                    let _ = checkpoints.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
+                    std::thread::sleep(CHECKPOINT_EVERY);
+                }
+            })
+            .map_err(|e| fatal(format!("cannot start the checkpoint thread: {e}")))?;
+        Ok(Self { checkpointer: Some(Arc::new(Checkpointer { stop })), ..self })
     }
 
     /// The same store keeping outcome records for `retention`.
@@ -1289,6 +1337,34 @@ mod tests {
         assert!(plan.iter().all(|step| step.contains("USING INDEX kv_circuits")), "reads the call records: {plan:?}");
         let lanes: Vec<String> = store.circuits_as_stored().unwrap().into_iter().map(|(lane, _)| lane.to_string()).collect();
         assert_eq!(lanes, vec!["acme"]);
+    }
+
+    /// SQLite checkpointed a run's WAL inside whichever commit grew it past 1,000 pages,
+    /// holding the store, and the run's hand-offs and calls behind it, for the copy and
+    /// its fsync: pacing went 2 to 5 ms late while jobs were enqueued in bulk.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_runs_store_moves_its_wal_into_the_database_on_a_thread_of_its_own() {
+        let dir = std::env::temp_dir().join(format!("paceline-checkpoints-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = dir.join("lane.db");
+        let store = EmbeddedStore::open(&path, Arc::new(crate::time::SystemClock)).unwrap().with_background_checkpoints().unwrap();
+        let in_commits: i64 = store.conn().query_row("PRAGMA wal_autocheckpoint", [], |r| r.get(0)).unwrap();
+        assert_eq!(in_commits, 0, "commits still checkpoint");
+        let body = "x".repeat(2_000);
+        for _ in 0..30 {
+            let batch: Vec<OutgoingMessage> = (0..100).map(|_| msg(&body, 0)).collect();
+            store.send(&batch).await.unwrap();
+        }
+        let in_the_database = || std::fs::metadata(&path).map_or(0, |m| m.len());
+        for _ in 0..50 {
+            if in_the_database() > 4 << 20 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert!(in_the_database() > 4 << 20, "the WAL was not moved into the database: {} bytes", in_the_database());
+        drop(store);
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     fn msg(body: &str, attempt: u32) -> OutgoingMessage {
