@@ -158,7 +158,7 @@ pub struct EmbeddedStore {
 }
 
 /// How often a run's store moves its WAL into the database (see
-/// [`EmbeddedStore::with_background_checkpoints`]).
+/// [`EmbeddedStore::with_background_checkpoints`], whose doc says 200 ms).
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(200);
 
 /// Stops the checkpointing thread when the last handle on its store goes.
@@ -313,12 +313,11 @@ impl EmbeddedStore {
         format!("{}{name}", self.prefix)
     }
 
-    /// The same store, its WAL checkpointed into the database every
-    /// [`CHECKPOINT_EVERY`] on a thread and connection of their own, passively (writers
-    /// never wait for it), instead of by SQLite inside the commit that grows the WAL past
-    /// 1,000 pages: that commit held the store, and a run's hand-offs and calls behind it,
-    /// for the copy (and its fsync). For the process that runs the stack; in memory, the
-    /// store is returned as it is.
+    /// The same store, its WAL checkpointed into the database every 200 ms on a thread
+    /// and connection of their own, passively (writers never wait for it), instead of by
+    /// SQLite inside the commit that grows the WAL past 1,000 pages: that commit held the
+    /// store, and a run's hand-offs and calls behind it, for the copy (and its fsync).
+    /// For the process that runs the stack; in memory, the store is returned as it is.
     ///
     /// # Errors
     /// `Fatal` when the second connection cannot be opened or the thread started.
