@@ -121,7 +121,8 @@ pub struct RemovalTarget {
 }
 
 impl Selection {
-    fn filter(&self) -> DeadLetterFilter {
+    /// The dead letters this selection keeps.
+    pub(crate) fn filter(&self) -> DeadLetterFilter {
         DeadLetterFilter { causes: self.cause.clone(), ids: self.id.clone(), older_than: self.older_than, newer_than: self.newer_than, lane: self.lane.clone() }
     }
 

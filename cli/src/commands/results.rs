@@ -45,8 +45,11 @@ pub struct ResultsArgs {
     pub status: Option<StatusFilter>,
 }
 
-/// `--since`: an RFC 3339 time, or a duration before now.
-fn parse_since(text: &str) -> Result<UnixMillis, String> {
+/// `--since` (and `serve`'s `since`): an RFC 3339 time, or a duration before now.
+///
+/// # Errors
+/// Neither, saying what is accepted.
+pub(crate) fn parse_since(text: &str) -> Result<UnixMillis, String> {
     if let Ok(ago) = humantime::parse_duration(text) {
         return Ok(system_now().minus(ago));
     }

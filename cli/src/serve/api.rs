@@ -20,7 +20,7 @@ use paceline_shared::dlq::{DeadLetterRecord, DlqSource};
 use paceline_shared::lane::LaneId;
 use paceline_shared::outcome::{OutcomeRecord, StatusFilter};
 use paceline_shared::ports::PortError;
-use paceline_shared::time::{system_now, UnixMillis};
+use paceline_shared::time::system_now;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, OpenApi, ToSchema};
 
@@ -29,6 +29,7 @@ use crate::commands::circuit::{change_circuit, Change, CircuitAction, CircuitCha
 use crate::commands::dlq::{collect, remove, summarize, RemovalKind, RemovalTarget, Selection};
 use crate::commands::enqueue::{parse_lines, send_jobs};
 use crate::commands::lanes::lane_views;
+use crate::commands::results::parse_since;
 use crate::commands::status::read_status;
 
 /// How long dead letters being read stay hidden from other readers (SQS), as `dlq`'s
@@ -267,13 +268,7 @@ pub async fn get_results(State(served): State<Arc<Served>>, params: Result<Query
             "on AWS, outcome records go to the worker's results destination (the stack's ResultsQueueUrl): read them there",
         ));
     };
-    let since = match params.since.as_deref() {
-        None => None,
-        Some(text) => Some(match humantime::parse_duration(text) {
-            Ok(ago) => system_now().minus(ago),
-            Err(_) => UnixMillis::parse_rfc3339(text).map_err(|e| ApiError::bad_request(format!("since: {e}, or a duration ago such as 10m")))?,
-        }),
-    };
+    let since = params.since.as_deref().map(parse_since).transpose().map_err(|e| ApiError::bad_request(format!("since: {e}")))?;
     let status = params.status.as_deref().map(str::parse::<StatusFilter>).transpose().map_err(|e| ApiError::bad_request(format!("status: {e}")))?;
     let limit = params.limit.unwrap_or(100).clamp(1, MOST_PER_ANSWER);
     let query = OutcomeQuery { job_id: params.job, lane: lane(params.lane.as_deref())?, since, status, after_row: params.after.unwrap_or(0), limit };
@@ -384,10 +379,7 @@ pub async fn post_redrive(State(served): State<Arc<Served>>, sent: Result<Bytes,
         limit: None,
     };
     let target = RemovalTarget { select: params.selection()?, all: request.all };
-    let filtered = !(target.select.cause.is_empty() && target.select.id.is_empty())
-        || [&target.select.older_than, &target.select.newer_than].iter().any(|d| d.is_some())
-        || target.select.lane.is_some();
-    if !filtered && !target.all {
+    if target.select.filter().is_everything() && !target.all {
         return Err(ApiError::bad_request(
             "say which dead letters: cause, id, lane, older_than, newer_than, or \"all\": true (add \"dry_run\": true to see first)",
         ));
