@@ -316,28 +316,43 @@ fn embedded_orchestrator(
 /// less than this may be missed (the ramp's steps and a break last seconds).
 const CIRCUIT_WATCH_EVERY: Duration = Duration::from_millis(100);
 
+/// Every lane's circuit as the store last held it: what changed between two looks.
+#[derive(Default)]
+pub(crate) struct StoredCircuits {
+    as_stored: HashMap<LaneId, String>,
+}
+
+impl StoredCircuits {
+    /// The circuits `store` holds now whose stored text is not what the last look saw
+    /// (on the first look, every circuit). A text that does not parse is looked at again.
+    pub(crate) fn changed(&mut self, store: &EmbeddedStore) -> Vec<(LaneId, Circuit)> {
+        let Ok(circuits) = store.circuits_as_stored() else { return Vec::new() };
+        let mut changed = Vec::new();
+        for (lane, text) in circuits {
+            if self.as_stored.get(&lane) == Some(&text) {
+                continue;
+            }
+            let Ok(circuit) = serde_json::from_str::<Circuit>(&text) else { continue };
+            self.as_stored.insert(lane.clone(), text);
+            changed.push((lane, circuit));
+        }
+        changed
+    }
+}
+
 /// Records each new state of the circuit (a new epoch) in `changes`, reading it every
 /// [`CIRCUIT_WATCH_EVERY`] on `clock`, until aborted.
 async fn watch_circuit(store: Arc<EmbeddedStore>, clock: Arc<dyn Clock>, changes: tokio::sync::watch::Sender<Vec<(LaneId, Circuit)>>) {
-    let mut seen: HashMap<LaneId, u64> = HashMap::new();
-    let mut as_stored: HashMap<LaneId, String> = HashMap::new();
-    let mut first = true;
+    let mut stored = StoredCircuits::default();
+    // What a lane's circuit was before the run is not a change in it.
+    let mut epochs: HashMap<LaneId, u64> = stored.changed(&store).into_iter().map(|(lane, circuit)| (lane, circuit.epoch)).collect();
     loop {
-        if let Ok(circuits) = store.circuits_as_stored() {
-            for (lane, text) in circuits {
-                if as_stored.get(&lane) == Some(&text) {
-                    continue;
-                }
-                let Ok(circuit) = serde_json::from_str::<Circuit>(&text) else { continue };
-                as_stored.insert(lane.clone(), text);
-                // What a lane's circuit was before the run is not a change in it.
-                if seen.insert(lane.clone(), circuit.epoch) != Some(circuit.epoch) && !first {
-                    changes.send_modify(|changes| changes.push((lane, circuit)));
-                }
+        clock.sleep_until_coarse(clock.now().plus(CIRCUIT_WATCH_EVERY)).await;
+        for (lane, circuit) in stored.changed(&store) {
+            if epochs.insert(lane.clone(), circuit.epoch) != Some(circuit.epoch) {
+                changes.send_modify(|changes| changes.push((lane, circuit)));
             }
         }
-        first = false;
-        clock.sleep_until_coarse(clock.now().plus(CIRCUIT_WATCH_EVERY)).await;
     }
 }
 

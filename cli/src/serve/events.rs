@@ -2,19 +2,18 @@
 //! letters, circuit changes and the queue's depths, found by one watcher that reads the
 //! stack twice a second and hands each event, encoded once, to every open stream.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use paceline_shared::adapters::embedded::{EmbeddedStore, OutcomeQuery};
-use paceline_shared::breaker::{Circuit, CircuitStatus};
-use paceline_shared::lane::LaneId;
+use paceline_shared::breaker::CircuitStatus;
 use paceline_shared::outcome::{Ending, OutcomeRecord};
 use paceline_shared::ports::QueueDepth;
 use paceline_shared::time::{system_now, Clock as _, SystemClock};
 use serde::Serialize;
 
 use super::Served;
+use crate::stack::StoredCircuits;
 
 /// How often the watcher reads the stack.
 const WATCH_EVERY: Duration = Duration::from_millis(500);
@@ -120,7 +119,7 @@ impl From<ServedEvent> for Published {
 #[derive(Default)]
 pub struct Seen {
     after_row: i64,
-    circuits: HashMap<LaneId, String>,
+    circuits: StoredCircuits,
     queue: Option<QueueDepth>,
 }
 
@@ -130,7 +129,7 @@ impl Seen {
         let mut seen = Self::default();
         if let Some(store) = &served.stack.embedded {
             seen.after_row = store.newest_outcome_row().unwrap_or(0);
-            seen.circuits = store.circuits_as_stored().unwrap_or_default().into_iter().collect();
+            seen.circuits.changed(store);
         }
         seen
     }
@@ -183,20 +182,13 @@ fn look_at_records(served: &Served, store: &EmbeddedStore, seen: &mut Seen) {
 }
 
 fn look_at_circuits(served: &Served, store: &EmbeddedStore, seen: &mut Seen) {
-    let Ok(circuits) = store.circuits_as_stored() else { return };
-    for (lane, text) in circuits {
-        if seen.circuits.get(&lane) == Some(&text) {
-            continue;
-        }
-        if let Ok(circuit) = serde_json::from_str::<Circuit>(&text) {
-            served.publish(ServedEvent::Circuit {
-                lane: lane.to_string(),
-                status: circuit.status,
-                epoch: circuit.epoch,
-                reason: circuit.reason,
-                held: circuit.held,
-            });
-        }
-        seen.circuits.insert(lane, text);
+    for (lane, circuit) in seen.circuits.changed(store) {
+        served.publish(ServedEvent::Circuit {
+            lane: lane.to_string(),
+            status: circuit.status,
+            epoch: circuit.epoch,
+            reason: circuit.reason,
+            held: circuit.held,
+        });
     }
 }
