@@ -59,6 +59,10 @@ pub struct FakeApiLog {
     pub health_checks: u64,
     /// Successful calls per path (job paths carry the job id).
     pub ok_by_path: BTreeMap<String, u32>,
+    /// Every call's path and whether it was answered OK, in arrival order (what an
+    /// ordered lane's test reads).
+    #[serde(skip)]
+    pub calls: Vec<(String, bool)>,
     /// Calls per `Authorization` header they carried (`-` for none): which key a lane
     /// called with. Never printed.
     #[serde(skip)]
@@ -215,6 +219,7 @@ async fn answer(state: &Mutex<State>, request: Request) -> (StatusCode, HeaderMa
             *s.log.ok_by_path.entry(path.clone()).or_default() += 1;
             Verdict::Ok
         };
+        s.log.calls.push((path.clone(), matches!(verdict, Verdict::Ok)));
         (verdict, latency, s.rate_limit_headers(now))
     };
     SystemClock.sleep_until_coarse(system_now().plus(latency)).await;

@@ -70,7 +70,7 @@ pub fn open_store(config: &Config, if_missing: IfMissing) -> anyhow::Result<Arc<
         IfMissing::Create => EmbeddedStore::open(&path, clock),
         IfMissing::Refuse => EmbeddedStore::open_existing(&path, clock),
     };
-    Ok(Arc::new(store.with_context(|| format!("opening {}", path.display()))?))
+    Ok(Arc::new(store.with_context(|| format!("opening {}", path.display()))?.with_ordering(config.ordering())))
 }
 
 /// A stack ready to run in this process (its lanes share one quota today).
@@ -127,6 +127,7 @@ impl EmbeddedStack {
             EmbeddedStore::open(&path, Arc::new(SystemClock))
                 .with_context(|| format!("opening {}", path.display()))?
                 .with_outcome_retention(config.outcomes.retention)
+                .with_ordering(config.ordering())
                 .with_background_checkpoints()
                 .with_context(|| format!("opening {}", path.display()))?,
         );
@@ -396,7 +397,7 @@ mod tests {
         let config = Config::parse(&text, Path::new("."), &|_| None).unwrap();
         let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
         let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap());
-        let jobs: Vec<OutgoingMessage> = bodies.into_iter().map(|body| OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
+        let jobs: Vec<OutgoingMessage> = bodies.into_iter().map(OutgoingMessage::fresh).collect();
         store.send(&jobs).await.unwrap();
         let api = Arc::new(InstantApi::new(clock.clone()));
         let missed = Arc::new(MissedSlots::default());
@@ -455,7 +456,7 @@ mod tests {
         let body = "x".repeat(10 << 20);
         let jobs: Vec<OutgoingMessage> = (0..3)
             .map(|n| format!(r#"{{"id":"big{n}","request":{{"method":"POST","path":"/upload","body":"{body}"}}}}"#))
-            .map(|body| OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None })
+            .map(OutgoingMessage::fresh)
             .collect();
         store.send(&jobs).await.unwrap();
         let api = Arc::new(InstantApi::new(clock.clone()));

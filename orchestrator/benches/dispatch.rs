@@ -23,6 +23,7 @@ use paceline_shared::adaptive::ProviderReading;
 use paceline_shared::breaker::Circuit;
 use paceline_shared::config::{CircuitConfig, OrchestratorConfig, WorkerHost};
 use paceline_shared::job::{DeadLetterReason, WorkerPayload};
+use paceline_shared::order::JobOrder;
 use paceline_shared::ports::{
     BatchClaim, BatchProgress, CallClaim, Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortResult, QueueDepth, QueuedMessage,
     StateStore, VisibleAgain,
@@ -208,7 +209,7 @@ async fn lane(tiers: &[&str], jobs: usize, invoke_latency: Duration, receive_lat
     let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
     let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap());
     let body = r#"{"request":{"method":"POST","path":"/v1/messages","body":{"to":"+15550100"}}}"#;
-    let messages: Vec<OutgoingMessage> = (0..jobs).map(|_| OutgoingMessage { body: body.into(), attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
+    let messages: Vec<OutgoingMessage> = (0..jobs).map(|_| OutgoingMessage::fresh(body)).collect();
     for batch in messages.chunks(500) {
         store.send(batch).await.unwrap();
     }
@@ -216,7 +217,14 @@ async fn lane(tiers: &[&str], jobs: usize, invoke_latency: Duration, receive_lat
     let counting = Arc::new(Counting { inner: store, counts: counts.clone(), clock: clock.clone(), receive_latency });
     let quota = Quota::new(tiers.iter().map(|t| t.parse().unwrap()).collect(), chrono_tz::UTC, Duration::from_millis(10)).unwrap();
     let invoker = Arc::new(CountingInvoker { inner: RecordingInvoker::new(clock.clone()).with_latency(invoke_latency), counts: counts.clone() });
-    let settings = Settings { quota, orchestrator: OrchestratorConfig::default(), circuit: CircuitConfig::default(), workers: WorkerHost::Lambda, lanes: None };
+    let settings = Settings {
+        quota,
+        orchestrator: OrchestratorConfig::default(),
+        circuit: CircuitConfig::default(),
+        workers: WorkerHost::Lambda,
+        lanes: None,
+        ordering: JobOrder::None,
+    };
     let orchestrator = Orchestrator::new(counting.clone(), counting, invoker, clock, settings);
     Bench { orchestrator, counts }
 }

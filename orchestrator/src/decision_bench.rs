@@ -137,6 +137,8 @@ pub fn drain(
             }
             Action::Renew(_) => Event::Renewed(Ok(lease(now))),
             Action::Refresh(lane) => Event::Refreshed(lane, Ok(shared())),
+            // Benchmarked lanes are not ordered: nothing was ever handed off in order.
+            Action::ReadOrder(lane) => Event::OrderRead(lane, Ok(None)),
             Action::RefreshLanes(lanes) => Event::LanesRefreshed(lanes.into_iter().map(|lane| (lane, Ok((shared(), None)))).collect()),
             Action::SwapCircuit { lane, next, .. } => Event::CircuitSwapped(lane, next, Ok(())),
             Action::Flush(..) => Event::Flushed(Ok(())),

@@ -13,7 +13,7 @@ use std::time::Duration;
 use aws_lambda_events::eventbridge::EventBridgeEvent;
 use lambda_runtime::LambdaEvent;
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames};
-use paceline_shared::config::WorkerHost;
+use paceline_shared::config::{check_fifo_for_ordering, WorkerHost};
 use paceline_shared::lambda_env::Env;
 use paceline_shared::metrics::{emf_record, emf_record_by, Metric};
 use paceline_shared::ports::Invoker;
@@ -62,7 +62,9 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
     let names = AwsNames::from_env(env, true)?;
     let quota = env.quota()?;
     let lanes = env.lanes(&quota)?;
-    let settings = Settings { quota, orchestrator: env.orchestrator()?, circuit: env.circuit()?, workers: WorkerHost::Lambda, lanes };
+    let settings =
+        Settings { quota, orchestrator: env.orchestrator()?, circuit: env.circuit()?, workers: WorkerHost::Lambda, lanes, ordering: env.ordering()? };
+    check_fifo_for_ordering(&settings.lane_ordering(), &names.queue_url).map_err(|e| format!("PACELINE_ORDERING or PACELINE_LANES: {e}"))?;
     let aws = AwsAdapters::new(sdk, &names, lambda_endpoint);
     let relay = relay_function(env)?.map(|name| LambdaRelay { invoker: aws.invoker.for_function(name) });
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
@@ -235,6 +237,7 @@ mod tests {
     use crate::{StopReason, TierReport};
     use paceline_shared::adapters::embedded::EmbeddedStore;
     use paceline_shared::adapters::memory::RecordingInvoker;
+    use paceline_shared::order::JobOrder;
     use paceline_shared::ports::PortError;
     use paceline_shared::testing::faults::{Faulty, Method};
 
@@ -244,7 +247,14 @@ mod tests {
         let store = Arc::new(Faulty::new(Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap())));
         store.fail_next(Method::AcquireLease, 1, error);
         let quota = paceline_shared::quota::Quota::new(vec!["5/s".parse().unwrap()], paceline_shared::quota::chrono_tz::UTC, Duration::ZERO).unwrap();
-        let settings = Settings { quota, orchestrator: Default::default(), circuit: Default::default(), workers: WorkerHost::Lambda, lanes: None };
+        let settings = Settings {
+            quota,
+            orchestrator: Default::default(),
+            circuit: Default::default(),
+            workers: WorkerHost::Lambda,
+            lanes: None,
+            ordering: JobOrder::None,
+        };
         let orchestrator = Orchestrator::new(store.clone(), store, Arc::new(RecordingInvoker::new(clock.clone())), clock, settings);
         OrchestratorFunction::new(orchestrator, "sms")
     }

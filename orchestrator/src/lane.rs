@@ -14,6 +14,7 @@ use paceline_shared::breaker::{self, Circuit, CircuitStatus, TripRule};
 use paceline_shared::config::LaneChange;
 use paceline_shared::job::{CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
 use paceline_shared::lane::LaneId;
+use paceline_shared::order::OrderMark;
 use paceline_shared::pacer::{Decision, Hold, MissedSlot, PacerState};
 use paceline_shared::ports::{PacerSnapshot, PortError, PortResult, QueuedMessage};
 use paceline_shared::quota::Quota;
@@ -21,6 +22,7 @@ use paceline_shared::time::{UnixMillis, COARSE_WAKE_SLACK};
 use tracing::{debug, info, warn};
 
 use crate::handover::LastRun;
+use crate::order_gate::{GateStep, OrderGate};
 use crate::report::TierMeter;
 use crate::report::TierReport;
 use crate::reservations::Reservations;
@@ -68,6 +70,8 @@ timer_kind! {
         Reserve,
         /// The next health check, while the circuit is open.
         HealthCheck,
+        /// The next read of an ordered lane's mark.
+        OrderRead,
     }
 }
 
@@ -79,6 +83,11 @@ pub(crate) struct InHand {
     /// Until when the queue keeps its message hidden: the receive's visibility timeout,
     /// or the last extension of it.
     hidden_until: UnixMillis,
+}
+
+/// Whether `held` is job `job_id`'s message.
+fn held_is(held: &InHand, job_id: &str) -> bool {
+    held.job.as_ref().is_ok_and(|job| job.id.as_str() == job_id)
 }
 
 /// A message being handed off (its job travels in the payload), with when it came into
@@ -286,6 +295,9 @@ pub(crate) struct LaneMachine<'a> {
     /// A swap of the circuit is under way.
     swapping_circuit: bool,
     call_slots: CallSlotModel,
+    /// An ordered lane's gate (`None` for a lane without ordering).
+    order: Option<OrderGate>,
+    order_read_backoff: Backoff,
     exhausted_logged_until: UnixMillis,
     meter: TierMeter,
     pub figures: LaneFigures,
@@ -297,6 +309,10 @@ impl<'a> LaneMachine<'a> {
     pub fn new(settings: &'a Settings, id: LaneId, index: usize, quota: &'a Quota, started: UnixMillis) -> Self {
         let mut timers = TimerTable::default();
         timers.set(LaneTimer::Refresh, on_refresh_grid(settings, started.plus(settings.orchestrator.state_refresh)));
+        let order = settings.ordering_of(&id).is_ordered().then_some(OrderGate::Unread);
+        if order.is_some() {
+            timers.set(LaneTimer::OrderRead, started);
+        }
         Self {
             settings,
             id,
@@ -330,6 +346,8 @@ impl<'a> LaneMachine<'a> {
             spaced_exact_ms: 0.0,
             swapping_circuit: false,
             call_slots: CallSlotModel::default(),
+            order,
+            order_read_backoff: PORT_BACKOFF,
             exhausted_logged_until: UnixMillis(0),
             meter: TierMeter::new(quota),
             figures: LaneFigures::default(),
@@ -397,7 +415,13 @@ impl<'a> LaneMachine<'a> {
 
     /// How far ahead of its slot a job is handed off (zero: at the slot).
     fn lead(&self) -> Duration {
-        self.settings.dispatch_ahead()
+        // An ordered lane's one job at a time is decided when the one before settles: it
+        // waits for no batch to gather.
+        if self.order.is_some() {
+            self.settings.hand_off_lead()
+        } else {
+            self.settings.dispatch_ahead()
+        }
     }
 
     pub fn circuit(&self) -> &Circuit {
@@ -417,6 +441,69 @@ impl<'a> LaneMachine<'a> {
             self.timers.stop(LaneTimer::Refresh);
         }
         due
+    }
+
+    /// Whether a read of an ordered lane's mark is due at `now` (the timer stops until
+    /// the read comes back).
+    pub fn order_read_due(&mut self, now: UnixMillis) -> bool {
+        let due = self.timers.is_expired(LaneTimer::OrderRead, now);
+        if due {
+            self.timers.stop(LaneTimer::OrderRead);
+        }
+        due
+    }
+
+    /// A read of the lane's order mark came back at `now`.
+    ///
+    /// # Errors
+    /// A fatal port error.
+    pub fn on_order_read(&mut self, read: PortResult<Option<OrderMark>>, now: UnixMillis) -> Result<(), RunError> {
+        let Some(gate) = &mut self.order else { return Ok(()) };
+        match read {
+            Ok(mark) => {
+                self.order_read_backoff.succeeded();
+                gate.on_read(mark, now);
+                if let Some(at) = gate.read_at(now) {
+                    self.timers.set(LaneTimer::OrderRead, at);
+                }
+                self.bring_retry_forward();
+                Ok(())
+            }
+            Err(e) => self.retry_later(e, LaneTimer::OrderRead, now, "could not read the lane's order mark"),
+        }
+    }
+
+    /// Whether the lane is ordered and waits at `now` for its retry's message, which is
+    /// not in hand and due: the stack receives for it whatever the lane holds.
+    pub fn awaits_retry(&self, now: UnixMillis) -> bool {
+        let due = |(job_id, at): (&str, UnixMillis)| at <= now && !self.buffer.iter().any(|held| held_is(held, job_id));
+        self.order.as_ref().and_then(OrderGate::awaited_retry).is_some_and(due)
+    }
+
+    /// Puts the retry an ordered lane waits for at the front of the hand, if it is in
+    /// hand; whether it is.
+    fn bring_retry_forward(&mut self) -> bool {
+        let Some((job_id, _)) = self.order.as_ref().and_then(OrderGate::awaited_retry) else { return false };
+        let Some(index) = self.buffer.iter().position(|held| held_is(held, job_id)) else { return false };
+        if let Some(held) = (index > 0).then(|| self.buffer.remove(index)).flatten() {
+            self.buffer.push_front(held);
+        }
+        true
+    }
+
+    /// What an ordered lane's gate lets it do at `now`: `None` to go on with the front
+    /// job, or what to wait for.
+    fn order_wait(&mut self, now: UnixMillis) -> Option<LaneStep> {
+        self.order.as_ref()?;
+        let retry_in_hand = self.bring_retry_forward();
+        let gate = self.order.as_mut()?;
+        match gate.step(retry_in_hand, now) {
+            GateStep::Go => None,
+            GateStep::WaitUntil(at) => Some(LaneStep::WaitUntil(self.hand_off_time(at, now))),
+            GateStep::WaitForRead => Some(LaneStep::WaitUntil(self.timers.get(LaneTimer::OrderRead).unwrap_or(now).max(now.plus(Duration::from_millis(1))))),
+            // A receive wakes the loop.
+            GateStep::WaitForRetry => Some(LaneStep::WaitUntil(UnixMillis(u64::MAX))),
+        }
     }
 
     /// A reservation hold that is over at `now` is stopped: nothing to wake for.
@@ -680,6 +767,9 @@ impl<'a> LaneMachine<'a> {
         if let Some(frees) = self.call_slots_full_until(self.slot_at(now)) {
             return LaneStep::WaitUntil(self.hand_off_time(frees, now));
         }
+        if let Some(wait) = self.order_wait(now) {
+            return wait;
+        }
         let job = self.buffer.front().and_then(|front| front.job.as_ref().ok()).expect("a parsed job in hand");
         let cost = job.cost;
         // A large payload takes a while to hand off (and a worker that started late for
@@ -709,6 +799,12 @@ impl<'a> LaneMachine<'a> {
                 let paced = slot.since(self.last_dispatch.unwrap_or(since).max(since));
                 self.commit(cost, slot, job.request.upload_allowance(), paced);
                 debug!(job_id = %job.id, attempt = message.attempt, cost, "dispatching");
+                job.ordered = self.order.is_some();
+                if let Some(gate) = &mut self.order {
+                    // The next job waits for this one's mark, read soon after its slot.
+                    gate.opened(job.id.as_str(), message.attempt, now);
+                    self.timers.set(LaneTimer::OrderRead, gate.read_at(slot.max(now)).unwrap_or(slot));
+                }
                 let trip = Some(self.trip_rule(slot));
                 self.space_by_share(cost, slot);
                 self.note_call_pending(slot);
@@ -914,6 +1010,9 @@ impl<'a> LaneMachine<'a> {
 
     /// A refused hand-off's job goes back in hand, first.
     pub fn hand_back(&mut self, hand_off: HandOff, job: Job) {
+        if let Some(gate) = &mut self.order {
+            gate.handed_back();
+        }
         self.buffer.push_front(InHand { message: hand_off.message, job: Ok(job), since: hand_off.since, hidden_until: hand_off.hidden_until });
     }
 
@@ -995,6 +1094,7 @@ impl<'a> LaneMachine<'a> {
         let backoff = match timer {
             LaneTimer::Refresh => &mut self.refresh_backoff,
             LaneTimer::Reserve => &mut self.reserve_backoff,
+            LaneTimer::OrderRead => &mut self.order_read_backoff,
             LaneTimer::HealthCheck => unreachable!("{timer:?} is not a retry"),
         };
         self.timers.set(timer, now.plus(backoff.failed()));

@@ -28,6 +28,7 @@ pub mod handover;
 pub mod lambda;
 mod lane;
 mod many;
+mod order_gate;
 mod report;
 mod reservations;
 mod schedule;
@@ -42,6 +43,7 @@ use paceline_shared::config::{CoolDownScope, LaneChange, LanesConfig};
 use paceline_shared::job::{DeadLetterReason, Job, JobId};
 use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
+use paceline_shared::order::OrderMark;
 use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, OutcomeTimes};
 use paceline_shared::pacer::MissedSlots;
 use paceline_shared::ports::{
@@ -418,6 +420,11 @@ impl Executor<'_> {
                 });
                 return Ok(());
             }
+            Action::ReadOrder(lane) => {
+                let store = o.store_for(&self.state.lane_scope(lane).0);
+                self.background.spawn(async move { Event::OrderRead(lane, store.order_mark().await) });
+                return Ok(());
+            }
             Action::SwapCircuit { lane, expected_epoch, next } => {
                 let result = o.store_for(&self.state.lane_scope(lane).0).swap_circuit(expected_epoch, &next).await;
                 Event::CircuitSwapped(lane, next, result)
@@ -487,8 +494,18 @@ impl Executor<'_> {
                     info!(at = %o.clock.now(), slot = %hand_off.slot, "the run's first hand-off");
                 }
                 let invoker = o.invoker.clone();
+                // An ordered lane's mark names the job before its worker can settle it.
+                let opens = payload.ordered_job().map(|(job, attempt)| OrderMark::open(job.id.as_str(), attempt, o.clock.now()));
+                let marks = opens.map(|mark| (o.store_for(&self.state.lane_scope(hand_off.lane).0), mark));
                 self.background.spawn(async move {
-                    let result = invoker.invoke(&payload, Some(&hand_off.message.receipt)).await;
+                    let opened = match &marks {
+                        Some((store, mark)) => store.open_order(mark).await,
+                        None => Ok(()),
+                    };
+                    let result = match opened {
+                        Ok(()) => invoker.invoke(&payload, Some(&hand_off.message.receipt)).await,
+                        Err(e) => Err(e),
+                    };
                     Event::HandedOff(hand_off, payload, result)
                 });
                 return Ok(());

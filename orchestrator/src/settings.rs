@@ -4,6 +4,8 @@
 use std::time::Duration;
 
 use paceline_shared::config::{CircuitConfig, Config, LanesConfig, OrchestratorConfig, WorkerHost};
+use paceline_shared::lane::LaneId;
+use paceline_shared::order::{JobOrder, LaneOrdering};
 use paceline_shared::ports::PortError;
 use paceline_shared::quota::Quota;
 
@@ -17,13 +19,35 @@ pub struct Settings {
     pub workers: WorkerHost,
     /// `[lanes]`: many lanes under `quota`, shared (`None`: `quota` is the one lane's).
     pub lanes: Option<LanesConfig>,
+    /// `[quota] ordering`: how a stack without lanes orders its jobs (with lanes, each
+    /// lane's `ordering` says).
+    pub ordering: JobOrder,
 }
 
 impl Settings {
     /// The loop's settings from a lane's configuration file, for workers in `workers`.
     #[must_use]
     pub fn from_config(config: &Config, workers: WorkerHost) -> Self {
-        Self { quota: config.quota.clone(), orchestrator: config.orchestrator, circuit: config.circuit, workers, lanes: config.lanes.clone() }
+        Self {
+            quota: config.quota.clone(),
+            orchestrator: config.orchestrator,
+            circuit: config.circuit,
+            workers,
+            lanes: config.lanes.clone(),
+            ordering: config.quota_ordering,
+        }
+    }
+
+    /// How `lane`'s jobs are ordered.
+    #[must_use]
+    pub fn ordering_of(&self, lane: &LaneId) -> JobOrder {
+        self.lanes.as_ref().map_or(self.ordering, |lanes| lanes.lane(lane).ordering)
+    }
+
+    /// Which of the stack's lanes are ordered.
+    #[must_use]
+    pub fn lane_ordering(&self) -> LaneOrdering {
+        self.lanes.as_ref().map_or_else(|| LaneOrdering { default: self.ordering, ..LaneOrdering::default() }, LanesConfig::ordering)
     }
 
     /// How long before its slot each job is decided: the hand-off's lead and the batch
@@ -115,7 +139,14 @@ mod tests {
 
     fn lambda_settings(tier: &str) -> Settings {
         let quota = Quota::new(vec![tier.parse().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
-        Settings { quota, orchestrator: OrchestratorConfig::default(), circuit: CircuitConfig::default(), workers: WorkerHost::Lambda, lanes: None }
+        Settings {
+            quota,
+            orchestrator: OrchestratorConfig::default(),
+            circuit: CircuitConfig::default(),
+            workers: WorkerHost::Lambda,
+            lanes: None,
+            ordering: JobOrder::None,
+        }
     }
 
     #[test]

@@ -19,6 +19,7 @@ use paceline_shared::config::LaneChange;
 use paceline_shared::job::{DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
 use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
+use paceline_shared::order::{is_group_of, OrderMark};
 use paceline_shared::pacer::{Decision, MissedSlot, PacerState};
 use paceline_shared::ports::{Lease, PacerSnapshot, PortError, PortResult, QueuedMessage, VisibleAgain};
 use paceline_shared::quota::Quota;
@@ -47,6 +48,8 @@ const MAX_RECEIVES_IN_FLIGHT: usize = 64;
 /// After a prefetch found nothing, the next waits this long: an idle queue is not
 /// polled in a loop.
 const PREFETCH_PAUSE: Duration = Duration::from_secs(1);
+/// After a look for an ordered lane's retry found nothing, the next waits this long.
+const RETRY_PROBE_PAUSE: Duration = Duration::from_millis(20);
 /// On a fair queue, after [`IDLE_RECEIVES_BEFORE_PAUSE`] receives in a row whose every
 /// job went back to the queue (their lanes hold all they can use, and SQS sees them as
 /// noisy), the next waits this long, doubling with each more such receive up to
@@ -82,6 +85,8 @@ pub(crate) enum Action {
     /// stack of many lanes reads those due about together in a request or a few, and
     /// never holds the loop for them. A lane whose settings changed is then read alone.
     RefreshLanes(Vec<usize>),
+    /// Read this ordered lane's mark (background): is the job it handed off settled?
+    ReadOrder(usize),
     /// Write this lane's circuit if the stored one is still at `expected_epoch` (await
     /// it): the ramp after a half-open reached the full pace and closes it.
     SwapCircuit { lane: usize, expected_epoch: u64, next: Circuit },
@@ -132,6 +137,7 @@ pub(crate) enum Event {
     /// and the operator's change of its settings in the store.
     LanesRefreshed(Vec<(usize, LaneRead)>),
     CircuitSwapped(usize, Circuit, PortResult<()>),
+    OrderRead(usize, PortResult<Option<OrderMark>>),
     Flushed(PortResult<()>),
     Reserved(usize, Vec<(String, u64)>, PortResult<()>),
     SharedReserved(Vec<(String, u64)>, PortResult<()>),
@@ -224,6 +230,8 @@ pub(crate) struct StackMachine<'a> {
     to_dead_letter: VecDeque<(QueuedMessage, DeadLetterReason, Option<Box<Job>>)>,
     /// Lanes an operator changed the settings of: each re-read alone, its settings too.
     to_refresh_alone: VecDeque<usize>,
+    /// Ordered lanes whose mark is due to be read (with many lanes).
+    to_read_order: VecDeque<usize>,
     timers: TimerTable<Timer, { Timer::COUNT }>,
     backoffs: Backoffs,
     in_flight: InFlight,
@@ -274,6 +282,7 @@ impl<'a> StackMachine<'a> {
             pending_deletes: Vec::new(),
             to_dead_letter: VecDeque::new(),
             to_refresh_alone: VecDeque::new(),
+            to_read_order: VecDeque::new(),
             timers,
             backoffs: Backoffs { renew: RENEW_BACKOFF, flush: crate::lane::PORT_BACKOFF, receive: crate::lane::PORT_BACKOFF, invoke: INVOKE_BACKOFF },
             in_flight: InFlight::default(),
@@ -406,7 +415,7 @@ impl<'a> StackMachine<'a> {
         if self.stop.is_some() {
             return Action::Stop;
         }
-        for hold in [Timer::InvokeHold, Timer::Receive, Timer::Prefetch] {
+        for hold in [Timer::InvokeHold, Timer::Receive, Timer::Prefetch, Timer::RetryProbe] {
             if self.timers.is_expired(hold, now) {
                 self.timers.stop(hold); // over: nothing to wake for
             }
@@ -433,6 +442,9 @@ impl<'a> StackMachine<'a> {
         }
         if let Some(refresh) = self.refresh_due(now) {
             return refresh;
+        }
+        if let Some(read) = self.order_read_due(now) {
+            return read;
         }
         let flush_due = self.timers.is_expired(Timer::Flush, now);
         if self.pending_deletes.len() >= DELETE_BATCH || (flush_due && !self.pending_deletes.is_empty()) {
@@ -482,6 +494,9 @@ impl<'a> StackMachine<'a> {
             many.touch(index);
             let lane = &mut self.lanes[index];
             lane.expire_holds(now);
+            if lane.order_read_due(now) {
+                self.to_read_order.push_back(index);
+            }
             if lane.refresh_due(now) {
                 if !lane.has_jobs_in_hand() && lane.circuit().is_closed() {
                     lane.skip_refresh_while_idle();
@@ -491,6 +506,15 @@ impl<'a> StackMachine<'a> {
             }
         }
         (!due.is_empty()).then_some(Action::RefreshLanes(due))
+    }
+
+    /// An ordered lane's read of its mark, if one is due (with many lanes, the lanes
+    /// whose deadlines came queue theirs in `refresh_due`).
+    fn order_read_due(&mut self, now: UnixMillis) -> Option<Action> {
+        if self.many.is_some() {
+            return self.to_read_order.pop_front().map(Action::ReadOrder);
+        }
+        self.lanes[0].order_read_due(now).then_some(Action::ReadOrder(0))
     }
 
     /// A half-open lane whose ramp reached the full pace closes its circuit (with many
@@ -904,7 +928,7 @@ impl<'a> StackMachine<'a> {
         let mut misgrouped = 0_usize;
         for message in received {
             let lane = LaneId::named_in(&message.body);
-            misgrouped += usize::from(message.group.as_deref().is_some_and(|group| group != lane.as_str()));
+            misgrouped += usize::from(message.group.as_deref().is_some_and(|group| !is_group_of(group, &lane)));
             let index = self.lane_for(lane, now);
             match by_lane.iter_mut().find(|(lane, _)| *lane == index) {
                 Some((_, messages)) => messages.push(message),
@@ -1040,6 +1064,10 @@ impl<'a> StackMachine<'a> {
             Event::CircuitSwapped(lane, next, result) => {
                 self.touch(lane);
                 self.lanes[lane].on_circuit_swapped(next, result, now)
+            }
+            Event::OrderRead(lane, result) => {
+                self.touch(lane);
+                self.lanes[lane].on_order_read(result, now)
             }
             Event::LaneHydrated(lane, result) => self.on_lane_hydrated(lane, result, now),
             Event::Flushed(Ok(()) | Err(PortError::Conflict(_))) => {
@@ -1250,7 +1278,7 @@ impl<'a> StackMachine<'a> {
             Timer::Flush => &mut self.backoffs.flush,
             Timer::Receive => &mut self.backoffs.receive,
             Timer::InvokeHold => &mut self.backoffs.invoke,
-            Timer::LeaseExpiry | Timer::Prefetch | Timer::Stop | Timer::Relay | Timer::Extend => unreachable!("{timer:?} is not a retry"),
+            Timer::LeaseExpiry | Timer::Prefetch | Timer::RetryProbe | Timer::Stop | Timer::Relay | Timer::Extend => unreachable!("{timer:?} is not a retry"),
         };
         self.timers.set(timer, now.plus(backoff.failed()));
         Ok(())
@@ -1261,6 +1289,14 @@ impl<'a> StackMachine<'a> {
     /// uses meanwhile, no more than the quota can use before the visibility timeout, and
     /// a short poll (the loop long-polls when it runs dry).
     fn prefetch(&mut self, now: UnixMillis) -> Option<Action> {
+        if self.lanes[0].awaits_retry(now) && self.in_flight.receives == 0 && !self.timers.is_pending(Timer::RetryProbe, now) {
+            // An ordered lane's retry goes before all it holds: it is looked for whatever
+            // the lane holds (its queue gives out no more of the lane's jobs meanwhile),
+            // and an empty queue pauses the next look only briefly.
+            self.timers.set(Timer::RetryProbe, now.plus(RETRY_PROBE_PAUSE));
+            self.in_flight.receives += 1;
+            return Some(Action::Receive { max: RECEIVE_BATCH, wait: Duration::ZERO, long_poll: false });
+        }
         if self.in_flight.receives >= self.receives_allowed(self.lanes[0].pace_per_second())
             || self.timers.is_pending(Timer::Receive, now)
             || self.timers.is_pending(Timer::Prefetch, now)
@@ -1384,6 +1420,7 @@ fn extend_every(visibility: Duration) -> Duration {
 mod tests {
     use super::*;
     use paceline_shared::config::{CircuitConfig, OrchestratorConfig, WorkerHost};
+    use paceline_shared::order::JobOrder;
     use paceline_shared::quota::{chrono_tz, Quota};
 
     const T0: UnixMillis = UnixMillis(1_795_824_000_000);
@@ -1396,6 +1433,7 @@ mod tests {
             circuit: CircuitConfig { health_check_interval: Duration::from_secs(2), ..CircuitConfig::default() },
             workers: WorkerHost::InProcess,
             lanes: None,
+            ordering: JobOrder::None,
         }
     }
 

@@ -51,6 +51,8 @@ timer_kind! {
         /// No prefetch before this (after one found the queue empty): an idle queue is not
         /// polled in a loop. A long poll, when nothing is in hand, does not wait for it.
         Prefetch,
+        /// No look for an ordered lane's retry before this (after one did not find it).
+        RetryProbe,
         /// No hand-off before this (after the invoker refused one).
         InvokeHold,
         /// The run stops dispatching: its deadline less the margin.

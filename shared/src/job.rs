@@ -156,6 +156,11 @@ pub struct Job {
     /// it, up to [`MAX_LATE_START`]): a job does not miss its slot for ever.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub late_start_ms: u64,
+    /// Its lane is ordered (`ordering = "fifo"`), as the orchestrator found it when it
+    /// handed the job off: the worker marks what came of the call in the lane's order
+    /// mark, and a retry goes back ahead of the lane's later jobs.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ordered: bool,
 }
 
 fn is_zero<T: Default + PartialEq>(n: &T) -> bool {
@@ -224,6 +229,8 @@ struct RawJob {
     rate_limited: u32,
     #[serde(default)]
     late_start_ms: u64,
+    #[serde(default)]
+    ordered: bool,
 }
 
 /// Headers that belong to the connection and its framing, not to an API call: neither a
@@ -326,6 +333,7 @@ impl Job {
             enqueued_at: raw.enqueued_at,
             rate_limited: raw.rate_limited,
             late_start_ms: raw.late_start_ms.min(u64::try_from(MAX_LATE_START.as_millis()).unwrap_or(u64::MAX)),
+            ordered: raw.ordered,
         })
     }
 
@@ -506,6 +514,15 @@ pub enum PayloadError {
 }
 
 impl WorkerPayload {
+    /// The job of a job payload of an ordered lane, and its attempt.
+    #[must_use]
+    pub fn ordered_job(&self) -> Option<(&Job, u32)> {
+        match self {
+            Self::Job { job, attempt, .. } if job.ordered => Some((job, *attempt)),
+            _ => None,
+        }
+    }
+
     /// A batch named `id` carrying `calls` (job payloads; anything else is refused when
     /// the batch is read).
     #[must_use]

@@ -10,6 +10,7 @@ use crate::config::{
     check_health_request, check_idempotency_header, check_max_in_flight, check_timeout, defaults, parse_base_url, parse_size, resolve_headers, ApiConfig,
     CircuitConfig, HeaderSource, Invalid, LanesConfig, OrchestratorConfig, RetryConfig, LAMBDA_DISPATCH_AHEAD, LAMBDA_WORKER_BATCH,
 };
+use crate::order::JobOrder;
 use crate::outcome::{OutcomeSettings, RecordOutcomes};
 use crate::quota::{Quota, Tier};
 
@@ -144,6 +145,15 @@ impl<'a> Env<'a> {
     /// Names the variable and the setting.
     pub fn lanes(&self, shared: &Quota) -> Result<Option<LanesConfig>, String> {
         self.optional("PACELINE_LANES").map(|text| LanesConfig::parse_text(&text, shared).map_err(|problem| format!("PACELINE_LANES: {problem}"))).transpose()
+    }
+
+    /// `PACELINE_ORDERING`: how a stack without lanes orders its jobs (`fifo`, or `none`,
+    /// the default; with lanes, `PACELINE_LANES` says for each).
+    ///
+    /// # Errors
+    /// Names the variable and the problem.
+    pub fn ordering(&self) -> Result<JobOrder, String> {
+        self.parsed("PACELINE_ORDERING", JobOrder::None, str::parse)
     }
 
     /// `PACELINE_MAX_IN_FLIGHT` (unset or 0: no cap).

@@ -13,6 +13,7 @@ pub mod keys;
 pub mod lambda_env;
 pub mod lane;
 pub mod metrics;
+pub mod order;
 pub mod outcome;
 pub mod pacer;
 pub mod ports;

@@ -21,6 +21,7 @@ use crate::dlq::{DeadLetterRecord, DlqSource};
 use crate::job::{DeadLetterReason, WorkerPayload};
 use crate::keys::StoreScope;
 use crate::lane::LaneId;
+use crate::order::{OrderMark, OrderState};
 use crate::outcome::OutcomeRecord;
 use crate::pacer::PacerState;
 use crate::quota::Quota;
@@ -105,6 +106,23 @@ pub struct OutgoingMessage {
     /// redrives, which get a fresh one each (repeated deliveries are caught by call
     /// records, and a re-queue must never be taken for its job's first send).
     pub dedup_id: Option<String>,
+    /// Received ahead of the jobs already waiting: an ordered lane's retry (see
+    /// `order`), which is called before any later job of its lane.
+    pub ahead: bool,
+}
+
+impl OutgoingMessage {
+    /// A job's first send: attempt 0, no delay, no deduplication id.
+    #[must_use]
+    pub fn fresh(body: impl Into<String>) -> Self {
+        Self::again(body, 0, Duration::ZERO)
+    }
+
+    /// A job's send for its `attempt`, visible after `delay`.
+    #[must_use]
+    pub fn again(body: impl Into<String>, attempt: u32, delay: Duration) -> Self {
+        Self { body: body.into(), attempt, delay, dedup_id: None, ahead: false }
+    }
 }
 
 /// How many messages are where.
@@ -288,8 +306,8 @@ pub fn redrive_messages(records: &[DeadLetterRecord], keep_attempts: bool) -> Po
     records
         .iter()
         .map(|r| match &r.job_body {
-            Some(body) if keep_attempts => Ok(OutgoingMessage { body: body.clone(), attempt: r.attempt, delay: Duration::ZERO, dedup_id: None }),
-            Some(body) => Ok(OutgoingMessage { body: without_rate_limited_count(body), attempt: 0, delay: Duration::ZERO, dedup_id: None }),
+            Some(body) if keep_attempts => Ok(OutgoingMessage::again(body.clone(), r.attempt, Duration::ZERO)),
+            Some(body) => Ok(OutgoingMessage::fresh(without_rate_limited_count(body))),
             None => Err(PortError::Fatal(format!("dead letter {} ({}) holds no job to redrive", r.message_id, r.cause))),
         })
         .collect()
@@ -634,6 +652,36 @@ pub trait StateStore: Send + Sync {
     /// Transport errors only.
     async fn lanes_with_state(&self) -> PortResult<Vec<LaneId>> {
         Ok(Vec::new())
+    }
+
+    /// This scope's [`OrderMark`] (an ordered lane's last job handed off and what came of
+    /// it); `None` before its first ordered job.
+    ///
+    /// # Errors
+    /// Transport errors, or a stored mark that no longer reads.
+    async fn order_mark(&self) -> PortResult<Option<OrderMark>> {
+        Ok(None)
+    }
+
+    /// Keeps `mark` as this scope's, whatever was there: the orchestrator writes the
+    /// mark of the job it is about to hand off (under its lease, so no one else does).
+    ///
+    /// # Errors
+    /// Transport errors; a backend that keeps no order refuses.
+    async fn open_order(&self, mark: &OrderMark) -> PortResult<()> {
+        let _ = mark;
+        Err(PortError::Fatal("this backend keeps no order mark: ordered lanes need the embedded store or DynamoDB".into()))
+    }
+
+    /// Sets the state of this scope's mark to `state` if the mark is still that of job
+    /// `job_id`'s `attempt`, in one atomic step (a repeated delivery of an attempt long
+    /// settled changes nothing); whether it did.
+    ///
+    /// # Errors
+    /// Transport errors; a backend that keeps no order refuses.
+    async fn settle_order(&self, job_id: &str, attempt: u32, state: OrderState) -> PortResult<bool> {
+        let _ = (job_id, attempt, state);
+        Err(PortError::Fatal("this backend keeps no order mark: ordered lanes need the embedded store or DynamoDB".into()))
     }
 }
 

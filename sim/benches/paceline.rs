@@ -18,6 +18,7 @@ use paceline_orchestrator::{Orchestrator, RunOptions, Settings};
 use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::config::{CircuitConfig, Config, OrchestratorConfig, RetryConfig, WorkerHost};
 use paceline_shared::job::WorkerPayload;
+use paceline_shared::order::JobOrder;
 use paceline_shared::ports::{Invoker, JobQueue, OutgoingMessage, PortResult};
 use paceline_shared::quota::{chrono_tz, Quota};
 use paceline_shared::time::{system_since_epoch, Clock, SystemClock, TokioClock};
@@ -53,7 +54,14 @@ fn quota(tiers: &[&str], margin_ms: u64) -> Quota {
 
 fn settings(tiers: &[&str], margin_ms: u64, ahead_ms: u64) -> Settings {
     let orchestrator = OrchestratorConfig { dispatch_ahead: Some(Duration::from_millis(ahead_ms)), ..OrchestratorConfig::default() };
-    Settings { quota: quota(tiers, margin_ms), orchestrator, circuit: CircuitConfig::default(), workers: WorkerHost::Lambda, lanes: None }
+    Settings {
+        quota: quota(tiers, margin_ms),
+        orchestrator,
+        circuit: CircuitConfig::default(),
+        workers: WorkerHost::Lambda,
+        lanes: None,
+        ordering: JobOrder::None,
+    }
 }
 
 /// CPU time (user + system) of this process so far.
@@ -137,12 +145,7 @@ fn precision_over_lanes(jobs: usize, lanes: usize) {
         let clock = Arc::new(SystemClock);
         let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap());
         let messages: Vec<OutgoingMessage> = (0..jobs)
-            .map(|n| OutgoingMessage {
-                body: format!(r#"{{"id":"job-{n}","lane":"t{}","request":{{"method":"GET","path":"/jobs/{n}"}}}}"#, n % lanes),
-                attempt: 0,
-                delay: Duration::ZERO,
-                dedup_id: None,
-            })
+            .map(|n| OutgoingMessage::fresh(format!(r#"{{"id":"job-{n}","lane":"t{}","request":{{"method":"GET","path":"/jobs/{n}"}}}}"#, n % lanes)))
             .collect();
         store.send(&messages).await.unwrap();
         let recorder = Arc::new(SlotRecorder { clock: clock.clone(), lateness_us: lateness_us.clone() });

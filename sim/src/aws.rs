@@ -14,6 +14,7 @@ use paceline_shared::config::LaneChange;
 use paceline_shared::job::{DeadLetterReason, WorkerPayload};
 use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
+use paceline_shared::order::{OrderMark, OrderState};
 use paceline_shared::ports::{
     slot_probe_start, BatchClaim, BatchProgress, CallClaim, Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult,
     QueueDepth, QueuedMessage, ScopedStores, StateStore, VisibleAgain, WorkerHandler,
@@ -284,6 +285,8 @@ struct StoreState {
     call_slots: BTreeMap<u32, (String, UnixMillis)>,
     /// Worker batches' records by key: holder, expiry and progress.
     batches: BTreeMap<String, (String, UnixMillis, BatchProgress)>,
+    /// An ordered lane's mark.
+    order_mark: Option<OrderMark>,
 }
 
 impl StoreState {
@@ -634,6 +637,29 @@ impl StateStore for SimStore {
     async fn lane_change(&self) -> PortResult<Option<LaneChange>> {
         self.read(1).await;
         Ok(None)
+    }
+
+    async fn order_mark(&self) -> PortResult<Option<OrderMark>> {
+        self.read(1).await;
+        Ok(self.state().order_mark.clone())
+    }
+
+    async fn open_order(&self, mark: &OrderMark) -> PortResult<()> {
+        self.write("dynamodb:PutItem", 1, 1).await;
+        self.state().order_mark = Some(mark.clone());
+        Ok(())
+    }
+
+    async fn settle_order(&self, job_id: &str, attempt: u32, state: OrderState) -> PortResult<bool> {
+        self.write("dynamodb:UpdateItem", 1, 1).await;
+        let mut stored = self.state();
+        match stored.order_mark.as_mut().filter(|mark| mark.names(job_id, attempt)) {
+            Some(mark) => {
+                mark.state = state;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
     }
 
     async fn shared_state(&self) -> PortResult<LaneSignals> {

@@ -220,7 +220,7 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
     let (calls, requests) = runtime.block_on(async {
         let tokio_clock = Arc::new(TokioClock::anchored_at(SIM_START));
         let clock: Arc<dyn Clock> = tokio_clock.clone();
-        let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).expect("an in-memory store"));
+        let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).expect("an in-memory store").with_ordering(plan.settings.lane_ordering()));
         let lanes: BTreeMap<LaneId, usize> = (0..plan.lanes).map(|i| (plan.lane_id(i), i)).collect();
         let bodies = job_lanes
             .iter()
@@ -229,7 +229,7 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
         let world = Arc::new(World::new(tokio_clock, Sampler::new(plan.seed, LatencyProfile::default())));
         let queue: Arc<dyn JobQueue> = match plan.queue {
             LanesQueue::Embedded => {
-                let messages: Vec<OutgoingMessage> = bodies.map(|body| OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
+                let messages: Vec<OutgoingMessage> = bodies.map(OutgoingMessage::fresh).collect();
                 for batch in messages.chunks(10) {
                     store.send(batch).await.expect("enqueue");
                 }
@@ -592,6 +592,7 @@ mod tests {
             circuit: config.circuit,
             workers: paceline_shared::config::WorkerHost::InProcess,
             lanes: config.lanes,
+            ordering: config.quota_ordering,
         };
         LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 7, settings, queue: LanesQueue::Embedded }
     }

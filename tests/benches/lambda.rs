@@ -76,14 +76,8 @@ fn cpu_seconds(pid: u32) -> f64 {
 
 async fn enqueue(names: &AwsNames, jobs: usize) {
     let adapters = AwsAdapters::new(&moto_sdk_config().await, names, None);
-    let messages: Vec<OutgoingMessage> = (0..jobs)
-        .map(|n| OutgoingMessage {
-            body: format!(r#"{{"id":"bench-{n}","request":{{"method":"GET","path":"/items/{n}"}}}}"#),
-            attempt: 0,
-            delay: Duration::ZERO,
-            dedup_id: None,
-        })
-        .collect();
+    let messages: Vec<OutgoingMessage> =
+        (0..jobs).map(|n| OutgoingMessage::fresh(format!(r#"{{"id":"bench-{n}","request":{{"method":"GET","path":"/items/{n}"}}}}"#))).collect();
     for batch in messages.chunks(10) {
         adapters.queue.send(batch).await.unwrap();
     }

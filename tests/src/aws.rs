@@ -42,9 +42,24 @@ pub async fn moto_sdk_config() -> aws_config::SdkConfig {
 /// # Panics
 /// When moto refuses.
 pub async fn create_queue(sdk: &aws_config::SdkConfig, prefix: &str) -> String {
+    create_queue_of(sdk, prefix, QueueKind::Standard).await
+}
+
+/// A standard or a FIFO SQS queue (a FIFO queue's name ends in `.fifo`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueueKind {
+    Standard,
+    Fifo,
+}
+
+async fn create_queue_of(sdk: &aws_config::SdkConfig, prefix: &str, kind: QueueKind) -> String {
     let suffix = &uuid::Uuid::new_v4().simple().to_string()[..12];
     let sqs = aws_sdk_sqs::Client::new(sdk);
-    sqs.create_queue().queue_name(format!("{prefix}-{suffix}")).send().await.expect("create queue").queue_url().unwrap().to_owned()
+    let create = match kind {
+        QueueKind::Standard => sqs.create_queue().queue_name(format!("{prefix}-{suffix}")),
+        QueueKind::Fifo => sqs.create_queue().queue_name(format!("{prefix}-{suffix}.fifo")).attributes(QueueAttributeName::FifoQueue, "true"),
+    };
+    create.send().await.expect("create queue").queue_url().unwrap().to_owned()
 }
 
 /// The invocation record Lambda sends an async destination, in the shape the Lambda
@@ -125,9 +140,16 @@ pub fn moto_env() -> Vec<(String, String)> {
 /// # Panics
 /// When moto refuses.
 pub async fn create_lane(sdk: &aws_config::SdkConfig, worker_function: &str) -> AwsNames {
-    let suffix = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+    create_lane_of(sdk, worker_function, QueueKind::Standard).await
+}
+
+/// Like [`create_lane`], with a jobs queue (and DLQ) of `kind`.
+///
+/// # Panics
+/// When moto refuses.
+pub async fn create_lane_of(sdk: &aws_config::SdkConfig, worker_function: &str, kind: QueueKind) -> AwsNames {
     let sqs = aws_sdk_sqs::Client::new(sdk);
-    let dlq_url = create_queue(sdk, "paceline-dlq").await;
+    let dlq_url = create_queue_of(sdk, "paceline-dlq", kind).await;
     let dlq_arn = sqs
         .get_queue_attributes()
         .queue_url(&dlq_url)
@@ -139,17 +161,9 @@ pub async fn create_lane(sdk: &aws_config::SdkConfig, worker_function: &str) -> 
         .and_then(|a| a.get(&QueueAttributeName::QueueArn).cloned())
         .unwrap();
     let redrive = serde_json::json!({ "deadLetterTargetArn": dlq_arn, "maxReceiveCount": "5" }).to_string();
-    let queue_url = sqs
-        .create_queue()
-        .queue_name(format!("paceline-jobs-{suffix}"))
-        .attributes(QueueAttributeName::RedrivePolicy, redrive)
-        .send()
-        .await
-        .expect("create queue")
-        .queue_url()
-        .unwrap()
-        .to_owned();
-    let table = format!("paceline-{suffix}");
+    let queue_url = create_queue_of(sdk, "paceline-jobs", kind).await;
+    sqs.set_queue_attributes().queue_url(&queue_url).attributes(QueueAttributeName::RedrivePolicy, redrive).send().await.expect("redrive policy");
+    let table = format!("paceline-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     aws_sdk_dynamodb::Client::new(sdk)
         .create_table()
         .table_name(&table)

@@ -10,7 +10,7 @@ use std::time::Duration;
 use aws_sdk_dynamodb::types::AttributeValue;
 use lambda_runtime::{Context, LambdaEvent};
 use paceline_cli::fake_api::{FakeApi, FakeApiSpec};
-use paceline_e2e::aws::{create_lane, lane_env, moto_sdk_config, FakeLambda};
+use paceline_e2e::aws::{create_lane, create_lane_of, lane_env, moto_sdk_config, FakeLambda, QueueKind};
 use paceline_orchestrator::{lambda as orchestrator_lambda, Orchestrator, RunError, RunOptions, StopReason};
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames, DynamoStateStore, SqsQueue};
 use paceline_shared::adapters::memory::RecordingWorker;
@@ -35,8 +35,12 @@ struct Lane {
 }
 
 async fn lane(tiers: &str) -> Lane {
+    lane_on(tiers, QueueKind::Standard).await
+}
+
+async fn lane_on(tiers: &str, kind: QueueKind) -> Lane {
     let sdk = moto_sdk_config().await;
-    let names = create_lane(&sdk, "paceline-worker").await;
+    let names = create_lane_of(&sdk, "paceline-worker", kind).await;
     let lambda = FakeLambda::start().await;
     let env = lane_env(
         &names,
@@ -83,8 +87,7 @@ impl Lane {
     }
 
     async fn enqueue(&self, bodies: Vec<String>) {
-        let messages: Vec<OutgoingMessage> =
-            bodies.into_iter().map(|body| OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
+        let messages: Vec<OutgoingMessage> = bodies.into_iter().map(OutgoingMessage::fresh).collect();
         for batch in messages.chunks(10) {
             self.queue().send(batch).await.unwrap();
         }
@@ -480,11 +483,11 @@ async fn a_fifo_queue_drops_a_producer_s_repeated_send_of_a_job_but_never_a_re_q
     };
     let queue = SqsQueue::new(sqs.clone(), fifo(format!("paceline-jobs-{suffix}.fifo")).await, fifo(format!("paceline-dlq-{suffix}.fifo")).await);
     let body = r#"{"id":"once","request":{"method":"GET","path":"/items/once"}}"#.to_owned();
-    let produced = OutgoingMessage { body: body.clone(), attempt: 0, delay: Duration::ZERO, dedup_id: Some("once".into()) };
+    let produced = OutgoingMessage { dedup_id: Some("once".into()), ..OutgoingMessage::fresh(body.clone()) };
     queue.send(std::slice::from_ref(&produced)).await.unwrap();
     queue.send(&[produced]).await.unwrap();
     assert_eq!(queue.depth().await.unwrap().visible, 1, "the producer's second send of job `once` was dropped");
-    let requeued = OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None };
+    let requeued = OutgoingMessage::fresh(body);
     queue.send(std::slice::from_ref(&requeued)).await.unwrap();
     queue.send(&[requeued]).await.unwrap();
     assert_eq!(queue.depth().await.unwrap().visible, 3, "Paceline's own re-queues are never taken for the first send");
@@ -510,6 +513,15 @@ async fn dynamodb_on_moto_keeps_the_state_store_contract() {
     let acme = StoreScope::Lane(paceline_shared::lane::LaneId::parse("acme").unwrap());
     let fresh = self::lane("5/s").await;
     contract::state_store(Arc::new(fresh.store().scoped(&acme)), &quota).await;
+}
+
+#[tokio::test]
+async fn a_fifo_queue_gives_a_batch_s_jobs_back_in_the_order_they_were_sent() {
+    let lane = lane_on("10/s", QueueKind::Fifo).await;
+    let sent = jobs("batch", 10);
+    lane.enqueue(sent.clone()).await;
+    let received = lane.queue().receive(10, Duration::ZERO, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(received.into_iter().map(|m| m.body).collect::<Vec<_>>(), sent, "a batch's entries go in as listed");
 }
 
 #[tokio::test]
@@ -687,7 +699,7 @@ async fn three_lanes_keep_their_own_quotas_and_keys_and_one_lane_s_failures_touc
     bodies.extend((0..10).map(|i| job("broken", i)));
     bodies.extend((0..4).map(|i| job("nokey", i)));
     let queue = AwsAdapters::new(&sdk, &names, None).queue;
-    let messages: Vec<OutgoingMessage> = bodies.into_iter().map(|body| OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
+    let messages: Vec<OutgoingMessage> = bodies.into_iter().map(OutgoingMessage::fresh).collect();
     queue.send(&messages).await.unwrap();
 
     let report = orchestrator.run(&drain_opts("three-lanes", Duration::from_secs(90))).await.unwrap();
@@ -743,4 +755,50 @@ async fn three_lanes_keep_their_own_quotas_and_keys_and_one_lane_s_failures_touc
     assert_eq!(dead, expected);
     let depth = queue.depth().await.unwrap();
     assert_eq!((depth.visible, depth.not_visible), (0, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ordered_lane_on_a_fifo_queue_calls_its_jobs_in_enqueue_order_and_each_retry_before_any_later_job() {
+    let mut lane = lane_on("1000/s", QueueKind::Fifo).await;
+    let settings = [
+        ("PACELINE_ORDERING", "fifo"),
+        ("PACELINE_BACKOFF_BASE", "20ms"),
+        ("PACELINE_BACKOFF_MAX", "50ms"),
+        // Scattered failures never open the circuit.
+        ("PACELINE_MINIMUM_CALLS", "1000"),
+        // Workers behind the fake Lambda start within a few store calls: no need to hand
+        // off 400 ms early.
+        ("PACELINE_DISPATCH_AHEAD", "50ms"),
+    ];
+    lane.env.extend(settings.iter().map(|(name, value)| ((*name).to_owned(), (*value).to_owned())));
+    // 2% of calls fail (a 500): their jobs are retried, each before the job after it.
+    let spec = FakeApiSpec {
+        tiers: vec!["1000/s".parse().unwrap()],
+        latency: (Duration::from_millis(1), Duration::from_millis(3)),
+        server_error_every: Some(50),
+        ..FakeApiSpec::default()
+    };
+    let api = FakeApi::start(spec).await.unwrap();
+    lane.with_worker_calling(&api);
+    // 500, not the 10,000 of the embedded test: moto's FIFO receive reads the whole
+    // queue each time, and the suite's time is shared.
+    let count = 500;
+    lane.enqueue(jobs("fifo", count)).await;
+    for _ in 0..5 {
+        lane.orchestrator().run(&drain_opts("ordered", Duration::from_secs(240))).await.unwrap();
+        lane.lambda.settle(Duration::from_secs(10)).await;
+        let depth = lane.queue().depth().await.unwrap();
+        if depth.visible == 0 && depth.not_visible == 0 {
+            break;
+        }
+    }
+
+    let log = api.log();
+    let position = |path: &str| path.strip_prefix("/items/fifo-").and_then(|n| n.parse::<usize>().ok());
+    let called: Vec<usize> = log.calls.iter().filter_map(|(path, _)| position(path)).collect();
+    let succeeded: Vec<usize> = log.calls.iter().filter(|(_, ok)| *ok).filter_map(|(path, _)| position(path)).collect();
+    assert!(log.server_errors >= 8, "about 2% of the calls failed: {}", log.server_errors);
+    assert_eq!(called.windows(2).filter(|pair| pair[1] < pair[0]).count(), 0, "a call went before one enqueued earlier (its retries included)");
+    assert_eq!(succeeded, (0..count).collect::<Vec<_>>(), "each job succeeded once, in enqueue order");
+    assert_eq!((log.quota_rejections, lane.queue().depth().await.unwrap().dead), (0, 0));
 }

@@ -49,15 +49,8 @@ async fn json_lines(function: FunctionProcess) -> Vec<serde_json::Value> {
 
 async fn enqueue(names: &AwsNames, ids: &[&str]) {
     let adapters = AwsAdapters::new(&moto_sdk_config().await, names, None);
-    let messages: Vec<OutgoingMessage> = ids
-        .iter()
-        .map(|id| OutgoingMessage {
-            body: format!(r#"{{"id":"{id}","request":{{"method":"GET","path":"/items/{id}"}}}}"#),
-            attempt: 0,
-            delay: Duration::ZERO,
-            dedup_id: None,
-        })
-        .collect();
+    let messages: Vec<OutgoingMessage> =
+        ids.iter().map(|id| OutgoingMessage::fresh(format!(r#"{{"id":"{id}","request":{{"method":"GET","path":"/items/{id}"}}}}"#))).collect();
     adapters.queue.send(&messages).await.unwrap();
 }
 

@@ -41,6 +41,7 @@ use async_trait::async_trait;
 use paceline_shared::breaker::{retry_delay, Circuit, Refusal, TripRule};
 use paceline_shared::config::RetryConfig;
 use paceline_shared::job::{ApiRequest, CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
+use paceline_shared::order::OrderState;
 use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, OutcomeTimes};
 use paceline_shared::pacer::{MissedSlot, MissedSlots};
 use paceline_shared::ports::{
@@ -452,7 +453,11 @@ impl Worker {
         let Answered { attempt, circuit_epoch, trip, called_at, ref failure, ref attempted } = *answered;
         let failure = failure.clone();
         match outcome {
-            Outcome::Success { .. } => self.keep_outcome(job, Ending::Succeeded, attempted, None).await,
+            Outcome::Success { .. } => {
+                let record = self.keep_outcome(job, Ending::Succeeded, attempted, None).await?;
+                self.mark_order(job, attempt, OrderState::Settled).await?;
+                Ok(record)
+            }
             Outcome::RateLimited { until } => {
                 self.store.extend_cool_down(*until).await?;
                 if let Some(stack) = &self.stack_cool_down {
@@ -662,8 +667,7 @@ impl Worker {
         reason: &str,
         attempted: &Attempted<'_>,
     ) -> PortResult<Option<OutcomeRecord>> {
-        self.queue.send(&[OutgoingMessage { body: job.to_json(), attempt: attempt + 1, delay, dedup_id: None }]).await?;
-        WorkerStats::bump(&self.stats.requeued);
+        self.send_back(job, attempt, attempt + 1, delay).await?;
         self.keep_outcome(job, Ending::Retrying, attempted, Some(format!("retrying after {reason}"))).await
     }
 
@@ -763,8 +767,25 @@ impl Worker {
     /// Puts a job that made no call back on the queue after `delay`; the attempt does not
     /// count.
     async fn requeue_unattempted(&self, job: &Job, attempt: u32, delay: std::time::Duration) -> PortResult<()> {
-        self.queue.send(&[OutgoingMessage { body: job.to_json(), attempt, delay, dedup_id: None }]).await?;
+        self.send_back(job, attempt, attempt, delay).await
+    }
+
+    /// Puts `job`, handed off as `dispatched`, back on the queue as `attempt` after
+    /// `delay`. An ordered lane's job goes ahead of the lane's later jobs, and the lane's
+    /// order mark then says it is coming back, and when.
+    async fn send_back(&self, job: &Job, dispatched: u32, attempt: u32, delay: std::time::Duration) -> PortResult<()> {
+        let message = OutgoingMessage { ahead: job.ordered, ..OutgoingMessage::again(job.to_json(), attempt, delay) };
+        self.queue.send(&[message]).await?;
         WorkerStats::bump(&self.stats.requeued);
+        self.mark_order(job, dispatched, OrderState::Retrying { at: self.clock.now().plus(delay) }).await
+    }
+
+    /// Sets the order mark of an ordered lane's job handed off as `attempt` (nothing
+    /// for a job of a lane without ordering): its lane's next call waits for this.
+    async fn mark_order(&self, job: &Job, attempt: u32, state: OrderState) -> PortResult<()> {
+        if job.ordered && !self.store.settle_order(job.id.as_str(), attempt, state).await? {
+            info!(job_id = %job.id, attempt, "the lane's order mark names another attempt: this one was settled before");
+        }
         Ok(())
     }
 
@@ -783,7 +804,9 @@ impl Worker {
         reason.outcome = record.clone().map(Box::new);
         self.queue.dead_letter(job.id.as_str(), &job.to_json(), attempt, &reason).await?;
         WorkerStats::bump(&self.stats.dead_lettered);
-        self.sink(record).await
+        let record = self.sink(record).await?;
+        self.mark_order(job, attempt, OrderState::Settled).await?;
+        Ok(record)
     }
 }
 

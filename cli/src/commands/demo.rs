@@ -202,8 +202,7 @@ impl DemoArgs {
         let bodies = demo_jobs(self.jobs);
         let heavy = (0..self.jobs).filter(|i| tenant_of(*i, self.jobs) == HEAVY).count() + 5;
         let shared_pace = config.quota.pace_per_second();
-        let messages: Vec<OutgoingMessage> =
-            bodies.iter().map(|b| OutgoingMessage { body: b.clone(), attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
+        let messages: Vec<OutgoingMessage> = bodies.iter().map(|b| OutgoingMessage::fresh(b.clone())).collect();
         for batch in messages.chunks(10) {
             stack.store.send(batch).await?;
         }

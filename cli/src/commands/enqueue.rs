@@ -85,10 +85,8 @@ pub fn parse_lines(lines: impl Iterator<Item = std::io::Result<String>>, lane: O
 pub async fn send_jobs(queue: &dyn JobQueue, jobs: &[Job], mut sent: impl FnMut(usize)) -> anyhow::Result<()> {
     let per_send = queue.most_per_send();
     for (index, batch) in jobs.chunks(per_send).enumerate() {
-        let messages: Vec<OutgoingMessage> = batch
-            .iter()
-            .map(|job| OutgoingMessage { body: job.to_json(), attempt: 0, delay: std::time::Duration::ZERO, dedup_id: Some(job.id.to_string()) })
-            .collect();
+        let messages: Vec<OutgoingMessage> =
+            batch.iter().map(|job| OutgoingMessage { dedup_id: Some(job.id.to_string()), ..OutgoingMessage::fresh(job.to_json()) }).collect();
         queue.send(&messages).await.with_context(|| format!("after {} job(s) were enqueued", index * per_send))?;
         sent(batch.len());
     }

@@ -10,6 +10,7 @@ use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressStyle};
 use paceline_orchestrator::Settings;
 use paceline_shared::config::{WorkerHost, MAX_DISPATCH_AHEAD};
+use paceline_shared::order::JobOrder;
 use paceline_shared::time::{system_now, Clock as _, SystemClock};
 use paceline_sim::lanes::{first_come_first_served, render_lanes, round_robin, simulate_lanes, LanesPlan, LanesQueue, Skew};
 use paceline_sim::profile::{Failures, LatencyProfile, Outage};
@@ -186,7 +187,11 @@ impl SimulateArgs {
                 .map_err(|e| anyhow::anyhow!("--safety-margin: {e}"))?,
             None => config.quota,
         };
-        let settings = Settings { quota, orchestrator, circuit: config.circuit, workers: WorkerHost::Lambda, lanes: None };
+        anyhow::ensure!(
+            !config.quota_ordering.is_ordered(),
+            "[quota] ordering = \"fifo\": the simulator of one lane on AWS does not model ordered lanes yet (simulate --lanes does, on the embedded queue)"
+        );
+        let settings = Settings { quota, orchestrator, circuit: config.circuit, workers: WorkerHost::Lambda, lanes: None, ordering: JobOrder::None };
         let mut plan = Plan::new(self.jobs, self.seed, settings, config.retry);
         plan.profile = profile;
         plan.failures = failures;
@@ -210,7 +215,14 @@ impl SimulateArgs {
         let mut orchestrator = config.orchestrator;
         // Workers in one process call at their slot.
         orchestrator.dispatch_ahead = Some(Duration::ZERO);
-        let settings = Settings { quota: config.quota, orchestrator, circuit: config.circuit, workers: WorkerHost::InProcess, lanes: config.lanes };
+        let settings = Settings {
+            quota: config.quota,
+            orchestrator,
+            circuit: config.circuit,
+            workers: WorkerHost::InProcess,
+            lanes: config.lanes,
+            ordering: config.quota_ordering,
+        };
         Ok(LanesPlan { lanes, skew: self.skew, jobs: self.jobs, seed: self.seed, settings, queue: self.queue })
     }
 

@@ -12,6 +12,7 @@ use paceline_shared::adaptive::ProviderReading;
 use paceline_shared::breaker::{CircuitStatus, TripRule};
 use paceline_shared::config::{CircuitConfig, OrchestratorConfig, WorkerHost};
 use paceline_shared::job::{DeadLetterCause, WorkerPayload};
+use paceline_shared::order::JobOrder;
 use paceline_shared::ports::{JobQueue, OutgoingMessage, PortError, StateStore, WorkerHandler};
 use paceline_shared::quota::{chrono_tz, Quota};
 use paceline_shared::testing::faults::{Faulty, Method};
@@ -44,6 +45,7 @@ fn lane_built(tiers: &[&str], margin_ms: u64, invoker: impl FnOnce(Arc<TokioCloc
         circuit: CircuitConfig { health_check_interval: Duration::from_secs(2), ..CircuitConfig::default() },
         workers: WorkerHost::InProcess,
         lanes: None,
+        ordering: JobOrder::None,
     };
     adjust(&mut settings);
     let orchestrator = Orchestrator::new(store.clone(), store.clone(), invoker.clone(), clock.clone(), settings);
@@ -67,7 +69,7 @@ fn job(id: &str) -> String {
 }
 
 async fn enqueue(lane: &Lane, bodies: impl IntoIterator<Item = String>) {
-    let messages: Vec<OutgoingMessage> = bodies.into_iter().map(|body| OutgoingMessage { body, attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
+    let messages: Vec<OutgoingMessage> = bodies.into_iter().map(OutgoingMessage::fresh).collect();
     for batch in messages.chunks(10) {
         lane.store.send(batch).await.unwrap();
     }
@@ -832,8 +834,7 @@ async fn an_idle_lane_is_re_read_before_its_next_jobs_go() {
         let acme = store.scoped(&StoreScope::Lane("a".parse().unwrap()));
         let held = acme.circuit().await.unwrap().hold(0, "operator", T0.plus(Duration::from_secs(3))).unwrap();
         acme.swap_circuit(0, &held).await.unwrap();
-        let later: Vec<OutgoingMessage> =
-            (0..3).map(|i| OutgoingMessage { body: lane_job("a", &format!("later{i}")), attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
+        let later: Vec<OutgoingMessage> = (0..3).map(|i| OutgoingMessage::fresh(lane_job("a", &format!("later{i}")))).collect();
         store.send(&later).await.unwrap();
     });
     stack.orchestrator.run(&opts(false, Duration::from_secs(8))).await.unwrap();

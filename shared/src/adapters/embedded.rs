@@ -26,6 +26,7 @@ use crate::dlq::{jobs_record, DeadLetterRecord, DlqSource};
 use crate::job::{DeadLetterReason, WorkerPayload};
 use crate::keys::{StoreScope, LANE_CHANGE};
 use crate::lane::LaneId;
+use crate::order::{LaneOrdering, OrderMark, OrderState, ORDER_MARK};
 use crate::ports::{
     redrive_messages, BatchClaim, BatchProgress, CallClaim, DeadLetter, DeadLetterQueues, Invoker, JobQueue, Lease, OutgoingMessage, PacerSnapshot, PortError,
     PortResult, QueueDepth, QueuedMessage, ScopedStores, StateStore, VisibleAgain, WorkerHandler,
@@ -38,10 +39,11 @@ mod outcomes;
 pub use outcomes::{KeptOutcome, OutcomeQuery};
 
 /// The schema's version, kept in SQLite's `user_version`. 1: the first (unversioned,
-/// `user_version` 0 in its files); 2: outcome records; 3: call slots by scope (lane).
-/// `SCHEMA` creates what is missing, so opening a file of an older version migrates it
-/// (after `BEFORE_SCHEMA_3`); a newer version is refused.
-pub const SCHEMA_VERSION: u32 = 3;
+/// `user_version` 0 in its files); 2: outcome records; 3: call slots by scope (lane);
+/// 4: ordered lanes (a message's FIFO group, and retries received ahead). `SCHEMA`
+/// creates what is missing, so opening a file of an older version migrates it (after
+/// `BEFORE_SCHEMA_3` and `before_schema_4`); a newer version is refused.
+pub const SCHEMA_VERSION: u32 = 4;
 
 /// Run on a file older than schema 3 before [`SCHEMA`]: its call slots table has no scope
 /// column. Call slots are held only while a call runs, so the table is made anew: at
@@ -59,9 +61,15 @@ CREATE TABLE IF NOT EXISTS messages (
     visible_at INTEGER NOT NULL,
     receipt TEXT,
     receive_count INTEGER NOT NULL DEFAULT 0,
-    enqueued_at INTEGER NOT NULL
+    enqueued_at INTEGER NOT NULL,
+    -- An ordered lane's retry: received before every other message.
+    ahead INTEGER NOT NULL DEFAULT 0,
+    -- An ordered lane's job: its lane, a FIFO group (see `try_receive`).
+    grp TEXT
 );
-CREATE INDEX IF NOT EXISTS messages_visible ON messages (visible_at, seq);
+CREATE INDEX IF NOT EXISTS messages_visible ON messages (visible_at, seq) WHERE grp IS NULL;
+CREATE INDEX IF NOT EXISTS messages_ahead ON messages (visible_at, seq) WHERE ahead = 1;
+CREATE INDEX IF NOT EXISTS messages_group ON messages (grp, seq) WHERE grp IS NOT NULL;
 -- Deletes and releases find a message by its receipt (not a scan of the queue).
 CREATE INDEX IF NOT EXISTS messages_receipt ON messages (receipt);
 CREATE TABLE IF NOT EXISTS dead_letters (
@@ -155,6 +163,8 @@ pub struct EmbeddedStore {
     prefix: String,
     /// The thread that checkpoints the WAL, where this store's process runs the stack.
     checkpointer: Option<Arc<Checkpointer>>,
+    /// Which lanes are ordered: their jobs go in FIFO groups (none without it).
+    ordering: Option<Arc<LaneOrdering>>,
 }
 
 /// How often a run's store moves its WAL into the database (see
@@ -268,6 +278,9 @@ impl EmbeddedStore {
         if version < 3 {
             conn.execute_batch(BEFORE_SCHEMA_3).map_err(fatal)?;
         }
+        if version < 4 {
+            before_schema_4(&conn).map_err(fatal)?;
+        }
         conn.execute_batch(SCHEMA).map_err(fatal)?;
         if version < SCHEMA_VERSION {
             conn.pragma_update(None, "user_version", SCHEMA_VERSION).map_err(fatal)?;
@@ -282,6 +295,7 @@ impl EmbeddedStore {
             scope: StoreScope::default_lane(),
             prefix: String::new(),
             checkpointer: None,
+            ordering: None,
         })
     }
 
@@ -299,6 +313,28 @@ impl EmbeddedStore {
             prefix: scope.prefix(),
             scope: scope.clone(),
             checkpointer: self.checkpointer.clone(),
+            ordering: self.ordering.clone(),
+        }
+    }
+
+    /// The same store, putting the jobs of the lanes `ordering` orders in FIFO groups
+    /// (see `try_receive`): every process that sends to an ordered stack's queue
+    /// opens it so.
+    #[must_use]
+    pub fn with_ordering(mut self, ordering: LaneOrdering) -> Self {
+        self.ordering = ordering.any().then(|| Arc::new(ordering));
+        self
+    }
+
+    /// Where a message with `body` goes in the queue: its lane's FIFO group if the lane
+    /// is ordered.
+    fn place_of(&self, body: &str) -> Place {
+        let Some(ordering) = &self.ordering else { return Place::Unordered };
+        let lane = LaneId::named_in(body);
+        if ordering.of(&lane).is_ordered() {
+            Place::Group(lane.to_string())
+        } else {
+            Place::Unordered
         }
     }
 
@@ -489,34 +525,50 @@ impl EmbeddedStore {
         Ok(())
     }
 
+    /// Receives up to `max` (at most 10) visible messages, hiding each for `visibility`:
+    /// an ordered lane's retries first; then, as an SQS FIFO queue does, the first ones
+    /// of each FIFO group (an ordered lane's jobs) none of whose messages is hidden, in
+    /// their order; then the others, the longest visible first.
     fn try_receive(&self, max: usize, visibility: Duration) -> PortResult<Vec<QueuedMessage>> {
         self.on_db(|| {
-            let now = self.clock.now();
+            let now = to_i64(self.clock.now().0);
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
-            let mut received = Vec::new();
+            let max = max.min(10);
+            let mut rows: Vec<MessageRow> = select_rows(&tx, "SELECT seq, message_id, body, attempt, enqueued_at, visible_at FROM messages INDEXED BY messages_ahead WHERE ahead = 1 AND visible_at <= ?1 ORDER BY visible_at, seq LIMIT ?2", params![now, to_i64(max as u64)])?;
+            if self.ordering.is_some() {
+                for group in fifo_groups(&tx)? {
+                    let room = max.saturating_sub(rows.len());
+                    if room == 0 {
+                        break;
+                    }
+                    // Its hidden messages are among its first ten: a group is received
+                    // only when none is hidden, ten at most, from its front.
+                    let front = select_rows(&tx, "SELECT seq, message_id, body, attempt, enqueued_at, visible_at FROM messages INDEXED BY messages_group WHERE grp = ?1 ORDER BY seq LIMIT ?2", params![group, 10])?;
+                    if front.iter().all(|row| row.visible_at <= now) {
+                        rows.extend(front.into_iter().take(room));
+                    }
+                }
+            }
+            let room = max.saturating_sub(rows.len());
+            if room > 0 {
+                rows.extend(select_rows(&tx, "SELECT seq, message_id, body, attempt, enqueued_at, visible_at FROM messages INDEXED BY messages_visible WHERE grp IS NULL AND ahead = 0 AND visible_at <= ?1 ORDER BY visible_at, seq LIMIT ?2", params![now, to_i64(room as u64)])?);
+            }
+            let hidden_until = to_i64(self.clock.now().plus(visibility).0);
+            let mut received = Vec::with_capacity(rows.len());
             {
-                let mut select = tx
-                    .prepare_cached("SELECT seq, message_id, body, attempt, enqueued_at FROM messages WHERE visible_at <= ?1 ORDER BY visible_at, seq LIMIT ?2")
-                    .map_err(sql_err)?;
-                let rows = select
-                    .query_map(params![to_i64(now.0), i64::try_from(max.min(10)).unwrap_or(10)], |r| {
-                        Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, u32>(3)?, r.get::<_, i64>(4)?))
-                    })
-                    .map_err(sql_err)?;
                 let mut update = tx
                     .prepare_cached("UPDATE messages SET visible_at = ?1, receipt = ?2, receive_count = receive_count + 1 WHERE seq = ?3")
                     .map_err(sql_err)?;
                 for row in rows {
-                    let (seq, message_id, body, attempt, enqueued_at) = row.map_err(sql_err)?;
                     let receipt = uuid::Uuid::new_v4().to_string();
-                    update.execute(params![to_i64(now.plus(visibility).0), receipt, seq]).map_err(sql_err)?;
+                    update.execute(params![hidden_until, receipt, row.seq]).map_err(sql_err)?;
                     received.push(QueuedMessage {
-                        message_id,
+                        message_id: row.message_id,
                         receipt,
-                        body,
-                        attempt,
-                        enqueued_at: UnixMillis(u64::try_from(enqueued_at).unwrap_or(0)),
+                        body: row.body,
+                        attempt: row.attempt,
+                        enqueued_at: UnixMillis(to_u64(row.enqueued_at)),
                         group: None,
                     });
                 }
@@ -651,7 +703,13 @@ impl EmbeddedStore {
             let mut jobs = 0;
             for text in payloads {
                 if let Ok(WorkerPayload::Job { job, attempt, .. }) = WorkerPayload::from_json(&text) {
-                    insert_message(&tx, &job.to_json(), attempt, now)?;
+                    // An ordered lane's job goes back first, and its lane waits for it.
+                    let place = if job.ordered { Place::Ahead } else { self.place_of(&job.to_json()) };
+                    insert_message(&tx, &job.to_json(), attempt, now, &place)?;
+                    if job.ordered {
+                        let mark = format!("{}{ORDER_MARK}", StoreScope::Lane(job.lane.clone()).prefix());
+                        settle_order_in(&tx, &mark, job.id.as_str(), attempt, OrderState::Retrying { at: UnixMillis(to_u64(now)) })?;
+                    }
                     jobs += 1;
                 }
             }
@@ -662,12 +720,86 @@ impl EmbeddedStore {
     }
 }
 
-fn insert_message(conn: &Connection, body: &str, attempt: u32, visible_at: i64) -> PortResult<()> {
-    conn.execute(
-        "INSERT INTO messages (message_id, body, attempt, visible_at, enqueued_at) VALUES (?1, ?2, ?3, ?4, ?4)",
-        params![uuid::Uuid::new_v4().to_string(), body, attempt, visible_at],
-    )
-    .map_err(sql_err)?;
+/// A message as a receive reads it.
+struct MessageRow {
+    seq: i64,
+    message_id: String,
+    body: String,
+    attempt: u32,
+    enqueued_at: i64,
+    visible_at: i64,
+}
+
+/// The messages `sql` selects (`seq, message_id, body, attempt, enqueued_at,
+/// visible_at`).
+fn select_rows(conn: &Connection, sql: &str, params: impl rusqlite::Params) -> PortResult<Vec<MessageRow>> {
+    let mut select = conn.prepare_cached(sql).map_err(sql_err)?;
+    let rows = select
+        .query_map(params, |r| {
+            Ok(MessageRow { seq: r.get(0)?, message_id: r.get(1)?, body: r.get(2)?, attempt: r.get(3)?, enqueued_at: r.get(4)?, visible_at: r.get(5)? })
+        })
+        .and_then(Iterator::collect)
+        .map_err(sql_err)?;
+    Ok(rows)
+}
+
+/// The FIFO groups with messages on the queue (one index seek each, not a read of their
+/// messages).
+fn fifo_groups(conn: &Connection) -> PortResult<Vec<String>> {
+    let mut select = conn
+        .prepare_cached(
+            "WITH RECURSIVE groups(grp) AS (SELECT (SELECT MIN(grp) FROM messages WHERE grp IS NOT NULL) \
+             UNION ALL SELECT (SELECT MIN(grp) FROM messages WHERE grp > groups.grp) FROM groups WHERE groups.grp IS NOT NULL) \
+             SELECT grp FROM groups WHERE grp IS NOT NULL",
+        )
+        .map_err(sql_err)?;
+    let groups = select.query_map([], |r| r.get(0)).and_then(Iterator::collect).map_err(sql_err)?;
+    Ok(groups)
+}
+
+/// Where a message goes in the queue: ahead of the others (an ordered lane's retry), in
+/// its ordered lane's FIFO group, or neither.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Place {
+    Ahead,
+    Group(String),
+    Unordered,
+}
+
+fn insert_message(conn: &Connection, body: &str, attempt: u32, visible_at: i64, place: &Place) -> PortResult<()> {
+    let (ahead, group) = match place {
+        Place::Ahead => (true, None),
+        Place::Group(lane) => (false, Some(lane.as_str())),
+        Place::Unordered => (false, None),
+    };
+    conn.prepare_cached("INSERT INTO messages (message_id, body, attempt, visible_at, enqueued_at, ahead, grp) VALUES (?1, ?2, ?3, ?4, ?4, ?5, ?6)")
+        .and_then(|mut insert| insert.execute(params![uuid::Uuid::new_v4().to_string(), body, attempt, visible_at, ahead, group]))
+        .map_err(sql_err)?;
+    Ok(())
+}
+
+/// Sets the state of the order mark at `key` if it is still that of job `job_id`'s
+/// `attempt` (see `StateStore::settle_order`); whether it did.
+fn settle_order_in(conn: &Connection, key: &str, job_id: &str, attempt: u32, state: OrderState) -> PortResult<bool> {
+    let Some(mut mark) = EmbeddedStore::read_kv::<OrderMark>(conn, key)? else {
+        return Ok(false);
+    };
+    if !mark.names(job_id, attempt) {
+        return Ok(false);
+    }
+    mark.state = state;
+    EmbeddedStore::put_kv(conn, key, &mark)?;
+    Ok(true)
+}
+
+/// Before schema 4: a file with a jobs queue gets the `ahead` and `grp` columns (every
+/// message in it was sent unordered), and its index of visible messages is made anew
+/// for the unordered ones.
+fn before_schema_4(conn: &Connection) -> rusqlite::Result<()> {
+    let columns: Vec<String> = conn.prepare("SELECT name FROM pragma_table_info('messages')")?.query_map([], |row| row.get(0))?.collect::<Result<_, _>>()?;
+    if !columns.is_empty() && !columns.iter().any(|column| column == "ahead") {
+        conn.execute_batch("ALTER TABLE messages ADD COLUMN ahead INTEGER NOT NULL DEFAULT 0; ALTER TABLE messages ADD COLUMN grp TEXT; DROP INDEX IF EXISTS messages_visible;")?;
+    }
     Ok(())
 }
 
@@ -807,7 +939,8 @@ impl JobQueue for EmbeddedStore {
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
             for m in messages {
-                insert_message(&tx, &m.body, m.attempt, to_i64(now.plus(m.delay).0))?;
+                let place = if m.ahead { Place::Ahead } else { self.place_of(&m.body) };
+                insert_message(&tx, &m.body, m.attempt, to_i64(now.plus(m.delay).0), &place)?;
             }
             tx.commit().map_err(sql_err)
         })
@@ -913,7 +1046,7 @@ impl DeadLetterQueues for EmbeddedStore {
             for (m, seq) in messages.iter().zip(row_numbers(&handles)?) {
                 // A record another operator redrove or purged meanwhile is not sent twice.
                 if tx.execute("DELETE FROM dead_letters WHERE seq = ?1", [seq]).map_err(sql_err)? == 1 {
-                    insert_message(&tx, &m.body, m.attempt, now)?;
+                    insert_message(&tx, &m.body, m.attempt, now, &self.place_of(&m.body))?;
                 }
             }
             tx.commit().map_err(sql_err)
@@ -1212,6 +1345,24 @@ impl StateStore for EmbeddedStore {
         })
     }
 
+    async fn order_mark(&self) -> PortResult<Option<OrderMark>> {
+        self.get_kv(&self.key(ORDER_MARK))
+    }
+
+    async fn open_order(&self, mark: &OrderMark) -> PortResult<()> {
+        self.on_db(|| Self::put_kv(&self.conn(), &self.key(ORDER_MARK), mark))
+    }
+
+    async fn settle_order(&self, job_id: &str, attempt: u32, state: OrderState) -> PortResult<bool> {
+        self.on_db(|| {
+            let mut conn = self.conn();
+            let tx = conn.transaction().map_err(sql_err)?;
+            let settled = settle_order_in(&tx, &self.key(ORDER_MARK), job_id, attempt, state)?;
+            tx.commit().map_err(sql_err)?;
+            Ok(settled)
+        })
+    }
+
     async fn lanes_with_state(&self) -> PortResult<Vec<LaneId>> {
         self.on_db(|| {
             // `lane#ID#...`: the id is up to the second `#` (no lane id holds one).
@@ -1284,7 +1435,8 @@ impl Invoker for EmbeddedInvoker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::job::DeadLetterCause;
+    use crate::job::{DeadLetterCause, Job};
+    use crate::order::JobOrder;
     use crate::time::ManualClock;
 
     fn store() -> (Arc<ManualClock>, EmbeddedStore) {
@@ -1367,7 +1519,7 @@ mod tests {
     }
 
     fn msg(body: &str, attempt: u32) -> OutgoingMessage {
-        OutgoingMessage { body: body.into(), attempt, delay: Duration::ZERO, dedup_id: None }
+        OutgoingMessage::again(body, attempt, Duration::ZERO)
     }
 
     #[tokio::test]
@@ -1388,11 +1540,42 @@ mod tests {
     #[tokio::test]
     async fn delayed_messages_wait_and_long_polling_finds_them() {
         let (clock, q) = store();
-        q.send(&[OutgoingMessage { body: "later".into(), attempt: 1, delay: Duration::from_secs(2), dedup_id: None }]).await.unwrap();
+        q.send(&[OutgoingMessage::again("later", 1, Duration::from_secs(2))]).await.unwrap();
         assert!(q.receive(10, Duration::ZERO, Duration::from_secs(30)).await.unwrap().is_empty());
         let got = q.receive(10, Duration::from_secs(5), Duration::from_secs(30)).await.unwrap();
         assert_eq!(got[0].body, "later");
         assert!(clock.now() >= UnixMillis(1_002_000));
+    }
+
+    fn lane_job(lane: &str, id: &str) -> String {
+        format!(r#"{{"id":"{id}","lane":"{lane}","request":{{"method":"GET","path":"/"}}}}"#)
+    }
+
+    fn ids(received: &[QueuedMessage]) -> Vec<String> {
+        received.iter().map(|m| Job::parse(&m.body).unwrap().id.to_string()).collect()
+    }
+
+    #[tokio::test]
+    async fn an_ordered_lane_s_jobs_come_as_from_an_sqs_fifo_group_and_its_retries_come_first() {
+        let (clock, q) = store();
+        let q = q.with_ordering(LaneOrdering { default: JobOrder::None, named: [(LaneId::parse("a").unwrap(), JobOrder::Fifo)].into() });
+        let ordered: Vec<OutgoingMessage> = (1..=15).map(|n| msg(&lane_job("a", &format!("a{n}")), 0)).collect();
+        q.send(&ordered).await.unwrap();
+        q.send(&[msg(&lane_job("b", "b1"), 0), msg(&lane_job("b", "b2"), 0)]).await.unwrap();
+        let visibility = Duration::from_secs(30);
+        let first = q.receive(10, Duration::ZERO, visibility).await.unwrap();
+        assert_eq!(ids(&first), (1..=10).map(|n| format!("a{n}")).collect::<Vec<_>>(), "a group's first ten, in order");
+        assert_eq!(ids(&q.receive(10, Duration::ZERO, visibility).await.unwrap()), ["b1", "b2"], "a group with a message in flight gives none");
+        // The lane hands a1 to a5 off and gives a6 to a10 back: a11 does not pass them.
+        q.delete(&first[..5].iter().map(|m| m.receipt.clone()).collect::<Vec<_>>()).await.unwrap();
+        q.release(&VisibleAgain::all(first[5..].iter().map(|m| m.receipt.clone()), Duration::from_secs(5))).await.unwrap();
+        assert!(q.receive(10, Duration::ZERO, visibility).await.unwrap().is_empty(), "a6 to a10 are still in flight");
+        // a5's retry goes ahead of the group, which is held.
+        q.send(&[OutgoingMessage { ahead: true, ..msg(&lane_job("a", "a5"), 1) }]).await.unwrap();
+        assert_eq!(ids(&q.receive(10, Duration::ZERO, visibility).await.unwrap()), ["a5"]);
+        clock.advance(Duration::from_secs(6));
+        let rest = q.receive(10, Duration::ZERO, visibility).await.unwrap();
+        assert_eq!(ids(&rest), (6..=15).map(|n| format!("a{n}")).collect::<Vec<_>>(), "given back, they come first again, in order");
     }
 
     /// The first schema, as files written before versions were kept have it.
@@ -1706,8 +1889,7 @@ mod tests {
             let listed: Vec<String> = store.lanes_with_state().await.unwrap().iter().map(ToString::to_string).collect();
             assert_eq!(listed, ["acme", "gold:eu"]);
             let jobs = ["{\"id\":\"1\",\"lane\":\"acme\"}", "{\"id\":\"2\",\"lane\":\"acme\"}", "{\"id\":\"3\"}", "not json"];
-            let messages: Vec<OutgoingMessage> =
-                jobs.iter().map(|body| OutgoingMessage { body: (*body).to_owned(), attempt: 0, delay: Duration::ZERO, dedup_id: None }).collect();
+            let messages: Vec<OutgoingMessage> = jobs.iter().map(|body| OutgoingMessage::fresh((*body).to_owned())).collect();
             store.send(&messages).await.unwrap();
             store
                 .dead_letter("m", jobs[0], 0, &DeadLetterReason { cause: crate::job::DeadLetterCause::Malformed, detail: "x".into(), outcome: None })

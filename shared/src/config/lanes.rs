@@ -12,6 +12,7 @@ use serde::Deserialize;
 
 use super::{resolve_headers, ApiConfig, ConfigProblem, HeaderSource};
 use crate::lane::{LaneId, RESERVED};
+use crate::order::{JobOrder, LaneOrdering};
 use crate::quota::{Quota, Tier};
 
 /// What `{lane}` stands for in a header's value or environment variable name.
@@ -41,6 +42,8 @@ pub struct LaneSettings {
     headers: Vec<(String, HeaderSource)>,
     /// This lane's API, if not `[api] base_url`.
     pub base_url: Option<url::Url>,
+    /// How the lane's jobs are ordered.
+    pub ordering: JobOrder,
 }
 
 impl LaneSettings {
@@ -89,6 +92,12 @@ pub struct LanesConfig {
 }
 
 impl LanesConfig {
+    /// Which lanes are ordered.
+    #[must_use]
+    pub fn ordering(&self) -> LaneOrdering {
+        LaneOrdering { default: self.defaults.ordering, named: self.named.iter().map(|(lane, settings)| (lane.clone(), settings.ordering)).collect() }
+    }
+
     /// `lane`'s settings: its own if named, else the defaults.
     #[must_use]
     pub fn lane(&self, lane: &LaneId) -> &LaneSettings {
@@ -160,7 +169,6 @@ impl LanesConfig {
         for (key, value) in table {
             match key.as_str() {
                 "on_429" => on_429 = value.try_into().map_err(|e| ConfigProblem::at("lanes.on_429", format!("{e} (\"lane\" or \"stack\")")))?,
-                "ordering" => return Err(ConfigProblem::at("lanes.ordering", "is not a setting yet: jobs within a lane go in the queue's order")),
                 setting if RESERVED.contains(&setting) => defaults.set(setting, value)?,
                 name => {
                     let lane = LaneId::parse(name).map_err(|e| ConfigProblem::at(format!("lanes.{name}"), e))?;
@@ -248,6 +256,7 @@ struct RawLane {
     max_in_flight: Option<u32>,
     headers: Option<BTreeMap<String, HeaderSource>>,
     base_url: Option<String>,
+    ordering: Option<JobOrder>,
 }
 
 impl RawLane {
@@ -268,6 +277,7 @@ impl RawLane {
             max_in_flight: self.max_in_flight.or(defaults.max_in_flight),
             headers: self.headers.or_else(|| defaults.headers.clone()),
             base_url: self.base_url.or_else(|| defaults.base_url.clone()),
+            ordering: self.ordering.or(defaults.ordering),
         }
     }
 
@@ -287,7 +297,7 @@ impl RawLane {
             return Err(ConfigProblem::at(format!("{key}.headers.{name}"), "`{lane}` is replaced in a header's value or env name, not in its name"));
         }
         let base_url = self.base_url.map(|text| super::parse_base_url(&text)).transpose().map_err(|e| ConfigProblem::at(format!("{key}.base_url"), e))?;
-        Ok(LaneSettings { quota: quota.with_max_in_flight(max_in_flight), weight, headers, base_url })
+        Ok(LaneSettings { quota: quota.with_max_in_flight(max_in_flight), weight, headers, base_url, ordering: self.ordering.unwrap_or_default() })
     }
 }
 
@@ -411,5 +421,31 @@ mod tests {
         let aws = "[backend]\nkind = \"aws\"\nqueue_url = \"q\"\ndlq_url = \"d\"\ntable = \"t\"\nworker_function = \"w\"\n\
                    [lanes.gold]\nheaders = { Authorization = { env = \"KEY_{lane}x\" } }\n";
         assert!(parse(aws).unwrap().lanes.is_some_and(|lanes| lanes.named.contains_key(&lane("gold"))));
+    }
+
+    #[test]
+    fn ordering_is_a_lane_setting_with_the_table_s_default_and_a_wrong_one_is_named() {
+        let config = parse("[lanes]\nordering = \"fifo\"\n[lanes.bulk]\nordering = \"none\"\n").unwrap();
+        let ordering = config.ordering();
+        assert_eq!((ordering.of(&lane("acme")), ordering.of(&lane("bulk"))), (JobOrder::Fifo, JobOrder::None));
+        assert_eq!(parse("[lanes]\n").unwrap().ordering(), LaneOrdering::default(), "unordered unless asked");
+        let wrong = parse("[lanes.acme]\nordering = \"strict\"\n").unwrap_err();
+        assert!(wrong.contains("lanes.acme") && wrong.contains("strict"), "{wrong}");
+        let one_lane = Config::parse(&STACK.replace("tiers = [\"20/s\"]", "tiers = [\"20/s\"]\nordering = \"fifo\""), Path::new("/stack"), &env).unwrap();
+        assert_eq!(one_lane.ordering().of(&LaneId::default_lane()), JobOrder::Fifo, "[quota] orders a stack of one lane");
+        let misplaced =
+            Config::parse(&format!("{}[lanes]\n", STACK.replace("tiers = [\"20/s\"]", "tiers = [\"20/s\"]\nordering = \"fifo\"")), Path::new("/stack"), &env);
+        assert!(misplaced.unwrap_err().to_string().contains("quota.ordering"), "with [lanes], [quota] is the shared quota: order is a lane's");
+    }
+
+    #[test]
+    fn ordered_lanes_on_a_standard_sqs_queue_are_refused_at_load_naming_the_lane_and_a_fifo_queue_is_taken() {
+        let aws = |queue: &str, lanes: &str| {
+            parse(&format!("[backend]\nkind = \"aws\"\nqueue_url = \"{queue}\"\ndlq_url = \"d\"\ntable = \"t\"\nworker_function = \"w\"\n{lanes}"))
+        };
+        let refused = aws("https://sqs/1/jobs", "[lanes.gold]\nordering = \"fifo\"\n").unwrap_err();
+        assert!(refused.contains("lane gold") && refused.contains("FIFO") && refused.contains("QueueType=fifo"), "{refused}");
+        assert!(aws("https://sqs/1/jobs.fifo", "[lanes.gold]\nordering = \"fifo\"\n").is_ok());
+        assert!(aws("https://sqs/1/jobs", "[lanes.gold]\nweight = 2\n").is_ok(), "no ordered lane: a standard queue serves");
     }
 }

@@ -14,6 +14,7 @@ use serde::{Deserialize, Deserializer};
 use crate::breaker::TripSettings;
 use crate::job::ApiRequest;
 use crate::lane::LaneId;
+use crate::order::{JobOrder, LaneOrdering};
 use crate::outcome::{OutcomeSettings, RecordOutcomes};
 use crate::quota::{Quota, Tier};
 
@@ -63,6 +64,9 @@ pub struct Config {
     pub lanes: Option<LanesConfig>,
     /// `[serve]`: `paceline serve`'s tokens and limits.
     pub serve: ServeConfig,
+    /// `[quota] ordering`: how a stack without lanes orders its jobs (with `[lanes]`,
+    /// each lane's `ordering` says).
+    pub quota_ordering: JobOrder,
 }
 
 /// The third-party API.
@@ -722,6 +726,8 @@ struct RawQuota {
     safety_margin: Duration,
     #[serde(default)]
     max_in_flight: Option<u32>,
+    #[serde(default)]
+    ordering: JobOrder,
 }
 
 fn utc() -> chrono_tz::Tz {
@@ -746,6 +752,22 @@ impl Default for RawBackend {
     fn default() -> Self {
         Self::Embedded { path: default_db() }
     }
+}
+
+/// Refuses ordered lanes on a standard SQS queue: only a FIFO queue gives each lane's
+/// jobs back in the order they were sent.
+///
+/// # Errors
+/// Which lane asks for order, and what to deploy instead.
+pub fn check_fifo_for_ordering(ordering: &LaneOrdering, queue_url: &str) -> Result<(), String> {
+    if queue_url.ends_with(".fifo") || !ordering.any() {
+        return Ok(());
+    }
+    let which = match ordering.named.iter().find(|(_, order)| order.is_ordered()) {
+        Some((lane, _)) => format!("lane {lane}'s"),
+        None => "the lanes'".to_owned(),
+    };
+    Err(format!("{which} ordering = \"fifo\" needs a FIFO jobs queue (a URL ending in .fifo: deploy with QueueType=fifo), and {queue_url} is a standard queue"))
 }
 
 /// Reads header values, secrets from the environment. `key` names the setting in errors.
@@ -813,6 +835,10 @@ impl Config {
     /// type errors give no key; their message says the line and column.
     pub fn parse(text: &str, base_dir: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, ConfigProblem> {
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigProblem { key: None, message: e.to_string().trim_end().to_owned() })?;
+        let quota_ordering = raw.quota.as_ref().map(|quota| quota.ordering).unwrap_or_default();
+        if quota_ordering.is_ordered() && raw.lanes.is_some() {
+            return Err(ConfigProblem::at("quota.ordering", "is a stack of one lane's: with [lanes], set `ordering` in [lanes] or [lanes.NAME]"));
+        }
         let quota = match raw.quota {
             Some(quota) => {
                 let max_in_flight = check_max_in_flight(quota.max_in_flight).map_err(|e| ConfigProblem::at("quota.max_in_flight", e))?;
@@ -847,6 +873,11 @@ impl Config {
         if let (Some(lanes), Backend::Embedded { .. }) = (&lanes, &backend) {
             lanes.check_keys(env)?;
         }
+        if let Backend::Aws(aws) = &backend {
+            let ordering = lanes.as_ref().map_or_else(|| LaneOrdering { default: quota_ordering, ..LaneOrdering::default() }, LanesConfig::ordering);
+            let key = if lanes.is_some() { "lanes" } else { "quota.ordering" };
+            check_fifo_for_ordering(&ordering, &aws.queue_url).map_err(|e| ConfigProblem::at(key, e))?;
+        }
         Ok(Self {
             api: ApiConfig { base_url: raw.api.base_url, timeout: raw.api.timeout, headers, health_check, max_body: raw.api.max_body, idempotency_header },
             quota,
@@ -857,7 +888,14 @@ impl Config {
             backend,
             lanes,
             serve,
+            quota_ordering,
         })
+    }
+
+    /// Which of the stack's lanes are ordered.
+    #[must_use]
+    pub fn ordering(&self) -> LaneOrdering {
+        self.lanes.as_ref().map_or_else(|| LaneOrdering { default: self.quota_ordering, ..LaneOrdering::default() }, LanesConfig::ordering)
     }
 
     /// The quota `lane`'s jobs go under besides the shared one: its own under `[lanes]`,

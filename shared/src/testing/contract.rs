@@ -14,6 +14,7 @@ use crate::dlq::DlqSource;
 use crate::job::{DeadLetterCause, DeadLetterReason, WorkerPayload};
 use crate::keys::StoreScope;
 use crate::lane::LaneId;
+use crate::order::{OrderMark, OrderState};
 use crate::pacer::PacerState;
 use crate::ports::{
     BatchClaim, BatchProgress, CallClaim, DeadLetterQueues, Invoker, JobQueue, LaneSignals, OutgoingMessage, PacerSnapshot, PortError, ScopedStores,
@@ -25,7 +26,7 @@ use crate::time::{Clock, UnixMillis};
 /// A job message for the suites.
 #[must_use]
 pub fn message(id: &str, attempt: u32) -> OutgoingMessage {
-    OutgoingMessage { body: format!(r#"{{"id":"{id}","request":{{"method":"GET","path":"/items/{id}"}}}}"#), attempt, delay: Duration::ZERO, dedup_id: None }
+    OutgoingMessage::again(format!(r#"{{"id":"{id}","request":{{"method":"GET","path":"/items/{id}"}}}}"#), attempt, Duration::ZERO)
 }
 
 async fn pass(clock: &dyn Clock, d: Duration) {
@@ -268,6 +269,20 @@ pub async fn state_store(store: Arc<dyn StateStore>, quota: &Quota) {
     store.clear_cool_down().await.unwrap();
     assert_eq!(store.cool_down().await.unwrap(), UnixMillis(0), "a cleared cool-down is over");
     assert_eq!(store.provider_reading().await.unwrap(), None, "a clear forgets the provider's reading too");
+
+    // An ordered lane's mark.
+    assert_eq!(store.order_mark().await.unwrap(), None, "no mark before the first ordered job");
+    store.open_order(&OrderMark::open("job-1", 0, at(500))).await.unwrap();
+    assert!(!store.settle_order("job-1", 1, OrderState::Settled).await.unwrap(), "another attempt's settlement changes nothing");
+    assert!(!store.settle_order("job-0", 0, OrderState::Settled).await.unwrap(), "another job's settlement changes nothing");
+    assert_eq!(store.order_mark().await.unwrap(), Some(OrderMark::open("job-1", 0, at(500))));
+    assert!(store.settle_order("job-1", 0, OrderState::Retrying { at: at(502) }).await.unwrap());
+    let retrying = OrderMark { job_id: "job-1".into(), attempt: 0, state: OrderState::Retrying { at: at(502) } };
+    assert_eq!(store.order_mark().await.unwrap(), Some(retrying), "the mark says the job comes back, and when");
+    store.open_order(&OrderMark::open("job-1", 1, at(503))).await.unwrap();
+    assert!(store.settle_order("job-1", 1, OrderState::Settled).await.unwrap());
+    assert!(!store.settle_order("job-1", 0, OrderState::Retrying { at: at(504) }).await.unwrap(), "a late repeat of an earlier attempt changes nothing");
+    assert_eq!(store.order_mark().await.unwrap().map(|mark| mark.state), Some(OrderState::Settled));
 }
 
 /// Polls borrowing futures together on this task (they cannot be spawned) and

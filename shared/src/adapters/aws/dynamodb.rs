@@ -20,6 +20,7 @@ use crate::breaker::{Circuit, FAILURE_BUCKET_PREFIX, FAILURE_BUCKET_TTL};
 use crate::config::LaneChange;
 use crate::keys::{StoreScope, LANE_CHANGE};
 use crate::lane::LaneId;
+use crate::order::{OrderMark, OrderState, ORDER_MARK};
 use crate::ports::{
     slot_probe_start, BatchClaim, BatchProgress, CallClaim, LaneSignals, Lease, PacerSnapshot, PortError, PortResult, ScopedStores, StateStore,
 };
@@ -598,6 +599,35 @@ impl StateStore for DynamoStateStore {
             }
         }
         Ok(())
+    }
+
+    async fn order_mark(&self) -> PortResult<Option<OrderMark>> {
+        let Some(item) = self.get(ORDER_MARK).await? else { return Ok(None) };
+        serde_json::from_str(get_s(&item, "mark")).map(Some).map_err(|e| PortError::Unreadable(format!("stored order mark of {}: {e}", self.scope)))
+    }
+
+    async fn open_order(&self, mark: &OrderMark) -> PortResult<()> {
+        let json = serde_json::to_string(mark).map_err(|e| PortError::Fatal(e.to_string()))?;
+        let put = self.client.put_item().table_name(&self.table).item("pk", self.pk(ORDER_MARK));
+        let put = put.item("job_id", s(mark.job_id.as_str())).item("attempt", n(mark.attempt)).item("mark", s(json));
+        put.send().await.map_err(|e| map_sdk_error("dynamodb PutItem (order mark)", &e))?;
+        Ok(())
+    }
+
+    async fn settle_order(&self, job_id: &str, attempt: u32, state: OrderState) -> PortResult<bool> {
+        let mark = OrderMark { job_id: job_id.to_owned(), attempt, state };
+        let json = serde_json::to_string(&mark).map_err(|e| PortError::Fatal(e.to_string()))?;
+        let update = self.client.update_item().table_name(&self.table).key("pk", self.pk(ORDER_MARK)).update_expression("SET mark = :mark");
+        let update = update.condition_expression("job_id = :job AND attempt = :attempt");
+        let update = update
+            .expression_attribute_values(":mark", s(json))
+            .expression_attribute_values(":job", s(job_id))
+            .expression_attribute_values(":attempt", n(attempt));
+        match update.send().await.map_err(|e| map_sdk_error("dynamodb UpdateItem (order mark)", &e)) {
+            Ok(_) => Ok(true),
+            Err(PortError::Conflict(_)) => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
     /// The lanes an operator changed (their settings are items of their own): a scan of

@@ -7,7 +7,7 @@
 //! fair queue); FIFO queues (`.fifo`) get a deduplication id too. The worker's own
 //! DLQ (Lambda's async on-failure destination) is read for operators, never written.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -21,6 +21,7 @@ use super::{build_error, map_sdk_error};
 use crate::dlq::{jobs_record, worker_records, DeadLetterRecord, DlqSource};
 use crate::job::DeadLetterReason;
 use crate::lane::LaneId;
+use crate::order::message_group;
 use crate::outcome::OutcomeRecord;
 use crate::ports::{DeadLetterQueues, JobQueue, OutgoingMessage, PortError, PortResult, QueueDepth, QueuedMessage, VisibleAgain};
 use crate::time::{system_now, UnixMillis};
@@ -201,21 +202,25 @@ impl JobQueue for SqsQueue {
     async fn send(&self, messages: &[OutgoingMessage]) -> PortResult<()> {
         let fifo = is_fifo(&self.queue_url);
         for batch in messages.chunks(BATCH) {
-            let mut pending: HashMap<String, SendMessageBatchRequestEntry> = HashMap::new();
+            // In the batch's order: a FIFO queue keeps a group's messages in the order of
+            // the entries that carry them.
+            let mut pending: BTreeMap<usize, SendMessageBatchRequestEntry> = BTreeMap::new();
             for (i, m) in batch.iter().enumerate() {
                 let mut entry =
                     SendMessageBatchRequestEntry::builder().id(i.to_string()).message_body(&m.body).message_attributes("attempt", number(m.attempt)?);
                 // The job's lane is its message group: a standard queue is then a fair
                 // queue (SQS favours the quiet lanes' messages when one lane's backlog
                 // is most of what is in flight); a FIFO queue keeps each lane in order.
-                entry = entry.message_group_id(LaneId::named_in(&m.body).as_str());
+                // An ordered lane's retry has a group of its own, which the lane's later
+                // jobs, held while it is called, do not hold back.
+                entry = entry.message_group_id(message_group(&LaneId::named_in(&m.body), m.ahead));
                 if fifo {
                     let dedup_id = m.dedup_id.as_deref().map_or_else(|| uuid::Uuid::new_v4().to_string(), fifo_dedup_id);
                     entry = entry.message_deduplication_id(dedup_id);
                 } else {
                     entry = entry.delay_seconds(i32::try_from(m.delay.as_secs().min(MAX_DELAY_SECONDS)).unwrap_or(0));
                 }
-                pending.insert(i.to_string(), entry.build().map_err(build_error)?);
+                pending.insert(i, entry.build().map_err(build_error)?);
             }
             // Entries that failed for a passing reason are sent once more.
             for round in 0..2 {
@@ -228,7 +233,9 @@ impl JobQueue for SqsQueue {
                     .await
                     .map_err(|e| map_sdk_error("sqs SendMessageBatch", &e))?;
                 for ok in out.successful() {
-                    pending.remove(ok.id());
+                    if let Ok(i) = ok.id().parse::<usize>() {
+                        pending.remove(&i);
+                    }
                 }
                 if pending.is_empty() {
                     break;
