@@ -21,9 +21,8 @@ use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::adapters::memory::RecordingInvoker;
 use paceline_shared::adaptive::ProviderReading;
 use paceline_shared::breaker::Circuit;
-use paceline_shared::config::{CircuitConfig, OrchestratorConfig, WorkerHost};
+use paceline_shared::config::WorkerHost;
 use paceline_shared::job::{DeadLetterReason, WorkerPayload};
-use paceline_shared::order::JobOrder;
 use paceline_shared::ports::{
     BatchClaim, BatchProgress, CallClaim, Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortResult, QueueDepth, QueuedMessage,
     StateStore, VisibleAgain,
@@ -217,14 +216,7 @@ async fn lane(tiers: &[&str], jobs: usize, invoke_latency: Duration, receive_lat
     let counting = Arc::new(Counting { inner: store, counts: counts.clone(), clock: clock.clone(), receive_latency });
     let quota = Quota::new(tiers.iter().map(|t| t.parse().unwrap()).collect(), chrono_tz::UTC, Duration::from_millis(10)).unwrap();
     let invoker = Arc::new(CountingInvoker { inner: RecordingInvoker::new(clock.clone()).with_latency(invoke_latency), counts: counts.clone() });
-    let settings = Settings {
-        quota,
-        orchestrator: OrchestratorConfig::default(),
-        circuit: CircuitConfig::default(),
-        workers: WorkerHost::Lambda,
-        lanes: None,
-        ordering: JobOrder::None,
-    };
+    let settings = Settings::defaults_for(quota, WorkerHost::Lambda);
     let orchestrator = Orchestrator::new(counting.clone(), counting, invoker, clock, settings);
     Bench { orchestrator, counts }
 }

@@ -237,7 +237,6 @@ mod tests {
     use crate::{StopReason, TierReport};
     use paceline_shared::adapters::embedded::EmbeddedStore;
     use paceline_shared::adapters::memory::RecordingInvoker;
-    use paceline_shared::order::JobOrder;
     use paceline_shared::ports::PortError;
     use paceline_shared::testing::faults::{Faulty, Method};
 
@@ -247,14 +246,7 @@ mod tests {
         let store = Arc::new(Faulty::new(Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap())));
         store.fail_next(Method::AcquireLease, 1, error);
         let quota = paceline_shared::quota::Quota::new(vec!["5/s".parse().unwrap()], paceline_shared::quota::chrono_tz::UTC, Duration::ZERO).unwrap();
-        let settings = Settings {
-            quota,
-            orchestrator: Default::default(),
-            circuit: Default::default(),
-            workers: WorkerHost::Lambda,
-            lanes: None,
-            ordering: JobOrder::None,
-        };
+        let settings = Settings::defaults_for(quota, WorkerHost::Lambda);
         let orchestrator = Orchestrator::new(store.clone(), store, Arc::new(RecordingInvoker::new(clock.clone())), clock, settings);
         OrchestratorFunction::new(orchestrator, "sms")
     }

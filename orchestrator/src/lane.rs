@@ -309,7 +309,7 @@ impl<'a> LaneMachine<'a> {
     pub fn new(settings: &'a Settings, id: LaneId, index: usize, quota: &'a Quota, started: UnixMillis) -> Self {
         let mut timers = TimerTable::default();
         timers.set(LaneTimer::Refresh, on_refresh_grid(settings, started.plus(settings.orchestrator.state_refresh)));
-        let order = settings.ordering_of(&id).is_ordered().then_some(OrderGate::Unread);
+        let order = settings.ordering_of(&id).is_ordered().then(OrderGate::unread);
         if order.is_some() {
             timers.set(LaneTimer::OrderRead, started);
         }
@@ -801,9 +801,9 @@ impl<'a> LaneMachine<'a> {
                 debug!(job_id = %job.id, attempt = message.attempt, cost, "dispatching");
                 job.ordered = self.order.is_some();
                 if let Some(gate) = &mut self.order {
-                    // The next job waits for this one's mark, read soon after its slot.
-                    gate.opened(job.id.as_str(), message.attempt, now);
-                    self.timers.set(LaneTimer::OrderRead, gate.read_at(slot.max(now)).unwrap_or(slot));
+                    // The next job waits for this one's mark, read when its answer usually comes.
+                    gate.opened(job.id.as_str(), message.attempt, slot, now);
+                    self.timers.set(LaneTimer::OrderRead, gate.read_at(now).unwrap_or(slot));
                 }
                 let trip = Some(self.trip_rule(slot));
                 self.space_by_share(cost, slot);

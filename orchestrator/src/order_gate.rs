@@ -16,23 +16,35 @@ use tracing::warn;
 /// any call (a Lambda runs 15 minutes at most).
 pub(crate) const GIVE_UP_AFTER: Duration = Duration::from_secs(20 * 60);
 
-/// The first re-read of the mark after a hand-off's slot, doubling while the job stays
-/// open up to [`SLOWEST_READ`]: a quick call is seen at once, a slow one costs a read a
-/// second.
-const FIRST_READ: Duration = Duration::from_millis(5);
+/// What a job's answer is taken to take before any was seen: the mark is first read
+/// that long after the job's slot.
+const FIRST_GUESS: Duration = Duration::from_millis(50);
+/// An open job's mark is first read half its lane's usual time after its slot, then an
+/// eighth of that time apart, within these bounds: a job is seen settled about a
+/// sixteenth of the usual time after it was, and a slow API's jobs cost few reads.
+const QUICKEST_READ: Duration = Duration::from_millis(2);
 const SLOWEST_READ: Duration = Duration::from_secs(1);
+
+/// An ordered lane's gate: where the lane stands, and how long its jobs usually take from
+/// their slot until their worker settles them (learnt from the marks).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct OrderGate {
+    state: GateState,
+    settle_time: Option<Duration>,
+}
 
 /// Where an ordered lane stands.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum OrderGate {
+enum GateState {
     /// The mark was not read yet this run: nothing goes before it is (an earlier run's
     /// job may still be under way).
     Unread,
     /// The last job is settled: the next may go.
     Free,
-    /// Job `job_id`'s `attempt` went to a worker and is not settled: nothing goes.
-    /// `reads` re-reads found it so; the lane has waited since `waiting_since`.
-    Open { job_id: String, attempt: u32, reads: u32, waiting_since: UnixMillis },
+    /// Job `job_id`'s `attempt` went to a worker for its slot `slot` and is not settled:
+    /// nothing goes. `reads` re-reads found it so; the lane has waited since
+    /// `waiting_since`.
+    Open { job_id: String, attempt: u32, slot: UnixMillis, reads: u32, waiting_since: UnixMillis },
     /// Job `job_id` comes back to be retried no sooner than `at`: it goes next.
     Retry { job_id: String, at: UnixMillis, waiting_since: UnixMillis },
 }
@@ -51,48 +63,64 @@ pub(crate) enum GateStep {
 }
 
 impl OrderGate {
+    /// A gate whose mark was not read yet.
+    pub fn unread() -> Self {
+        Self { state: GateState::Unread, settle_time: None }
+    }
+
     /// A read of the mark at `now` found `mark`. A mark of another job than the one the
     /// gate holds open is older than its hand-off (that write had not landed): it
     /// changes nothing.
     pub fn on_read(&mut self, mark: Option<OrderMark>, now: UnixMillis) {
         let found = |mark: OrderMark| match mark.state {
-            OrderState::Settled => Self::Free,
-            OrderState::Retrying { at } => Self::Retry { job_id: mark.job_id, at, waiting_since: now },
-            OrderState::Open { .. } => Self::Open { job_id: mark.job_id, attempt: mark.attempt, reads: 0, waiting_since: now },
+            OrderState::Settled { .. } => GateState::Free,
+            OrderState::Retrying { at } => GateState::Retry { job_id: mark.job_id, at, waiting_since: now },
+            OrderState::Open { .. } => GateState::Open { job_id: mark.job_id, attempt: mark.attempt, slot: now, reads: 0, waiting_since: now },
         };
-        match self {
-            Self::Unread => *self = mark.map_or(Self::Free, found),
-            Self::Open { job_id, attempt, reads, .. } => match mark {
-                Some(mark) if mark.names(job_id, *attempt) && !matches!(mark.state, OrderState::Open { .. }) => *self = found(mark),
+        match &mut self.state {
+            GateState::Unread => self.state = mark.map_or(GateState::Free, found),
+            GateState::Open { job_id, attempt, slot, reads, .. } => match mark {
+                Some(mark) if mark.names(job_id, *attempt) && !matches!(mark.state, OrderState::Open { .. }) => {
+                    if let OrderState::Settled { at } = mark.state {
+                        let took = at.since(*slot);
+                        // An exponential average (weight 1/8), as TCP smooths round-trip times.
+                        self.settle_time = Some(self.settle_time.map_or(took, |usual| (usual * 7 + took) / 8));
+                    }
+                    self.state = found(mark);
+                }
                 _ => *reads += 1,
             },
-            Self::Free | Self::Retry { .. } => {}
+            GateState::Free | GateState::Retry { .. } => {}
         }
     }
 
-    /// Job `job_id`'s `attempt` was handed off at `now`.
-    pub fn opened(&mut self, job_id: &str, attempt: u32, now: UnixMillis) {
-        *self = Self::Open { job_id: job_id.to_owned(), attempt, reads: 0, waiting_since: now };
+    /// Job `job_id`'s `attempt` was handed off at `now` for its slot `slot`.
+    pub fn opened(&mut self, job_id: &str, attempt: u32, slot: UnixMillis, now: UnixMillis) {
+        self.state = GateState::Open { job_id: job_id.to_owned(), attempt, slot: slot.max(now), reads: 0, waiting_since: now };
     }
 
     /// The hand-off was refused: the job is the front one again, the next to go.
     pub fn handed_back(&mut self) {
-        *self = Self::Free;
+        self.state = GateState::Free;
     }
 
-    /// When the mark is to be read next, counting from `now` (`None`: no read needed).
+    /// When the mark is to be read next, counting from `now` (`None`: no read needed):
+    /// an open job's first read half the usual time after its slot, then an eighth of
+    /// the usual time apart.
     pub fn read_at(&self, now: UnixMillis) -> Option<UnixMillis> {
-        match self {
-            Self::Unread => Some(now),
-            Self::Open { reads, .. } => Some(now.plus(FIRST_READ.saturating_mul(1 << (*reads).min(16)).min(SLOWEST_READ))),
-            Self::Free | Self::Retry { .. } => None,
+        let usual = self.settle_time.unwrap_or(FIRST_GUESS);
+        match &self.state {
+            GateState::Unread => Some(now),
+            GateState::Open { slot, reads: 0, .. } => Some(slot.plus(usual / 2).max(now.plus(QUICKEST_READ))),
+            GateState::Open { .. } => Some(now.plus((usual / 8).clamp(QUICKEST_READ, SLOWEST_READ))),
+            GateState::Free | GateState::Retry { .. } => None,
         }
     }
 
     /// The retry the gate waits for, if it does, and when it is due.
     pub fn awaited_retry(&self) -> Option<(&str, UnixMillis)> {
-        match self {
-            Self::Retry { job_id, at, .. } => Some((job_id, *at)),
+        match &self.state {
+            GateState::Retry { job_id, at, .. } => Some((job_id, *at)),
             _ => None,
         }
     }
@@ -101,18 +129,18 @@ impl OrderGate {
     /// the front one in hand (the lane puts it there). A wait longer than
     /// [`GIVE_UP_AFTER`] ends with a warning: the lane goes on.
     pub fn step(&mut self, retry_in_hand: bool, now: UnixMillis) -> GateStep {
-        match self {
-            Self::Free => GateStep::Go,
-            Self::Unread => GateStep::WaitForRead,
-            Self::Open { job_id, attempt, waiting_since, .. } => {
+        match &self.state {
+            GateState::Free => GateStep::Go,
+            GateState::Unread => GateStep::WaitForRead,
+            GateState::Open { job_id, attempt, waiting_since, .. } => {
                 if now.since(*waiting_since) < GIVE_UP_AFTER {
                     return GateStep::WaitForRead;
                 }
                 warn!(job_id = %job_id, attempt = *attempt, "an ordered lane's job was never settled (its worker gave up: see the worker's DLQ); the lane goes on without it");
-                *self = Self::Free;
+                self.state = GateState::Free;
                 GateStep::Go
             }
-            Self::Retry { job_id, at, waiting_since } => {
+            GateState::Retry { job_id, at, waiting_since } => {
                 if now < *at {
                     return GateStep::WaitUntil(*at);
                 }
@@ -123,7 +151,7 @@ impl OrderGate {
                     return GateStep::WaitForRetry;
                 }
                 warn!(job_id = %job_id, "an ordered lane's retry never came back (taken off the queue?); the lane goes on without it");
-                *self = Self::Free;
+                self.state = GateState::Free;
                 GateStep::Go
             }
         }
@@ -140,74 +168,83 @@ mod tests {
         T0.plus(Duration::from_millis(ms))
     }
 
+    fn free() -> OrderGate {
+        let mut gate = OrderGate::unread();
+        gate.on_read(None, T0);
+        gate
+    }
+
     fn mark(job: &str, attempt: u32, state: OrderState) -> Option<OrderMark> {
         Some(OrderMark { job_id: job.into(), attempt, state })
     }
 
     #[test]
     fn nothing_goes_before_the_mark_is_read_and_an_earlier_run_s_open_job_holds_the_lane() {
-        let mut gate = OrderGate::Unread;
+        let mut gate = OrderGate::unread();
         assert_eq!(gate.step(false, at(0)), GateStep::WaitForRead);
         assert_eq!(gate.read_at(at(0)), Some(at(0)));
         gate.on_read(mark("a", 0, OrderState::Open { since: UnixMillis(1) }), at(1));
         assert_eq!(gate.step(false, at(2)), GateStep::WaitForRead, "the last run's job is under way");
-        gate.on_read(mark("a", 0, OrderState::Settled), at(3));
+        gate.on_read(mark("a", 0, OrderState::Settled { at: T0 }), at(3));
         assert_eq!(gate.step(false, at(3)), GateStep::Go);
 
-        let mut first_run = OrderGate::Unread;
+        let mut first_run = OrderGate::unread();
         first_run.on_read(None, at(0));
         assert_eq!(first_run.step(false, at(0)), GateStep::Go, "no mark: nothing was ever handed off");
     }
 
     #[test]
     fn an_open_job_holds_the_lane_until_its_own_mark_says_it_is_settled_and_a_stale_mark_changes_nothing() {
-        let mut gate = OrderGate::Free;
-        gate.opened("b", 0, at(0));
-        gate.on_read(mark("a", 0, OrderState::Settled), at(5));
+        let mut gate = free();
+        gate.opened("b", 0, at(0), at(0));
+        gate.on_read(mark("a", 0, OrderState::Settled { at: T0 }), at(5));
         assert_eq!(gate.step(false, at(5)), GateStep::WaitForRead, "the mark of the job before: the hand-off's write had not landed");
         gate.on_read(mark("b", 0, OrderState::Open { since: at(0) }), at(10));
         assert_eq!(gate.step(false, at(10)), GateStep::WaitForRead);
-        gate.on_read(mark("b", 1, OrderState::Settled), at(15));
+        gate.on_read(mark("b", 1, OrderState::Settled { at: T0 }), at(15));
         assert_eq!(gate.step(false, at(15)), GateStep::WaitForRead, "another attempt's mark is not this one's");
-        gate.on_read(mark("b", 0, OrderState::Settled), at(20));
+        gate.on_read(mark("b", 0, OrderState::Settled { at: T0 }), at(20));
         assert_eq!(gate.step(false, at(20)), GateStep::Go);
     }
 
     #[test]
     fn a_re_queued_job_goes_next_once_in_hand_and_not_before_its_back_off() {
-        let mut gate = OrderGate::Free;
-        gate.opened("b", 0, at(0));
+        let mut gate = free();
+        gate.opened("b", 0, at(0), at(0));
         gate.on_read(mark("b", 0, OrderState::Retrying { at: at(500) }), at(40));
         assert_eq!(gate.awaited_retry(), Some(("b", at(500))));
         assert_eq!(gate.step(true, at(100)), GateStep::WaitUntil(at(500)), "its back-off holds the lane's later jobs too");
         assert_eq!(gate.step(false, at(500)), GateStep::WaitForRetry, "later jobs in hand wait for it");
         assert_eq!(gate.step(true, at(501)), GateStep::Go);
-        gate.opened("b", 1, at(500));
+        gate.opened("b", 1, at(500), at(500));
         assert_eq!(gate.awaited_retry(), None);
     }
 
     #[test]
-    fn reads_of_an_open_job_start_quick_and_slow_down_to_one_a_second() {
-        let mut gate = OrderGate::Free;
-        gate.opened("b", 0, at(0));
-        let mut gaps = Vec::new();
-        for n in 0..10 {
-            let now = at(n * 1000);
-            gaps.push(gate.read_at(now).unwrap().since(now).as_millis());
-            gate.on_read(mark("b", 0, OrderState::Open { since: at(0) }), now);
-        }
-        assert_eq!(gaps, [5, 10, 20, 40, 80, 160, 320, 640, 1000, 1000]);
+    fn an_open_job_is_first_read_half_its_usual_time_after_its_slot_then_an_eighth_of_it_apart() {
+        let mut gate = free();
+        gate.opened("a", 0, at(100), at(60));
+        assert_eq!(gate.read_at(at(60)), Some(at(125)), "the first guess: answers take 50 ms");
+        gate.on_read(mark("a", 0, OrderState::Open { since: at(60) }), at(125));
+        assert_eq!(gate.read_at(at(125)), Some(at(131)), "then an eighth of that apart");
+        gate.on_read(mark("a", 0, OrderState::Settled { at: at(420) }), at(440));
+        // Its worker settled it 320 ms after its slot (when the read saw it does not
+        // count): the next job's reads follow that.
+        gate.opened("b", 0, at(500), at(500));
+        assert_eq!(gate.read_at(at(500)), Some(at(660)));
+        gate.on_read(mark("b", 0, OrderState::Open { since: at(500) }), at(660));
+        assert_eq!(gate.read_at(at(660)), Some(at(700)));
     }
 
     #[test]
     fn a_lane_goes_on_after_waiting_too_long_for_a_job_that_is_never_settled_or_a_retry_that_never_comes() {
-        let mut open = OrderGate::Free;
-        open.opened("b", 0, at(0));
+        let mut open = free();
+        open.opened("b", 0, at(0), at(0));
         let limit = u64::try_from(GIVE_UP_AFTER.as_millis()).unwrap();
         assert_eq!(open.step(false, at(limit - 1)), GateStep::WaitForRead);
         assert_eq!(open.step(false, at(limit)), GateStep::Go);
-        let mut retry = OrderGate::Free;
-        retry.opened("c", 0, at(0));
+        let mut retry = free();
+        retry.opened("c", 0, at(0), at(0));
         retry.on_read(mark("c", 0, OrderState::Retrying { at: at(10) }), at(20));
         assert_eq!(retry.step(false, at(20 + limit - 1)), GateStep::WaitForRetry);
         assert_eq!(retry.step(false, at(20 + limit)), GateStep::Go);

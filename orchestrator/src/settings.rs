@@ -38,6 +38,13 @@ impl Settings {
         }
     }
 
+    /// `quota` with every other setting's default, for workers in `workers` (tests and
+    /// benchmarks).
+    #[must_use]
+    pub fn defaults_for(quota: Quota, workers: WorkerHost) -> Self {
+        Self { quota, orchestrator: OrchestratorConfig::default(), circuit: CircuitConfig::default(), workers, lanes: None, ordering: JobOrder::None }
+    }
+
     /// How `lane`'s jobs are ordered.
     #[must_use]
     pub fn ordering_of(&self, lane: &LaneId) -> JobOrder {
@@ -132,21 +139,13 @@ impl RunError {
 
 #[cfg(test)]
 mod tests {
-    use paceline_shared::config::CircuitConfig;
     use paceline_shared::quota::chrono_tz;
 
     use super::*;
 
     fn lambda_settings(tier: &str) -> Settings {
         let quota = Quota::new(vec![tier.parse().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
-        Settings {
-            quota,
-            orchestrator: OrchestratorConfig::default(),
-            circuit: CircuitConfig::default(),
-            workers: WorkerHost::Lambda,
-            lanes: None,
-            ordering: JobOrder::None,
-        }
+        Settings::defaults_for(quota, WorkerHost::Lambda)
     }
 
     #[test]

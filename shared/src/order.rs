@@ -106,8 +106,8 @@ pub enum OrderState {
     /// Re-queued ahead of the lane's later jobs, to be called again no sooner than `at`
     /// (its back-off): the lane's next call is this job's.
     Retrying { at: UnixMillis },
-    /// Done (succeeded or dead-lettered): the lane's next job may go.
-    Settled,
+    /// Done (succeeded or dead-lettered) at `at`: the lane's next job may go.
+    Settled { at: UnixMillis },
 }
 
 impl OrderMark {
@@ -137,7 +137,7 @@ mod tests {
 
     #[test]
     fn a_mark_keeps_its_state_across_the_store() {
-        for state in [OrderState::Open { since: UnixMillis(5) }, OrderState::Retrying { at: UnixMillis(9) }, OrderState::Settled] {
+        for state in [OrderState::Open { since: UnixMillis(5) }, OrderState::Retrying { at: UnixMillis(9) }, OrderState::Settled { at: UnixMillis(11) }] {
             let mark = OrderMark { job_id: "j-1".into(), attempt: 2, state };
             assert_eq!(serde_json::from_str::<OrderMark>(&serde_json::to_string(&mark).unwrap()).unwrap(), mark);
         }

@@ -87,7 +87,7 @@ impl World {
     }
 
     /// Waits one infrastructure call's latency.
-    async fn call(&self, stream: Stream) {
+    pub(crate) async fn call(&self, stream: Stream) {
         let key = self.call_seq.fetch_add(1, Ordering::Relaxed);
         self.wait(stream, key).await;
     }
@@ -120,6 +120,12 @@ impl SimQueue {
         Self { world, state: Mutex::new(QueueState::fair()), arrived: tokio::sync::Notify::new() }
     }
 
+    /// A FIFO queue: each lane's messages in order, none while one of them is in flight.
+    #[must_use]
+    pub fn fifo(world: Arc<World>) -> Self {
+        Self { world, state: Mutex::new(QueueState::fifo()), arrived: tokio::sync::Notify::new() }
+    }
+
     /// Puts messages on the queue as a producer would, at no latency (the producer's
     /// `SendMessageBatch` requests are still counted).
     pub fn preload(&self, bodies: impl IntoIterator<Item = String>) {
@@ -127,7 +133,7 @@ impl SimQueue {
         let mut state = lock(&self.state);
         let mut sent: u64 = 0;
         for body in bodies {
-            let message = stored(&mut state, body, 0, now);
+            let message = stored(&mut state, body, 0, false, now);
             state.push_back(message);
             sent += 1;
         }
@@ -174,11 +180,11 @@ impl SimQueue {
     }
 }
 
-/// A new message with `body`, in its lane's group.
-fn stored(state: &mut QueueState, body: String, attempt: u32, now: UnixMillis) -> Stored {
+/// A new message with `body`, in its lane's group (or its retries', `ahead`).
+fn stored(state: &mut QueueState, body: String, attempt: u32, ahead: bool, now: UnixMillis) -> Stored {
     let id = state.next_id;
     state.next_id += 1;
-    let group = state.group_of(&body);
+    let group = state.group_of(&body, ahead);
     Stored { id, body, attempt, sent_at: now, group }
 }
 
@@ -239,7 +245,7 @@ impl JobQueue for SimQueue {
         let now = self.world.clock.now();
         let mut state = lock(&self.state);
         for message in messages {
-            let stored = stored(&mut state, message.body.clone(), message.attempt, now);
+            let stored = stored(&mut state, message.body.clone(), message.attempt, message.ahead, now);
             if message.delay.is_zero() {
                 state.push_back(stored);
             } else {

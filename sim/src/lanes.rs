@@ -17,7 +17,9 @@ use paceline_orchestrator::{jain_index, Orchestrator, RunOptions, Settings};
 use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::config::LanesConfig;
 use paceline_shared::job::WorkerPayload;
+use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
+use paceline_shared::order::OrderState;
 use paceline_shared::pacer::{Decision, PacerState};
 use paceline_shared::ports::{Invoker, JobQueue, OutgoingMessage, PortResult, ScopedStores, StateStore};
 use paceline_shared::quota::{Period, Quota};
@@ -28,7 +30,7 @@ use rand_pcg::Pcg64Mcg;
 use serde::Serialize;
 
 use crate::aws::{SimQueue, SimStores, World};
-use crate::profile::{LatencyProfile, Sampler};
+use crate::profile::{LatencyProfile, Sampler, Stream};
 use crate::SIM_START;
 
 /// The windows fairness and the shared quota's use are measured over.
@@ -59,6 +61,8 @@ pub enum LanesQueue {
     Sqs,
     /// SQS as Paceline sends to it, each job in its lane's message group: a fair queue.
     SqsFair,
+    /// A FIFO SQS queue, each lane a message group (what ordered lanes need).
+    SqsFifo,
 }
 
 impl std::str::FromStr for LanesQueue {
@@ -69,7 +73,8 @@ impl std::str::FromStr for LanesQueue {
             "embedded" => Ok(Self::Embedded),
             "sqs" => Ok(Self::Sqs),
             "sqs-fair" => Ok(Self::SqsFair),
-            other => Err(format!("`{other}` is not a queue: embedded, sqs or sqs-fair")),
+            "sqs-fifo" => Ok(Self::SqsFifo),
+            other => Err(format!("`{other}` is not a queue: embedded, sqs, sqs-fair or sqs-fifo")),
         }
     }
 }
@@ -194,6 +199,10 @@ struct CallLog {
     clock: Arc<dyn Clock>,
     lanes: BTreeMap<LaneId, usize>,
     calls: Mutex<Vec<Call>>,
+    /// Where an ordered lane's job is settled, as its worker would: after a Lambda
+    /// worker's start and the API's answer, in the lane's state.
+    settles: Arc<World>,
+    stores: Arc<dyn ScopedStores>,
 }
 
 #[async_trait]
@@ -202,6 +211,19 @@ impl Invoker for CallLog {
         if let WorkerPayload::Job { job, .. } = payload {
             let lane = self.lanes.get(&job.lane).copied().unwrap_or(usize::MAX);
             self.calls.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(Call { at: self.clock.now(), lane, cost: job.cost });
+        }
+        if let Some((job, attempt)) = payload.ordered_job() {
+            let (world, store) = (self.settles.clone(), self.stores.scoped(&StoreScope::Lane(job.lane.clone())));
+            let job_id = job.id.to_string();
+            let clock = self.clock.clone();
+            tokio::spawn(async move {
+                world.call(Stream::AsyncStart).await;
+                world.call(Stream::Api).await;
+                world.call(Stream::DynamoDb).await;
+                if let Err(e) = store.settle_order(&job_id, attempt, OrderState::Settled { at: clock.now() }).await {
+                    tracing::warn!(error = %e, "could not settle an ordered job");
+                }
+            });
         }
         Ok(())
     }
@@ -235,21 +257,25 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
                 }
                 store.clone()
             }
-            LanesQueue::Sqs | LanesQueue::SqsFair => {
-                let queue = if plan.queue == LanesQueue::SqsFair { SimQueue::fair(world.clone()) } else { SimQueue::new(world.clone()) };
+            LanesQueue::Sqs | LanesQueue::SqsFair | LanesQueue::SqsFifo => {
+                let queue = match plan.queue {
+                    LanesQueue::SqsFair => SimQueue::fair(world.clone()),
+                    LanesQueue::SqsFifo => SimQueue::fifo(world.clone()),
+                    _ => SimQueue::new(world.clone()),
+                };
                 queue.preload(bodies);
                 Arc::new(queue)
             }
         };
-        let log = Arc::new(CallLog { clock: clock.clone(), lanes, calls: Mutex::new(Vec::new()) });
         // On SQS the stack's state is in DynamoDB, as deployed: its latency and requests.
         let (state, scoped): (Arc<dyn StateStore>, Arc<dyn ScopedStores>) = match plan.queue {
             LanesQueue::Embedded => (store.clone(), store.clone()),
-            LanesQueue::Sqs | LanesQueue::SqsFair => {
+            LanesQueue::Sqs | LanesQueue::SqsFair | LanesQueue::SqsFifo => {
                 let tables = Arc::new(SimStores::new(world.clone()));
                 (tables.stack(), tables)
             }
         };
+        let log = Arc::new(CallLog { clock: clock.clone(), lanes, calls: Mutex::new(Vec::new()), settles: world.clone(), stores: scoped.clone() });
         let orchestrator = Orchestrator::new(queue, state, log.clone(), clock.clone(), plan.settings.clone()).with_scoped_stores(scoped);
         let opts = RunOptions { holder: "simulate".into(), deadline: SIM_START.plus(Duration::from_secs(400 * 86_400)), drain: true, stop: None };
         if let Err(e) = orchestrator.run(&opts).await {
@@ -267,6 +293,7 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
         LanesQueue::Embedded => "paceline (weighted fair lanes)",
         LanesQueue::Sqs => "paceline on SQS (standard queue)",
         LanesQueue::SqsFair => "paceline on SQS (fair queue)",
+        LanesQueue::SqsFifo => "paceline on SQS (FIFO queue)",
     };
     let mut report = analyse(plan, dispatcher, &job_lanes, calls, wall.elapsed());
     let per_job = |requests: u64| (plan.queue != LanesQueue::Embedded).then(|| requests as f64 / plan.jobs.max(1) as f64);
@@ -664,6 +691,20 @@ mod tests {
         let plan = LanesPlan { queue: LanesQueue::Sqs, ..plan(150, 1_500) };
         let paceline = simulate_lanes(&plan);
         assert_eq!((paceline.calls, paceline.lane_violations, paceline.shared_violations), (1_500, 0, 0), "{paceline:?}");
+    }
+
+    #[test]
+    fn ordered_lanes_on_a_fifo_queue_call_every_job_once_one_at_a_time_a_lane() {
+        let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"50/s\"]\n[lanes]\ntiers = [\"5/s\"]\nordering = \"fifo\"\n";
+        let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
+        let settings = Settings::from_config(&config, paceline_shared::config::WorkerHost::InProcess);
+        let plan = LanesPlan { lanes: 3, skew: Skew::Zipf(0.0), jobs: 60, seed: 7, settings, queue: LanesQueue::SqsFifo };
+        let ordered = simulate_lanes(&plan);
+        assert_eq!((ordered.calls, ordered.lane_violations, ordered.shared_violations), (60, 0, 0), "{ordered:?}");
+        // 20 jobs a lane, each after the one before is settled (a Lambda start and the
+        // API's answer, 300 ms at the median): far slower than the lanes' 5/s.
+        assert!(ordered.seconds > 20.0 * 0.3, "{ordered:?}");
+        assert!(ordered.dynamodb_requests_per_job.is_some_and(|n| n >= 3.0), "a mark opened, settled and read for each job: {ordered:?}");
     }
 
     /// `jobs` by a Zipf law (1.1) over `lanes` lanes of tier `lane_tier` under a shared

@@ -5,11 +5,15 @@
 //! groups that are not *noisy*, a group being noisy while it holds over 10% of the
 //! queue's messages in flight and at least [`NOISY_IN_FLIGHT`] of its own: the rule AWS
 //! documents for SQS fair queues (its other trigger, a share of recent processing time,
-//! is not modelled: Paceline's receives are what it would measure).
+//! is not modelled: Paceline's receives are what it would measure). A FIFO queue hands
+//! out no message of a group while one of it is in flight, up to ten of a group in a
+//! receive, each group in the order its messages were sent (a message visible again
+//! goes back to its place), and delays no message.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use paceline_shared::lane::LaneId;
+use paceline_shared::order::message_group;
 use paceline_shared::time::UnixMillis;
 
 /// A group with fewer messages in flight than this is never noisy.
@@ -42,6 +46,8 @@ struct Hidden {
 pub(crate) struct QueueState {
     /// Hand out the quiet groups' messages first.
     fair: bool,
+    /// A FIFO queue: a group's messages in order, none while one is in flight.
+    fifo: bool,
     /// Each group's visible messages by place in line (a message made visible again goes
     /// last, one put back at once first).
     groups: Vec<BTreeMap<i64, Stored>>,
@@ -51,7 +57,7 @@ pub(crate) struct QueueState {
     back: i64,
     front: i64,
     visible: usize,
-    group_index: HashMap<LaneId, usize>,
+    group_index: HashMap<String, usize>,
     /// Received or delayed messages by receipt, and by when they are visible again.
     hidden: BTreeMap<u64, Hidden>,
     due: BTreeSet<(UnixMillis, u64)>,
@@ -74,11 +80,17 @@ impl QueueState {
         Self { front: -1, ..Self::default() }
     }
 
-    /// The group of a message with `body`: the lane its job names.
-    pub fn group_of(&mut self, body: &str) -> usize {
-        let lane = LaneId::named_in(body);
+    /// A FIFO queue: each group in order, none while one of it is in flight.
+    pub fn fifo() -> Self {
+        Self { fifo: true, front: -1, ..Self::default() }
+    }
+
+    /// The group of a message with `body`: the lane its job names, or its retries'
+    /// (`ahead`: an ordered lane's retry).
+    pub fn group_of(&mut self, body: &str, ahead: bool) -> usize {
+        let name = message_group(&LaneId::named_in(body), ahead);
         let next = self.group_index.len();
-        let group = *self.group_index.entry(lane).or_insert(next);
+        let group = *self.group_index.entry(name).or_insert(next);
         if group == self.groups.len() {
             self.groups.push(BTreeMap::new());
             self.in_flight.push(0);
@@ -98,15 +110,22 @@ impl QueueState {
         self.hidden.len()
     }
 
-    /// Puts `message` last in line.
+    /// Puts `message` last in line (on a FIFO queue: back in its place, the order its
+    /// group's messages were sent in).
     pub fn push_back(&mut self, message: Stored) {
+        if self.fifo {
+            return self.place(sent_place(&message), message);
+        }
         let place = self.back;
         self.back += 1;
         self.place(place, message);
     }
 
-    /// Puts `message` first in line.
+    /// Puts `message` first in line (on a FIFO queue: back in its place).
     fn push_front(&mut self, message: Stored) {
+        if self.fifo {
+            return self.place(sent_place(&message), message);
+        }
         let place = self.front;
         self.front -= 1;
         self.place(place, message);
@@ -133,10 +152,15 @@ impl QueueState {
     }
 
     /// The next message to hand out: the first in line, a fair queue passing over the
-    /// noisy groups' while a quiet group has one.
-    fn pop(&mut self) -> Option<Stored> {
-        let quiet = if self.fair { self.heads.iter().find(|(_, group)| !self.noisy(*group)).copied() } else { None };
-        let (place, group) = quiet.or_else(|| self.heads.first().copied())?;
+    /// noisy groups' while a quiet group has one, a FIFO queue over the groups with a
+    /// message in flight (but `receiving`, whose messages this receive is handing out).
+    fn pop(&mut self, receiving: Option<usize>) -> Option<Stored> {
+        let (place, group) = if self.fifo {
+            self.heads.iter().find(|(_, group)| self.in_flight[*group] == 0 || receiving == Some(*group)).copied()?
+        } else {
+            let quiet = if self.fair { self.heads.iter().find(|(_, group)| !self.noisy(*group)).copied() } else { None };
+            quiet.or_else(|| self.heads.first().copied())?
+        };
         self.heads.remove(&(place, group));
         let message = self.groups[group].remove(&place).expect("a head is in its group");
         if let Some(next) = self.groups[group].keys().next() {
@@ -148,9 +172,10 @@ impl QueueState {
 
     /// Hands out up to `max` messages, each hidden until `until` under a new receipt.
     pub fn receive(&mut self, max: usize, until: UnixMillis) -> Vec<(u64, Stored)> {
-        let mut received = Vec::new();
+        let mut received: Vec<(u64, Stored)> = Vec::new();
         while received.len() < max {
-            let Some(message) = self.pop() else { break };
+            let receiving = received.last().map(|(_, message)| message.group);
+            let Some(message) = self.pop(receiving) else { break };
             let receipt = self.next_receipt;
             self.next_receipt += 1;
             self.in_flight[message.group] += 1;
@@ -161,8 +186,12 @@ impl QueueState {
         received
     }
 
-    /// Holds `message` (sent with a delay) until `until`.
+    /// Holds `message` (sent with a delay) until `until` (a FIFO queue delays none: it
+    /// goes in line at once).
     pub fn delay(&mut self, message: Stored, until: UnixMillis) {
+        if self.fifo {
+            return self.push_back(message);
+        }
         let receipt = self.next_receipt;
         self.next_receipt += 1;
         self.hide(receipt, Hidden { message, until, received: false });
@@ -224,13 +253,18 @@ impl QueueState {
     }
 }
 
+/// Where a message sent `id`-th goes in its FIFO group: the order of sending.
+fn sent_place(message: &Stored) -> i64 {
+    i64::try_from(message.id).unwrap_or(i64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn stored(state: &mut QueueState, id: u64, lane: &str) -> Stored {
         let body = format!(r#"{{"id":"{id}","lane":"{lane}"}}"#);
-        let group = state.group_of(&body);
+        let group = state.group_of(&body, false);
         Stored { id, body, attempt: 0, sent_at: UnixMillis(0), group }
     }
 
@@ -291,5 +325,23 @@ mod tests {
         assert_eq!(ids(&state.receive(1, UnixMillis(1_000))), [30], "one in flight of heavy's: quiet");
         state.reveal_due(UnixMillis(5_000));
         assert_eq!((state.visible_len(), state.hidden_len()), (103 - 29, 0), "all but the 29 deleted");
+    }
+
+    #[test]
+    fn a_fifo_queue_gives_none_of_a_group_in_flight_and_gives_a_group_back_in_the_order_it_was_sent() {
+        let mut state = QueueState::fifo();
+        backlog(&mut state);
+        let first = state.receive(10, UnixMillis(1_000));
+        assert_eq!(ids(&first), (0..10).collect::<Vec<_>>(), "ten of heavy's, in order");
+        assert_eq!(ids(&state.receive(10, UnixMillis(1_000))), [100, 101, 102], "heavy is in flight: the others' only");
+        state.release(first[9].0, None);
+        assert!(state.receive(10, UnixMillis(1_000)).is_empty(), "nine of heavy's still in flight");
+        for (receipt, _) in &first[..9] {
+            state.delete(*receipt);
+        }
+        let next = state.receive(3, UnixMillis(2_000));
+        assert_eq!(ids(&next), [9, 10, 11], "the one given back first, in its place");
+        state.reveal_due(UnixMillis(2_000));
+        assert_eq!(ids(&state.receive(3, UnixMillis(3_000))), [9, 10, 11], "visible again: back in place, not last in line");
     }
 }

@@ -63,6 +63,18 @@ pub fn write_config(dir: &Path, base_url: &str, tiers: &[&str], extra: &str) -> 
     path
 }
 
+/// The API an ordered lane's tests call: 1000/s, answering in 1 to 3 ms, every 50th
+/// call a 500 (2% of calls fail, and their jobs are retried).
+#[must_use]
+pub fn two_percent_failing_api() -> paceline_cli::fake_api::FakeApiSpec {
+    paceline_cli::fake_api::FakeApiSpec {
+        tiers: vec!["1000/s".parse().expect("a tier")],
+        latency: (std::time::Duration::from_millis(1), std::time::Duration::from_millis(3)),
+        server_error_every: Some(50),
+        ..paceline_cli::fake_api::FakeApiSpec::default()
+    }
+}
+
 /// One job per id, each calling `/items/ID` (or `/missing/ID` for ids starting `gone`).
 #[must_use]
 pub fn job_lines(ids: &[String]) -> String {

@@ -11,6 +11,7 @@ use aws_sdk_dynamodb::types::AttributeValue;
 use lambda_runtime::{Context, LambdaEvent};
 use paceline_cli::fake_api::{FakeApi, FakeApiSpec};
 use paceline_e2e::aws::{create_lane, create_lane_of, lane_env, moto_sdk_config, FakeLambda, QueueKind};
+use paceline_e2e::two_percent_failing_api;
 use paceline_orchestrator::{lambda as orchestrator_lambda, Orchestrator, RunError, RunOptions, StopReason};
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames, DynamoStateStore, SqsQueue};
 use paceline_shared::adapters::memory::RecordingWorker;
@@ -772,13 +773,7 @@ async fn an_ordered_lane_on_a_fifo_queue_calls_its_jobs_in_enqueue_order_and_eac
     ];
     lane.env.extend(settings.iter().map(|(name, value)| ((*name).to_owned(), (*value).to_owned())));
     // 2% of calls fail (a 500): their jobs are retried, each before the job after it.
-    let spec = FakeApiSpec {
-        tiers: vec!["1000/s".parse().unwrap()],
-        latency: (Duration::from_millis(1), Duration::from_millis(3)),
-        server_error_every: Some(50),
-        ..FakeApiSpec::default()
-    };
-    let api = FakeApi::start(spec).await.unwrap();
+    let api = FakeApi::start(two_percent_failing_api()).await.unwrap();
     lane.with_worker_calling(&api);
     // 500, not the 10,000 of the embedded test: moto's FIFO receive reads the whole
     // queue each time, and the suite's time is shared.

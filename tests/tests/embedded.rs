@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use paceline_cli::fake_api::{FakeApi, FakeApiLog, FakeApiSpec};
-use paceline_e2e::{job_lines, json_of, lane_dir, one_lane_at_a_time, paceline, paceline_bin, write_config};
+use paceline_e2e::{job_lines, json_of, lane_dir, one_lane_at_a_time, paceline, paceline_bin, two_percent_failing_api, write_config};
 use paceline_shared::check::peak_in_any_window;
 use paceline_shared::time::UnixMillis;
 
@@ -749,13 +749,7 @@ fn calls_in_order(log: &FakeApiLog) -> Vec<(String, bool)> {
 async fn an_ordered_lane_calls_its_jobs_in_enqueue_order_and_each_retry_before_any_later_job() {
     let _alone = one_lane_at_a_time().await;
     // 2% of calls fail (a 500): their jobs are retried, each before the job after it.
-    let spec = FakeApiSpec {
-        tiers: vec!["1000/s".parse().unwrap()],
-        latency: (Duration::from_millis(1), Duration::from_millis(3)),
-        server_error_every: Some(50),
-        ..FakeApiSpec::default()
-    };
-    let api = FakeApi::start(spec).await.unwrap();
+    let api = FakeApi::start(two_percent_failing_api()).await.unwrap();
     let dir = lane_dir("ordered");
     let path = write_config(&dir, &api.base_url, &["1000/s"], "[retry]\nbackoff_base = \"20ms\"\nbackoff_max = \"50ms\"\n");
     let text = std::fs::read_to_string(&path).unwrap().replace("safety_margin = \"25ms\"\n", "safety_margin = \"25ms\"\nordering = \"fifo\"\n");

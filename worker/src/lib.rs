@@ -455,7 +455,7 @@ impl Worker {
         match outcome {
             Outcome::Success { .. } => {
                 let record = self.keep_outcome(job, Ending::Succeeded, attempted, None).await?;
-                self.mark_order(job, attempt, OrderState::Settled).await?;
+                self.mark_order(job, attempt, OrderState::Settled { at: self.clock.now() }).await?;
                 Ok(record)
             }
             Outcome::RateLimited { until } => {
@@ -805,7 +805,7 @@ impl Worker {
         self.queue.dead_letter(job.id.as_str(), &job.to_json(), attempt, &reason).await?;
         WorkerStats::bump(&self.stats.dead_lettered);
         let record = self.sink(record).await?;
-        self.mark_order(job, attempt, OrderState::Settled).await?;
+        self.mark_order(job, attempt, OrderState::Settled { at: self.clock.now() }).await?;
         Ok(record)
     }
 }

@@ -138,9 +138,10 @@ pub struct SimulateArgs {
     pub skew: Skew,
     /// The jobs queue, with `--lanes`: the embedded store's, SQS as a standard queue
     /// without message groups (`sqs`), or SQS as Paceline sends to it on AWS, each job
-    /// in its lane's group: a fair queue (`sqs-fair`). SQS adds its latencies and
-    /// counts its requests.
-    #[arg(long, value_name = "embedded|sqs|sqs-fair", default_value = "embedded")]
+    /// in its lane's group: a fair queue (`sqs-fair`), or a FIFO queue, each lane a
+    /// group (`sqs-fifo`: what ordered lanes need). SQS adds its latencies and counts
+    /// its requests.
+    #[arg(long, value_name = "embedded|sqs|sqs-fair|sqs-fifo", default_value = "embedded")]
     pub queue: LanesQueue,
     /// Draw each tier's use over time against its limit to this file (.png or .svg),
     /// with outages, refused calls and, with `--baselines`, the other dispatchers.

@@ -273,16 +273,16 @@ pub async fn state_store(store: Arc<dyn StateStore>, quota: &Quota) {
     // An ordered lane's mark.
     assert_eq!(store.order_mark().await.unwrap(), None, "no mark before the first ordered job");
     store.open_order(&OrderMark::open("job-1", 0, at(500))).await.unwrap();
-    assert!(!store.settle_order("job-1", 1, OrderState::Settled).await.unwrap(), "another attempt's settlement changes nothing");
-    assert!(!store.settle_order("job-0", 0, OrderState::Settled).await.unwrap(), "another job's settlement changes nothing");
+    assert!(!store.settle_order("job-1", 1, OrderState::Settled { at: at(501) }).await.unwrap(), "another attempt's settlement changes nothing");
+    assert!(!store.settle_order("job-0", 0, OrderState::Settled { at: at(501) }).await.unwrap(), "another job's settlement changes nothing");
     assert_eq!(store.order_mark().await.unwrap(), Some(OrderMark::open("job-1", 0, at(500))));
     assert!(store.settle_order("job-1", 0, OrderState::Retrying { at: at(502) }).await.unwrap());
     let retrying = OrderMark { job_id: "job-1".into(), attempt: 0, state: OrderState::Retrying { at: at(502) } };
     assert_eq!(store.order_mark().await.unwrap(), Some(retrying), "the mark says the job comes back, and when");
     store.open_order(&OrderMark::open("job-1", 1, at(503))).await.unwrap();
-    assert!(store.settle_order("job-1", 1, OrderState::Settled).await.unwrap());
+    assert!(store.settle_order("job-1", 1, OrderState::Settled { at: at(504) }).await.unwrap());
     assert!(!store.settle_order("job-1", 0, OrderState::Retrying { at: at(504) }).await.unwrap(), "a late repeat of an earlier attempt changes nothing");
-    assert_eq!(store.order_mark().await.unwrap().map(|mark| mark.state), Some(OrderState::Settled));
+    assert_eq!(store.order_mark().await.unwrap().map(|mark| mark.state), Some(OrderState::Settled { at: at(504) }));
 }
 
 /// Polls borrowing futures together on this task (they cannot be spawned) and
