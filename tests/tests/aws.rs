@@ -347,8 +347,14 @@ async fn the_worker_reads_its_api_token_from_secrets_manager_and_a_missing_one_f
     assert!(ApiSecrets::fetch(&Env::new(&none), &sdk).await.unwrap().value("API_TOKEN").is_none());
 }
 
+/// Held by the tests that load moto most (an ordered lane's FIFO receives read the whole
+/// queue) or need it quick (a run killed at 3.3 s, a lease of 2 s): they never run
+/// beside each other.
+static MOTO_BUSY_OR_TIMED: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_orchestrator_killed_mid_run_never_lets_the_day_counter_fall_under_the_calls() {
+    let _alone = MOTO_BUSY_OR_TIMED.lock().await;
     let mut lane = lane("5/s,60/day").await;
     lane.env.insert("PACELINE_LEASE_TTL".into(), "2s".into());
     lane.env.insert("PACELINE_VISIBILITY_TIMEOUT".into(), "4s".into());
@@ -760,6 +766,7 @@ async fn three_lanes_keep_their_own_quotas_and_keys_and_one_lane_s_failures_touc
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ordered_lane_on_a_fifo_queue_calls_its_jobs_in_enqueue_order_and_each_retry_before_any_later_job() {
+    let _alone = MOTO_BUSY_OR_TIMED.lock().await;
     let mut lane = lane_on("1000/s", QueueKind::Fifo).await;
     let settings = [
         ("PACELINE_ORDERING", "fifo"),
@@ -775,9 +782,9 @@ async fn an_ordered_lane_on_a_fifo_queue_calls_its_jobs_in_enqueue_order_and_eac
     // 2% of calls fail (a 500): their jobs are retried, each before the job after it.
     let api = FakeApi::start(two_percent_failing_api()).await.unwrap();
     lane.with_worker_calling(&api);
-    // 500, not the 10,000 of the embedded test: moto's FIFO receive reads the whole
-    // queue each time, and the suite's time is shared.
-    let count = 500;
+    // 200, not the 10,000 of the embedded test: moto's FIFO receive reads the whole
+    // queue each time, and this test shares moto with the others running beside it.
+    let count = 200;
     lane.enqueue(jobs("fifo", count)).await;
     for _ in 0..5 {
         lane.orchestrator().run(&drain_opts("ordered", Duration::from_secs(240))).await.unwrap();
@@ -792,7 +799,7 @@ async fn an_ordered_lane_on_a_fifo_queue_calls_its_jobs_in_enqueue_order_and_eac
     let position = |path: &str| path.strip_prefix("/items/fifo-").and_then(|n| n.parse::<usize>().ok());
     let called: Vec<usize> = log.calls.iter().filter_map(|(path, _)| position(path)).collect();
     let succeeded: Vec<usize> = log.calls.iter().filter(|(_, ok)| *ok).filter_map(|(path, _)| position(path)).collect();
-    assert!(log.server_errors >= 8, "about 2% of the calls failed: {}", log.server_errors);
+    assert!(log.server_errors >= 3, "about 2% of the calls failed: {}", log.server_errors);
     assert_eq!(called.windows(2).filter(|pair| pair[1] < pair[0]).count(), 0, "a call went before one enqueued earlier (its retries included)");
     assert_eq!(succeeded, (0..count).collect::<Vec<_>>(), "each job succeeded once, in enqueue order");
     assert_eq!((log.quota_rejections, lane.queue().depth().await.unwrap().dead), (0, 0));
