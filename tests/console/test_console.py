@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
@@ -166,6 +167,20 @@ def text(browser, element_id):
     return browser.find_element(By.ID, element_id).text
 
 
+def click(browser, selector):
+    """Clicks the element `selector` finds. The console redraws its tables as news comes:
+    an element found just before a redraw is found again."""
+
+    def clicked(b):
+        try:
+            b.find_element(By.CSS_SELECTOR, selector).click()
+            return True
+        except StaleElementReferenceException:
+            return False
+
+    WebDriverWait(browser, 10).until(clicked)
+
+
 def test_a_wrong_token_gets_401_and_the_console_says_so(stack, browser):
     assert request(stack, "GET", "/v1/status", token="not-the-token")[0] == 401
     log_in(browser, stack, "not-the-token")
@@ -189,8 +204,7 @@ def test_the_page_loads_with_the_token_and_its_numbers_change_while_the_lane_dra
 
 def test_a_job_s_xss_payload_shows_as_text_in_the_dead_letters_and_results(stack, browser):
     WebDriverWait(browser, 60).until(lambda b: "http_404" in text(b, "dlq-causes"))
-    row = browser.find_element(By.CSS_SELECTOR, "#dlq-records tr.selectable")
-    row.click()
+    click(browser, "#dlq-records tr.selectable")
     detail = text(browser, "dlq-detail")
     assert "window.__xss=1" in detail and "<img src=x" in detail, detail
     browser.find_element(By.ID, "results-status").send_keys("2xx")
@@ -203,7 +217,7 @@ def test_a_job_s_xss_payload_shows_as_text_in_the_dead_letters_and_results(stack
 def test_a_read_only_token_sees_the_dead_letters_but_cannot_redrive_them(stack, browser):
     log_in(browser, stack, READ)
     WebDriverWait(browser, 30).until(lambda b: "http_404" in text(b, "dlq-causes"))
-    browser.find_element(By.CSS_SELECTOR, "#dlq-causes button.redrive").click()
+    click(browser, "#dlq-causes button.redrive")
     WebDriverWait(browser, 10).until(lambda b: "may only read" in text(b, "message"))
     summary = json.loads(request(stack, "GET", "/v1/dlq")[1])
     assert summary["total"] == MISSING_JOBS, summary
@@ -213,7 +227,7 @@ def test_the_redrive_button_moves_the_dead_letters_back_and_they_succeed(stack, 
     FakeApi.missing_found = True
     log_in(browser, stack, ACT)
     WebDriverWait(browser, 30).until(lambda b: "http_404" in text(b, "dlq-causes"))
-    browser.find_element(By.CSS_SELECTOR, "#dlq-causes button.redrive").click()
+    click(browser, "#dlq-causes button.redrive")
     WebDriverWait(browser, 10).until(lambda b: f"redrove {MISSING_JOBS} dead letter(s)" in text(b, "message"))
 
     def redriven_succeeded():
