@@ -485,7 +485,7 @@ impl<'a> LaneMachine<'a> {
     fn bring_retry_forward(&mut self) -> bool {
         let Some((job_id, _)) = self.order.as_ref().and_then(OrderGate::awaited_retry) else { return false };
         let Some(index) = self.buffer.iter().position(|held| held_is(held, job_id)) else { return false };
-        if let Some(held) = (index > 0).then(|| self.buffer.remove(index)).flatten() {
+        if let Some(held) = self.buffer.remove(index) {
             self.buffer.push_front(held);
         }
         true

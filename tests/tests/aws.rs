@@ -802,5 +802,6 @@ async fn an_ordered_lane_on_a_fifo_queue_calls_its_jobs_in_enqueue_order_and_eac
     assert!(log.server_errors >= 3, "about 2% of the calls failed: {}", log.server_errors);
     assert_eq!(called.windows(2).filter(|pair| pair[1] < pair[0]).count(), 0, "a call went before one enqueued earlier (its retries included)");
     assert_eq!(succeeded, (0..count).collect::<Vec<_>>(), "each job succeeded once, in enqueue order");
+    assert_eq!(log.peak_in_flight, 1, "one call of the lane at a time");
     assert_eq!((log.quota_rejections, lane.queue().depth().await.unwrap().dead), (0, 0));
 }

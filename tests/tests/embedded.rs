@@ -776,6 +776,52 @@ async fn an_ordered_lane_calls_its_jobs_in_enqueue_order_and_each_retry_before_a
     assert_eq!(out_of_order, 0, "a call went before one enqueued earlier (its retries included)");
     assert_eq!(succeeded, (0..jobs.len()).collect::<Vec<_>>(), "each job succeeded once, in enqueue order");
     assert_eq!(summary["succeeded"], 10_000, "{summary}");
+    assert_eq!(log.peak_in_flight, 1, "one call of the lane at a time");
     assert_eq!(summary["dead_lettered"], 0, "{summary}");
+    assert_eq!(log.quota_rejections, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordered_lanes_of_a_stack_keep_each_lane_s_order_through_retries_and_do_not_hold_each_other() {
+    let _alone = one_lane_at_a_time().await;
+    let api = FakeApi::start(two_percent_failing_api()).await.unwrap();
+    let dir = lane_dir("ordered-lanes");
+    let path = write_config(
+        &dir,
+        &api.base_url,
+        &["1000/s"],
+        "[retry]\nbackoff_base = \"20ms\"\nbackoff_max = \"50ms\"\n[lanes]\ntiers = [\"500/s\"]\nordering = \"fifo\"\n",
+    );
+    let text = std::fs::read_to_string(&path).unwrap();
+    let text = text.replace("[circuit]\n", "[circuit]\nminimum_calls = 1000\n").replace("[orchestrator]\n", "[orchestrator]\ndispatch_ahead = \"1ms\"\n");
+    std::fs::write(&path, text).unwrap();
+    let config = path.to_str().unwrap();
+    // Three lanes' jobs interleaved on the queue, 400 each.
+    let lanes = ["a", "b", "c"];
+    let jobs: Vec<(String, &str)> = (0..1_200).map(|n| (format!("{}-{n:04}", lanes[n % 3]), lanes[n % 3])).collect();
+    let lines: String = jobs
+        .iter()
+        .map(|(id, lane)| format!("{{\"id\":\"{id}\",\"lane\":\"{lane}\",\"request\":{{\"method\":\"POST\",\"path\":\"/items/{id}\"}}}}\n"))
+        .collect();
+    let enqueued = paceline(&["enqueue", "--config", config, "-"], &lines).await;
+    assert!(enqueued.status.success(), "{}", String::from_utf8_lossy(&enqueued.stderr));
+
+    let run = paceline(&["run", "--config", config, "--drain", "--json"], "").await;
+    let summary = json_of(&run);
+    assert!(run.status.success(), "{summary}");
+    let log = api.log();
+    assert!(log.server_errors >= 15, "about 2% of 1,200 calls failed: {}", log.server_errors);
+    for lane in lanes {
+        let of_lane: Vec<(u32, bool)> =
+            calls_in_order(&log).into_iter().filter(|(id, _)| id.starts_with(lane)).map(|(id, ok)| (id[2..].parse().unwrap(), ok)).collect();
+        let called: Vec<u32> = of_lane.iter().map(|(n, _)| *n).collect();
+        let succeeded: Vec<u32> = of_lane.iter().filter(|(_, ok)| *ok).map(|(n, _)| *n).collect();
+        let expected: Vec<u32> = (0..1_200).filter(|n| lanes[*n as usize % 3] == lane).collect();
+        assert_eq!(called.windows(2).filter(|pair| pair[1] < pair[0]).count(), 0, "lane {lane}: a call went before one enqueued earlier");
+        assert_eq!(succeeded, expected, "lane {lane}: each job succeeded once, in enqueue order");
+    }
+    // One call of a lane at a time, the three lanes' side by side.
+    assert!((2..=3).contains(&log.peak_in_flight), "{} calls in flight at once", log.peak_in_flight);
+    assert_eq!(summary["succeeded"], 1_200, "{summary}");
     assert_eq!(log.quota_rejections, 0);
 }
