@@ -500,7 +500,10 @@ impl<'a> LaneMachine<'a> {
         match gate.step(retry_in_hand, now) {
             GateStep::Go => None,
             GateStep::WaitUntil(at) => Some(LaneStep::WaitUntil(self.hand_off_time(at, now))),
-            GateStep::WaitForRead => Some(LaneStep::WaitUntil(self.timers.get(LaneTimer::OrderRead).unwrap_or(now).max(now.plus(Duration::from_millis(1))))),
+            // Until the next read (none due: one is under way, and its answer wakes the loop).
+            GateStep::WaitForRead => {
+                Some(LaneStep::WaitUntil(self.timers.get(LaneTimer::OrderRead).unwrap_or(UnixMillis(u64::MAX)).max(now.plus(Duration::from_millis(1)))))
+            }
             // A receive wakes the loop.
             GateStep::WaitForRetry => Some(LaneStep::WaitUntil(UnixMillis(u64::MAX))),
         }
