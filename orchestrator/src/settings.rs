@@ -54,7 +54,7 @@ impl Settings {
     /// Which of the stack's lanes are ordered.
     #[must_use]
     pub fn lane_ordering(&self) -> LaneOrdering {
-        self.lanes.as_ref().map_or_else(|| LaneOrdering { default: self.ordering, ..LaneOrdering::default() }, LanesConfig::ordering)
+        LanesConfig::ordering_of_stack(self.lanes.as_ref(), self.ordering)
     }
 
     /// How long before its slot each job is decided: the hand-off's lead and the batch

@@ -531,7 +531,8 @@ impl EmbeddedStore {
     /// their order; then the others, the longest visible first.
     fn try_receive(&self, max: usize, visibility: Duration) -> PortResult<Vec<QueuedMessage>> {
         self.on_db(|| {
-            let now = to_i64(self.clock.now().0);
+            let received_at = self.clock.now();
+            let now = to_i64(received_at.0);
             let mut conn = self.conn();
             let tx = conn.transaction().map_err(sql_err)?;
             let max = max.min(10);
@@ -554,7 +555,7 @@ impl EmbeddedStore {
             if room > 0 {
                 rows.extend(select_rows(&tx, "SELECT seq, message_id, body, attempt, enqueued_at, visible_at FROM messages INDEXED BY messages_visible WHERE grp IS NULL AND ahead = 0 AND visible_at <= ?1 ORDER BY visible_at, seq LIMIT ?2", params![now, to_i64(room as u64)])?);
             }
-            let hidden_until = to_i64(self.clock.now().plus(visibility).0);
+            let hidden_until = to_i64(received_at.plus(visibility).0);
             let mut received = Vec::with_capacity(rows.len());
             {
                 let mut update = tx

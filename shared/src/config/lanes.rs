@@ -92,6 +92,13 @@ pub struct LanesConfig {
 }
 
 impl LanesConfig {
+    /// Which lanes of a stack are ordered: `lanes`' settings say, or for a stack without
+    /// lanes, `quota_ordering` (`[quota] ordering`).
+    #[must_use]
+    pub fn ordering_of_stack(lanes: Option<&Self>, quota_ordering: JobOrder) -> LaneOrdering {
+        lanes.map_or_else(|| LaneOrdering { default: quota_ordering, ..LaneOrdering::default() }, Self::ordering)
+    }
+
     /// Which lanes are ordered.
     #[must_use]
     pub fn ordering(&self) -> LaneOrdering {

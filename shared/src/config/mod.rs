@@ -874,7 +874,7 @@ impl Config {
             lanes.check_keys(env)?;
         }
         if let Backend::Aws(aws) = &backend {
-            let ordering = lanes.as_ref().map_or_else(|| LaneOrdering { default: quota_ordering, ..LaneOrdering::default() }, LanesConfig::ordering);
+            let ordering = LanesConfig::ordering_of_stack(lanes.as_ref(), quota_ordering);
             let key = if lanes.is_some() { "lanes" } else { "quota.ordering" };
             check_fifo_for_ordering(&ordering, &aws.queue_url).map_err(|e| ConfigProblem::at(key, e))?;
         }
@@ -895,7 +895,7 @@ impl Config {
     /// Which of the stack's lanes are ordered.
     #[must_use]
     pub fn ordering(&self) -> LaneOrdering {
-        self.lanes.as_ref().map_or_else(|| LaneOrdering { default: self.quota_ordering, ..LaneOrdering::default() }, LanesConfig::ordering)
+        LanesConfig::ordering_of_stack(self.lanes.as_ref(), self.quota_ordering)
     }
 
     /// The quota `lane`'s jobs go under besides the shared one: its own under `[lanes]`,
