@@ -7,6 +7,7 @@
 
 pub mod aws;
 pub mod baselines;
+pub mod diagram;
 pub mod lanes;
 pub mod plot;
 pub mod pricing;

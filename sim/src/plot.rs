@@ -30,7 +30,7 @@ const MAX_POINTS: usize = 150;
 /// The font every label is set in, bundled so that a machine without fonts draws text
 /// (DejaVu Sans; its licence is beside it).
 const FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
-const FAMILY: &str = "sans-serif";
+pub(crate) const FAMILY: &str = "sans-serif";
 
 const LANE_COLOUR: RGBColor = RGBColor(31, 111, 235);
 const LIMIT_COLOUR: RGBColor = RGBColor(200, 30, 30);
@@ -49,7 +49,7 @@ const BASELINE_COLOURS: [RGBColor; 5] = [RGBColor(230, 120, 0), RGBColor(40, 150
 
 /// Why a plot was not written.
 #[derive(Debug)]
-pub struct PlotError(String);
+pub struct PlotError(pub(crate) String);
 
 impl fmt::Display for PlotError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -383,7 +383,7 @@ fn count_label(value: f64, top: f64) -> String {
     }
 }
 
-fn register_font() -> Result<(), PlotError> {
+pub(crate) fn register_font() -> Result<(), PlotError> {
     static REGISTERED: OnceLock<bool> = OnceLock::new();
     let ok = *REGISTERED.get_or_init(|| plotters::style::register_font(FAMILY, FontStyle::Normal, FONT).is_ok());
     if ok {

@@ -230,3 +230,48 @@ fn the_command_scanner_takes_synopses_as_a_reader_would() {
     let found: Vec<String> = invocations(block).into_iter().map(|(_, args)| args.join(" ")).collect();
     assert_eq!(found, vec!["results --config p.toml --json --since 10m --status 2xx", "dlq list --limit 10", "enqueue -", "demo"]);
 }
+
+/// The pictures of the guide: each `docs/pictures/NAME.toml` and the `NAME.svg` drawn
+/// from it.
+fn pictures() -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/pictures");
+    let mut sources: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "toml"))
+        .collect();
+    sources.sort();
+    sources
+}
+
+/// `PACELINE_DRAW_PICTURES=1 cargo test -p paceline-e2e --test docs` draws them again
+/// after their sources changed.
+#[test]
+fn every_picture_in_the_docs_is_what_its_source_draws_and_is_shown_on_a_page() {
+    let redraw = std::env::var_os("PACELINE_DRAW_PICTURES").is_some();
+    let pages: String = pages().iter().map(|page| std::fs::read_to_string(page).unwrap()).collect();
+    let sources = pictures();
+    assert!(sources.len() >= 3, "the data flow, the circuit and the hand-over");
+    let mut wrong = Vec::new();
+    for source in sources {
+        let diagram = paceline_sim::diagram::Diagram::from_toml(&std::fs::read_to_string(&source).unwrap()).unwrap();
+        let drawn = diagram.to_svg().unwrap_or_else(|e| panic!("{}: {e}", source.display()));
+        let svg = source.with_extension("svg");
+        if redraw {
+            std::fs::write(&svg, &drawn).unwrap();
+        }
+        if std::fs::read_to_string(&svg).unwrap_or_default() != drawn {
+            wrong.push(format!(
+                "{} is not what {} draws: redraw it with PACELINE_DRAW_PICTURES=1 cargo test -p paceline-e2e --test docs",
+                svg.display(),
+                source.display()
+            ));
+        }
+        let name = svg.file_name().unwrap().to_string_lossy().into_owned();
+        if !pages.contains(&format!("pictures/{name})")) {
+            wrong.push(format!("no page shows {name}"));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}

@@ -1,7 +1,7 @@
 //! `paceline results`: the outcome records of an embedded lane's jobs (the API's status,
 //! chosen headers and body, attempts, times), filtered by job, lane, time and status; as a
 //! table or JSON lines, and followed as new ones arrive. On AWS the records go to the
-//! results destination instead (the README shows how to read the results queue).
+//! results destination instead (docs/jobs.md shows how to read the results queue).
 
 use std::time::Duration;
 
@@ -62,7 +62,7 @@ impl ResultsArgs {
     pub async fn run(self) -> anyhow::Result<()> {
         let config = load_config_for_operations(&self.config.config)?;
         if matches!(config.backend, paceline_shared::config::Backend::Aws(_)) {
-            bail!("on AWS, outcome records go to the worker's results destination (the stack's ResultsQueueUrl): read them there, as the README shows");
+            bail!("on AWS, outcome records go to the worker's results destination (the stack's ResultsQueueUrl): read them there, as docs/jobs.md shows");
         }
         let store = open_store(&config, IfMissing::Refuse)?;
         let mut query =

@@ -40,7 +40,7 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub stack: StackArgs,
     /// The address to listen on: loopback by default; any other needs `[serve] token`
-    /// (and TLS in front, see the README).
+    /// (and TLS in front, see docs/serve.md).
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
     /// Serve only, run no lane: the API and console over a stack that runs elsewhere
@@ -196,7 +196,7 @@ impl Serving {
         let serve = stack.config.as_ref().map(|config| config.serve.clone()).unwrap_or_default();
         if !listen.ip().is_loopback() && serve.token.is_none() {
             bail!(
-                "--listen {listen} is not loopback: set [serve] token = {{ env = \"VARIABLE\" }} first (and put TLS in front: a reverse proxy such as Caddy or nginx, see the README)"
+                "--listen {listen} is not loopback: set [serve] token = {{ env = \"VARIABLE\" }} first (and put TLS in front: a reverse proxy such as Caddy or nginx, see docs/serve.md)"
             );
         }
         let (tokens, generated) = Tokens::resolve(&serve, stack.embedded.as_deref(), new_tokens)?;
