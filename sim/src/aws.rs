@@ -766,6 +766,9 @@ pub struct Executions {
 /// Lambda's default concurrent executions per account and Region.
 pub const DEFAULT_LAMBDA_CONCURRENCY: u64 = 1_000;
 
+/// Lambda's default `MaximumEventAgeInSeconds` for asynchronous events: six hours.
+pub const DEFAULT_MAX_EVENT_AGE: Duration = Duration::from_secs(21_600);
+
 /// The longest Lambda waits between tries of a throttled async event.
 const THROTTLE_RETRY_MAX: Duration = Duration::from_secs(300);
 
@@ -841,7 +844,7 @@ impl SimLambda {
             world: world.clone(),
             worker,
             concurrency: DEFAULT_LAMBDA_CONCURRENCY,
-            max_event_age: Duration::from_secs(21_600),
+            max_event_age: DEFAULT_MAX_EVENT_AGE,
             crash_share: 0.0,
             running: AtomicU64::default(),
             executing: AtomicU64::default(),

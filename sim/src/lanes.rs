@@ -13,15 +13,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use paceline_orchestrator::{jain_index, Orchestrator, RunOptions, Settings};
+use paceline_orchestrator::{jain_index, BatchingInvoker, Orchestrator, RunOptions, Settings};
 use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::config::LanesConfig;
-use paceline_shared::job::WorkerPayload;
+use paceline_shared::job::{CallSlot, Job, WorkerPayload};
 use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
 use paceline_shared::order::OrderState;
+use paceline_shared::outcome::OutcomeRecord;
 use paceline_shared::pacer::{Decision, PacerState};
-use paceline_shared::ports::{Invoker, JobQueue, OutgoingMessage, PortResult, ScopedStores, StateStore};
+use paceline_shared::ports::{Invoker, JobQueue, OutgoingMessage, PortResult, ScopedStores, StateStore, WorkerHandler};
 use paceline_shared::quota::{Period, Quota};
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 use rand::SeedableRng;
@@ -29,7 +30,7 @@ use rand_distr::{Distribution, Zipf};
 use rand_pcg::Pcg64Mcg;
 use serde::Serialize;
 
-use crate::aws::{SimQueue, SimStores, World};
+use crate::aws::{SimLambda, SimQueue, SimStores, World};
 use crate::profile::{LatencyProfile, Sampler, Stream};
 use crate::SIM_START;
 
@@ -48,6 +49,18 @@ pub struct LanesPlan {
     pub settings: Settings,
     /// The jobs queue the orchestrator receives from.
     pub queue: LanesQueue,
+    /// Where the calls are made: by workers in the orchestrator's process, at each
+    /// hand-off (none), or by simulated Lambda workers that carry batches and wait for
+    /// each job's slot.
+    pub lambda: Option<LambdaWorkers>,
+}
+
+/// Simulated Lambda workers for a simulation of lanes: the account's concurrent
+/// executions, and how old an event may grow while it is throttled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LambdaWorkers {
+    pub concurrency: u64,
+    pub max_event_age: Duration,
 }
 
 /// The jobs queue of a simulation of lanes.
@@ -178,10 +191,19 @@ pub struct LanesReport {
     /// DynamoDB requests per job (the orchestrator's: lease, lanes' reads and
     /// snapshots, reservations), on an SQS queue, whose stack keeps its state there.
     pub dynamodb_requests_per_job: Option<f64>,
-    /// What SQS (the producers' sends too) and the orchestrator's DynamoDB requests
-    /// cost per million jobs at list prices (`sim/src/pricing.rs`), on an SQS queue:
-    /// the workers here are in process, their Lambda and call records apart.
+    /// What SQS (the producers' sends too) and DynamoDB cost per million jobs at list
+    /// prices (`sim/src/pricing.rs`), on an SQS queue: the orchestrator's requests, and
+    /// with Lambda workers their call records too (in-process workers' are apart).
     pub queue_and_state_usd_per_million: Option<f64>,
+    /// With Lambda workers: the most executions at once, the jobs whose events aged out
+    /// unrun while throttled, the jobs whose worker started after their slot (re-queued,
+    /// no call made), Lambda invokes per job, and the whole cost per million jobs
+    /// (Lambda, SQS, the orchestrator's DynamoDB requests and one call-record write a job).
+    pub lambda_peak_executions: Option<u64>,
+    pub lambda_aged_out_jobs: Option<u64>,
+    pub missed_slots: Option<u64>,
+    pub lambda_invokes_per_job: Option<f64>,
+    pub all_in_usd_per_million: Option<f64>,
     /// Wall-clock seconds the simulation took.
     pub wall_seconds: f64,
     /// Units called each second from the start: the [`PLOTTED_LANES`] lanes with most
@@ -193,39 +215,97 @@ pub struct LanesReport {
 /// The lanes a plot shows one by one; the others are one band.
 pub const PLOTTED_LANES: usize = 6;
 
-/// Records every hand-off as the call it stands for: workers in one process call at the
-/// slot, which a hand-off without dispatch-ahead is.
+/// Records every call the provider sees. Workers in one process call at the slot, which
+/// a hand-off without dispatch-ahead is: as the orchestrator's invoker, each hand-off is
+/// its call. As simulated Lambda workers' handler, each job of a payload waits for its
+/// slot and calls then, or goes back on the queue without a call if its worker started
+/// after the slot, as a real worker does.
 struct CallLog {
     clock: Arc<dyn Clock>,
     lanes: BTreeMap<LaneId, usize>,
     calls: Mutex<Vec<Call>>,
-    /// Where an ordered lane's job is settled, as its worker would: after a Lambda
-    /// worker's start and the API's answer, in the lane's state.
-    settles: Arc<World>,
+    /// The services' latencies: a Lambda worker's start, the API's answer, DynamoDB.
+    world: Arc<World>,
+    /// Where an ordered lane's job is settled, as its worker would.
     stores: Arc<dyn ScopedStores>,
+    /// Where a job whose slot was missed goes back (Lambda workers only).
+    queue: Option<Arc<dyn JobQueue>>,
+    missed_slots: std::sync::atomic::AtomicU64,
+}
+
+impl CallLog {
+    fn record(&self, job: &Job) {
+        let lane = self.lanes.get(&job.lane).copied().unwrap_or(usize::MAX);
+        self.calls.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(Call { at: self.clock.now(), lane, cost: job.cost });
+    }
+
+    /// Settles an ordered lane's job in its lane's mark once the API answered and the
+    /// mark's write is done, as its worker would.
+    fn settle_ordered(&self, job: &Job, attempt: u32) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let (world, clock, job_id) = (self.world.clone(), self.clock.clone(), job.id.to_string());
+        let store = self.stores.scoped(&StoreScope::Lane(job.lane.clone()));
+        async move {
+            world.call(Stream::Api).await;
+            world.call(Stream::DynamoDb).await;
+            if let Err(e) = store.settle_order(&job_id, attempt, OrderState::Settled { at: clock.now() }).await {
+                tracing::warn!(error = %e, "could not settle an ordered job");
+            }
+        }
+    }
+
+    /// A Lambda worker's call of one job: its call record claimed (one DynamoDB write),
+    /// then the call at its slot, or the job back on the queue if the slot has passed.
+    async fn call_at_slot(&self, job: Job, attempt: u32, slot: Option<CallSlot>) -> PortResult<()> {
+        self.world.ledger.count("dynamodb:PutItem (worker call record)", 1);
+        self.world.ledger.dynamodb_write_units.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.world.call(Stream::DynamoDb).await;
+        if let Some(slot) = slot {
+            self.clock.sleep_until(slot.not_before).await;
+            if self.clock.now() > slot.call_by {
+                self.missed_slots.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let queue = self.queue.as_ref().expect("Lambda workers have the jobs queue");
+                let message = OutgoingMessage { ahead: job.ordered, ..OutgoingMessage::again(job.to_json(), attempt, Duration::ZERO) };
+                return queue.send(&[message]).await;
+            }
+        }
+        self.record(&job);
+        if job.ordered {
+            self.settle_ordered(&job, attempt).await;
+        } else {
+            self.world.call(Stream::Api).await;
+        }
+        Ok(())
+    }
 }
 
 #[async_trait]
 impl Invoker for CallLog {
     async fn invoke(&self, payload: &WorkerPayload, _from_receipt: Option<&str>) -> PortResult<()> {
         if let WorkerPayload::Job { job, .. } = payload {
-            let lane = self.lanes.get(&job.lane).copied().unwrap_or(usize::MAX);
-            self.calls.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(Call { at: self.clock.now(), lane, cost: job.cost });
+            self.record(job);
         }
         if let Some((job, attempt)) = payload.ordered_job() {
-            let (world, store) = (self.settles.clone(), self.stores.scoped(&StoreScope::Lane(job.lane.clone())));
-            let job_id = job.id.to_string();
-            let clock = self.clock.clone();
+            let (world, settle) = (self.world.clone(), self.settle_ordered(job, attempt));
             tokio::spawn(async move {
                 world.call(Stream::AsyncStart).await;
-                world.call(Stream::Api).await;
-                world.call(Stream::DynamoDb).await;
-                if let Err(e) = store.settle_order(&job_id, attempt, OrderState::Settled { at: clock.now() }).await {
-                    tracing::warn!(error = %e, "could not settle an ordered job");
-                }
+                settle.await;
             });
         }
         Ok(())
+    }
+}
+
+#[async_trait]
+impl WorkerHandler for CallLog {
+    async fn handle(&self, payload: WorkerPayload) -> PortResult<Option<OutcomeRecord>> {
+        let calls = payload.batch_calls().into_iter().filter_map(Result::ok).filter_map(|call| match call {
+            WorkerPayload::Job { job, attempt, slot, .. } => Some(self.call_at_slot(job, attempt, slot)),
+            _ => None,
+        });
+        for result in futures_util::future::join_all(calls).await {
+            result?;
+        }
+        Ok(None)
     }
 }
 
@@ -239,7 +319,7 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
     let wall = crate::stopwatch();
     let job_lanes = plan.job_lanes();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().expect("a tokio runtime");
-    let (calls, requests) = runtime.block_on(async {
+    let (calls, requests, lambda) = runtime.block_on(async {
         let tokio_clock = Arc::new(TokioClock::anchored_at(SIM_START));
         let clock: Arc<dyn Clock> = tokio_clock.clone();
         let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).expect("an in-memory store").with_ordering(plan.settings.lane_ordering()));
@@ -275,19 +355,71 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
                 (tables.stack(), tables)
             }
         };
-        let log = Arc::new(CallLog { clock: clock.clone(), lanes, calls: Mutex::new(Vec::new()), settles: world.clone(), stores: scoped.clone() });
-        let orchestrator = Orchestrator::new(queue, state, log.clone(), clock.clone(), plan.settings.clone()).with_scoped_stores(scoped);
+        let log = Arc::new(CallLog {
+            clock: clock.clone(),
+            lanes,
+            calls: Mutex::new(Vec::new()),
+            world: world.clone(),
+            stores: scoped.clone(),
+            queue: plan.lambda.is_some().then(|| queue.clone()),
+            missed_slots: std::sync::atomic::AtomicU64::new(0),
+        });
+        let lambda = plan.lambda.map(|workers| {
+            let handler: Arc<dyn WorkerHandler> = log.clone();
+            Arc::new(SimLambda::new(world.clone(), handler, Arc::new(Mutex::new(vec![UnixMillis(0); plan.jobs])), plan.jobs).with_executions(
+                workers.concurrency,
+                workers.max_event_age,
+                0.0,
+            ))
+        });
+        let invoker: Arc<dyn Invoker> = match &lambda {
+            Some(lambda) if plan.settings.worker_batch() > 1 && !plan.settings.hand_off_lead().is_zero() => {
+                Arc::new(BatchingInvoker::for_settings(lambda.clone(), clock.clone(), &plan.settings))
+            }
+            Some(lambda) => lambda.clone(),
+            None => log.clone(),
+        };
+        let orchestrator = Orchestrator::new(queue.clone(), state, invoker, clock.clone(), plan.settings.clone()).with_scoped_stores(scoped);
         let opts = RunOptions { holder: "simulate".into(), deadline: SIM_START.plus(Duration::from_secs(400 * 86_400)), drain: true, stop: None };
-        if let Err(e) = orchestrator.run(&opts).await {
-            tracing::warn!(error = %e, "simulated run failed");
+        loop {
+            if let Err(e) = orchestrator.run(&opts).await {
+                tracing::warn!(error = %e, "simulated run failed");
+            }
+            // Lambda workers may still hold calls, and put back jobs whose slot they
+            // missed: run again until none is left.
+            let Some(lambda) = &lambda else { break };
+            while lambda.executions().running.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+                clock.sleep_until(clock.now().plus(Duration::from_millis(100))).await;
+            }
+            match queue.depth().await {
+                Ok(depth) if depth.visible + depth.not_visible > 0 => {}
+                _ => break,
+            }
         }
         let calls = log.calls.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
         let requests = world.ledger.requests();
-        let of = |service: &str| -> u64 {
-            requests.iter().filter(|(operation, _)| operation.starts_with(service) && !operation.contains("producer")).map(|(_, n)| n).sum()
+        let orchestrators = |service: &str| -> u64 {
+            requests
+                .iter()
+                .filter(|(operation, _)| operation.starts_with(service) && !operation.contains("producer") && !operation.contains("worker"))
+                .map(|(_, n)| n)
+                .sum()
         };
         let cost = crate::pricing::estimate(&world.ledger, crate::pricing::FunctionMemory::default(), plan.jobs as u64);
-        (calls, (of("sqs:"), of("dynamodb:"), cost.per_million_jobs_usd))
+        let queue_and_state: f64 =
+            cost.lines.iter().filter(|line| line.item.starts_with("SQS") || line.item.starts_with("DynamoDB")).map(|line| line.per_million_jobs_usd).sum();
+        let lambda_figures = lambda.map(|lambda| {
+            let executions = lambda.executions();
+            let load = |counter: &std::sync::atomic::AtomicU64| counter.load(std::sync::atomic::Ordering::Relaxed);
+            LambdaFigures {
+                peak_executions: load(&executions.peak_executing),
+                aged_out_jobs: load(&executions.aged_out_jobs),
+                missed_slots: load(&log.missed_slots),
+                invokes: requests.iter().filter(|(operation, _)| operation.starts_with("lambda:")).map(|(_, n)| *n).sum(),
+                all_in_usd_per_million: cost.per_million_jobs_usd,
+            }
+        });
+        (calls, (orchestrators("sqs:"), orchestrators("dynamodb:"), queue_and_state), lambda_figures)
     });
     let dispatcher = match plan.queue {
         LanesQueue::Embedded => "paceline (weighted fair lanes)",
@@ -299,7 +431,24 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
     let per_job = |requests: u64| (plan.queue != LanesQueue::Embedded).then(|| requests as f64 / plan.jobs.max(1) as f64);
     (report.sqs_requests_per_job, report.dynamodb_requests_per_job) = (per_job(requests.0), per_job(requests.1));
     report.queue_and_state_usd_per_million = (plan.queue != LanesQueue::Embedded).then_some(requests.2);
+    if let Some(lambda) = lambda {
+        report.dispatcher.push_str(", Lambda workers");
+        report.lambda_peak_executions = Some(lambda.peak_executions);
+        report.lambda_aged_out_jobs = Some(lambda.aged_out_jobs);
+        report.missed_slots = Some(lambda.missed_slots);
+        report.lambda_invokes_per_job = Some(lambda.invokes as f64 / plan.jobs.max(1) as f64);
+        report.all_in_usd_per_million = Some(lambda.all_in_usd_per_million);
+    }
     report
+}
+
+/// What simulated Lambda workers did in a simulation of lanes.
+struct LambdaFigures {
+    peak_executions: u64,
+    aged_out_jobs: u64,
+    missed_slots: u64,
+    invokes: u64,
+    all_in_usd_per_million: f64,
 }
 
 /// The units called each second by the [`PLOTTED_LANES`] lanes with most calls, and by
@@ -555,6 +704,11 @@ fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: V
         sqs_requests_per_job: None,
         dynamodb_requests_per_job: None,
         queue_and_state_usd_per_million: None,
+        lambda_peak_executions: None,
+        lambda_aged_out_jobs: None,
+        missed_slots: None,
+        lambda_invokes_per_job: None,
+        all_in_usd_per_million: None,
         wall_seconds: wall.as_secs_f64(),
     }
 }
@@ -575,7 +729,7 @@ pub fn render_lanes(reports: &[LanesReport]) -> String {
     let mut header = vec!["".to_owned()];
     header.extend(reports.iter().map(|r| r.dispatcher.clone()));
     let mut table = crate::report::text_table(&header.iter().map(String::as_str).collect::<Vec<_>>(), &(1..=reports.len()).collect::<Vec<_>>());
-    let rows: [(&str, ReportCell); 11] = [
+    let rows: [(&str, ReportCell); 15] = [
         ("drained in", |r| format!("{:.1} s", r.seconds)),
         ("calls over a lane's tier", |r| r.lane_violations.to_string()),
         ("calls over a shared tier", |r| r.shared_violations.to_string()),
@@ -587,6 +741,13 @@ pub fn render_lanes(reports: &[LanesReport]) -> String {
         ("SQS requests per job", |r| optional(r.sqs_requests_per_job, 3)),
         ("DynamoDB requests per job", |r| optional(r.dynamodb_requests_per_job, 3)),
         ("SQS and DynamoDB per million jobs", |r| r.queue_and_state_usd_per_million.map_or_else(|| "-".to_owned(), |usd| format!("${usd:.3}"))),
+        ("Lambda executions at once, most", |r| r.lambda_peak_executions.map_or_else(|| "-".to_owned(), |n| n.to_string())),
+        ("jobs aged out / slots missed", |r| match (r.lambda_aged_out_jobs, r.missed_slots) {
+            (Some(aged), Some(missed)) => format!("{aged} / {missed}"),
+            _ => "-".to_owned(),
+        }),
+        ("Lambda invokes per job", |r| optional(r.lambda_invokes_per_job, 4)),
+        ("all in, per million jobs", |r| r.all_in_usd_per_million.map_or_else(|| "-".to_owned(), |usd| format!("${usd:.3}"))),
     ];
     for (name, cell) in rows {
         let mut row = vec![name.to_owned()];
@@ -621,7 +782,7 @@ mod tests {
             lanes: config.lanes,
             ordering: config.quota_ordering,
         };
-        LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 7, settings, queue: LanesQueue::Embedded }
+        LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 7, settings, queue: LanesQueue::Embedded, lambda: None }
     }
 
     /// 40 lanes, a few with most of 3,000 jobs: no call over any tier, the shared tier
@@ -698,7 +859,7 @@ mod tests {
         let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"50/s\"]\n[lanes]\ntiers = [\"5/s\"]\nordering = \"fifo\"\n";
         let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
         let settings = Settings::from_config(&config, paceline_shared::config::WorkerHost::InProcess);
-        let plan = LanesPlan { lanes: 3, skew: Skew::Zipf(0.0), jobs: 60, seed: 7, settings, queue: LanesQueue::SqsFifo };
+        let plan = LanesPlan { lanes: 3, skew: Skew::Zipf(0.0), jobs: 60, seed: 7, settings, queue: LanesQueue::SqsFifo, lambda: None };
         let ordered = simulate_lanes(&plan);
         assert_eq!((ordered.calls, ordered.lane_violations, ordered.shared_violations), (60, 0, 0), "{ordered:?}");
         // 20 jobs a lane, each after the one before is settled (a Lambda start and the
@@ -714,10 +875,37 @@ mod tests {
         let text = format!("[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"{shared}\"]\n[lanes]\ntiers = [\"{lane_tier}\"]\n");
         let config = paceline_shared::config::Config::parse(&text, std::path::Path::new("/stack"), &|_| None).unwrap();
         let settings = Settings::from_config(&config, paceline_shared::config::WorkerHost::InProcess);
-        let plan = LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 1, settings, queue: LanesQueue::SqsFair };
+        let plan = LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 1, settings, queue: LanesQueue::SqsFair, lambda: None };
         let paceline = simulate_lanes(&plan);
         assert_eq!((paceline.calls, paceline.lane_violations, paceline.shared_violations), (jobs, 0, 0), "{paceline:?}");
         paceline
+    }
+
+    /// 100 lanes at 20/s under a shared 1,000/s (the jobs spread evenly, so the shared
+    /// tier binds throughout), on a fair queue, the calls made by
+    /// simulated Lambda workers as deployed: handed off 400 ms ahead in batches, each
+    /// call at its slot. Every job is called once, none over any tier, within an
+    /// account's concurrency, and once the first hand-offs are out every second of the
+    /// shared tier is used (99% and more), as with workers in process.
+    #[test]
+    fn lanes_called_by_lambda_workers_keep_every_tier_within_the_account_s_concurrency() {
+        let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"1000/s\"]\n[lanes]\ntiers = [\"20/s\"]\n";
+        let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
+        let settings = Settings::from_config(&config, paceline_shared::config::WorkerHost::Lambda);
+        let lambda = LambdaWorkers { concurrency: 50, max_event_age: crate::aws::DEFAULT_MAX_EVENT_AGE };
+        let plan = LanesPlan { lanes: 100, skew: Skew::Zipf(0.0), jobs: 30_000, seed: 3, settings, queue: LanesQueue::SqsFair, lambda: Some(lambda) };
+        let report = simulate_lanes(&plan);
+        assert_eq!((report.lane_violations, report.shared_violations), (0, 0), "{report:?}");
+        assert_eq!(report.calls, 30_000, "every job called once: {report:?}");
+        assert!(report.lambda_peak_executions.is_some_and(|peak| (1..=50).contains(&peak)), "{report:?}");
+        assert_eq!(report.lambda_aged_out_jobs, Some(0), "{report:?}");
+        assert!(report.lambda_invokes_per_job.is_some_and(|invokes| invokes < 0.1), "workers carry batches: {report:?}");
+        // The first calls wait for the hand-off's lead and a Lambda start (the first
+        // second holds a few dozen); from then on every second is full.
+        let per_second: Vec<u32> =
+            (0..report.calls_per_second[0].1.len()).map(|second| report.calls_per_second.iter().map(|(_, units)| units[second]).sum()).collect();
+        let steady = &per_second[2..per_second.len() - 2];
+        assert!(steady.iter().all(|units| (990..=1_000).contains(units)), "{per_second:?}");
     }
 
     /// 200 lanes at 20/s under a shared 1,000/s, 30,000 jobs by a Zipf law, on a fair
@@ -753,7 +941,7 @@ mod tests {
         let text = "[api]\nbase_url = \"https://api.example.com\"\n[lanes]\ntiers = [\"5/s\"]\n[orchestrator]\ndispatch_ahead = \"0s\"\n";
         let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
         let settings = Settings::from_config(&config, paceline_shared::config::WorkerHost::InProcess);
-        let plan = LanesPlan { lanes: 10, skew: Skew::Zipf(0.0), jobs: 500, seed: 7, settings, queue: LanesQueue::Embedded };
+        let plan = LanesPlan { lanes: 10, skew: Skew::Zipf(0.0), jobs: 500, seed: 7, settings, queue: LanesQueue::Embedded, lambda: None };
         let paceline = simulate_lanes(&plan);
         assert_eq!((paceline.lane_violations, paceline.shared_violations), (0, 0), "{paceline:?}");
         assert!(paceline.seconds <= 11.0, "{paceline:?}");

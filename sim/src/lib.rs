@@ -152,7 +152,7 @@ impl Plan {
             memory: FunctionMemory::default(),
             time_limit: Duration::from_secs(400 * 86_400),
             lambda_concurrency: aws::DEFAULT_LAMBDA_CONCURRENCY,
-            worker_max_event_age: Duration::from_secs(21_600),
+            worker_max_event_age: aws::DEFAULT_MAX_EVENT_AGE,
             progress: None,
         }
     }

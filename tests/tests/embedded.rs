@@ -740,6 +740,30 @@ async fn simulate_of_many_lanes_reports_fairness_beside_its_baselines_and_needs_
     assert!(String::from_utf8_lossy(&bad.stderr).contains("is not zipf:S"), "{}", String::from_utf8_lossy(&bad.stderr));
 }
 
+/// `simulate --lanes --lambda-workers`: the lanes called by simulated Lambda workers on
+/// an SQS queue, the report saying how many executions ran at once; without `--lanes`,
+/// or on the embedded queue, the flag is refused naming what to change.
+#[tokio::test]
+async fn simulate_of_many_lanes_with_lambda_workers_reports_their_executions_and_refuses_what_cannot_be() {
+    let dir = lane_dir("simulate-lanes-lambda");
+    let config = write_config(&dir, "http://127.0.0.1:9", &["50/s"], "[lanes]\ntiers = [\"5/s\"]\n");
+    let config = config.to_str().unwrap();
+    let run = paceline(
+        &["simulate", "--config", config, "--lanes", "20", "--jobs", "600", "--queue", "sqs-fair", "--lambda-workers", "--lambda-concurrency", "40", "--json"],
+        "",
+    )
+    .await;
+    let report = json_of(&run);
+    assert_eq!((report["lane_violations"].as_u64(), report["shared_violations"].as_u64(), report["calls"].as_u64()), (Some(0), Some(0), Some(600)), "{report}");
+    assert!(report["lambda_peak_executions"].as_u64().is_some_and(|peak| (1..=40).contains(&peak)), "{report}");
+    assert_eq!(report["lambda_aged_out_jobs"].as_u64(), Some(0), "{report}");
+    assert!(report["dispatcher"].as_str().unwrap().ends_with("Lambda workers"), "{report}");
+    let embedded = paceline(&["simulate", "--config", config, "--lanes", "20", "--lambda-workers"], "").await;
+    assert!(String::from_utf8_lossy(&embedded.stderr).contains("add --queue sqs, sqs-fair or sqs-fifo"), "{}", String::from_utf8_lossy(&embedded.stderr));
+    let single_lane = paceline(&["simulate", "--config", config, "--lambda-workers"], "").await;
+    assert!(String::from_utf8_lossy(&single_lane.stderr).contains("--lambda-workers goes with --lanes"), "{}", String::from_utf8_lossy(&single_lane.stderr));
+}
+
 /// Each call's job id and whether it was answered OK, in arrival order.
 fn calls_in_order(log: &FakeApiLog) -> Vec<(String, bool)> {
     log.calls.iter().filter_map(|(path, ok)| Some((path.strip_prefix("/items/")?.to_owned(), *ok))).collect()

@@ -12,7 +12,7 @@ use paceline_orchestrator::Settings;
 use paceline_shared::config::{WorkerHost, MAX_DISPATCH_AHEAD};
 use paceline_shared::order::JobOrder;
 use paceline_shared::time::{system_now, Clock as _, SystemClock};
-use paceline_sim::lanes::{first_come_first_served, render_lanes, round_robin, simulate_lanes, LanesPlan, LanesQueue, Skew};
+use paceline_sim::lanes::{first_come_first_served, render_lanes, round_robin, simulate_lanes, LambdaWorkers, LanesPlan, LanesQueue, Skew};
 use paceline_sim::profile::{Failures, LatencyProfile, Outage};
 use paceline_sim::provider::ProviderModel;
 use paceline_sim::report::{render, render_comparison};
@@ -143,6 +143,12 @@ pub struct SimulateArgs {
     /// its requests.
     #[arg(long, value_name = "embedded|sqs|sqs-fair|sqs-fifo", default_value = "embedded")]
     pub queue: LanesQueue,
+    /// With `--lanes`: the calls are made by simulated Lambda workers, as deployed on
+    /// AWS (handed off ahead of their slots, in batches, each waiting for its slot;
+    /// `--lambda-concurrency` executions at most), not by workers in the orchestrator's
+    /// process at each hand-off.
+    #[arg(long)]
+    pub lambda_workers: bool,
     /// Draw each tier's use over time against its limit to this file (.png or .svg),
     /// with outages, refused calls and, with `--baselines`, the other dispatchers.
     #[arg(long, value_name = "FILE")]
@@ -151,6 +157,7 @@ pub struct SimulateArgs {
 
 impl SimulateArgs {
     fn plan(&self) -> anyhow::Result<Plan> {
+        anyhow::ensure!(!self.lambda_workers, "--lambda-workers goes with --lanes: without it, the simulated workers are Lambda functions already");
         let config = load_config_for_operations(&self.config.config)?;
         anyhow::ensure!(self.jobs > 0, "--jobs: need at least one job");
         let mut orchestrator = config.orchestrator;
@@ -209,22 +216,27 @@ impl SimulateArgs {
         let config = load_config_for_operations(&self.config.config)?;
         anyhow::ensure!(self.jobs > 0, "--jobs: need at least one job");
         anyhow::ensure!(lanes > 0, "--lanes: need at least one lane");
+        anyhow::ensure!(
+            !self.lambda_workers || self.queue != LanesQueue::Embedded,
+            "--lambda-workers: Lambda workers run on AWS, with an SQS jobs queue: add --queue sqs, sqs-fair or sqs-fifo"
+        );
         anyhow::ensure!(config.lanes.is_some(), "--lanes needs a [lanes] table in {} (each lane's own tiers and weight)", self.config.config.display());
         if self.plot.is_some() {
             anyhow::ensure!(!config.quota.tiers().is_empty(), "--plot: the lanes share no quota ([quota] left out), so there is no shared tier to draw");
         }
         let mut orchestrator = config.orchestrator;
-        // Workers in one process call at their slot.
-        orchestrator.dispatch_ahead = Some(Duration::ZERO);
-        let settings = Settings {
-            quota: config.quota,
-            orchestrator,
-            circuit: config.circuit,
-            workers: WorkerHost::InProcess,
-            lanes: config.lanes,
-            ordering: config.quota_ordering,
+        let (workers, lambda) = if self.lambda_workers {
+            orchestrator.dispatch_ahead = self.dispatch_ahead.or(orchestrator.dispatch_ahead);
+            orchestrator.worker_batch = self.worker_batch.or(orchestrator.worker_batch);
+            let lambda = LambdaWorkers { concurrency: self.lambda_concurrency, max_event_age: paceline_sim::aws::DEFAULT_MAX_EVENT_AGE };
+            (WorkerHost::Lambda, Some(lambda))
+        } else {
+            // Workers in one process call at their slot.
+            orchestrator.dispatch_ahead = Some(Duration::ZERO);
+            (WorkerHost::InProcess, None)
         };
-        Ok(LanesPlan { lanes, skew: self.skew, jobs: self.jobs, seed: self.seed, settings, queue: self.queue })
+        let settings = Settings { quota: config.quota, orchestrator, circuit: config.circuit, workers, lanes: config.lanes, ordering: config.quota_ordering };
+        Ok(LanesPlan { lanes, skew: self.skew, jobs: self.jobs, seed: self.seed, settings, queue: self.queue, lambda })
     }
 
     /// `--lanes`: runs the lanes' simulation (and its baselines) and reports.
