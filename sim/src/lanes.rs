@@ -261,11 +261,20 @@ impl CallLog {
         self.world.call(Stream::DynamoDb).await;
         if let Some(slot) = slot {
             self.clock.sleep_until(slot.not_before).await;
-            if self.clock.now() > slot.call_by {
+            let now = self.clock.now();
+            if now > slot.call_by {
+                // As the worker does: back on the queue uncalled, to be handed off
+                // earlier next time, and an ordered lane told it is coming back.
                 self.missed_slots.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let job = job.started_late_by(now.since(slot.call_by));
                 let queue = self.queue.as_ref().expect("Lambda workers have the jobs queue");
                 let message = OutgoingMessage { ahead: job.ordered, ..OutgoingMessage::again(job.to_json(), attempt, Duration::ZERO) };
-                return queue.send(&[message]).await;
+                queue.send(&[message]).await?;
+                if job.ordered {
+                    let store = self.stores.scoped(&StoreScope::Lane(job.lane.clone()));
+                    store.settle_order(job.id.as_str(), attempt, OrderState::Retrying { at: now }).await?;
+                }
+                return Ok(());
             }
         }
         self.record(&job);
