@@ -3,7 +3,7 @@
 
 use clap::CommandFactory as _;
 use paceline_cli::cli::{Cli, Command, LogFormat};
-use paceline_cli::commands::simulate::{OverQuota, EXIT_OVER_QUOTA};
+use paceline_cli::commands::{OverQuota, EXIT_OVER_QUOTA};
 
 /// Colour codes only on a terminal, and not when `NO_COLOR` is set (no-color.org).
 fn colour_on_stderr() -> bool {

@@ -7,8 +7,8 @@ use paceline_orchestrator::StopReason;
 use paceline_shared::breaker::{Circuit, CircuitStatus};
 use paceline_shared::lane::LaneId;
 use paceline_shared::quota::describe_use;
+use paceline_shared::table::text_table;
 use paceline_shared::time::UnixMillis;
-use paceline_sim::report::text_table;
 use paceline_worker::WorkerStats;
 use serde::Serialize;
 

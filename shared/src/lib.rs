@@ -19,6 +19,8 @@ pub mod pacer;
 pub mod ports;
 pub mod quota;
 pub mod retry;
+#[cfg(feature = "tables")]
+pub mod table;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testing;
 pub mod time;

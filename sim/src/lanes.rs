@@ -737,7 +737,7 @@ pub fn render_lanes(reports: &[LanesReport]) -> String {
     let mut out = format!("{} jobs over {} lanes ({} with jobs)\n", first.jobs, first.lanes, first.lanes_with_jobs);
     let mut header = vec!["".to_owned()];
     header.extend(reports.iter().map(|r| r.dispatcher.clone()));
-    let mut table = crate::report::text_table(&header.iter().map(String::as_str).collect::<Vec<_>>(), &(1..=reports.len()).collect::<Vec<_>>());
+    let mut table = paceline_shared::table::text_table(&header.iter().map(String::as_str).collect::<Vec<_>>(), &(1..=reports.len()).collect::<Vec<_>>());
     let rows: [(&str, ReportCell); 15] = [
         ("drained in", |r| format!("{:.1} s", r.seconds)),
         ("calls over a lane's tier", |r| r.lane_violations.to_string()),

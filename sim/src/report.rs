@@ -7,8 +7,9 @@ use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use comfy_table::{presets, CellAlignment, ContentArrangement, Row, Table};
+use comfy_table::{presets, ContentArrangement};
 use paceline_shared::quota::describe_use;
+use paceline_shared::table::text_table;
 use paceline_worker::WorkerStats;
 use serde::Serialize;
 
@@ -336,34 +337,6 @@ pub fn render(r: &SimReport) -> String {
     let _ = writeln!(out, "{cost}");
     let _ = writeln!(out, "  total ${:.4}, per million jobs ${:.2}", c.total_usd, c.per_million_jobs_usd);
     out
-}
-
-/// A table style with no borders, and a rule under the header (comfy-table's preset
-/// layout: borders, then the header line and its crossings, then the rest).
-const HEADER_RULE_ONLY: &str = "     ──            ";
-
-/// A table for the terminal: `header`, the columns numbered in `right_aligned` aligned
-/// right, fitted to the terminal's width (wrapping at words; [`one_line_row`] cuts with
-/// an ellipsis instead).
-#[must_use]
-pub fn text_table(header: &[&str], right_aligned: &[usize]) -> Table {
-    let mut table = Table::new();
-    table.load_preset(HEADER_RULE_ONLY).set_content_arrangement(ContentArrangement::Dynamic).set_truncation_indicator("…").set_header(header.to_vec());
-    for index in right_aligned {
-        if let Some(column) = table.column_mut(*index) {
-            column.set_cell_alignment(CellAlignment::Right);
-        }
-    }
-    table
-}
-
-/// A row for [`text_table`] that stays on one line: text too long for the terminal is
-/// cut with an ellipsis rather than wrapped.
-#[must_use]
-pub fn one_line_row(cells: Vec<String>) -> Row {
-    let mut row = Row::from(cells);
-    row.max_height(1);
-    row
 }
 
 /// Dispatchers side by side on the same workload: a table for the terminal, or (with

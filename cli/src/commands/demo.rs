@@ -22,7 +22,7 @@ use crate::fake_api::{FakeApi, FakeApiLog, FakeApiSpec};
 use crate::serve::{stop_signal, Serving};
 use crate::stack::{load_config, EmbeddedStack};
 use crate::summary::Summary;
-use paceline_sim::report::text_table;
+use paceline_shared::table::text_table;
 
 /// Quota of the demo's fake API.
 const TIERS: [&str; 3] = ["10/s", "500/min", "20000/day"];

@@ -10,8 +10,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use paceline_shared::dlq::{CauseSummary, DeadLetterFilter, DeadLetterRecord, DlqSource};
 use paceline_shared::lane::LaneId;
 use paceline_shared::ports::{forget_calls, DeadLetterQueues};
+use paceline_shared::table::{one_line_row, text_table};
 use paceline_shared::time::system_now;
-use paceline_sim::report::{one_line_row, text_table};
 use serde::Serialize;
 
 use crate::access::{OperatorStack, StackArgs};

@@ -18,23 +18,8 @@ use paceline_sim::provider::ProviderModel;
 use paceline_sim::report::{render, render_comparison};
 use paceline_sim::{little_law_concurrency, plot, simulate, Dispatcher, Plan, SimReport};
 
-use crate::commands::ConfigArg;
+use crate::commands::{ConfigArg, OverQuota};
 use crate::stack::load_config_for_operations;
-
-/// The exit code of a simulation in which the provider refused calls over quota.
-pub const EXIT_OVER_QUOTA: u8 = 3;
-
-/// The configured lane's calls were refused as over quota: the run failed its one
-/// promise. Its report is printed all the same.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "{violations} calls were refused as over quota (exit code {EXIT_OVER_QUOTA}). hint: hand jobs off ahead of their slot \
-     (`orchestrator.dispatch_ahead`, 400ms where workers are Lambda functions) and keep `quota.safety_margin` above the \
-     network's jitter; `--baselines` shows the difference"
-)]
-pub struct OverQuota {
-    pub violations: u64,
-}
 
 /// Simulate draining a backlog through the lane (no AWS, no API calls, virtual time).
 #[derive(Debug, clap::Args)]
