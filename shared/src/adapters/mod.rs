@@ -3,6 +3,7 @@
 
 #[cfg(feature = "aws")]
 pub mod aws;
+#[cfg(feature = "embedded")]
 pub mod embedded;
 #[cfg(any(test, feature = "test-util"))]
 pub mod memory;
