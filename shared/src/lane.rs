@@ -35,6 +35,17 @@ impl LaneId {
     /// The lane of a job that names none, and the only lane of a stack without `[lanes]`.
     pub const DEFAULT_NAME: &'static str = "default";
 
+    /// Which of `shards` shards the lane lives on (0 with one shard): the 64-bit FNV-1a
+    /// hash of its id, modulo `shards`. The same on every machine and in every version,
+    /// so a producer in any language can compute it.
+    #[must_use]
+    pub fn shard(&self, shards: usize) -> usize {
+        const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+        const PRIME: u64 = 0x0000_0100_0000_01b3;
+        let hash = self.0.bytes().fold(OFFSET, |hash, byte| (hash ^ u64::from(byte)).wrapping_mul(PRIME));
+        usize::try_from(hash % shards.max(1) as u64).unwrap_or(0)
+    }
+
     /// The default lane.
     #[must_use]
     pub fn default_lane() -> Self {
@@ -119,6 +130,20 @@ impl fmt::Display for LaneId {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The shard is FNV-1a's, as a producer elsewhere computes it: its published test
+    /// vector for "a" (0xaf63dc4c8601ec8c), and lanes spread over every shard.
+    #[test]
+    fn a_lane_s_shard_is_the_fnv_1a_hash_of_its_id_spread_over_the_shards() {
+        let a = LaneId::parse("a").unwrap();
+        assert_eq!(a.shard(1 << 16), 0xec8c);
+        assert_eq!(a.shard(1), 0);
+        let mut per_shard = [0_u32; 4];
+        for n in 0..4_000 {
+            per_shard[LaneId::parse(&format!("t{n:04}")).unwrap().shard(4)] += 1;
+        }
+        assert!(per_shard.iter().all(|count| (900..=1_100).contains(count)), "{per_shard:?}");
+    }
 
     #[test]
     fn a_lane_id_is_1_to_64_characters_of_a_small_alphabet_and_not_a_setting_s_name() {

@@ -303,6 +303,33 @@ impl Quota {
         Ok(Self { tiers, zone, safety_margin, spacing, max_in_flight: None })
     }
 
+    /// Shard `index`'s share of this quota when `shards` shards divide it: each tier's
+    /// limit (and a `burst` tier's bucket) split as evenly as whole units allow, the
+    /// first shards taking one unit more, so the shares add up to the whole and no
+    /// window of any tier holds more than its limit across the shards.
+    ///
+    /// # Errors
+    /// A tier too small for every shard to have a unit of it, named.
+    pub fn share(&self, index: usize, shards: usize) -> Result<Self, String> {
+        let shards = shards.max(1) as u64;
+        let part = |whole: u64| whole / shards + u64::from((index as u64) < whole % shards);
+        let mut tiers = Vec::with_capacity(self.tiers.len());
+        for tier in &self.tiers {
+            if tier.limit < shards {
+                return Err(format!("tier {tier} cannot be divided among {shards} shards: each needs at least one unit of it"));
+            }
+            let spread = match tier.spread {
+                Spread::Burst(bucket) if bucket < shards => {
+                    return Err(format!("tier {tier} cannot be divided among {shards} shards: each needs at least one unit of its burst"));
+                }
+                Spread::Burst(bucket) => Spread::Burst(part(bucket)),
+                other => other,
+            };
+            tiers.push(Tier { limit: part(tier.limit), spread, ..*tier });
+        }
+        Ok(Self { tiers, ..self.clone() })
+    }
+
     /// A quota of no tiers: it admits every call. The shared quota of lanes that are
     /// different APIs with nothing in common (a config with `[lanes]` and no `[quota]`).
     #[must_use]
@@ -409,6 +436,31 @@ mod tests {
 
     fn tier(s: &str) -> Tier {
         s.parse().unwrap()
+    }
+
+    /// Shards' shares add up to each tier's whole limit (and bucket), none empty; a tier
+    /// smaller than the shards is refused, named.
+    #[test]
+    fn shards_shares_of_a_quota_add_up_to_each_tier_and_a_tier_too_small_is_refused() {
+        let quota = Quota::new(vec![tier("10/s burst=7"), tier("1000/min"), tier("100003/day")], chrono_tz::UTC, Duration::from_millis(10)).unwrap();
+        let shares: Vec<Quota> = (0..4).map(|index| quota.share(index, 4).unwrap()).collect();
+        for (index, whole) in quota.tiers().iter().enumerate() {
+            let limits: Vec<u64> = shares.iter().map(|share| share.tiers()[index].limit).collect();
+            assert_eq!(limits.iter().sum::<u64>(), whole.limit, "{whole}: {limits:?}");
+            assert!(limits.iter().all(|limit| limit * 4 >= whole.limit - 3), "{whole}: {limits:?}");
+        }
+        let buckets: Vec<u64> = shares
+            .iter()
+            .map(|share| match share.tiers()[0].spread {
+                Spread::Burst(bucket) => bucket,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(buckets, [2, 2, 2, 1]);
+        assert_eq!(shares[0].safety_margin(), quota.safety_margin());
+        assert_eq!(quota.share(0, 1).unwrap(), quota);
+        let error = Quota::new(vec![tier("3/s")], chrono_tz::UTC, Duration::ZERO).unwrap().share(0, 4).unwrap_err();
+        assert!(error.contains("3/s") && error.contains("4 shards"), "{error}");
     }
 
     #[test]

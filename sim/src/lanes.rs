@@ -53,6 +53,10 @@ pub struct LanesPlan {
     /// hand-off (none), or by simulated Lambda workers that carry batches and wait for
     /// each job's slot.
     pub lambda: Option<LambdaWorkers>,
+    /// Shards, each with its own jobs queue, orchestrator and state, its lanes chosen by
+    /// [`LaneId::shard`] and the shared tiers divided among them ([`Quota::share`]);
+    /// 1 for one orchestrator.
+    pub shards: usize,
 }
 
 /// Simulated Lambda workers for a simulation of lanes: the account's concurrent
@@ -226,14 +230,53 @@ struct CallLog {
     calls: Mutex<Vec<Call>>,
     /// The services' latencies: a Lambda worker's start, the API's answer, DynamoDB.
     world: Arc<World>,
-    /// Where an ordered lane's job is settled, as its worker would.
-    stores: Arc<dyn ScopedStores>,
-    /// Where a job whose slot was missed goes back (Lambda workers only).
-    queue: Option<Arc<dyn JobQueue>>,
+    /// Each shard's queue (where a job whose slot was missed goes back) and state
+    /// (where an ordered lane's job is settled, as its worker would); one without shards.
+    shards: Vec<ShardPorts>,
     missed_slots: std::sync::atomic::AtomicU64,
 }
 
+/// One shard's jobs queue and state: the embedded store, or SQS and DynamoDB.
+#[derive(Clone)]
+struct ShardPorts {
+    queue: Arc<dyn JobQueue>,
+    state: Arc<dyn StateStore>,
+    scoped: Arc<dyn ScopedStores>,
+}
+
+impl ShardPorts {
+    /// A shard's queue holding `bodies`, and its state: on SQS the state is in DynamoDB,
+    /// as deployed, with its latency and requests.
+    async fn build(plan: &LanesPlan, world: &Arc<World>, clock: &Arc<dyn Clock>, bodies: Vec<String>) -> Self {
+        match plan.queue {
+            LanesQueue::Embedded => {
+                let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).expect("an in-memory store").with_ordering(plan.settings.lane_ordering()));
+                let messages: Vec<OutgoingMessage> = bodies.into_iter().map(OutgoingMessage::fresh).collect();
+                for batch in messages.chunks(10) {
+                    store.send(batch).await.expect("enqueue");
+                }
+                Self { queue: store.clone(), state: store.clone(), scoped: store }
+            }
+            LanesQueue::Sqs | LanesQueue::SqsFair | LanesQueue::SqsFifo => {
+                let queue = match plan.queue {
+                    LanesQueue::SqsFair => SimQueue::fair(world.clone()),
+                    LanesQueue::SqsFifo => SimQueue::fifo(world.clone()),
+                    _ => SimQueue::new(world.clone()),
+                };
+                queue.preload(bodies);
+                let tables = Arc::new(SimStores::new(world.clone()));
+                Self { queue: Arc::new(queue), state: tables.stack(), scoped: tables }
+            }
+        }
+    }
+}
+
 impl CallLog {
+    /// The shard a job's lane lives on.
+    fn shard_of(&self, job: &Job) -> &ShardPorts {
+        &self.shards[job.lane.shard(self.shards.len())]
+    }
+
     fn record(&self, job: &Job) {
         let lane = self.lanes.get(&job.lane).copied().unwrap_or(usize::MAX);
         self.calls.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(Call { at: self.clock.now(), lane, cost: job.cost });
@@ -243,7 +286,7 @@ impl CallLog {
     /// mark's write is done, as its worker would.
     fn settle_ordered(&self, job: &Job, attempt: u32) -> impl std::future::Future<Output = ()> + Send + 'static {
         let (world, clock, job_id) = (self.world.clone(), self.clock.clone(), job.id.to_string());
-        let store = self.stores.scoped(&StoreScope::Lane(job.lane.clone()));
+        let store = self.shard_of(job).scoped.scoped(&StoreScope::Lane(job.lane.clone()));
         async move {
             world.call(Stream::Api).await;
             world.call(Stream::DynamoDb).await;
@@ -267,11 +310,11 @@ impl CallLog {
                 // earlier next time, and an ordered lane told it is coming back.
                 self.missed_slots.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let job = job.started_late_by(now.since(slot.call_by));
-                let queue = self.queue.as_ref().expect("Lambda workers have the jobs queue");
+                let shard = self.shard_of(&job);
                 let message = OutgoingMessage { ahead: job.ordered, ..OutgoingMessage::again(job.to_json(), attempt, Duration::ZERO) };
-                queue.send(&[message]).await?;
+                shard.queue.send(&[message]).await?;
                 if job.ordered {
-                    let store = self.stores.scoped(&StoreScope::Lane(job.lane.clone()));
+                    let store = shard.scoped.scoped(&StoreScope::Lane(job.lane.clone()));
                     store.settle_order(job.id.as_str(), attempt, OrderState::Retrying { at: now }).await?;
                 }
                 return Ok(());
@@ -331,48 +374,28 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
     let (calls, requests, lambda) = runtime.block_on(async {
         let tokio_clock = Arc::new(TokioClock::anchored_at(SIM_START));
         let clock: Arc<dyn Clock> = tokio_clock.clone();
-        let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).expect("an in-memory store").with_ordering(plan.settings.lane_ordering()));
         let lanes: BTreeMap<LaneId, usize> = (0..plan.lanes).map(|i| (plan.lane_id(i), i)).collect();
-        let bodies = job_lanes
-            .iter()
-            .enumerate()
-            .map(|(n, lane)| format!(r#"{{"id":"job-{n}","lane":"{}","request":{{"method":"GET","path":"/jobs/{n}"}}}}"#, plan.lane_id(*lane)));
         let world = Arc::new(World::new(tokio_clock, Sampler::new(plan.seed, LatencyProfile::default())));
-        let queue: Arc<dyn JobQueue> = match plan.queue {
-            LanesQueue::Embedded => {
-                let messages: Vec<OutgoingMessage> = bodies.map(OutgoingMessage::fresh).collect();
-                for batch in messages.chunks(10) {
-                    store.send(batch).await.expect("enqueue");
-                }
-                store.clone()
-            }
-            LanesQueue::Sqs | LanesQueue::SqsFair | LanesQueue::SqsFifo => {
-                let queue = match plan.queue {
-                    LanesQueue::SqsFair => SimQueue::fair(world.clone()),
-                    LanesQueue::SqsFifo => SimQueue::fifo(world.clone()),
-                    _ => SimQueue::new(world.clone()),
-                };
-                queue.preload(bodies);
-                Arc::new(queue)
-            }
-        };
-        // On SQS the stack's state is in DynamoDB, as deployed: its latency and requests.
-        let (state, scoped): (Arc<dyn StateStore>, Arc<dyn ScopedStores>) = match plan.queue {
-            LanesQueue::Embedded => (store.clone(), store.clone()),
-            LanesQueue::Sqs | LanesQueue::SqsFair | LanesQueue::SqsFifo => {
-                let tables = Arc::new(SimStores::new(world.clone()));
-                (tables.stack(), tables)
-            }
-        };
+        // Each lane's jobs on its shard's queue, in queue order.
+        let shard_count = plan.shards.max(1);
+        let mut bodies: Vec<Vec<String>> = vec![Vec::new(); shard_count];
+        for (n, lane) in job_lanes.iter().enumerate() {
+            let lane = plan.lane_id(*lane);
+            bodies[lane.shard(shard_count)].push(format!(r#"{{"id":"job-{n}","lane":"{lane}","request":{{"method":"GET","path":"/jobs/{n}"}}}}"#));
+        }
+        let mut shards = Vec::with_capacity(shard_count);
+        for bodies in bodies {
+            shards.push(ShardPorts::build(plan, &world, &clock, bodies).await);
+        }
         let log = Arc::new(CallLog {
             clock: clock.clone(),
             lanes,
             calls: Mutex::new(Vec::new()),
             world: world.clone(),
-            stores: scoped.clone(),
-            queue: plan.lambda.is_some().then(|| queue.clone()),
+            shards: shards.clone(),
             missed_slots: std::sync::atomic::AtomicU64::new(0),
         });
+        // One account's Lambda for every shard's workers.
         let lambda = plan.lambda.map(|workers| {
             let handler: Arc<dyn WorkerHandler> = log.clone();
             Arc::new(SimLambda::new(world.clone(), handler, Arc::new(Mutex::new(vec![UnixMillis(0); plan.jobs])), plan.jobs).with_executions(
@@ -381,18 +404,29 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
                 0.0,
             ))
         });
-        let invoker: Arc<dyn Invoker> = match &lambda {
-            Some(lambda) if plan.settings.worker_batch() > 1 && !plan.settings.hand_off_lead().is_zero() => {
-                Arc::new(BatchingInvoker::for_settings(lambda.clone(), clock.clone(), &plan.settings))
-            }
-            Some(lambda) => lambda.clone(),
-            None => log.clone(),
-        };
-        let orchestrator = Orchestrator::new(queue.clone(), state, invoker, clock.clone(), plan.settings.clone()).with_scoped_stores(scoped);
+        let orchestrators: Vec<Orchestrator> = shards
+            .iter()
+            .enumerate()
+            .map(|(index, shard)| {
+                // A shard paces its lanes under its share of the shared tiers.
+                let shared = plan.settings.quota.share(index, shard_count).expect("the plan's shared tiers divide among its shards");
+                let settings = Settings { quota: shared, ..plan.settings.clone() };
+                let invoker: Arc<dyn Invoker> = match &lambda {
+                    Some(lambda) if settings.worker_batch() > 1 && !settings.hand_off_lead().is_zero() => {
+                        Arc::new(BatchingInvoker::for_settings(lambda.clone(), clock.clone(), &settings))
+                    }
+                    Some(lambda) => lambda.clone(),
+                    None => log.clone(),
+                };
+                Orchestrator::new(shard.queue.clone(), shard.state.clone(), invoker, clock.clone(), settings).with_scoped_stores(shard.scoped.clone())
+            })
+            .collect();
         let opts = RunOptions { holder: "simulate".into(), deadline: SIM_START.plus(Duration::from_secs(400 * 86_400)), drain: true, stop: None };
         loop {
-            if let Err(e) = orchestrator.run(&opts).await {
-                tracing::warn!(error = %e, "simulated run failed");
+            for result in futures_util::future::join_all(orchestrators.iter().map(|orchestrator| orchestrator.run(&opts))).await {
+                if let Err(e) = result {
+                    tracing::warn!(error = %e, "simulated run failed");
+                }
             }
             // Lambda workers may still hold calls, and put back jobs whose slot they
             // missed: run again until none is left.
@@ -400,9 +434,12 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
             while lambda.executions().running.load(std::sync::atomic::Ordering::Relaxed) > 0 {
                 clock.sleep_until(clock.now().plus(Duration::from_millis(100))).await;
             }
-            match queue.depth().await {
-                Ok(depth) if depth.visible + depth.not_visible > 0 => {}
-                _ => break,
+            let mut left = 0;
+            for shard in &shards {
+                left += shard.queue.depth().await.map_or(0, |depth| depth.visible + depth.not_visible);
+            }
+            if left == 0 {
+                break;
             }
         }
         let calls = log.calls.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
@@ -440,6 +477,9 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
     let per_job = |requests: u64| (plan.queue != LanesQueue::Embedded).then(|| requests as f64 / plan.jobs.max(1) as f64);
     (report.sqs_requests_per_job, report.dynamodb_requests_per_job) = (per_job(requests.0), per_job(requests.1));
     report.queue_and_state_usd_per_million = (plan.queue != LanesQueue::Embedded).then_some(requests.2);
+    if plan.shards > 1 {
+        report.dispatcher.push_str(&format!(", {} shards", plan.shards));
+    }
     if let Some(lambda) = lambda {
         report.dispatcher.push_str(", Lambda workers");
         report.lambda_peak_executions = Some(lambda.peak_executions);
@@ -791,7 +831,7 @@ mod tests {
             lanes: config.lanes,
             ordering: config.quota_ordering,
         };
-        LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 7, settings, queue: LanesQueue::Embedded, lambda: None }
+        LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 7, settings, queue: LanesQueue::Embedded, lambda: None, shards: 1 }
     }
 
     /// 40 lanes, a few with most of 3,000 jobs: no call over any tier, the shared tier
@@ -868,7 +908,7 @@ mod tests {
         let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"50/s\"]\n[lanes]\ntiers = [\"5/s\"]\nordering = \"fifo\"\n";
         let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
         let settings = Settings::from_config(&config, paceline_shared::config::WorkerHost::InProcess);
-        let plan = LanesPlan { lanes: 3, skew: Skew::Zipf(0.0), jobs: 60, seed: 7, settings, queue: LanesQueue::SqsFifo, lambda: None };
+        let plan = LanesPlan { lanes: 3, skew: Skew::Zipf(0.0), jobs: 60, seed: 7, settings, queue: LanesQueue::SqsFifo, lambda: None, shards: 1 };
         let ordered = simulate_lanes(&plan);
         assert_eq!((ordered.calls, ordered.lane_violations, ordered.shared_violations), (60, 0, 0), "{ordered:?}");
         // 20 jobs a lane, each after the one before is settled (a Lambda start and the
@@ -884,7 +924,7 @@ mod tests {
         let text = format!("[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"{shared}\"]\n[lanes]\ntiers = [\"{lane_tier}\"]\n");
         let config = paceline_shared::config::Config::parse(&text, std::path::Path::new("/stack"), &|_| None).unwrap();
         let settings = Settings::from_config(&config, paceline_shared::config::WorkerHost::InProcess);
-        let plan = LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 1, settings, queue: LanesQueue::SqsFair, lambda: None };
+        let plan = LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 1, settings, queue: LanesQueue::SqsFair, lambda: None, shards: 1 };
         let paceline = simulate_lanes(&plan);
         assert_eq!((paceline.calls, paceline.lane_violations, paceline.shared_violations), (jobs, 0, 0), "{paceline:?}");
         paceline
@@ -902,7 +942,8 @@ mod tests {
         let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
         let settings = Settings::from_config(&config, paceline_shared::config::WorkerHost::Lambda);
         let lambda = LambdaWorkers { concurrency: 50, max_event_age: crate::aws::DEFAULT_MAX_EVENT_AGE };
-        let plan = LanesPlan { lanes: 100, skew: Skew::Zipf(0.0), jobs: 30_000, seed: 3, settings, queue: LanesQueue::SqsFair, lambda: Some(lambda) };
+        let plan =
+            LanesPlan { lanes: 100, skew: Skew::Zipf(0.0), jobs: 30_000, seed: 3, settings, queue: LanesQueue::SqsFair, lambda: Some(lambda), shards: 1 };
         let report = simulate_lanes(&plan);
         assert_eq!((report.lane_violations, report.shared_violations), (0, 0), "{report:?}");
         assert_eq!(report.calls, 30_000, "every job called once: {report:?}");
@@ -915,6 +956,25 @@ mod tests {
             (0..report.calls_per_second[0].1.len()).map(|second| report.calls_per_second.iter().map(|(_, units)| units[second]).sum()).collect();
         let steady = &per_second[2..per_second.len() - 2];
         assert!(steady.iter().all(|units| (990..=1_000).contains(units)), "{per_second:?}");
+    }
+
+    /// 100 lanes over 4 shards, each shard its own fair queue, orchestrator and state,
+    /// under a shared 1,000/s that the shards divide (250/s each): every job is called
+    /// once on its lane's shard and the shards together never pass a shared or a lane's
+    /// tier.
+    #[test]
+    fn shards_each_pace_their_lanes_under_their_share_and_together_keep_the_shared_tier() {
+        let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"1000/s\"]\n[lanes]\ntiers = [\"20/s\"]\n";
+        let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
+        let settings = Settings::from_config(&config, paceline_shared::config::WorkerHost::InProcess);
+        let plan = LanesPlan { lanes: 100, skew: Skew::Zipf(0.0), jobs: 20_000, seed: 5, settings, queue: LanesQueue::SqsFair, lambda: None, shards: 4 };
+        let report = simulate_lanes(&plan);
+        assert_eq!((report.calls, report.lane_violations, report.shared_violations), (20_000, 0, 0), "{report:?}");
+        assert!(report.dispatcher.ends_with("4 shards"), "{report:?}");
+        // Four shards at their share each: the first full second holds close to 1,000.
+        let per_second: Vec<u32> =
+            (0..report.calls_per_second[0].1.len()).map(|second| report.calls_per_second.iter().map(|(_, units)| units[second]).sum()).collect();
+        assert!(per_second[1..4].iter().all(|units| (980..=1_000).contains(units)), "{per_second:?}");
     }
 
     /// 200 lanes at 20/s under a shared 1,000/s, 30,000 jobs by a Zipf law, on a fair
@@ -950,7 +1010,7 @@ mod tests {
         let text = "[api]\nbase_url = \"https://api.example.com\"\n[lanes]\ntiers = [\"5/s\"]\n[orchestrator]\ndispatch_ahead = \"0s\"\n";
         let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
         let settings = Settings::from_config(&config, paceline_shared::config::WorkerHost::InProcess);
-        let plan = LanesPlan { lanes: 10, skew: Skew::Zipf(0.0), jobs: 500, seed: 7, settings, queue: LanesQueue::Embedded, lambda: None };
+        let plan = LanesPlan { lanes: 10, skew: Skew::Zipf(0.0), jobs: 500, seed: 7, settings, queue: LanesQueue::Embedded, lambda: None, shards: 1 };
         let paceline = simulate_lanes(&plan);
         assert_eq!((paceline.lane_violations, paceline.shared_violations), (0, 0), "{paceline:?}");
         assert!(paceline.seconds <= 11.0, "{paceline:?}");

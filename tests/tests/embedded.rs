@@ -764,6 +764,22 @@ async fn simulate_of_many_lanes_with_lambda_workers_reports_their_executions_and
     assert!(String::from_utf8_lossy(&single_lane.stderr).contains("--lambda-workers goes with --lanes"), "{}", String::from_utf8_lossy(&single_lane.stderr));
 }
 
+/// `simulate --lanes --shards N`: the lanes spread over N shards that divide the shared
+/// tier, none over it together; a shared tier too small to divide is refused, named.
+#[tokio::test]
+async fn simulate_of_many_lanes_over_shards_keeps_the_shared_tier_and_refuses_one_too_small_to_divide() {
+    let dir = lane_dir("simulate-lanes-shards");
+    let config = write_config(&dir, "http://127.0.0.1:9", &["50/s"], "[lanes]\ntiers = [\"5/s\"]\n");
+    let config = config.to_str().unwrap();
+    let run = paceline(&["simulate", "--config", config, "--lanes", "20", "--jobs", "600", "--queue", "sqs-fair", "--shards", "3", "--json"], "").await;
+    let report = json_of(&run);
+    assert_eq!((report["lane_violations"].as_u64(), report["shared_violations"].as_u64(), report["calls"].as_u64()), (Some(0), Some(0), Some(600)), "{report}");
+    assert!(report["dispatcher"].as_str().unwrap().contains("3 shards"), "{report}");
+    let too_many = paceline(&["simulate", "--config", config, "--lanes", "20", "--shards", "60"], "").await;
+    let said = String::from_utf8_lossy(&too_many.stderr);
+    assert!(said.contains("--shards 60") && said.contains("50/s cannot be divided among 60 shards"), "{said}");
+}
+
 /// Each call's job id and whether it was answered OK, in arrival order.
 fn calls_in_order(log: &FakeApiLog) -> Vec<(String, bool)> {
     log.calls.iter().filter_map(|(path, ok)| Some((path.strip_prefix("/items/")?.to_owned(), *ok))).collect()

@@ -134,6 +134,11 @@ pub struct SimulateArgs {
     /// process at each hand-off.
     #[arg(long)]
     pub lambda_workers: bool,
+    /// With `--lanes`: this many shards, each with its own jobs queue, orchestrator and
+    /// state, each lane on the shard its id's hash names, the shared tiers divided among
+    /// them evenly.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub shards: usize,
     /// Draw each tier's use over time against its limit to this file (.png or .svg),
     /// with outages, refused calls and, with `--baselines`, the other dispatchers.
     #[arg(long, value_name = "FILE")]
@@ -143,6 +148,7 @@ pub struct SimulateArgs {
 impl SimulateArgs {
     fn plan(&self) -> anyhow::Result<Plan> {
         anyhow::ensure!(!self.lambda_workers, "--lambda-workers goes with --lanes: without it, the simulated workers are Lambda functions already");
+        anyhow::ensure!(self.shards == 1, "--shards goes with --lanes: shards divide a stack's lanes");
         let config = load_config_for_operations(&self.config.config)?;
         anyhow::ensure!(self.jobs > 0, "--jobs: need at least one job");
         let mut orchestrator = config.orchestrator;
@@ -220,8 +226,12 @@ impl SimulateArgs {
             orchestrator.dispatch_ahead = Some(Duration::ZERO);
             (WorkerHost::InProcess, None)
         };
+        anyhow::ensure!(self.shards > 0, "--shards: need at least one shard");
+        if let Err(problem) = config.quota.share(0, self.shards) {
+            anyhow::bail!("--shards {}: the shared [quota] {problem}", self.shards);
+        }
         let settings = Settings { quota: config.quota, orchestrator, circuit: config.circuit, workers, lanes: config.lanes, ordering: config.quota_ordering };
-        Ok(LanesPlan { lanes, skew: self.skew, jobs: self.jobs, seed: self.seed, settings, queue: self.queue, lambda })
+        Ok(LanesPlan { lanes, skew: self.skew, jobs: self.jobs, seed: self.seed, settings, queue: self.queue, lambda, shards: self.shards })
     }
 
     /// `--lanes`: runs the lanes' simulation (and its baselines) and reports.
