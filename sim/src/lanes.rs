@@ -810,6 +810,7 @@ pub fn render_lanes(reports: &[LanesReport]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use paceline_shared::config::WorkerHost;
 
     #[test]
     fn max_min_fair_shares_give_a_capped_lane_its_cap_and_the_rest_by_weight() {
@@ -827,7 +828,7 @@ mod tests {
             quota: config.quota,
             orchestrator: config.orchestrator,
             circuit: config.circuit,
-            workers: paceline_shared::config::WorkerHost::InProcess,
+            workers: WorkerHost::InProcess,
             lanes: config.lanes,
             ordering: config.quota_ordering,
         };
@@ -907,7 +908,7 @@ mod tests {
     fn ordered_lanes_on_a_fifo_queue_call_every_job_once_one_at_a_time_a_lane() {
         let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"50/s\"]\n[lanes]\ntiers = [\"5/s\"]\nordering = \"fifo\"\n";
         let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
-        let settings = Settings::from_config(&config, paceline_shared::config::WorkerHost::InProcess);
+        let settings = Settings::from_config(&config, WorkerHost::InProcess);
         let plan = LanesPlan { lanes: 3, skew: Skew::Zipf(0.0), jobs: 60, seed: 7, settings, queue: LanesQueue::SqsFifo, lambda: None, shards: 1 };
         let ordered = simulate_lanes(&plan);
         assert_eq!((ordered.calls, ordered.lane_violations, ordered.shared_violations), (60, 0, 0), "{ordered:?}");
@@ -917,13 +918,24 @@ mod tests {
         assert!(ordered.dynamodb_requests_per_job.is_some_and(|n| n >= 3.0), "a mark opened, settled and read for each job: {ordered:?}");
     }
 
+    /// A stack's settings: lanes of tier `lane_tier` under a shared `shared`, their
+    /// workers where `workers` says.
+    fn lanes_settings(shared: &str, lane_tier: &str, workers: WorkerHost) -> Settings {
+        let text = format!("[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"{shared}\"]\n[lanes]\ntiers = [\"{lane_tier}\"]\n");
+        let config = paceline_shared::config::Config::parse(&text, std::path::Path::new("/stack"), &|_| None).unwrap();
+        Settings::from_config(&config, workers)
+    }
+
+    /// The units called in each second from the start, every lane's together.
+    fn units_each_second(report: &LanesReport) -> Vec<u32> {
+        (0..report.calls_per_second[0].1.len()).map(|second| report.calls_per_second.iter().map(|(_, units)| units[second]).sum()).collect()
+    }
+
     /// `jobs` by a Zipf law (1.1) over `lanes` lanes of tier `lane_tier` under a shared
     /// `shared`, drained on a fair queue with the state in DynamoDB: every job called,
     /// none over any tier.
     fn drained_on_a_fair_queue(shared: &str, lane_tier: &str, lanes: usize, jobs: usize) -> LanesReport {
-        let text = format!("[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"{shared}\"]\n[lanes]\ntiers = [\"{lane_tier}\"]\n");
-        let config = paceline_shared::config::Config::parse(&text, std::path::Path::new("/stack"), &|_| None).unwrap();
-        let settings = Settings::from_config(&config, paceline_shared::config::WorkerHost::InProcess);
+        let settings = lanes_settings(shared, lane_tier, WorkerHost::InProcess);
         let plan = LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 1, settings, queue: LanesQueue::SqsFair, lambda: None, shards: 1 };
         let paceline = simulate_lanes(&plan);
         assert_eq!((paceline.calls, paceline.lane_violations, paceline.shared_violations), (jobs, 0, 0), "{paceline:?}");
@@ -938,9 +950,7 @@ mod tests {
     /// shared tier is used (99% and more), as with workers in process.
     #[test]
     fn lanes_called_by_lambda_workers_keep_every_tier_within_the_account_s_concurrency() {
-        let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"1000/s\"]\n[lanes]\ntiers = [\"20/s\"]\n";
-        let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
-        let settings = Settings::from_config(&config, paceline_shared::config::WorkerHost::Lambda);
+        let settings = lanes_settings("1000/s", "20/s", WorkerHost::Lambda);
         let lambda = LambdaWorkers { concurrency: 50, max_event_age: crate::aws::DEFAULT_MAX_EVENT_AGE };
         let plan =
             LanesPlan { lanes: 100, skew: Skew::Zipf(0.0), jobs: 30_000, seed: 3, settings, queue: LanesQueue::SqsFair, lambda: Some(lambda), shards: 1 };
@@ -952,8 +962,7 @@ mod tests {
         assert!(report.lambda_invokes_per_job.is_some_and(|invokes| invokes < 0.1), "workers carry batches: {report:?}");
         // The first calls wait for the hand-off's lead and a Lambda start (the first
         // second holds a few dozen); from then on every second is full.
-        let per_second: Vec<u32> =
-            (0..report.calls_per_second[0].1.len()).map(|second| report.calls_per_second.iter().map(|(_, units)| units[second]).sum()).collect();
+        let per_second = units_each_second(&report);
         let steady = &per_second[2..per_second.len() - 2];
         assert!(steady.iter().all(|units| (990..=1_000).contains(units)), "{per_second:?}");
     }
@@ -964,16 +973,13 @@ mod tests {
     /// tier.
     #[test]
     fn shards_each_pace_their_lanes_under_their_share_and_together_keep_the_shared_tier() {
-        let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"1000/s\"]\n[lanes]\ntiers = [\"20/s\"]\n";
-        let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
-        let settings = Settings::from_config(&config, paceline_shared::config::WorkerHost::InProcess);
+        let settings = lanes_settings("1000/s", "20/s", WorkerHost::InProcess);
         let plan = LanesPlan { lanes: 100, skew: Skew::Zipf(0.0), jobs: 20_000, seed: 5, settings, queue: LanesQueue::SqsFair, lambda: None, shards: 4 };
         let report = simulate_lanes(&plan);
         assert_eq!((report.calls, report.lane_violations, report.shared_violations), (20_000, 0, 0), "{report:?}");
         assert!(report.dispatcher.ends_with("4 shards"), "{report:?}");
         // Four shards at their share each: the first full second holds close to 1,000.
-        let per_second: Vec<u32> =
-            (0..report.calls_per_second[0].1.len()).map(|second| report.calls_per_second.iter().map(|(_, units)| units[second]).sum()).collect();
+        let per_second = units_each_second(&report);
         assert!(per_second[1..4].iter().all(|units| (980..=1_000).contains(units)), "{per_second:?}");
     }
 
@@ -1009,7 +1015,7 @@ mod tests {
     fn lanes_without_a_shared_quota_each_go_at_their_own_pace() {
         let text = "[api]\nbase_url = \"https://api.example.com\"\n[lanes]\ntiers = [\"5/s\"]\n[orchestrator]\ndispatch_ahead = \"0s\"\n";
         let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
-        let settings = Settings::from_config(&config, paceline_shared::config::WorkerHost::InProcess);
+        let settings = Settings::from_config(&config, WorkerHost::InProcess);
         let plan = LanesPlan { lanes: 10, skew: Skew::Zipf(0.0), jobs: 500, seed: 7, settings, queue: LanesQueue::Embedded, lambda: None, shards: 1 };
         let paceline = simulate_lanes(&plan);
         assert_eq!((paceline.lane_violations, paceline.shared_violations), (0, 0), "{paceline:?}");
