@@ -823,15 +823,7 @@ mod tests {
     fn plan(lanes: usize, jobs: usize) -> LanesPlan {
         let text =
             "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"50/s\"]\n[lanes]\ntiers = [\"5/s\"]\n[orchestrator]\ndispatch_ahead = \"0s\"\n";
-        let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
-        let settings = Settings {
-            quota: config.quota,
-            orchestrator: config.orchestrator,
-            circuit: config.circuit,
-            workers: WorkerHost::InProcess,
-            lanes: config.lanes,
-            ordering: config.quota_ordering,
-        };
+        let settings = settings_of(text, WorkerHost::InProcess);
         LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 7, settings, queue: LanesQueue::Embedded, lambda: None, shards: 1 }
     }
 
@@ -907,8 +899,7 @@ mod tests {
     #[test]
     fn ordered_lanes_on_a_fifo_queue_call_every_job_once_one_at_a_time_a_lane() {
         let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"50/s\"]\n[lanes]\ntiers = [\"5/s\"]\nordering = \"fifo\"\n";
-        let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
-        let settings = Settings::from_config(&config, WorkerHost::InProcess);
+        let settings = settings_of(text, WorkerHost::InProcess);
         let plan = LanesPlan { lanes: 3, skew: Skew::Zipf(0.0), jobs: 60, seed: 7, settings, queue: LanesQueue::SqsFifo, lambda: None, shards: 1 };
         let ordered = simulate_lanes(&plan);
         assert_eq!((ordered.calls, ordered.lane_violations, ordered.shared_violations), (60, 0, 0), "{ordered:?}");
@@ -921,8 +912,12 @@ mod tests {
     /// A stack's settings: lanes of tier `lane_tier` under a shared `shared`, their
     /// workers where `workers` says.
     fn lanes_settings(shared: &str, lane_tier: &str, workers: WorkerHost) -> Settings {
-        let text = format!("[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"{shared}\"]\n[lanes]\ntiers = [\"{lane_tier}\"]\n");
-        let config = paceline_shared::config::Config::parse(&text, std::path::Path::new("/stack"), &|_| None).unwrap();
+        settings_of(&format!("[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"{shared}\"]\n[lanes]\ntiers = [\"{lane_tier}\"]\n"), workers)
+    }
+
+    /// A stack's settings from its config `text`, its workers where `workers` says.
+    fn settings_of(text: &str, workers: WorkerHost) -> Settings {
+        let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
         Settings::from_config(&config, workers)
     }
 
@@ -1014,8 +1009,7 @@ mod tests {
     #[test]
     fn lanes_without_a_shared_quota_each_go_at_their_own_pace() {
         let text = "[api]\nbase_url = \"https://api.example.com\"\n[lanes]\ntiers = [\"5/s\"]\n[orchestrator]\ndispatch_ahead = \"0s\"\n";
-        let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
-        let settings = Settings::from_config(&config, WorkerHost::InProcess);
+        let settings = settings_of(text, WorkerHost::InProcess);
         let plan = LanesPlan { lanes: 10, skew: Skew::Zipf(0.0), jobs: 500, seed: 7, settings, queue: LanesQueue::Embedded, lambda: None, shards: 1 };
         let paceline = simulate_lanes(&plan);
         assert_eq!((paceline.lane_violations, paceline.shared_violations), (0, 0), "{paceline:?}");
