@@ -798,7 +798,8 @@ async fn an_ordered_lane_calls_its_jobs_in_enqueue_order_and_each_retry_before_a
     let text = text.replace("[circuit]\n", "[circuit]\nminimum_calls = 1000\n").replace("[orchestrator]\n", "[orchestrator]\ndispatch_ahead = \"1ms\"\n");
     std::fs::write(&path, text).unwrap();
     let config = path.to_str().unwrap();
-    let jobs = ids("order", 10_000);
+    // 2,000 jobs: about 40 failures, each retried before the job after it.
+    let jobs = ids("order", 2_000);
     let enqueued = paceline(&["enqueue", "--config", config, "-"], &job_lines(&jobs)).await;
     assert!(enqueued.status.success(), "{}", String::from_utf8_lossy(&enqueued.stderr));
 
@@ -812,10 +813,10 @@ async fn an_ordered_lane_calls_its_jobs_in_enqueue_order_and_each_retry_before_a
     let out_of_order = called.windows(2).filter(|pair| pair[1] < pair[0]).count();
     let succeeded: Vec<usize> = calls.iter().filter(|(_, ok)| *ok).map(|(id, _)| position[id.as_str()]).collect();
     let failed = calls.len() - succeeded.len();
-    assert!(failed >= 150, "about 2% of 10,000 calls failed: {failed}");
+    assert!(failed >= 35, "about 2% of 2,000 calls failed: {failed}");
     assert_eq!(out_of_order, 0, "a call went before one enqueued earlier (its retries included)");
     assert_eq!(succeeded, (0..jobs.len()).collect::<Vec<_>>(), "each job succeeded once, in enqueue order");
-    assert_eq!(summary["succeeded"], 10_000, "{summary}");
+    assert_eq!(summary["succeeded"], 2_000, "{summary}");
     assert_eq!(log.peak_in_flight, 1, "one call of the lane at a time");
     assert_eq!(summary["dead_lettered"], 0, "{summary}");
     assert_eq!(log.quota_rejections, 0);
