@@ -105,19 +105,8 @@ export PACELINE_TEST_MOTO_URL="http://127.0.0.1:$port"
 section "deploy the template into moto's CloudFormation"
 .venv/bin/python infra/tests/deploy_to_moto.py infra/template.yaml "$PACELINE_TEST_MOTO_URL" target/debug/paceline
 
-# Two streams side by side: the lanes in real time (paceline-e2e-embedded: each of its tests
-# paces a lane against a strict API, one lane at a time), and every other test at nice 10,
-# whose CPU a lane's wake-up takes first. Each stream's output is printed as it ends.
-section "tests: the lanes in real time (target/tests-embedded.log) beside all the others"
-cargo test -p paceline-e2e-embedded --all-features > target/tests-embedded.log 2>&1 &
-embedded_tests=$!
-trap 'kill $moto_pid $arm64_build $embedded_tests 2>/dev/null || true' EXIT
-others=0
-nice -n 10 cargo test --workspace --exclude paceline-e2e-embedded --all-features || others=$?
-embedded=0
-wait "$embedded_tests" || embedded=$?
-cat target/tests-embedded.log
-[ "$others" -eq 0 ] && [ "$embedded" -eq 0 ] || { echo "tests failed: the others exited $others, the lanes in real time $embedded"; exit 1; }
+section "tests"
+cargo test --workspace --all-features
 
 section "the web console in headless chromium, and /metrics through Prometheus's parser"
 PACELINE_BIN=target/debug/paceline .venv/bin/pytest -q tests/console
