@@ -5,7 +5,8 @@ The SAM template is translated to plain CloudFormation with samtranslator (what
 (moto creates functions without running them), and the stack is created with the
 parameters a user would give. Then the resources are read back through their own
 services: the functions' reserved concurrency, runtime and wiring, the schedule, the
-queues' redrive policy and encryption, the table's key and billing, the outputs. What
+queues' redrive policy and encryption, the table's key and billing (on demand, and in a
+second stack with `TableCapacity=provisioned`, by capacity with auto scaling), the outputs. What
 moto's CloudFormation does not create (alarms, async invoke configs, architectures) is
 checked as the translated template declares it.
 
@@ -17,6 +18,7 @@ Usage: deploy_to_moto.py TEMPLATE MOTO_URL [PACELINE_BIN]
 """
 
 import ast
+import copy
 import io
 import json
 import os
@@ -77,19 +79,12 @@ def main(template_path, url):
     }
     # The translator fills in pseudo parameters (AWS::Region...) from a boto3 session.
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    translated = transform(template, dict(parameters), NoManagedPolicies())
+    check_provisioned_table(template, url, dict(parameters), f"paceline-provisioned-{unique}")
+    translated = transform(copy.deepcopy(template), dict(parameters), NoManagedPolicies())
 
     cfn = client("cloudformation", url)
     stack = f"paceline-{unique}"
-    cfn.create_stack(
-        StackName=stack,
-        TemplateBody=json.dumps(translated),
-        Parameters=[{"ParameterKey": k, "ParameterValue": v} for k, v in parameters.items()],
-        Capabilities=["CAPABILITY_IAM", "CAPABILITY_AUTO_EXPAND"],
-    )
-    described = cfn.describe_stacks(StackName=stack)["Stacks"][0]
-    print(f"stack {stack}: {described['StackStatus']}")
-    check(described["StackStatus"] == "CREATE_COMPLETE", "the stack was created")
+    described = create_stack(cfn, stack, translated, parameters)
     outputs = {o["OutputKey"]: o["OutputValue"] for o in described.get("Outputs", [])}
     resources = {r.get("LogicalResourceId"): r.get("PhysicalResourceId") for r in cfn.describe_stack_resources(StackName=stack)["StackResources"]}
 
@@ -154,6 +149,51 @@ def main(template_path, url):
     check_what_moto_cannot_create(translated)
     print("the template deploys with the expected settings")
     return stack
+
+
+def create_stack(cfn, stack, translated, parameters):
+    """Creates `stack` from the translated template; returns its description."""
+    cfn.create_stack(
+        StackName=stack,
+        TemplateBody=json.dumps(translated),
+        Parameters=[{"ParameterKey": k, "ParameterValue": v} for k, v in parameters.items()],
+        Capabilities=["CAPABILITY_IAM", "CAPABILITY_AUTO_EXPAND"],
+    )
+    described = cfn.describe_stacks(StackName=stack)["Stacks"][0]
+    print(f"stack {stack}: {described['StackStatus']}")
+    check(described["StackStatus"] == "CREATE_COMPLETE", "the stack was created")
+    return described
+
+
+def check_provisioned_table(template, url, parameters, stack):
+    """TableCapacity=provisioned: the table is provisioned at its least capacities, and
+    auto scaling keeps each of them at 70% use between the least and the most."""
+    parameters.update(TableCapacity="provisioned", TableMinWriteCapacity="30", TableMaxWriteCapacity="1500", TableMinReadCapacity="5", TableMaxReadCapacity="400")
+    translated = transform(copy.deepcopy(template), dict(parameters), NoManagedPolicies())
+    described = create_stack(client("cloudformation", url), stack, translated, parameters)
+    outputs = {o["OutputKey"]: o["OutputValue"] for o in described.get("Outputs", [])}
+    table = client("dynamodb", url).describe_table(TableName=outputs["StateTableName"])["Table"]
+    throughput = table["ProvisionedThroughput"]
+    check((throughput["WriteCapacityUnits"], throughput["ReadCapacityUnits"]) == (30, 5), "provisioned table: its least capacities to start with")
+    check(table.get("BillingModeSummary", {}).get("BillingMode", "PROVISIONED") == "PROVISIONED", "provisioned table: billed by capacity")
+    # moto's CloudFormation does not create auto scaling's targets and policies: they are
+    # checked as the translated template declares them.
+    targets = {
+        t["ScalableDimension"]: (t["ServiceNamespace"], t["MinCapacity"], t["MaxCapacity"])
+        for t in declared(translated, "AWS::ApplicationAutoScaling::ScalableTarget")
+    }
+    check(
+        targets
+        == {
+            "dynamodb:table:WriteCapacityUnits": ("dynamodb", {"Ref": "TableMinWriteCapacity"}, {"Ref": "TableMaxWriteCapacity"}),
+            "dynamodb:table:ReadCapacityUnits": ("dynamodb", {"Ref": "TableMinReadCapacity"}, {"Ref": "TableMaxReadCapacity"}),
+        },
+        "provisioned table: auto scaling between the least and the most capacities",
+    )
+    policies = declared(translated, "AWS::ApplicationAutoScaling::ScalingPolicy")
+    tracked = sorted(p["TargetTrackingScalingPolicyConfiguration"]["PredefinedMetricSpecification"]["PredefinedMetricType"] for p in policies)
+    check(tracked == ["DynamoDBReadCapacityUtilization", "DynamoDBWriteCapacityUtilization"], "provisioned table: writes and reads each tracked")
+    check(all(p["TargetTrackingScalingPolicyConfiguration"]["TargetValue"] == 70 for p in policies), "provisioned table: kept at 70% use")
 
 
 def declared(translated, resource_type):

@@ -451,7 +451,8 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
                 .map(|(_, n)| n)
                 .sum()
         };
-        let cost = crate::pricing::estimate(&world.ledger, crate::pricing::FunctionMemory::default(), plan.jobs as u64);
+        let cost =
+            crate::pricing::estimate(&world.ledger, crate::pricing::FunctionMemory::default(), crate::pricing::TableCapacity::OnDemand, plan.jobs as u64);
         let queue_and_state: f64 =
             cost.lines.iter().filter(|line| line.item.starts_with("SQS") || line.item.starts_with("DynamoDB")).map(|line| line.per_million_jobs_usd).sum();
         let lambda_figures = lambda.map(|lambda| {

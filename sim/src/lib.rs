@@ -30,7 +30,7 @@ use paceline_worker::{CallSlots, Worker, WorkerStats};
 
 use crate::aws::{SimLambda, SimQueue, SimStore, World};
 use crate::baselines::{dispatch_loop, tightest_rolling, Admission, ConcurrencyCap, FixedWindow, TokenBucket};
-use crate::pricing::FunctionMemory;
+use crate::pricing::{FunctionMemory, TableCapacity};
 use crate::profile::{Failures, LatencyProfile, Sampler, Stream};
 use crate::provider::{job_path, Provider, ProviderModel};
 pub use crate::report::SimReport;
@@ -121,6 +121,8 @@ pub struct Plan {
     /// next minute's kick starts it).
     pub relay: bool,
     pub memory: FunctionMemory,
+    /// How the state table is billed, for the cost estimate.
+    pub table: TableCapacity,
     /// Give up (and report "not drained") after this much simulated time.
     pub time_limit: Duration,
     /// The account's concurrent Lambda executions (`--lambda-concurrency`).
@@ -150,6 +152,7 @@ impl Plan {
             schedule: Duration::from_secs(60),
             relay: true,
             memory: FunctionMemory::default(),
+            table: TableCapacity::OnDemand,
             time_limit: Duration::from_secs(400 * 86_400),
             lambda_concurrency: aws::DEFAULT_LAMBDA_CONCURRENCY,
             worker_max_event_age: aws::DEFAULT_MAX_EVENT_AGE,

@@ -433,6 +433,34 @@ async fn simulate_json_is_one_object_with_baselines_as_a_field_and_a_bad_plot_pa
 }
 
 #[tokio::test]
+async fn simulate_prices_a_provisioned_table_s_writes_below_on_demand_ones_and_the_lanes_report_refuses_it() {
+    let dir = lane_dir("simulate-table");
+    let config = write_config(&dir, "http://127.0.0.1:1", &["5/s"], "");
+    let config = config.to_str().unwrap();
+    let writes = |report: &serde_json::Value| {
+        let lines = report["cost"]["lines"].as_array().unwrap().clone();
+        lines.into_iter().find(|line| line["item"].as_str().unwrap().starts_with("DynamoDB writes")).unwrap()
+    };
+    let mut reports = Vec::new();
+    for table in ["on-demand", "provisioned"] {
+        let out = paceline(&["simulate", "--config", config, "--jobs", "100", "--json", "--table-capacity", table], "").await;
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        reports.push(writes(&serde_json::from_slice(&out.stdout).unwrap()));
+    }
+    let [on_demand, provisioned] = &reports[..] else { unreachable!() };
+    assert_eq!(on_demand["quantity"], provisioned["quantity"], "the same writes, priced two ways");
+    assert_eq!(provisioned["item"], "DynamoDB writes (provisioned, 70% used)");
+    let ratio = provisioned["per_million_jobs_usd"].as_f64().unwrap() / on_demand["per_million_jobs_usd"].as_f64().unwrap();
+    // $0.00065 a write unit an hour, over 3,600 s and 0.7, against $0.625 a million.
+    assert!((ratio - 0.000_65 / 3600.0 / 0.7 * 1e6 / 0.625).abs() < 0.01, "{ratio}");
+
+    let lanes = write_config(&dir, "http://127.0.0.1:1", &["5/s"], "[lanes]\ntiers = [\"1/s\"]\n");
+    let refused = paceline(&["simulate", "--config", lanes.to_str().unwrap(), "--lanes", "3", "--jobs", "30", "--table-capacity", "provisioned"], "").await;
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--table-capacity"), "{}", String::from_utf8_lossy(&refused.stderr));
+}
+
+#[tokio::test]
 async fn an_aws_lane_without_credentials_fails_once_with_what_to_do() {
     let mut command = tokio::process::Command::new(paceline_bin());
     command.args([

@@ -13,6 +13,7 @@ use paceline_shared::config::{WorkerHost, MAX_DISPATCH_AHEAD};
 use paceline_shared::order::JobOrder;
 use paceline_shared::time::{system_now, Clock as _, SystemClock};
 use paceline_sim::lanes::{first_come_first_served, render_lanes, round_robin, simulate_lanes, LambdaWorkers, LanesPlan, LanesQueue, Skew};
+use paceline_sim::pricing::TableCapacity;
 use paceline_sim::profile::{Failures, LatencyProfile, Outage};
 use paceline_sim::provider::ProviderModel;
 use paceline_sim::report::{render, render_comparison};
@@ -96,6 +97,11 @@ pub struct SimulateArgs {
     /// throttled, retried with back-off, and aged out past the worker's maximum event age.
     #[arg(long, value_name = "N", default_value_t = paceline_sim::aws::DEFAULT_LAMBDA_CONCURRENCY)]
     pub lambda_concurrency: u64,
+    /// How the stack's state table is billed, for the cost estimate (the template's
+    /// `TableCapacity`): `on-demand`, or `provisioned`, its capacity kept at 70% use by
+    /// auto scaling, priced as a steady load.
+    #[arg(long, value_name = "MODE", default_value = "on-demand")]
+    pub table_capacity: TableCapacity,
     /// No relays: each orchestrator run is started by the schedule's next kick, not by
     /// the run before it (what a stack whose orchestrator cannot invoke itself does).
     #[arg(long)]
@@ -199,6 +205,7 @@ impl SimulateArgs {
         plan.time_limit = self.time_limit;
         plan.lambda_concurrency = self.lambda_concurrency;
         plan.relay = !self.no_relay;
+        plan.table = self.table_capacity;
         Ok(plan)
     }
 
@@ -207,6 +214,10 @@ impl SimulateArgs {
         let config = load_config_for_operations(&self.config.config)?;
         anyhow::ensure!(self.jobs > 0, "--jobs: need at least one job");
         anyhow::ensure!(lanes > 0, "--lanes: need at least one lane");
+        anyhow::ensure!(
+            self.table_capacity == TableCapacity::OnDemand,
+            "--table-capacity: the lanes' report prices an on-demand table; leave it out with --lanes"
+        );
         anyhow::ensure!(
             !self.lambda_workers || self.queue != LanesQueue::Embedded,
             "--lambda-workers: Lambda workers run on AWS, with an SQS jobs queue: add --queue sqs, sqs-fair or sqs-fifo"
