@@ -74,9 +74,10 @@ cargo build --quiet --workspace --all-targets --all-features
 wait_for_installs
 
 # The functions' arm64 build runs beside the tests, at idle priority (SCHED_IDLE): it takes
-# only the CPU they leave, so it never delays a lane's wake-up. Its profile is the
-# release build's without the optimisation, most of the release build's time: it proves
-# the functions compile and link for aarch64 with zig, as `sam build` does.
+# only the CPU they leave, so it never delays a lane's wake-up. Its profile (`arm64-check`,
+# the dev profile without debug information) leaves out the release build's optimisation,
+# most of that build's time: it proves the functions compile and link for aarch64 with
+# zig, as `sam build` does.
 section "build both Lambda functions for arm64 with cargo lambda (zig from PyPI), in the background: target/arm64-build.log"
 chrt --idle 0 cargo lambda build --profile arm64-check --arm64 -p paceline-orchestrator -p paceline-worker > target/arm64-build.log 2>&1 &
 arm64_build=$!
