@@ -143,8 +143,8 @@ pub fn estimate(ledger: &Ledger, memory: FunctionMemory, table: TableCapacity, j
     };
     let (per_million_writes, per_million_reads) = p.dynamodb_per_million(table);
     let billed = match table {
-        TableCapacity::OnDemand => "",
-        TableCapacity::Provisioned => " (provisioned, 70% used)",
+        TableCapacity::OnDemand => String::new(),
+        TableCapacity::Provisioned => format!(" (provisioned, {:.0}% used)", PROVISIONED_TARGET_USE * 100.0),
     };
     let lines = vec![
         line("SQS requests", sqs, "requests", sqs / 1e6 * p.sqs_per_million_requests),
