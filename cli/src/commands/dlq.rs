@@ -8,6 +8,7 @@ use anyhow::bail;
 use clap::Subcommand;
 use indicatif::{ProgressBar, ProgressStyle};
 use paceline_shared::dlq::{CauseSummary, DeadLetterFilter, DeadLetterRecord, DlqSource};
+use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
 use paceline_shared::ports::{forget_calls, DeadLetterQueues};
 use paceline_shared::table::{one_line_row, text_table};
@@ -378,10 +379,12 @@ pub async fn remove(
             }
             match kind {
                 RemovalKind::Redrive { keep_attempts } => {
-                    // The jobs' attempts go again: their call records must not skip them.
+                    // The jobs' attempts go again: their call records (in each job's
+                    // lane's state) must not skip them.
                     for record in &act_on {
                         if let Some(job_id) = &record.job_id {
-                            forget_calls(stack.state.as_ref(), job_id, record.attempt).await?;
+                            let lane_state = stack.stores.scoped(&StoreScope::Lane(record.lane.clone()));
+                            forget_calls(lane_state.as_ref(), job_id, record.attempt).await?;
                         }
                     }
                     queues.redrive(&act_on, keep_attempts).await?;
@@ -425,4 +428,42 @@ async fn remove_and_say(stack: &OperatorStack, target: &RemovalTarget, hold: Dur
         println!("{} matching dead letter(s) hold no job to redrive (health checks or unreadable records); `dlq purge` removes them", outcome.no_job);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use paceline_shared::job::{DeadLetterCause, DeadLetterReason};
+    use paceline_shared::ports::{call_record_key, CallClaim};
+
+    use super::*;
+
+    /// A redrive of a lane's job must forget the call records the job left in its lane's
+    /// state: a record still marked done would have the worker skip the redriven attempt
+    /// as a repeat, and the job would be gone.
+    #[tokio::test]
+    async fn a_redrive_forgets_the_call_records_of_the_job_s_own_lane() {
+        let dir = std::env::temp_dir().join(format!("paceline-dlq-lane-redrive-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("paceline.toml");
+        std::fs::write(&config, "[api]\nbase_url = \"http://127.0.0.1:9\"\n[quota]\ntiers = [\"5/s\"]\n[lanes]\ntiers = [\"2/s\"]\n").unwrap();
+        let stack = StackArgs { config, ..StackArgs::default() }.open_to_enqueue().await.unwrap();
+        let acme = stack.stores.scoped(&StoreScope::Lane("acme".parse().unwrap()));
+        let record = call_record_key("j-1", 0);
+        let now = system_now();
+        // The worker called attempt 0 of acme's job, and the API refused it for good.
+        assert_eq!(acme.claim_call(&record, "worker-1", now, now.plus(Duration::from_secs(30))).await.unwrap(), CallClaim::Taken);
+        acme.finish_call(&record, now.plus(Duration::from_secs(3600))).await.unwrap();
+        let reason = DeadLetterReason { cause: DeadLetterCause::Rejected { status: 404 }, detail: "not found".into(), outcome: None };
+        let job = r#"{"id":"j-1","lane":"acme","request":{"method":"GET","path":"/items/1"}}"#;
+        stack.queues.dead_letter("m-1", job, 0, &reason).await.unwrap();
+
+        let target = RemovalTarget { all: true, ..RemovalTarget::default() };
+        let removal =
+            remove(&stack, &target, Duration::from_secs(5), RemovalKind::Redrive { keep_attempts: false }, false, &ProgressBar::hidden()).await.unwrap();
+        assert_eq!(removal.done, 1);
+        let claim = acme.claim_call(&record, "worker-2", now, now.plus(Duration::from_secs(30))).await.unwrap();
+        assert_eq!(claim, CallClaim::Taken, "the redriven attempt is called again, not skipped as a repeat");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
