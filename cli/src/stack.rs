@@ -288,7 +288,7 @@ fn lane_workers(config: &Config, store: &Arc<EmbeddedStore>, clock: &Arc<dyn Clo
         clock: clock.clone(),
         stats: stats.clone(),
     };
-    let queue = stack.queue.clone();
+    let (queue, stores) = (stack.queue.clone(), stack.stores.clone());
     let (outcomes, store, missed) = (config.outcomes.clone(), store.clone(), missed.clone());
     let build = move |lane: LaneId| -> LaneWorkerBuild {
         let worker = stack.worker(&lane, &|name| std::env::var(name).ok()).map(|worker| {
@@ -296,7 +296,7 @@ fn lane_workers(config: &Config, store: &Arc<EmbeddedStore>, clock: &Arc<dyn Clo
         });
         Box::pin(std::future::ready(worker))
     };
-    LaneWorkers::new(Box::new(build), queue)
+    LaneWorkers::new(Box::new(build), queue, stores, clock.clone())
 }
 
 /// The orchestrator of an embedded lane: its queue and state in `store`, handing off

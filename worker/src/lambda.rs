@@ -145,6 +145,7 @@ pub fn function_from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, secrets: Ap
     };
     let results = batch_results(env, sdk);
     let secrets = Arc::new(secrets);
+    let stores = stack.stores.clone();
     let build = move |lane: LaneId| -> LaneWorkerBuild {
         let (stack, secrets, outcomes, results) = (stack.clone(), secrets.clone(), outcomes.clone(), results.clone());
         Box::pin(async move {
@@ -158,7 +159,7 @@ pub fn function_from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, secrets: Ap
             })
         })
     };
-    let workers = LaneWorkers::new(Box::new(build), queue).rebuilt_after(keep_for, clock);
+    let workers = LaneWorkers::new(Box::new(build), queue, stores, clock).rebuilt_after(keep_for);
     Ok(WorkerFunction { handler: Arc::new(workers), stats })
 }
 

@@ -4,7 +4,9 @@
 //! worker is built the first time a payload of the lane comes, and kept (on Lambda, for
 //! a while: its keys are read again from Secrets Manager after it). A lane whose worker
 //! cannot be built (its key cannot be read) has its jobs dead-lettered with reason
-//! `credentials`, never called without the key, and no other lane is touched.
+//! `credentials`, never called without the key, and no other lane is touched; each such
+//! job's call record is claimed and marked done as a call's is, so a job delivered twice
+//! is dead-lettered once.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -13,15 +15,16 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures_util::future::BoxFuture;
 use paceline_shared::config::{ApiConfig, CoolDownScope, LanesConfig, RetryConfig};
+use paceline_shared::job::Job;
 use paceline_shared::job::{DeadLetterCause, DeadLetterReason, WorkerPayload};
 use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
 use paceline_shared::outcome::OutcomeRecord;
-use paceline_shared::ports::{JobQueue, PortResult, ScopedStores, WorkerHandler};
+use paceline_shared::ports::{call_record_key, CallClaim, JobQueue, PortError, PortResult, ScopedStores, WorkerHandler};
 use paceline_shared::time::{Clock, UnixMillis};
-use tracing::warn;
+use tracing::{info, warn};
 
-use crate::{ApiClient, CallSlots, Worker, WorkerStats};
+use crate::{ApiClient, CallSlots, Worker, WorkerStats, CALL_RECORD_KEEP};
 
 /// A lane's worker being built: the worker, or why it cannot be (never with a secret in it).
 pub type LaneWorkerBuild = BoxFuture<'static, Result<Worker, String>>;
@@ -77,28 +80,35 @@ struct Built {
     at: UnixMillis,
 }
 
+/// How long a job of a lane without a worker holds its call record's claim while it is
+/// dead-lettered.
+const DEAD_LETTER_CLAIM: Duration = Duration::from_secs(30);
+
 /// Each lane's worker, built on first use.
 pub struct LaneWorkers {
     build: Box<BuildLaneWorker>,
     workers: Mutex<HashMap<LaneId, Built>>,
     /// Where a job whose lane has no worker goes, with its reason.
     queue: Arc<dyn JobQueue>,
-    /// How long a built worker is kept, by this clock (`None`: for good).
-    keep_for: Option<(Duration, Arc<dyn Clock>)>,
+    /// Each lane's state: the call records of the jobs dead-lettered for want of a worker.
+    stores: Arc<dyn ScopedStores>,
+    clock: Arc<dyn Clock>,
+    /// How long a built worker is kept (`None`: for good).
+    keep_for: Option<Duration>,
 }
 
 impl LaneWorkers {
     #[must_use]
-    pub fn new(build: Box<BuildLaneWorker>, queue: Arc<dyn JobQueue>) -> Self {
-        Self { build, workers: Mutex::new(HashMap::new()), queue, keep_for: None }
+    pub fn new(build: Box<BuildLaneWorker>, queue: Arc<dyn JobQueue>, stores: Arc<dyn ScopedStores>, clock: Arc<dyn Clock>) -> Self {
+        Self { build, workers: Mutex::new(HashMap::new()), queue, stores, clock, keep_for: None }
     }
 
     /// The same, building a lane's worker again once it is `keep_for` old (its keys read
     /// anew); a lane whose build failed is tried again after [`RETRY_FAILED_BUILD`] (or
     /// `keep_for`, if shorter).
     #[must_use]
-    pub fn rebuilt_after(self, keep_for: Duration, clock: Arc<dyn Clock>) -> Self {
-        Self { keep_for: Some((keep_for, clock)), ..self }
+    pub fn rebuilt_after(self, keep_for: Duration) -> Self {
+        Self { keep_for: Some(keep_for), ..self }
     }
 
     /// Lane `lane`'s worker, built now if this is its first payload or the last build
@@ -111,7 +121,7 @@ impl LaneWorkers {
             }
         }
         // Two payloads of a new lane at once may both build it: the later one is kept.
-        let at = self.keep_for.as_ref().map_or_else(UnixMillis::default, |(_, clock)| clock.now());
+        let at = self.keep_for.map_or_else(UnixMillis::default, |_| self.clock.now());
         let worker = (self.build)(lane.clone()).await.map(Arc::new);
         let mut workers = self.workers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         workers.insert(lane.clone(), Built { worker: worker.clone(), at });
@@ -121,9 +131,9 @@ impl LaneWorkers {
     /// Whether `built` serves now: a worker within its keep, a failure within
     /// [`RETRY_FAILED_BUILD`]; without a keep, a worker for good and a failure never.
     fn still_good(&self, built: &Built) -> bool {
-        let Some((keep_for, clock)) = &self.keep_for else { return built.worker.is_ok() };
-        let keep = if built.worker.is_ok() { *keep_for } else { RETRY_FAILED_BUILD.min(*keep_for) };
-        clock.now().since(built.at) < keep
+        let Some(keep_for) = self.keep_for else { return built.worker.is_ok() };
+        let keep = if built.worker.is_ok() { keep_for } else { RETRY_FAILED_BUILD.min(keep_for) };
+        self.clock.now().since(built.at) < keep
     }
 }
 
@@ -164,12 +174,38 @@ impl LaneWorkers {
         };
         warn!(%lane, %why, "the lane has no worker: its jobs are dead-lettered");
         for call in payload.batch_calls().into_iter().flatten() {
-            if let WorkerPayload::Job { job, attempt, .. } = call {
+            if let WorkerPayload::Job { job, attempt, dispatched_at, .. } = call {
                 let reason = DeadLetterReason { cause: DeadLetterCause::Credentials, detail: format!("lane {lane}: {why}"), outcome: None };
-                self.queue.dead_letter(job.id.as_str(), &job.to_json(), attempt, &reason).await?;
+                self.dead_letter_once(lane, &job, attempt, dispatched_at, &reason).await?;
             }
         }
         Ok(None)
+    }
+
+    /// Dead-letters `attempt` of `job` unless a delivery before this one did: the
+    /// attempt's call record (in the lane's state) is claimed first and marked done after,
+    /// as a call's is, so that `dlq redrive` (which forgets it) sends the job again.
+    ///
+    /// # Errors
+    /// `Transient` while another delivery of the attempt holds its claim (retried later,
+    /// it finds the record done).
+    async fn dead_letter_once(&self, lane: &LaneId, job: &Job, attempt: u32, dispatched_at: UnixMillis, reason: &DeadLetterReason) -> PortResult<()> {
+        let store = self.stores.scoped(&StoreScope::Lane(lane.clone()));
+        let record = call_record_key(job.id.as_str(), attempt);
+        let holder = format!("{}#{attempt}#{}", job.id.as_str(), dispatched_at.0);
+        let now = self.clock.now();
+        match store.claim_call(&record, &holder, now, now.plus(DEAD_LETTER_CLAIM)).await? {
+            CallClaim::Taken => {}
+            CallClaim::Done => {
+                info!(job_id = %job.id, attempt, "a repeated delivery of an attempt already dead-lettered: not again");
+                return Ok(());
+            }
+            CallClaim::Calling | CallClaim::ClaimedBefore => {
+                return Err(PortError::Transient(format!("another delivery of job {} attempt {attempt} is settling it", job.id)));
+            }
+        }
+        self.queue.dead_letter(job.id.as_str(), &job.to_json(), attempt, reason).await?;
+        store.finish_call(&record, self.clock.now().plus(CALL_RECORD_KEEP)).await
     }
 }
 

@@ -234,7 +234,7 @@ const SETTLE_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(120
 
 /// A call record is kept this long after its answer: a repeated delivery within it does
 /// not call again.
-const CALL_RECORD_KEEP: std::time::Duration = std::time::Duration::from_secs(86_400);
+pub(crate) const CALL_RECORD_KEEP: std::time::Duration = std::time::Duration::from_secs(86_400);
 
 /// A call slot held for one call (none without a cap), and who holds it.
 struct HeldSlot {

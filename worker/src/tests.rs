@@ -654,7 +654,7 @@ async fn a_batch_for_many_lanes_goes_to_each_lane_s_worker_and_a_lane_without_it
     let clock = worker.clock.clone();
     let api = Arc::new(InstantApi::new(clock.clone()));
     let build = lane_builds(&worker, api.clone(), &store, |lane| (lane.as_str() == "nokey").then(|| "API_KEY_NOKEY is not set".to_owned()));
-    let lanes = crate::lanes::LaneWorkers::new(build, store.clone());
+    let lanes = crate::lanes::LaneWorkers::new(build, store.clone(), store.clone(), clock.clone());
     let t0 = clock.now();
     let in_lane = |id: &str, lane: &str, ms: u64| {
         let WorkerPayload::Job { mut job, attempt, circuit_epoch, dispatched_at, slot, trip, report_limits } = in_slot(id, t0, ms) else { unreachable!() };
@@ -691,7 +691,7 @@ async fn a_lane_s_worker_is_built_again_when_its_keep_ends_and_a_lane_without_it
             missing.then(|| "cannot read secret KEY_late (keys/late): ResourceNotFoundException".to_owned())
         })
     };
-    let lanes = crate::lanes::LaneWorkers::new(build, store.clone()).rebuilt_after(Duration::from_secs(300), clock.clone());
+    let lanes = crate::lanes::LaneWorkers::new(build, store.clone(), store.clone(), clock.clone()).rebuilt_after(Duration::from_secs(300));
     let in_lane = |id: &str, lane: &str| {
         let job = Job::parse(&format!(r#"{{"id":"{id}","lane":"{lane}","request":{{"method":"GET","path":"/items/{id}"}}}}"#)).unwrap();
         WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: UnixMillis(0), slot: None, trip: None, report_limits: false }
@@ -712,4 +712,33 @@ async fn a_lane_s_worker_is_built_again_when_its_keep_ends_and_a_lane_without_it
     let dead: Vec<String> = store.dead_letters().unwrap().into_iter().map(|d| d.message_id).collect();
     assert_eq!(dead, ["late-0", "late-1"], "within 30 s of the failed read its jobs are dead-lettered without another");
     assert_eq!(api.calls().len(), 6, "every other job called");
+}
+
+/// A job of a lane without its key, delivered twice (SQS's at-least-once, an
+/// orchestrator that died between its invoke and its delete, Lambda's retry), is
+/// dead-lettered once: its call record says the attempt was settled, as a called job's
+/// does. Two dead letters would count it twice and redrive it twice.
+#[tokio::test(start_paused = true)]
+async fn a_job_of_a_lane_without_its_key_delivered_twice_is_dead_lettered_once() {
+    let (worker, store) = new_worker("http://127.0.0.1:9/v1");
+    let api = Arc::new(InstantApi::new(worker.clock.clone()));
+    let build = lane_builds(&worker, api.clone(), &store, |lane| (lane.as_str() == "nokey").then(|| "API_KEY_NOKEY is not set".to_owned()));
+    let lanes = crate::lanes::LaneWorkers::new(build, store.clone(), store.clone(), worker.clock.clone());
+    let job = Job::parse(r#"{"id":"locked-1","lane":"nokey","request":{"method":"GET","path":"/items/1"}}"#).unwrap();
+    let delivery = |dispatched_at: u64| WorkerPayload::Job {
+        job: job.clone(),
+        attempt: 0,
+        circuit_epoch: 0,
+        dispatched_at: UnixMillis(dispatched_at),
+        slot: None,
+        trip: None,
+        report_limits: false,
+    };
+    lanes.handle(delivery(1_000)).await.unwrap();
+    lanes.handle(delivery(1_000)).await.unwrap();
+    lanes.handle(WorkerPayload::batch("run-2#1".into(), &[delivery(61_000)])).await.unwrap();
+
+    let dead: Vec<(String, DeadLetterCause)> = store.dead_letters().unwrap().into_iter().map(|d| (d.message_id, d.reason.cause)).collect();
+    assert_eq!(dead, vec![("locked-1".to_string(), DeadLetterCause::Credentials)]);
+    assert!(api.calls().is_empty(), "never called without its key");
 }
