@@ -14,9 +14,10 @@ use aws_lambda_events::eventbridge::EventBridgeEvent;
 use lambda_runtime::LambdaEvent;
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames};
 use paceline_shared::config::{check_fifo_for_ordering, WorkerHost};
+use paceline_shared::keys::Shard;
 use paceline_shared::lambda_env::Env;
 use paceline_shared::metrics::{emf_record, emf_record_by, Metric};
-use paceline_shared::ports::Invoker;
+use paceline_shared::ports::{Invoker, JobQueue};
 use paceline_shared::time::{Clock, SystemClock, UnixMillis};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -62,10 +63,14 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
     let names = AwsNames::from_env(env, true)?;
     let quota = env.quota()?;
     let lanes = env.lanes(&quota)?;
+    let (shard, shard_queues) = shard_from_env(env, lanes.is_some(), &names.queue_url)?;
+    // A shard paces its lanes under its share of the shared quota.
+    let quota = quota.share(shard.index, shard.of).map_err(|e| format!("PACELINE_TIERS among PACELINE_SHARD's shards: {e}"))?;
     let settings =
-        Settings { quota, orchestrator: env.orchestrator()?, circuit: env.circuit()?, workers: WorkerHost::Lambda, lanes, ordering: env.ordering()? };
+        Settings { quota, orchestrator: env.orchestrator()?, circuit: env.circuit()?, workers: WorkerHost::Lambda, lanes, ordering: env.ordering()?, shard };
     check_fifo_for_ordering(&settings.lane_ordering(), &names.queue_url).map_err(|e| format!("PACELINE_ORDERING or PACELINE_LANES: {e}"))?;
     let aws = AwsAdapters::new(sdk, &names, lambda_endpoint);
+    let shard_queues: Vec<Arc<dyn JobQueue>> = shard_queues.iter().map(|url| Arc::new(aws.queue.at(url)) as Arc<dyn JobQueue>).collect();
     let relay = relay_function(env)?.map(|name| LambdaRelay { invoker: aws.invoker.for_function(name) });
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let invoker: Arc<dyn Invoker> = if settings.worker_batch() > 1 {
@@ -73,12 +78,45 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
     } else {
         Arc::new(aws.invoker)
     };
-    let store = Arc::new(aws.store);
+    let store = Arc::new(aws.store.for_shard(shard));
     let mut orchestrator = Orchestrator::new(Arc::new(aws.queue), store.clone(), invoker, clock, settings).with_scoped_stores(store);
+    if shard.of > 1 {
+        orchestrator = orchestrator.with_shard_queues(shard_queues)?;
+    }
     if let Some(relay) = relay {
         orchestrator = orchestrator.with_relay(Arc::new(relay));
     }
     Ok(OrchestratorFunction::new(orchestrator, env.stack_name()))
+}
+
+/// Which shard of the stack this function runs (`PACELINE_SHARD`, `INDEX/SHARDS`; the
+/// whole stack without it), and every shard's jobs queue by index
+/// (`PACELINE_SHARD_QUEUES`, a JSON list of URLs, this function's own at its index).
+///
+/// # Errors
+/// A shard without lanes (a lane lives on one shard), a bad `PACELINE_SHARD`, or shards'
+/// queues that are not one a shard with this function's at its index.
+fn shard_from_env(env: &Env<'_>, has_lanes: bool, own_queue: &str) -> Result<(Shard, Vec<String>), String> {
+    let Some(shard) = env.optional("PACELINE_SHARD") else { return Ok((Shard::WHOLE, Vec::new())) };
+    let shard = Shard::parse(&shard).map_err(|e| format!("PACELINE_SHARD: {e}"))?;
+    if shard.of == 1 {
+        return Ok((shard, Vec::new()));
+    }
+    if !has_lanes {
+        return Err("PACELINE_SHARD: shards divide a stack's lanes, and this stack has none (PACELINE_LANES)".into());
+    }
+    let queues =
+        env.optional("PACELINE_SHARD_QUEUES").ok_or("PACELINE_SHARD_QUEUES: each shard's jobs queue URL, a JSON list, is needed with PACELINE_SHARD")?;
+    let queues: Vec<String> = serde_json::from_str(&queues).map_err(|e| format!("PACELINE_SHARD_QUEUES: not a JSON list of queue URLs: {e}"))?;
+    if queues.len() != shard.of || queues[shard.index] != own_queue {
+        return Err(format!(
+            "PACELINE_SHARD_QUEUES: {} queues for {} shards, or entry {} is not this shard's queue (PACELINE_QUEUE_URL)",
+            queues.len(),
+            shard.of,
+            shard.index
+        ));
+    }
+    Ok((shard, queues))
 }
 
 /// The function a run's relay invokes: this one (`AWS_LAMBDA_FUNCTION_NAME`, which Lambda
@@ -273,6 +311,7 @@ mod tests {
             dispatched: 42,
             health_checks: 1,
             dead_lettered: 2,
+            forwarded: 0,
             released: 0,
             paced_ms: 60_000,
             paced_by: Some("10/s".parse().unwrap()),
@@ -331,5 +370,28 @@ mod tests {
         assert_eq!(relay(&[("AWS_LAMBDA_FUNCTION_NAME", "sms-orchestrator"), ("PACELINE_RELAY", "off")]), Ok(None));
         assert_eq!(relay(&[]), Ok(None), "outside Lambda: no function to relay to");
         assert_eq!(relay(&[("PACELINE_RELAY", "sometimes")]), Err("PACELINE_RELAY: `sometimes` is neither on nor off".into()));
+    }
+
+    #[test]
+    fn a_shard_needs_lanes_and_every_shard_s_queue_with_its_own_at_its_index() {
+        let shard = |vars: &[(&str, &str)], lanes: bool| {
+            let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+            let get = move |name: &str| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+            shard_from_env(&Env::new(&get), lanes, "https://sqs/q1")
+        };
+        assert_eq!(shard(&[], false), Ok((Shard::WHOLE, Vec::new())), "a stack of one shard without PACELINE_SHARD");
+        let queues = r#"["https://sqs/q0", "https://sqs/q1"]"#;
+        let (second, urls) = shard(&[("PACELINE_SHARD", "1/2"), ("PACELINE_SHARD_QUEUES", queues)], true).unwrap();
+        assert_eq!((second, urls.len()), (Shard { index: 1, of: 2 }, 2));
+        let refused = |vars: &[(&str, &str)], lanes: bool, says: &str| {
+            let error = shard(vars, lanes).unwrap_err();
+            assert!(error.contains(says), "{error}");
+        };
+        refused(&[("PACELINE_SHARD", "1/2"), ("PACELINE_SHARD_QUEUES", queues)], false, "has none (PACELINE_LANES)");
+        refused(&[("PACELINE_SHARD", "2/2")], true, "PACELINE_SHARD: `2/2`");
+        refused(&[("PACELINE_SHARD", "1/2")], true, "PACELINE_SHARD_QUEUES: each shard's");
+        refused(&[("PACELINE_SHARD", "0/2"), ("PACELINE_SHARD_QUEUES", queues)], true, "entry 0 is not this shard's queue");
+        refused(&[("PACELINE_SHARD", "1/3"), ("PACELINE_SHARD_QUEUES", queues)], true, "2 queues for 3 shards");
+        refused(&[("PACELINE_SHARD", "1/2"), ("PACELINE_SHARD_QUEUES", "q0,q1")], true, "not a JSON list");
     }
 }

@@ -47,8 +47,8 @@ use paceline_shared::order::OrderMark;
 use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, OutcomeTimes};
 use paceline_shared::pacer::MissedSlots;
 use paceline_shared::ports::{
-    load_calendar_usage, Invoker, JobQueue, LaneSignals, Lease, OutcomeSink, PacerSnapshot, PortError, PortResult, QueuedMessage, ScopedStores, StateStore,
-    VisibleAgain, CALL_SLOTS_FULL_KEY,
+    load_calendar_usage, Invoker, JobQueue, LaneSignals, Lease, OutcomeSink, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueuedMessage,
+    ScopedStores, StateStore, VisibleAgain, CALL_SLOTS_FULL_KEY,
 };
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, UnixMillis};
@@ -119,13 +119,41 @@ pub struct Orchestrator {
     relay: Option<Arc<dyn Relay>>,
     /// The settings' `[lanes]`, for reads in the background.
     lanes: Option<Arc<LanesConfig>>,
+    /// In a stack of shards, each shard's jobs queue (by shard index): where a job of a
+    /// lane that lives on another shard is sent on.
+    shard_queues: Vec<Arc<dyn JobQueue>>,
 }
 
 impl Orchestrator {
     #[must_use]
     pub fn new(queue: Arc<dyn JobQueue>, store: Arc<dyn StateStore>, invoker: Arc<dyn Invoker>, clock: Arc<dyn Clock>, settings: Settings) -> Self {
         let lanes = settings.lanes.clone().map(Arc::new);
-        Self { queue, store, invoker, clock, settings, progress: Arc::default(), outcomes: None, missed_slots: None, scoped_stores: None, relay: None, lanes }
+        Self {
+            queue,
+            store,
+            invoker,
+            clock,
+            settings,
+            progress: Arc::default(),
+            outcomes: None,
+            missed_slots: None,
+            scoped_stores: None,
+            relay: None,
+            lanes,
+            shard_queues: Vec::new(),
+        }
+    }
+
+    /// The same orchestrator, in a stack of shards, sending a job of a lane that lives
+    /// on another shard to that shard's queue (`queues`: each shard's, by index).
+    ///
+    /// # Errors
+    /// Not one queue for each of the settings' shards.
+    pub fn with_shard_queues(self, queues: Vec<Arc<dyn JobQueue>>) -> Result<Self, String> {
+        if queues.len() != self.settings.shard.of {
+            return Err(format!("{} shards' queues for a stack of {} shards", queues.len(), self.settings.shard.of));
+        }
+        Ok(Self { shard_queues: queues, ..self })
     }
 
     /// The same orchestrator starting, [`handover::RELAY_LEAD`] before each run stops
@@ -284,7 +312,7 @@ impl Executor<'_> {
     async fn hydrate(&mut self) -> Result<(), RunError> {
         let earlier_runs = self.state.lease().epoch > 1;
         if self.o.settings.lanes.is_some() {
-            let stack = self.o.store_for(&StoreScope::Stack);
+            let stack = self.o.store_for(&self.o.settings.shard.scope());
             let last_run = LastRun::judge(stack.load_pacer().await, &self.o.settings.quota, earlier_runs, self.o.clock.now())?;
             let calendar_used = load_calendar_usage(stack.as_ref(), &self.o.settings.quota, self.o.clock.now()).await?;
             self.state.hydrate_shared(last_run, &calendar_used, self.o.clock.now());
@@ -442,7 +470,7 @@ impl Executor<'_> {
                 Event::Reserved(lane, needed, result)
             }
             Action::ReserveShared(needed) => {
-                let result = o.store_for(&StoreScope::Stack).add_usage(&as_deltas(&needed)).await;
+                let result = o.store_for(&o.settings.shard.scope()).add_usage(&as_deltas(&needed)).await;
                 Event::SharedReserved(needed, result)
             }
             Action::DeadLetter(message, mut reason, job) => {
@@ -457,6 +485,18 @@ impl Executor<'_> {
                     }
                 }
                 Event::DeadLettered(message, result)
+            }
+            Action::Forward(shard, messages) => {
+                let sent: Vec<OutgoingMessage> =
+                    messages.iter().map(|message| OutgoingMessage::again(message.body.clone(), message.attempt, Duration::ZERO)).collect();
+                let result = match o.shard_queues.get(shard) {
+                    Some(queue) => queue.send(&sent).await,
+                    None => Err(PortError::Fatal(format!(
+                        "no queue for shard {shard} of {}: the orchestrator was built without its shards' queues",
+                        o.settings.shard.of
+                    ))),
+                };
+                Event::Forwarded(messages, result)
             }
             // Visibility changes go in the background: the loop dispatches meanwhile.
             Action::Release(messages) => {

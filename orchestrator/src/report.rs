@@ -69,6 +69,8 @@ pub struct RunReport {
     pub dispatched: u64,
     pub health_checks: u64,
     pub dead_lettered: u64,
+    /// Jobs of lanes that live on another shard, sent on to that shard's queue.
+    pub forwarded: u64,
     /// Messages received but not dispatched, made visible again: a lane's surplus for
     /// later, what was in hand at the end.
     pub released: u64,
@@ -126,6 +128,7 @@ impl RunReport {
             dispatched: 0,
             health_checks: 0,
             dead_lettered: 0,
+            forwarded: 0,
             released: 0,
             paced_ms: 0,
             paced_by: None,

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use paceline_shared::config::{CircuitConfig, Config, LanesConfig, OrchestratorConfig, WorkerHost};
+use paceline_shared::keys::Shard;
 use paceline_shared::lane::LaneId;
 use paceline_shared::order::{JobOrder, LaneOrdering};
 use paceline_shared::ports::PortError;
@@ -22,6 +23,9 @@ pub struct Settings {
     /// `[quota] ordering`: how a stack without lanes orders its jobs (with lanes, each
     /// lane's `ordering` says).
     pub ordering: JobOrder,
+    /// Which shard of the stack this orchestrator runs (its lanes, its lease, its share
+    /// of the shared quota, which `quota` then is): the whole stack unless sharded.
+    pub shard: Shard,
 }
 
 impl Settings {
@@ -35,6 +39,7 @@ impl Settings {
             workers,
             lanes: config.lanes.clone(),
             ordering: config.quota_ordering,
+            shard: Shard::WHOLE,
         }
     }
 
@@ -42,7 +47,15 @@ impl Settings {
     /// benchmarks).
     #[must_use]
     pub fn defaults_for(quota: Quota, workers: WorkerHost) -> Self {
-        Self { quota, orchestrator: OrchestratorConfig::default(), circuit: CircuitConfig::default(), workers, lanes: None, ordering: JobOrder::None }
+        Self {
+            quota,
+            orchestrator: OrchestratorConfig::default(),
+            circuit: CircuitConfig::default(),
+            workers,
+            lanes: None,
+            ordering: JobOrder::None,
+            shard: Shard::WHOLE,
+        }
     }
 
     /// How `lane`'s jobs are ordered.

@@ -36,6 +36,9 @@ use crate::timers::{passing, Backoff, Timer, TimerTable};
 
 /// Longest long poll (SQS allows 20 s).
 const MAX_POLL: Duration = Duration::from_secs(20);
+
+/// The most messages sent on to another shard's queue in one request (SQS's batch).
+const FORWARD_AT_ONCE: usize = 10;
 /// A draining run's long poll: short, so it notices soon that nothing is left.
 const DRAIN_POLL: Duration = Duration::from_millis(500);
 /// Messages one receive returns at most (SQS batch size).
@@ -104,6 +107,9 @@ pub(crate) enum Action {
     /// Move a message to the jobs DLQ with its reason (await it); its job where it parsed
     /// (for the job's outcome record).
     DeadLetter(QueuedMessage, DeadLetterReason, Option<Box<Job>>),
+    /// Send these messages, whose lanes live on shard `shard`, to that shard's queue
+    /// (await it); they are deleted here once it has them.
+    Forward(usize, Vec<QueuedMessage>),
     /// Make these received messages visible again, each after its own time (background;
     /// ten a request on SQS, whatever their times).
     Release(Vec<VisibleAgain>),
@@ -143,6 +149,7 @@ pub(crate) enum Event {
     SharedReserved(Vec<(String, u64)>, PortResult<()>),
     LaneHydrated(usize, PortResult<LaneStart>),
     DeadLettered(QueuedMessage, PortResult<()>),
+    Forwarded(Vec<QueuedMessage>, PortResult<()>),
     Released(usize, PortResult<()>),
     /// This many messages in hand stay hidden longer, or the error.
     ExtendedHidden(usize, PortResult<()>),
@@ -228,6 +235,8 @@ pub(crate) struct StackMachine<'a> {
     pending_deletes: Vec<String>,
     /// Messages to dead-letter whose reason came back from a hand-off.
     to_dead_letter: VecDeque<(QueuedMessage, DeadLetterReason, Option<Box<Job>>)>,
+    /// Received messages of lanes that live on another shard, with that shard.
+    to_forward: VecDeque<(usize, QueuedMessage)>,
     /// Lanes an operator changed the settings of: each re-read alone, its settings too.
     to_refresh_alone: VecDeque<usize>,
     /// Ordered lanes whose mark is due to be read (with many lanes).
@@ -281,6 +290,7 @@ impl<'a> StackMachine<'a> {
             to_release: Vec::new(),
             pending_deletes: Vec::new(),
             to_dead_letter: VecDeque::new(),
+            to_forward: VecDeque::new(),
             to_refresh_alone: VecDeque::new(),
             to_read_order: VecDeque::new(),
             timers,
@@ -373,7 +383,7 @@ impl<'a> StackMachine<'a> {
         let mut snapshots: Vec<(StoreScope, PacerSnapshot)> =
             self.lanes.iter().map(|lane| (StoreScope::Lane(lane.id().clone()), lane.snapshot(at_exit, now))).collect();
         if let Some(many) = &self.many {
-            snapshots.push((StoreScope::Stack, many.snapshot(at_exit, now)));
+            snapshots.push((self.settings.shard.scope(), many.snapshot(at_exit, now)));
         }
         snapshots
     }
@@ -386,7 +396,7 @@ impl<'a> StackMachine<'a> {
         let mut snapshots: Vec<(StoreScope, PacerSnapshot)> =
             self.lanes.iter_mut().filter_map(|lane| lane.take_unsaved(now).then(|| (StoreScope::Lane(lane.id().clone()), lane.snapshot(false, now)))).collect();
         if !snapshots.is_empty() {
-            snapshots.push((StoreScope::Stack, many.snapshot(false, now)));
+            snapshots.push((self.settings.shard.scope(), many.snapshot(false, now)));
         }
         snapshots
     }
@@ -434,6 +444,9 @@ impl<'a> StackMachine<'a> {
         }
         if let Some((message, reason, job)) = self.to_dead_letter.pop_front() {
             return Action::DeadLetter(message, reason, job);
+        }
+        if let Some((shard, messages)) = self.forward_next() {
+            return Action::Forward(shard, messages);
         }
         if self.timers.is_expired(Timer::Renew, now) {
             self.timers.stop(Timer::Renew);
@@ -1092,6 +1105,7 @@ impl<'a> StackMachine<'a> {
                 self.retry_later(e, Timer::InvokeHold, now, "could not reserve the shared quota's calendar units; nothing is dispatched meanwhile")
             }
             Event::DeadLettered(message, result) => self.on_dead_lettered(message, result),
+            Event::Forwarded(messages, result) => self.on_forwarded(messages, result),
             Event::Released(count, Ok(())) => {
                 self.report.released += count as u64;
                 Ok(())
@@ -1209,6 +1223,46 @@ impl<'a> StackMachine<'a> {
         Ok(())
     }
 
+    fn on_forwarded(&mut self, messages: Vec<QueuedMessage>, result: PortResult<()>) -> Result<(), RunError> {
+        match result {
+            Ok(()) => {
+                self.report.forwarded += messages.len() as u64;
+                self.pending_deletes.extend(messages.into_iter().map(|message| message.receipt));
+            }
+            // Left hidden: they come back after their visibility timeout and go again.
+            Err(e) => passing(e, "could not send jobs on to their shard's queue; they go again when they are visible again")?,
+        }
+        Ok(())
+    }
+
+    /// The next messages to send on to another shard's queue: up to ten, all for one shard.
+    fn forward_next(&mut self) -> Option<(usize, Vec<QueuedMessage>)> {
+        let (shard, first) = self.to_forward.pop_front()?;
+        let mut messages = vec![first];
+        while messages.len() < FORWARD_AT_ONCE && self.to_forward.front().is_some_and(|(next, _)| *next == shard) {
+            messages.extend(self.to_forward.pop_front().map(|(_, message)| message));
+        }
+        Some((shard, messages))
+    }
+
+    /// Keeps the messages of this shard's lanes; those of another shard's go to
+    /// `to_forward`, never paced here (their lane's own orchestrator paces them).
+    fn keep_own_lanes(&mut self, received: Vec<QueuedMessage>) -> Vec<QueuedMessage> {
+        let shard = self.settings.shard;
+        if shard.of <= 1 {
+            return received;
+        }
+        let (own, others): (Vec<QueuedMessage>, Vec<QueuedMessage>) = received.into_iter().partition(|message| shard.owns(&LaneId::named_in(&message.body)));
+        if !others.is_empty() {
+            warn!(
+                messages = others.len(),
+                "jobs of lanes that live on another shard: sent on to that shard's queue (producers send a lane's jobs to its shard's)"
+            );
+            self.to_forward.extend(others.into_iter().map(|message| (LaneId::named_in(&message.body).shard(shard.of), message)));
+        }
+        own
+    }
+
     fn on_received(&mut self, result: PortResult<Vec<QueuedMessage>>, took: Duration, long_poll: bool, now: UnixMillis) -> Result<(), RunError> {
         self.in_flight.receives -= 1;
         if !long_poll {
@@ -1227,6 +1281,7 @@ impl<'a> StackMachine<'a> {
                 self.backoffs.receive.succeeded();
                 self.queue_seen_empty = false;
                 if self.many.is_some() {
+                    let received = self.keep_own_lanes(received);
                     self.route_received(received, now);
                 } else {
                     self.lanes[0].take_in(received, now);
@@ -1357,7 +1412,7 @@ impl<'a> StackMachine<'a> {
         if let Some(many) = &mut self.many {
             let shared = many.reserved.take_unspent();
             if !shared.is_empty() {
-                unspent.push((StoreScope::Stack, shared));
+                unspent.push((self.settings.shard.scope(), shared));
             }
         }
         for lane in &mut self.lanes {
@@ -1434,6 +1489,7 @@ mod tests {
             workers: WorkerHost::InProcess,
             lanes: None,
             ordering: JobOrder::None,
+            shard: paceline_shared::keys::Shard::WHOLE,
         }
     }
 

@@ -3,7 +3,9 @@
 //! its lane's scope; the default lane's keys are the ones a stack of one lane always had,
 //! so a store written before lanes reads the same. The stack's own state (the shared
 //! quota's pacer and counters) has a scope no lane id can spell (`#` is not allowed in
-//! one); the lease is the stack's and never scoped.
+//! one); the lease is the stack's and never scoped. A stack of several shards keeps each
+//! shard's lease and share of the shared quota apart ([`Shard`]); shard 0's are the keys
+//! of a stack of one shard.
 
 use std::fmt;
 
@@ -17,8 +19,11 @@ pub const LANE_CHANGE: &str = "lane_settings";
 pub enum StoreScope {
     /// One lane's state.
     Lane(LaneId),
-    /// What the whole stack shares: the shared quota's pacer and counters.
+    /// What the whole stack shares: the shared quota's pacer and counters (shard 0's
+    /// share of them in a stack of shards), and a stack-wide cool-down.
     Stack,
+    /// Shard `N`'s share of the shared quota (its pacer and counters), for shards 1 and up.
+    Shard(usize),
 }
 
 impl StoreScope {
@@ -29,13 +34,14 @@ impl StoreScope {
     }
 
     /// What this scope's keys start with: nothing for the default lane, `lane#ID#` for
-    /// another lane, `stack#` for the stack.
+    /// another lane, `stack#` for the stack, `shard#N#` for shard N.
     #[must_use]
     pub fn prefix(&self) -> String {
         match self {
             Self::Lane(lane) if lane.is_default() => String::new(),
             Self::Lane(lane) => format!("lane#{lane}#"),
             Self::Stack => "stack#".to_owned(),
+            Self::Shard(index) => format!("shard#{index}#"),
         }
     }
 
@@ -57,7 +63,72 @@ impl fmt::Display for StoreScope {
         match self {
             Self::Lane(lane) => write!(f, "lane {lane}"),
             Self::Stack => f.write_str("the stack"),
+            Self::Shard(index) => write!(f, "shard {index}"),
         }
+    }
+}
+
+/// Which of a stack's shards an orchestrator runs: each shard has its own jobs queue,
+/// orchestrator, lease and share of the shared quota, and the lanes whose
+/// [`LaneId::shard`] is its index. A stack of one shard is shard 0 of 1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shard {
+    pub index: usize,
+    pub of: usize,
+}
+
+impl Default for Shard {
+    fn default() -> Self {
+        Self::WHOLE
+    }
+}
+
+impl Shard {
+    /// The one shard of a stack that has no others.
+    pub const WHOLE: Self = Self { index: 0, of: 1 };
+
+    /// Reads `INDEX/SHARDS` (`2/4`: the third of four shards).
+    ///
+    /// # Errors
+    /// Not two numbers, no shards, or an index past the last shard.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let (index, of) = text.trim().split_once('/').ok_or_else(|| format!("`{text}` is not INDEX/SHARDS (for example 0/4)"))?;
+        let number = |part: &str| part.trim().parse::<usize>().map_err(|_| format!("`{text}` is not INDEX/SHARDS (for example 0/4)"));
+        let shard = Self { index: number(index)?, of: number(of)? };
+        if shard.of == 0 || shard.index >= shard.of {
+            return Err(format!("`{text}`: the index counts from 0 and must be below the number of shards"));
+        }
+        Ok(shard)
+    }
+
+    /// Whether lane `lane` lives on this shard.
+    #[must_use]
+    pub fn owns(&self, lane: &LaneId) -> bool {
+        lane.shard(self.of) == self.index
+    }
+
+    /// Where this shard's share of the shared quota is kept.
+    #[must_use]
+    pub fn scope(&self) -> StoreScope {
+        match self.index {
+            0 => StoreScope::Stack,
+            index => StoreScope::Shard(index),
+        }
+    }
+
+    /// The key of this shard's lease: `lease` for shard 0, as a stack of one shard has it.
+    #[must_use]
+    pub fn lease_key(&self) -> String {
+        match self.index {
+            0 => "lease".to_owned(),
+            index => StoreScope::Shard(index).key("lease"),
+        }
+    }
+}
+
+impl fmt::Display for Shard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.index, self.of)
     }
 }
 
@@ -76,5 +147,25 @@ mod tests {
         assert_eq!(StoreScope::Stack.key("pacer"), "stack#pacer");
         // No lane id holds `#`, so no lane's prefix is another's or the stack's.
         assert!(LaneId::parse("stack#").is_err() && LaneId::parse("a#b").is_err());
+        assert_eq!(StoreScope::Shard(2).key("pacer"), "shard#2#pacer");
+    }
+
+    /// Shard 0 keeps the keys of a stack of one shard, so adding shards leaves a deployed
+    /// stack's state where it was; the others' are their own.
+    #[test]
+    fn a_shard_reads_as_index_of_count_and_shard_zero_keeps_a_stack_s_keys() {
+        assert_eq!(Shard::parse("0/1"), Ok(Shard::WHOLE));
+        let third = Shard::parse(" 2/4 ").unwrap();
+        assert_eq!((third.index, third.of, third.to_string()), (2, 4, "2/4".to_owned()));
+        for bad in ["4/4", "1/0", "2", "a/4", "-1/4"] {
+            assert!(Shard::parse(bad).is_err(), "{bad}");
+        }
+        assert_eq!((Shard::WHOLE.scope(), Shard::WHOLE.lease_key()), (StoreScope::Stack, "lease".to_owned()));
+        assert_eq!((third.scope(), third.lease_key()), (StoreScope::Shard(2), "shard#2#lease".to_owned()));
+        let lanes: Vec<LaneId> = (0..400).map(|n| LaneId::parse(&format!("t{n}")).unwrap()).collect();
+        for lane in &lanes {
+            let owners: Vec<usize> = (0..4).filter(|index| Shard { index: *index, of: 4 }.owns(lane)).collect();
+            assert_eq!(owners, vec![lane.shard(4)], "each lane lives on one shard");
+        }
     }
 }

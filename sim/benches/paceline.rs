@@ -61,6 +61,7 @@ fn settings(tiers: &[&str], margin_ms: u64, ahead_ms: u64) -> Settings {
         workers: WorkerHost::Lambda,
         lanes: None,
         ordering: JobOrder::None,
+        shard: paceline_shared::keys::Shard::WHOLE,
     }
 }
 

@@ -416,7 +416,8 @@ impl ScopedStores for SimStores {
 
     fn scoped(&self, scope: &StoreScope) -> Arc<dyn StateStore> {
         match scope {
-            StoreScope::Stack => self.stack.clone(),
+            // Each simulated shard has a table of its own: its share is its stack's.
+            StoreScope::Stack | StoreScope::Shard(_) => self.stack.clone(),
             StoreScope::Lane(lane) => lock(&self.lanes)
                 .entry(lane.clone())
                 .or_insert_with(|| Arc::new(SimStore { stack: Some(self.stack.clone()), ..SimStore::new(self.world.clone()) }))

@@ -19,7 +19,15 @@ fn plan(tiers: &[&str], margin_ms: u64, dispatch_ahead_ms: u64, jobs: usize, see
     Plan::new(
         jobs,
         seed,
-        Settings { quota, orchestrator, circuit: CircuitConfig::default(), workers: WorkerHost::Lambda, lanes: None, ordering: JobOrder::None },
+        Settings {
+            quota,
+            orchestrator,
+            circuit: CircuitConfig::default(),
+            workers: WorkerHost::Lambda,
+            lanes: None,
+            ordering: JobOrder::None,
+            shard: paceline_shared::keys::Shard::WHOLE,
+        },
         RetryConfig::default(),
     )
 }

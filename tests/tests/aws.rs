@@ -10,7 +10,7 @@ use std::time::Duration;
 use aws_sdk_dynamodb::types::AttributeValue;
 use lambda_runtime::{Context, LambdaEvent};
 use paceline_cli::fake_api::{FakeApi, FakeApiSpec};
-use paceline_e2e::aws::{create_lane, create_lane_of, lane_env, moto_sdk_config, FakeLambda, QueueKind};
+use paceline_e2e::aws::{create_lane, create_lane_of, create_queue, lane_env, moto_sdk_config, FakeLambda, QueueKind};
 use paceline_e2e::two_percent_failing_api;
 use paceline_orchestrator::{lambda as orchestrator_lambda, Orchestrator, RunError, RunOptions, StopReason};
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames, DynamoStateStore, SqsQueue};
@@ -762,6 +762,83 @@ async fn three_lanes_keep_their_own_quotas_and_keys_and_one_lane_s_failures_touc
     assert_eq!(dead, expected);
     let depth = queue.depth().await.unwrap();
     assert_eq!((depth.visible, depth.not_visible), (0, 0));
+}
+
+/// Two shards of one stack, on one table and one worker: each shard's orchestrator
+/// paces the lanes that live on it (by the hash of their ids), received from its own
+/// queue under its own lease, at its half of the shared quota; a job sent to the other
+/// shard's queue is sent on to its lane's and called once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_shards_pace_their_own_lanes_under_halves_of_the_shared_quota_and_send_on_a_misrouted_job() {
+    use paceline_e2e::runtime_api::template_env;
+    use paceline_shared::lane::LaneId;
+    let _alone = MOTO_BUSY_OR_TIMED.lock().await;
+    let sdk = moto_sdk_config().await;
+    let names = create_lane(&sdk, "paceline-worker").await;
+    let queues = [names.queue_url.clone(), create_queue(&sdk, "paceline-jobs").await];
+    let lambda = FakeLambda::start().await;
+    let api = api(&["6/s"], None).await;
+    let given = BTreeMap::from([
+        ("AWS::StackName", "two-shards".to_owned()),
+        ("JobsQueue", names.queue_url.clone()),
+        ("JobsDlq", names.dlq_url.clone()),
+        ("StateTable", names.table.clone()),
+        ("WorkerFunction", "paceline-worker".to_owned()),
+        ("QuotaTiers", "6/s".to_owned()),
+        ("ApiBaseUrl", api.base_url.clone()),
+        ("Lanes", json!({ "tiers": ["5/s"] }).to_string()),
+    ]);
+    let worker_env = template_env("WorkerFunction", &given);
+    let get = |k: &str| worker_env.get(k).cloned();
+    lambda.run_worker(Arc::new(paceline_worker::lambda::from_env(&Env::new(&get), &sdk).unwrap()));
+    let shard_orchestrator = |index: usize| {
+        let mut env = template_env("OrchestratorFunction", &given);
+        env.insert("PACELINE_QUEUE_URL".into(), queues[index].clone());
+        env.insert("PACELINE_SHARD".into(), format!("{index}/2"));
+        env.insert("PACELINE_SHARD_QUEUES".into(), json!(queues).to_string());
+        env.insert("PACELINE_DEADLINE_MARGIN".into(), "1s".into());
+        let get = |k: &str| env.get(k).cloned();
+        orchestrator_lambda::from_env(&Env::new(&get), &sdk, Some(&lambda.url)).unwrap().into_orchestrator()
+    };
+    let (first, second) = (shard_orchestrator(0), shard_orchestrator(1));
+
+    // Eight lanes, four jobs each, each on its lane's shard's queue; two jobs of a lane
+    // of shard 1 sent to shard 0's by mistake.
+    let lanes: Vec<LaneId> = (0..8).map(|n| LaneId::parse(&format!("tenant-{n}")).unwrap()).collect();
+    let misrouted = lanes.iter().find(|lane| lane.shard(2) == 1).expect("a lane on shard 1").clone();
+    assert!(lanes.iter().any(|lane| lane.shard(2) == 0), "a lane on shard 0");
+    let sqs_queue = AwsAdapters::new(&sdk, &names, None).queue;
+    for lane in &lanes {
+        for i in 0..4 {
+            let body = format!(r#"{{"id":"{lane}-{i}","lane":"{lane}","request":{{"method":"GET","path":"/items/{lane}-{i}"}}}}"#);
+            let shard = if *lane == misrouted && i < 2 { 0 } else { lane.shard(2) };
+            sqs_queue.at(&queues[shard]).send(&[OutgoingMessage::fresh(body)]).await.unwrap();
+        }
+    }
+    let (opts_first, opts_second) = (drain_opts("shard-0", Duration::from_secs(60)), drain_opts("shard-1", Duration::from_secs(60)));
+    let (ran_first, ran_second) = tokio::join!(first.run(&opts_first), second.run(&opts_second));
+    let (ran_first, ran_second) = (ran_first.unwrap(), ran_second.unwrap());
+    assert_eq!((ran_first.forwarded, ran_second.forwarded), (2, 0), "{ran_first:?}");
+    // Shard 1 may have drained its queue before the two came: its next run calls them.
+    let left = sqs_queue.at(&queues[1]).depth().await.unwrap();
+    if left.visible + left.not_visible > 0 {
+        second.run(&drain_opts("shard-1-again", Duration::from_secs(30))).await.unwrap();
+    }
+    lambda.settle(Duration::from_secs(10)).await;
+
+    let log = api.log();
+    assert_eq!((log.ok, log.quota_rejections), (32, 0), "every job called, none over the shared 6/s");
+    assert!(log.ok_by_path.values().all(|calls| *calls == 1), "each job once: {:?}", log.ok_by_path);
+    let arrivals: Vec<(UnixMillis, u64)> = log.arrivals.iter().map(|at| (*at, 1)).collect();
+    assert!(peak_in_any_window(&arrivals, Duration::from_secs(1)) <= 6, "the two shards' halves add up to the shared 6/s");
+    let on_first: u64 = lanes.iter().filter(|lane| lane.shard(2) == 0).count() as u64 * 4;
+    assert_eq!(ran_first.dispatched, on_first, "shard 0 called only its own lanes' jobs");
+    // Each shard ran under its own lease: the two runs overlapped.
+    let dynamodb = aws_sdk_dynamodb::Client::new(&sdk);
+    for key in ["lease", "shard#1#lease"] {
+        let item = dynamodb.get_item().table_name(&names.table).key("pk", AttributeValue::S(key.into())).send().await.unwrap();
+        assert!(item.item().is_some(), "{key}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

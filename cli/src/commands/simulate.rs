@@ -10,6 +10,7 @@ use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressStyle};
 use paceline_orchestrator::Settings;
 use paceline_shared::config::{WorkerHost, MAX_DISPATCH_AHEAD};
+use paceline_shared::keys::Shard;
 use paceline_shared::order::JobOrder;
 use paceline_shared::time::{system_now, Clock as _, SystemClock};
 use paceline_sim::lanes::{first_come_first_served, render_lanes, round_robin, simulate_lanes, LambdaWorkers, LanesPlan, LanesQueue, Skew};
@@ -196,7 +197,8 @@ impl SimulateArgs {
             !config.quota_ordering.is_ordered(),
             "[quota] ordering = \"fifo\": the simulator of one lane on AWS does not model ordered lanes yet (simulate --lanes does, on the embedded queue)"
         );
-        let settings = Settings { quota, orchestrator, circuit: config.circuit, workers: WorkerHost::Lambda, lanes: None, ordering: JobOrder::None };
+        let settings =
+            Settings { quota, orchestrator, circuit: config.circuit, workers: WorkerHost::Lambda, lanes: None, ordering: JobOrder::None, shard: Shard::WHOLE };
         let mut plan = Plan::new(self.jobs, self.seed, settings, config.retry);
         plan.profile = profile;
         plan.failures = failures;
@@ -241,7 +243,15 @@ impl SimulateArgs {
         if let Err(problem) = config.quota.share(0, self.shards) {
             anyhow::bail!("--shards {}: the shared [quota] {problem}", self.shards);
         }
-        let settings = Settings { quota: config.quota, orchestrator, circuit: config.circuit, workers, lanes: config.lanes, ordering: config.quota_ordering };
+        let settings = Settings {
+            quota: config.quota,
+            orchestrator,
+            circuit: config.circuit,
+            workers,
+            lanes: config.lanes,
+            ordering: config.quota_ordering,
+            shard: Shard::WHOLE,
+        };
         Ok(LanesPlan { lanes, skew: self.skew, jobs: self.jobs, seed: self.seed, settings, queue: self.queue, lambda, shards: self.shards })
     }
 

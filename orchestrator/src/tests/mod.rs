@@ -46,6 +46,7 @@ fn lane_built(tiers: &[&str], margin_ms: u64, invoker: impl FnOnce(Arc<TokioCloc
         workers: WorkerHost::InProcess,
         lanes: None,
         ordering: JobOrder::None,
+        shard: paceline_shared::keys::Shard::WHOLE,
     };
     adjust(&mut settings);
     let orchestrator = Orchestrator::new(store.clone(), store.clone(), invoker.clone(), clock.clone(), settings);

@@ -18,7 +18,7 @@ use super::{build_error, map_sdk_error};
 use crate::adaptive::ProviderReading;
 use crate::breaker::{Circuit, FAILURE_BUCKET_PREFIX, FAILURE_BUCKET_TTL};
 use crate::config::LaneChange;
-use crate::keys::{StoreScope, LANE_CHANGE};
+use crate::keys::{Shard, StoreScope, LANE_CHANGE};
 use crate::lane::LaneId;
 use crate::order::{OrderMark, OrderState, ORDER_MARK};
 use crate::ports::{
@@ -26,7 +26,6 @@ use crate::ports::{
 };
 use crate::time::UnixMillis;
 
-const LEASE: &str = "lease";
 const PACER: &str = "pacer";
 const CIRCUIT: &str = "circuit";
 const COOL_DOWN: &str = "cool_down";
@@ -44,6 +43,8 @@ pub struct DynamoStateStore {
     client: Client,
     table: String,
     scope: StoreScope,
+    /// The item of the lease its orchestrator holds: its shard's.
+    lease_key: String,
 }
 
 type Item = HashMap<String, AttributeValue>;
@@ -109,7 +110,14 @@ fn lease_of(item: &Item) -> Lease {
 impl DynamoStateStore {
     #[must_use]
     pub fn new(client: Client, table: impl Into<String>) -> Self {
-        Self { client, table: table.into(), scope: StoreScope::default_lane() }
+        Self { client, table: table.into(), scope: StoreScope::default_lane(), lease_key: Shard::WHOLE.lease_key() }
+    }
+
+    /// The same table, for the orchestrator of shard `shard`: its lease is the shard's
+    /// (shard 0's is a stack of one shard's).
+    #[must_use]
+    pub fn for_shard(self, shard: Shard) -> Self {
+        Self { lease_key: shard.lease_key(), ..self }
     }
 
     /// The same table, reading and writing `scope`'s state (a lane's pacer, circuit,
@@ -233,7 +241,7 @@ impl StateStore for DynamoStateStore {
             .client
             .update_item()
             .table_name(&self.table)
-            .key("pk", s(LEASE))
+            .key("pk", s(&self.lease_key))
             .update_expression("SET holder = :h, expires_at = :e ADD epoch :one")
             .condition_expression("attribute_not_exists(pk) OR expires_at <= :now")
             .expression_attribute_values(":h", s(holder))
@@ -247,7 +255,7 @@ impl StateStore for DynamoStateStore {
             Ok(out) => Ok(lease_of(&out.attributes().cloned().unwrap_or_default())),
             Err(e) => match map_sdk_error("dynamodb UpdateItem (lease)", &e) {
                 PortError::Conflict(_) => {
-                    let current = self.get_item(s(LEASE)).await?.map(|i| lease_of(&i));
+                    let current = self.get_item(s(&self.lease_key)).await?.map(|i| lease_of(&i));
                     let who = current.map_or_else(|| "someone".to_owned(), |l| format!("{} until {}", l.holder, l.expires_at));
                     Err(PortError::Conflict(format!("lease held by {who}")))
                 }
@@ -261,7 +269,7 @@ impl StateStore for DynamoStateStore {
             .client
             .update_item()
             .table_name(&self.table)
-            .key("pk", s(LEASE))
+            .key("pk", s(&self.lease_key))
             .update_expression("SET expires_at = :e")
             .condition_expression("epoch = :epoch AND holder = :h")
             .expression_attribute_values(":e", n(now.plus(ttl).0))
@@ -279,7 +287,7 @@ impl StateStore for DynamoStateStore {
             .client
             .update_item()
             .table_name(&self.table)
-            .key("pk", s(LEASE))
+            .key("pk", s(&self.lease_key))
             // No holder: the old holder can neither renew it nor save under it.
             .update_expression("SET expires_at = :zero REMOVE holder")
             .condition_expression("epoch = :epoch")
@@ -294,7 +302,7 @@ impl StateStore for DynamoStateStore {
     }
 
     async fn lease(&self) -> PortResult<Option<Lease>> {
-        Ok(self.get_item(s(LEASE)).await?.map(|i| lease_of(&i)).filter(|l| !l.holder.is_empty()))
+        Ok(self.get_item(s(&self.lease_key)).await?.map(|i| lease_of(&i)).filter(|l| !l.holder.is_empty()))
     }
 
     async fn load_usage(&self, keys: &[String]) -> PortResult<Vec<u64>> {
@@ -330,7 +338,7 @@ impl StateStore for DynamoStateStore {
         let json = serde_json::to_string(snapshot).map_err(|e| PortError::Fatal(e.to_string()))?;
         let check = ConditionCheck::builder()
             .table_name(&self.table)
-            .key("pk", s(LEASE))
+            .key("pk", s(&self.lease_key))
             .condition_expression("epoch = :epoch AND holder = :h")
             .expression_attribute_values(":epoch", n(lease.epoch))
             .expression_attribute_values(":h", s(&lease.holder))

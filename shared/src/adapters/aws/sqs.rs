@@ -66,6 +66,12 @@ impl SqsQueue {
         Self { client, queue_url: queue_url.into(), dlq_url: dlq_url.into(), worker_dlq_url: None }
     }
 
+    /// The jobs queue at `queue_url` (another shard's), with this one's client and DLQs.
+    #[must_use]
+    pub fn at(&self, queue_url: impl Into<String>) -> Self {
+        Self { queue_url: queue_url.into(), ..self.clone() }
+    }
+
     /// Adds the worker's DLQ, for operator commands.
     #[must_use]
     pub fn with_worker_dlq(mut self, url: Option<String>) -> Self {
