@@ -20,7 +20,7 @@ use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::config::{AwsBackend, Backend, Config, CoolDownScope, LanesConfig};
 use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
-use paceline_shared::ports::{DeadLetterQueues, QueueDepth, ScopedStores, StateStore};
+use paceline_shared::ports::{DeadLetterQueues, JobQueue, QueueDepth, ScopedStores, StateStore};
 use paceline_shared::quota::Quota;
 
 use crate::stack::{load_config_for_operations, open_store, IfMissing};
@@ -75,6 +75,9 @@ pub struct OperatorStack {
     pub lanes: Result<(LanesConfig, Quota), String>,
     /// The embedded store, for what only it can count (each lane's backlog).
     pub embedded: Option<Arc<EmbeddedStore>>,
+    /// An AWS stack of several shards: each shard's jobs queue, by index (empty: one
+    /// shard, `queues`). A job goes to its lane's shard's.
+    pub shard_queues: Vec<Arc<dyn JobQueue>>,
 }
 
 /// Why a stack whose config has no `[lanes]` has one lane.
@@ -93,6 +96,7 @@ impl OperatorStack {
             stores: store.clone(),
             orchestrator: Err("an embedded stack has no orchestrator function: `paceline run` runs one in this process".into()),
             embedded: Some(store),
+            shard_queues: Vec::new(),
         }
     }
 

@@ -8,6 +8,7 @@ use anyhow::{bail, Context};
 use paceline_shared::adapters::aws::{load_sdk_config_with, AwsAdapters, AwsNames, LambdaInvoker};
 use paceline_shared::config::{AwsBackend, Config, LanesConfig};
 use paceline_shared::lambda_env::Env;
+use paceline_shared::ports::JobQueue;
 use paceline_shared::quota::Quota;
 
 use super::{configured_lanes, OperatorStack, StackArgs, ONE_LANE};
@@ -53,23 +54,34 @@ pub(super) async fn open(args: &StackArgs, config: Option<Config>, mut aws: AwsB
     let orchestrator = aws.orchestrator_function.map(|f| OrchestratorFunction { invoker: adapters.invoker.for_function(f) }).ok_or_else(|| {
         "no orchestrator function is named: set orchestrator_function in [backend], --orchestrator-function or PACELINE_ORCHESTRATOR_FUNCTION".to_owned()
     });
-    let lanes = match configured_lanes(config.as_ref()) {
-        Some(lanes) => Ok(lanes),
+    let (lanes, shard_urls) = match configured_lanes(config.as_ref()) {
+        Some(lanes) => (Ok(lanes), Vec::new()),
         None => deployed_lanes(&orchestrator).await,
     };
+    let shard_queues = shard_urls.iter().map(|url| Arc::new(adapters.queue.at(url)) as Arc<dyn JobQueue>).collect();
     let store = Arc::new(adapters.store);
-    Ok(OperatorStack { config, queues: Arc::new(adapters.queue), state: store.clone(), stores: store, orchestrator, lanes, embedded: None })
+    Ok(OperatorStack { config, queues: Arc::new(adapters.queue), state: store.clone(), stores: store, orchestrator, lanes, embedded: None, shard_queues })
 }
 
 /// The lanes an AWS stack's orchestrator function is deployed with (its `PACELINE_LANES`
-/// and `PACELINE_TIERS`), or why there are none.
-async fn deployed_lanes(orchestrator: &Result<OrchestratorFunction, String>) -> Result<(LanesConfig, Quota), String> {
-    let orchestrator = orchestrator.as_ref().map_err(|_| format!("{ONE_LANE} (nor is an orchestrator function named, whose lanes could be read)"))?;
-    let env = orchestrator.invoker.environment().await.map_err(|e| format!("cannot read the orchestrator function's lanes: {e}"))?;
+/// and `PACELINE_TIERS`), or why there are none; and each shard's jobs queue in a stack
+/// of shards (its `PACELINE_SHARD_QUEUES`; none otherwise).
+async fn deployed_lanes(orchestrator: &Result<OrchestratorFunction, String>) -> (Result<(LanesConfig, Quota), String>, Vec<String>) {
+    let env = match orchestrator {
+        Ok(orchestrator) => orchestrator.invoker.environment().await.map_err(|e| format!("cannot read the orchestrator function's lanes: {e}")),
+        Err(_) => Err(format!("{ONE_LANE} (nor is an orchestrator function named, whose lanes could be read)")),
+    };
+    let env = match env {
+        Ok(env) => env,
+        Err(why) => return (Err(why), Vec::new()),
+    };
+    let shard_urls = env.get("PACELINE_SHARD_QUEUES").and_then(|urls| serde_json::from_str::<Vec<String>>(urls).ok()).unwrap_or_default();
     let get = |name: &str| env.get(name).cloned();
     let env = Env::new(&get);
-    let quota = env.quota()?;
-    env.lanes(&quota)?.map(|lanes| (lanes, quota)).ok_or_else(|| "this stack runs one lane, `default` (its orchestrator has no PACELINE_LANES)".to_owned())
+    let lanes = env.quota().and_then(|quota| {
+        env.lanes(&quota)?.map(|lanes| (lanes, quota)).ok_or_else(|| "this stack runs one lane, `default` (its orchestrator has no PACELINE_LANES)".to_owned())
+    });
+    (lanes, shard_urls)
 }
 
 /// Fails with a plain message when the SDK's provider chain finds no credentials, rather

@@ -11,7 +11,7 @@ use paceline_shared::job::Job;
 use paceline_shared::lane::LaneId;
 use paceline_shared::ports::{JobQueue, OutgoingMessage};
 
-use crate::access::StackArgs;
+use crate::access::{OperatorStack, StackArgs};
 
 /// Put jobs (one JSON object per line) on the queue, in batches (of 10 on SQS).
 #[derive(Debug, clap::Args)]
@@ -93,6 +93,24 @@ pub async fn send_jobs(queue: &dyn JobQueue, jobs: &[Job], mut sent: impl FnMut(
     Ok(())
 }
 
+/// Puts `jobs` on the stack's queue, or in a stack of shards each on its lane's shard's
+/// queue (in order within each shard), telling `sent` how many went after each send.
+///
+/// # Errors
+/// A send that failed, saying which shard's, and how many of that shard's jobs went
+/// before it (the shards before it took all of theirs).
+pub async fn send_to_shards(stack: &OperatorStack, jobs: &[Job], mut sent: impl FnMut(usize)) -> anyhow::Result<()> {
+    if stack.shard_queues.len() <= 1 {
+        return send_jobs(stack.queues.as_ref(), jobs, sent).await;
+    }
+    let shards = stack.shard_queues.len();
+    for (index, queue) in stack.shard_queues.iter().enumerate() {
+        let own: Vec<Job> = jobs.iter().filter(|job| job.lane.shard(shards) == index).cloned().collect();
+        send_jobs(queue.as_ref(), &own, &mut sent).await.with_context(|| format!("shard {index} of {shards}'s queue"))?;
+    }
+    Ok(())
+}
+
 impl EnqueueArgs {
     /// # Errors
     /// Bad config, unreadable input, a failed send, or rejected lines (after the good
@@ -116,7 +134,7 @@ impl EnqueueArgs {
         }
         let bar = ProgressBar::new(jobs.len() as u64);
         bar.set_style(ProgressStyle::with_template("enqueueing {wide_bar} {pos}/{len} {per_sec} ETA {eta}").unwrap_or_else(|_| ProgressStyle::default_bar()));
-        send_jobs(stack.queues.as_ref(), &jobs, |sent| bar.inc(sent as u64)).await?;
+        send_to_shards(&stack, &jobs, |sent| bar.inc(sent as u64)).await?;
         bar.finish_and_clear();
         if self.json {
             let job_ids = jobs.iter().map(|job| job.id.as_str()).collect();
@@ -135,6 +153,41 @@ impl EnqueueArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// In a stack of shards each job goes to its lane's shard's queue (by the FNV-1a hash
+    /// of the lane id, as the orchestrators and the documented producer recipe place it),
+    /// in order within each shard.
+    #[tokio::test]
+    async fn a_stack_of_shards_takes_each_job_on_its_lane_s_shard_s_queue() {
+        use paceline_shared::adapters::embedded::EmbeddedStore;
+        use paceline_shared::time::SystemClock;
+        let config =
+            Config::parse("[api]\nbase_url = \"http://127.0.0.1:9\"\n[quota]\ntiers = [\"5/s\"]\n[lanes]\n", std::path::Path::new("."), &|_| None).unwrap();
+        let clock: std::sync::Arc<dyn paceline_shared::time::Clock> = std::sync::Arc::new(SystemClock);
+        let shard_stores: Vec<std::sync::Arc<EmbeddedStore>> = (0..2).map(|_| std::sync::Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap())).collect();
+        let mut stack = OperatorStack::embedded(config, std::sync::Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap()));
+        stack.shard_queues = shard_stores.iter().map(|store| store.clone() as std::sync::Arc<dyn JobQueue>).collect();
+        let lines: String =
+            (0..20).map(|n| format!("{{\"id\":\"j{n}\",\"lane\":\"tenant-{}\",\"request\":{{\"method\":\"GET\",\"path\":\"/{n}\"}}}}\n", n % 5)).collect();
+        let (jobs, errors) = parse_lines(std::io::Cursor::new(lines).lines(), None, &LaneId::default());
+        assert!(errors.is_empty(), "{errors:?}");
+        let mut went = 0;
+        send_to_shards(&stack, &jobs, |sent| went += sent).await.unwrap();
+        assert_eq!(went, 20);
+        for (index, store) in shard_stores.iter().enumerate() {
+            let mut ids: Vec<String> = Vec::new();
+            loop {
+                let received = store.receive(10, std::time::Duration::ZERO, std::time::Duration::from_secs(30)).await.unwrap();
+                if received.is_empty() {
+                    break;
+                }
+                ids.extend(received.iter().map(|message| Job::parse(&message.body).unwrap().id.to_string()));
+            }
+            let expected: Vec<String> = jobs.iter().filter(|job| job.lane.shard(2) == index).map(|job| job.id.to_string()).collect();
+            assert_eq!(ids, expected, "shard {index}: its lanes' jobs, in order");
+        }
+        assert_eq!(stack.queues.depth().await.unwrap().visible, 0, "nothing on a queue no shard reads");
+    }
 
     #[test]
     fn bad_lines_are_numbered_and_do_not_stop_the_rest() {
