@@ -13,7 +13,7 @@ use std::time::Duration;
 use aws_lambda_events::eventbridge::EventBridgeEvent;
 use lambda_runtime::LambdaEvent;
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames};
-use paceline_shared::config::{check_fifo_for_ordering, WorkerHost};
+use paceline_shared::config::{check_fifo_for_ordering, LanesConfig, WorkerHost};
 use paceline_shared::keys::Shard;
 use paceline_shared::lambda_env::Env;
 use paceline_shared::metrics::{emf_record, emf_record_by, Metric};
@@ -63,11 +63,12 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
     let names = AwsNames::from_env(env, true)?;
     let quota = env.quota()?;
     let lanes = env.lanes(&quota)?;
-    let (shard, shard_queues) = shard_from_env(env, lanes.is_some(), &names.queue_url)?;
+    let ordering = env.ordering()?;
+    let ordered = LanesConfig::ordering_of_stack(lanes.as_ref(), ordering).any();
+    let (shard, shard_queues) = shard_from_env(env, lanes.is_some(), ordered, &names.queue_url)?;
     // A shard paces its lanes under its share of the shared quota.
     let quota = quota.share(shard.index, shard.of).map_err(|e| format!("PACELINE_TIERS among PACELINE_SHARD's shards: {e}"))?;
-    let settings =
-        Settings { quota, orchestrator: env.orchestrator()?, circuit: env.circuit()?, workers: WorkerHost::Lambda, lanes, ordering: env.ordering()?, shard };
+    let settings = Settings { quota, orchestrator: env.orchestrator()?, circuit: env.circuit()?, workers: WorkerHost::Lambda, lanes, ordering, shard };
     check_fifo_for_ordering(&settings.lane_ordering(), &names.queue_url).map_err(|e| format!("PACELINE_ORDERING or PACELINE_LANES: {e}"))?;
     let aws = AwsAdapters::new(sdk, &names, lambda_endpoint);
     let shard_queues: Vec<Arc<dyn JobQueue>> = shard_queues.iter().map(|url| Arc::new(aws.queue.at(url)) as Arc<dyn JobQueue>).collect();
@@ -94,9 +95,10 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
 /// (`PACELINE_SHARD_QUEUES`, a JSON list of URLs, this function's own at its index).
 ///
 /// # Errors
-/// A shard without lanes (a lane lives on one shard), a bad `PACELINE_SHARD`, or shards'
-/// queues that are not one a shard with this function's at its index.
-fn shard_from_env(env: &Env<'_>, has_lanes: bool, own_queue: &str) -> Result<(Shard, Vec<String>), String> {
+/// A shard without lanes (a lane lives on one shard) or with ordered ones (a job sent on
+/// to its shard would lose its place), a bad `PACELINE_SHARD`, or shards' queues that
+/// are not one a shard with this function's at its index.
+fn shard_from_env(env: &Env<'_>, has_lanes: bool, ordered: bool, own_queue: &str) -> Result<(Shard, Vec<String>), String> {
     let Some(shard) = env.optional("PACELINE_SHARD") else { return Ok((Shard::WHOLE, Vec::new())) };
     let shard = Shard::parse(&shard).map_err(|e| format!("PACELINE_SHARD: {e}"))?;
     if shard.of == 1 {
@@ -104,6 +106,9 @@ fn shard_from_env(env: &Env<'_>, has_lanes: bool, own_queue: &str) -> Result<(Sh
     }
     if !has_lanes {
         return Err("PACELINE_SHARD: shards divide a stack's lanes, and this stack has none (PACELINE_LANES)".into());
+    }
+    if ordered {
+        return Err("PACELINE_SHARD: a stack of shards cannot have ordered lanes (ordering = \"fifo\") yet: deploy them in a stack of one shard".into());
     }
     let queues =
         env.optional("PACELINE_SHARD_QUEUES").ok_or("PACELINE_SHARD_QUEUES: each shard's jobs queue URL, a JSON list, is needed with PACELINE_SHARD")?;
@@ -374,11 +379,12 @@ mod tests {
 
     #[test]
     fn a_shard_needs_lanes_and_every_shard_s_queue_with_its_own_at_its_index() {
-        let shard = |vars: &[(&str, &str)], lanes: bool| {
+        let shard_ordered = |vars: &[(&str, &str)], lanes: bool, ordered: bool| {
             let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
             let get = move |name: &str| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
-            shard_from_env(&Env::new(&get), lanes, "https://sqs/q1")
+            shard_from_env(&Env::new(&get), lanes, ordered, "https://sqs/q1")
         };
+        let shard = |vars: &[(&str, &str)], lanes: bool| shard_ordered(vars, lanes, false);
         assert_eq!(shard(&[], false), Ok((Shard::WHOLE, Vec::new())), "a stack of one shard without PACELINE_SHARD");
         let queues = r#"["https://sqs/q0", "https://sqs/q1"]"#;
         let (second, urls) = shard(&[("PACELINE_SHARD", "1/2"), ("PACELINE_SHARD_QUEUES", queues)], true).unwrap();
@@ -393,5 +399,7 @@ mod tests {
         refused(&[("PACELINE_SHARD", "0/2"), ("PACELINE_SHARD_QUEUES", queues)], true, "entry 0 is not this shard's queue");
         refused(&[("PACELINE_SHARD", "1/3"), ("PACELINE_SHARD_QUEUES", queues)], true, "2 queues for 3 shards");
         refused(&[("PACELINE_SHARD", "1/2"), ("PACELINE_SHARD_QUEUES", "q0,q1")], true, "not a JSON list");
+        let error = shard_ordered(&[("PACELINE_SHARD", "1/2"), ("PACELINE_SHARD_QUEUES", queues)], true, true).unwrap_err();
+        assert!(error.contains("cannot have ordered lanes"), "{error}");
     }
 }
