@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use aws_lambda_events::eventbridge::EventBridgeEvent;
 use lambda_runtime::LambdaEvent;
-use paceline_shared::adapters::aws::{AwsAdapters, AwsNames};
+use paceline_shared::adapters::aws::{AwsAdapters, AwsNames, LambdaInvoker};
 use paceline_shared::config::{check_fifo_for_ordering, LanesConfig, WorkerHost};
 use paceline_shared::keys::Shard;
 use paceline_shared::lambda_env::Env;
@@ -30,28 +30,50 @@ use crate::{handover_deadline, BatchingInvoker, Orchestrator, RunError, RunOptio
 /// `infra/template.yaml`).
 const SCHEDULE_EVERY: Duration = Duration::from_secs(60);
 
-/// The function as built at cold start: the orchestrator and the lane's name (the
-/// metrics' dimension). Nothing is read from the environment after this.
+/// The function as built at cold start: each shard's orchestrator (one, for a stack of
+/// one shard), the lane's name (the metrics' dimension) and, in a stack of shards, how
+/// it starts the other shards' runs. Nothing is read from the environment after this.
 pub struct OrchestratorFunction {
-    orchestrator: Orchestrator,
+    /// Each shard's drain loop, by shard index.
+    shards: Vec<Orchestrator>,
     lane: String,
+    /// This function, which a kick of shard 0 invokes once for each other shard.
+    kicker: Option<LambdaInvoker>,
 }
 
 impl OrchestratorFunction {
     #[must_use]
     pub fn new(orchestrator: Orchestrator, lane: impl Into<String>) -> Self {
-        Self { orchestrator, lane: lane.into() }
+        Self { shards: vec![orchestrator], lane: lane.into(), kicker: None }
     }
 
-    /// The drain loop the function runs on each kick.
+    /// The drain loop the function runs on each kick (shard 0's in a stack of shards).
     #[must_use]
     pub fn orchestrator(&self) -> &Orchestrator {
-        &self.orchestrator
+        &self.shards[0]
+    }
+
+    /// Shard `index`'s drain loop, if the stack has that shard.
+    #[must_use]
+    pub fn shard(&self, index: usize) -> Option<&Orchestrator> {
+        self.shards.get(index)
     }
 
     #[must_use]
     pub fn into_orchestrator(self) -> Orchestrator {
-        self.orchestrator
+        self.shards.into_iter().next().expect("a function runs at least one shard")
+    }
+
+    /// Starts the runs of shards 1 and up (a kick of shard 0 does), each an asynchronous
+    /// invoke of this function. One that fails is only logged: that shard's next kick
+    /// comes within a minute.
+    async fn kick_other_shards(&self) {
+        let Some(kicker) = &self.kicker else { return };
+        for index in 1..self.shards.len() {
+            if let Err(e) = kicker.invoke_event(json!({ "kick_shard": index }).to_string()).await {
+                tracing::warn!(error = %e, shard = index, "could not start the shard's run; its next kick comes within a minute");
+            }
+        }
     }
 }
 
@@ -65,63 +87,64 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
     let lanes = env.lanes(&quota)?;
     let ordering = env.ordering()?;
     let ordered = LanesConfig::ordering_of_stack(lanes.as_ref(), ordering).any();
-    let (shard, shard_queues) = shard_from_env(env, lanes.is_some(), ordered, &names.queue_url)?;
-    // A shard paces its lanes under its share of the shared quota.
-    let quota = quota.share(shard.index, shard.of).map_err(|e| format!("PACELINE_TIERS among PACELINE_SHARD's shards: {e}"))?;
-    let settings = Settings { quota, orchestrator: env.orchestrator()?, circuit: env.circuit()?, workers: WorkerHost::Lambda, lanes, ordering, shard };
-    check_fifo_for_ordering(&settings.lane_ordering(), &names.queue_url).map_err(|e| format!("PACELINE_ORDERING or PACELINE_LANES: {e}"))?;
+    let shard_urls = shard_queues_from_env(env, lanes.is_some(), ordered, &names.queue_url)?;
     let aws = AwsAdapters::new(sdk, &names, lambda_endpoint);
-    let shard_queues: Vec<Arc<dyn JobQueue>> = shard_queues.iter().map(|url| Arc::new(aws.queue.at(url)) as Arc<dyn JobQueue>).collect();
-    let relay = relay_function(env)?.map(|name| LambdaRelay { invoker: aws.invoker.for_function(name) });
+    let relay = relay_function(env)?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let invoker: Arc<dyn Invoker> = if settings.worker_batch() > 1 {
-        Arc::new(BatchingInvoker::for_settings(Arc::new(aws.invoker), clock.clone(), &settings))
-    } else {
-        Arc::new(aws.invoker)
-    };
-    let store = Arc::new(aws.store.for_shard(shard));
-    let mut orchestrator = Orchestrator::new(Arc::new(aws.queue), store.clone(), invoker, clock, settings).with_scoped_stores(store);
-    if shard.of > 1 {
-        orchestrator = orchestrator.with_shard_queues(shard_queues)?;
+    let shard_queues: Vec<Arc<dyn JobQueue>> = shard_urls.iter().map(|url| Arc::new(aws.queue.at(url)) as Arc<dyn JobQueue>).collect();
+    let count = shard_urls.len().max(1);
+    let mut shards = Vec::with_capacity(count);
+    for index in 0..count {
+        let shard = Shard { index, of: count };
+        // A shard paces its lanes under its share of the shared quota.
+        let quota = quota.share(index, count).map_err(|e| format!("PACELINE_TIERS among PACELINE_SHARD_QUEUES's {count} shards: {e}"))?;
+        let settings =
+            Settings { quota, orchestrator: env.orchestrator()?, circuit: env.circuit()?, workers: WorkerHost::Lambda, lanes: lanes.clone(), ordering, shard };
+        check_fifo_for_ordering(&settings.lane_ordering(), &names.queue_url).map_err(|e| format!("PACELINE_ORDERING or PACELINE_LANES: {e}"))?;
+        let invoker: Arc<dyn Invoker> = if settings.worker_batch() > 1 {
+            Arc::new(BatchingInvoker::for_settings(Arc::new(aws.invoker.clone()), clock.clone(), &settings))
+        } else {
+            Arc::new(aws.invoker.clone())
+        };
+        let queue = shard_urls.get(index).map_or_else(|| aws.queue.clone(), |url| aws.queue.at(url));
+        let store = Arc::new(aws.store.clone().for_shard(shard));
+        let mut orchestrator = Orchestrator::new(Arc::new(queue), store.clone(), invoker, clock.clone(), settings).with_scoped_stores(store);
+        if count > 1 {
+            orchestrator = orchestrator.with_shard_queues(shard_queues.clone())?;
+        }
+        if let Some(name) = &relay {
+            orchestrator = orchestrator.with_relay(Arc::new(LambdaRelay { invoker: aws.invoker.for_function(name.clone()), shard: index }));
+        }
+        shards.push(orchestrator);
     }
-    if let Some(relay) = relay {
-        orchestrator = orchestrator.with_relay(Arc::new(relay));
-    }
-    Ok(OrchestratorFunction::new(orchestrator, env.stack_name()))
+    let kicker = (count > 1).then(|| env.optional("AWS_LAMBDA_FUNCTION_NAME")).flatten().map(|name| aws.invoker.for_function(name));
+    Ok(OrchestratorFunction { shards, lane: env.stack_name(), kicker })
 }
 
-/// Which shard of the stack this function runs (`PACELINE_SHARD`, `INDEX/SHARDS`; the
-/// whole stack without it), and every shard's jobs queue by index
-/// (`PACELINE_SHARD_QUEUES`, a JSON list of URLs, this function's own at its index).
+/// Each shard's jobs queue by index (`PACELINE_SHARD_QUEUES`, a JSON list of URLs, the
+/// first `PACELINE_QUEUE_URL`) in a stack of shards, whose runs this function starts
+/// one per shard; none for a stack of one shard.
 ///
 /// # Errors
-/// A shard without lanes (a lane lives on one shard) or with ordered ones (a job sent on
-/// to its shard would lose its place), a bad `PACELINE_SHARD`, or shards' queues that
-/// are not one a shard with this function's at its index.
-fn shard_from_env(env: &Env<'_>, has_lanes: bool, ordered: bool, own_queue: &str) -> Result<(Shard, Vec<String>), String> {
-    let Some(shard) = env.optional("PACELINE_SHARD") else { return Ok((Shard::WHOLE, Vec::new())) };
-    let shard = Shard::parse(&shard).map_err(|e| format!("PACELINE_SHARD: {e}"))?;
-    if shard.of == 1 {
-        return Ok((shard, Vec::new()));
+/// Shards without lanes (a lane lives on one shard) or with ordered ones (a job sent on
+/// to its shard would lose its place), or a list that is not JSON or does not start with
+/// this stack's queue.
+fn shard_queues_from_env(env: &Env<'_>, has_lanes: bool, ordered: bool, own_queue: &str) -> Result<Vec<String>, String> {
+    let Some(queues) = env.optional("PACELINE_SHARD_QUEUES") else { return Ok(Vec::new()) };
+    let queues: Vec<String> = serde_json::from_str(&queues).map_err(|e| format!("PACELINE_SHARD_QUEUES: not a JSON list of queue URLs: {e}"))?;
+    if queues.len() <= 1 {
+        return Ok(Vec::new());
     }
     if !has_lanes {
-        return Err("PACELINE_SHARD: shards divide a stack's lanes, and this stack has none (PACELINE_LANES)".into());
+        return Err("PACELINE_SHARD_QUEUES: shards divide a stack's lanes, and this stack has none (PACELINE_LANES)".into());
     }
     if ordered {
-        return Err("PACELINE_SHARD: a stack of shards cannot have ordered lanes (ordering = \"fifo\") yet: deploy them in a stack of one shard".into());
+        return Err("PACELINE_SHARD_QUEUES: a stack of shards cannot have ordered lanes (ordering = \"fifo\") yet: deploy them in a stack of one shard".into());
     }
-    let queues =
-        env.optional("PACELINE_SHARD_QUEUES").ok_or("PACELINE_SHARD_QUEUES: each shard's jobs queue URL, a JSON list, is needed with PACELINE_SHARD")?;
-    let queues: Vec<String> = serde_json::from_str(&queues).map_err(|e| format!("PACELINE_SHARD_QUEUES: not a JSON list of queue URLs: {e}"))?;
-    if queues.len() != shard.of || queues[shard.index] != own_queue {
-        return Err(format!(
-            "PACELINE_SHARD_QUEUES: {} queues for {} shards, or entry {} is not this shard's queue (PACELINE_QUEUE_URL)",
-            queues.len(),
-            shard.of,
-            shard.index
-        ));
+    if queues[0] != own_queue {
+        return Err("PACELINE_SHARD_QUEUES: the first queue must be shard 0's, PACELINE_QUEUE_URL".into());
     }
-    Ok((shard, queues))
+    Ok(queues)
 }
 
 /// The function a run's relay invokes: this one (`AWS_LAMBDA_FUNCTION_NAME`, which Lambda
@@ -139,15 +162,16 @@ fn relay_function(env: &Env<'_>) -> Result<Option<String>, String> {
 }
 
 /// Starts the relay: an asynchronous invoke of the orchestrator function with the
-/// request as its event.
+/// request (and the shard whose run it continues) as its event.
 struct LambdaRelay {
-    invoker: paceline_shared::adapters::aws::LambdaInvoker,
+    invoker: LambdaInvoker,
+    shard: usize,
 }
 
 #[async_trait::async_trait]
 impl Relay for LambdaRelay {
     async fn start_next(&self, request: &RelayRequest) -> paceline_shared::ports::PortResult<()> {
-        self.invoker.invoke_event(json!({ "relay": request }).to_string()).await
+        self.invoker.invoke_event(json!({ "relay": request, "shard": self.shard }).to_string()).await
     }
 }
 
@@ -160,17 +184,23 @@ impl Relay for LambdaRelay {
 /// # Errors
 /// A run error that is not retryable.
 pub async fn handle(event: LambdaEvent<Trigger>, function: &OrchestratorFunction) -> Result<Value, lambda_runtime::Error> {
-    // Every log line of the run carries the lane.
-    let span = tracing::info_span!("orchestrator", lane = %function.lane);
-    run_once(event, function).instrument(span).await
+    // Every log line of the run carries the lane and, in a stack of shards, the shard.
+    let shard = event.payload.shard();
+    let span = tracing::info_span!("orchestrator", lane = %function.lane, shard);
+    run_once(event, shard, function).instrument(span).await
 }
 
-async fn run_once(event: LambdaEvent<Trigger>, function: &OrchestratorFunction) -> Result<Value, lambda_runtime::Error> {
-    let orchestrator = &function.orchestrator;
+async fn run_once(event: LambdaEvent<Trigger>, shard: usize, function: &OrchestratorFunction) -> Result<Value, lambda_runtime::Error> {
+    let Some(orchestrator) = function.shard(shard) else {
+        return Ok(json!({ "skipped": format!("this stack has {} shard(s), not shard {shard}", function.shards.len()) }));
+    };
+    if event.payload.starts_every_shard() {
+        function.kick_other_shards().await;
+    }
     let deadline = UnixMillis(event.context.deadline);
     let margin = orchestrator.settings().orchestrator.deadline_margin;
     let deadline = match &event.payload {
-        Trigger::Relay(RelayEvent { relay }) => {
+        Trigger::Relay(RelayEvent { relay, .. }) => {
             match orchestrator.await_release(relay, deadline.minus(margin)).await {
                 // It stops before the kick the run it relays stopped for, as a scheduled run.
                 Ok(Release::Free) => handover_deadline(deadline, relay.release_by.plus(HANDOVER), SCHEDULE_EVERY, margin),
@@ -213,23 +243,51 @@ fn ended_by(e: RunError) -> Result<Value, lambda_runtime::Error> {
     }
 }
 
-/// What starts a run: a run's relay, an EventBridge event (the stack's schedule, or
-/// `paceline kick`'s event), or anything else a caller sends (a test invocation's `{}`).
+/// What starts a run: a run's relay, shard 0's kick of another shard, an EventBridge
+/// event (the stack's schedule, or `paceline kick`'s event), or anything else a caller
+/// sends (a test invocation's `{}`).
 #[derive(Clone, Debug, Deserialize)]
 #[serde(untagged)]
 pub enum Trigger {
     Relay(RelayEvent),
+    ShardKick(ShardKick),
     Event(EventBridgeEvent),
     Other(Value),
 }
 
-/// The event a run's relay is started with: `{"relay": {"after": holder, "release_by": ms}}`.
+/// The event a run's relay is started with: `{"relay": {"after": holder, "release_by":
+/// ms}, "shard": index}` (no shard: shard 0).
 #[derive(Clone, Debug, Deserialize)]
 pub struct RelayEvent {
     pub relay: RelayRequest,
+    #[serde(default)]
+    pub shard: usize,
+}
+
+/// The event a kick of shard 0 starts another shard's run with: `{"kick_shard": index}`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ShardKick {
+    pub kick_shard: usize,
 }
 
 impl Trigger {
+    /// Which shard's run this starts.
+    #[must_use]
+    pub fn shard(&self) -> usize {
+        match self {
+            Self::Relay(relay) => relay.shard,
+            Self::ShardKick(kick) => kick.kick_shard,
+            Self::Event(_) | Self::Other(_) => 0,
+        }
+    }
+
+    /// Whether this kick starts every shard's run (the schedule's, an operator's): not a
+    /// relay, nor a shard's own kick.
+    #[must_use]
+    pub fn starts_every_shard(&self) -> bool {
+        matches!(self, Self::Event(_) | Self::Other(_))
+    }
+
     /// The minute a scheduled event (`aws.events`, `Scheduled Event`) was due: its `time`.
     /// `None` for any other event (an operator's kick).
     #[must_use]
@@ -359,8 +417,15 @@ mod tests {
         assert_eq!(trigger(json!({})).scheduled_for(), None);
         assert_eq!(trigger(json!({ "detail-type": "Scheduled Event", "source": "aws.events", "time": "soon", "detail": {} })).scheduled_for(), None);
         let relay = trigger(json!({ "relay": { "after": "lambda:8f1c", "release_by": 1_795_398_419_750_u64 } }));
-        let Trigger::Relay(RelayEvent { relay }) = relay else { panic!("a relay's event is read as a relay: {relay:?}") };
+        let Trigger::Relay(RelayEvent { relay, shard: 0 }) = relay else { panic!("a relay's event is read as a relay of shard 0: {relay:?}") };
         assert_eq!(relay, RelayRequest { after: "lambda:8f1c".into(), release_by: UnixMillis(1_795_398_419_750) });
+        // In a stack of shards: a shard's relay, and shard 0's kick of another shard.
+        let relay = trigger(json!({ "relay": { "after": "lambda:8f1c", "release_by": 1_795_398_419_750_u64 }, "shard": 2 }));
+        assert_eq!((relay.shard(), relay.starts_every_shard()), (2, false));
+        let kick = trigger(json!({ "kick_shard": 3 }));
+        assert!(matches!(kick, Trigger::ShardKick(_)), "{kick:?}");
+        assert_eq!((kick.shard(), kick.starts_every_shard()), (3, false));
+        assert!(trigger(json!({})).starts_every_shard(), "a kick of the stack starts every shard's run");
     }
 
     #[test]
@@ -378,28 +443,23 @@ mod tests {
     }
 
     #[test]
-    fn a_shard_needs_lanes_and_every_shard_s_queue_with_its_own_at_its_index() {
-        let shard_ordered = |vars: &[(&str, &str)], lanes: bool, ordered: bool| {
-            let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
-            let get = move |name: &str| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
-            shard_from_env(&Env::new(&get), lanes, ordered, "https://sqs/q1")
+    fn shards_need_lanes_without_order_and_the_first_queue_is_the_stack_s_own() {
+        let shards = |queues: Option<&str>, lanes: bool, ordered: bool| {
+            let queues = queues.map(str::to_owned);
+            let get = move |name: &str| (name == "PACELINE_SHARD_QUEUES").then(|| queues.clone()).flatten();
+            shard_queues_from_env(&Env::new(&get), lanes, ordered, "https://sqs/q0")
         };
-        let shard = |vars: &[(&str, &str)], lanes: bool| shard_ordered(vars, lanes, false);
-        assert_eq!(shard(&[], false), Ok((Shard::WHOLE, Vec::new())), "a stack of one shard without PACELINE_SHARD");
-        let queues = r#"["https://sqs/q0", "https://sqs/q1"]"#;
-        let (second, urls) = shard(&[("PACELINE_SHARD", "1/2"), ("PACELINE_SHARD_QUEUES", queues)], true).unwrap();
-        assert_eq!((second, urls.len()), (Shard { index: 1, of: 2 }, 2));
-        let refused = |vars: &[(&str, &str)], lanes: bool, says: &str| {
-            let error = shard(vars, lanes).unwrap_err();
+        assert_eq!(shards(None, false, false), Ok(Vec::new()), "a stack of one shard");
+        assert_eq!(shards(Some(r#"["https://sqs/q0"]"#), true, false), Ok(Vec::new()), "one shard listed");
+        let two = r#"["https://sqs/q0", "https://sqs/q1"]"#;
+        assert_eq!(shards(Some(two), true, false).unwrap().len(), 2);
+        let refused = |queues: &str, lanes: bool, ordered: bool, says: &str| {
+            let error = shards(Some(queues), lanes, ordered).unwrap_err();
             assert!(error.contains(says), "{error}");
         };
-        refused(&[("PACELINE_SHARD", "1/2"), ("PACELINE_SHARD_QUEUES", queues)], false, "has none (PACELINE_LANES)");
-        refused(&[("PACELINE_SHARD", "2/2")], true, "PACELINE_SHARD: `2/2`");
-        refused(&[("PACELINE_SHARD", "1/2")], true, "PACELINE_SHARD_QUEUES: each shard's");
-        refused(&[("PACELINE_SHARD", "0/2"), ("PACELINE_SHARD_QUEUES", queues)], true, "entry 0 is not this shard's queue");
-        refused(&[("PACELINE_SHARD", "1/3"), ("PACELINE_SHARD_QUEUES", queues)], true, "2 queues for 3 shards");
-        refused(&[("PACELINE_SHARD", "1/2"), ("PACELINE_SHARD_QUEUES", "q0,q1")], true, "not a JSON list");
-        let error = shard_ordered(&[("PACELINE_SHARD", "1/2"), ("PACELINE_SHARD_QUEUES", queues)], true, true).unwrap_err();
-        assert!(error.contains("cannot have ordered lanes"), "{error}");
+        refused(two, false, false, "has none (PACELINE_LANES)");
+        refused(two, true, true, "cannot have ordered lanes");
+        refused(r#"["https://sqs/q1", "https://sqs/q0"]"#, true, false, "the first queue must be shard 0's");
+        refused("q0,q1", true, false, "not a JSON list");
     }
 }

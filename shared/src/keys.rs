@@ -87,20 +87,6 @@ impl Shard {
     /// The one shard of a stack that has no others.
     pub const WHOLE: Self = Self { index: 0, of: 1 };
 
-    /// Reads `INDEX/SHARDS` (`2/4`: the third of four shards).
-    ///
-    /// # Errors
-    /// Not two numbers, no shards, or an index past the last shard.
-    pub fn parse(text: &str) -> Result<Self, String> {
-        let (index, of) = text.trim().split_once('/').ok_or_else(|| format!("`{text}` is not INDEX/SHARDS (for example 0/4)"))?;
-        let number = |part: &str| part.trim().parse::<usize>().map_err(|_| format!("`{text}` is not INDEX/SHARDS (for example 0/4)"));
-        let shard = Self { index: number(index)?, of: number(of)? };
-        if shard.of == 0 || shard.index >= shard.of {
-            return Err(format!("`{text}`: the index counts from 0 and must be below the number of shards"));
-        }
-        Ok(shard)
-    }
-
     /// Whether lane `lane` lives on this shard.
     #[must_use]
     pub fn owns(&self, lane: &LaneId) -> bool {
@@ -153,13 +139,9 @@ mod tests {
     /// Shard 0 keeps the keys of a stack of one shard, so adding shards leaves a deployed
     /// stack's state where it was; the others' are their own.
     #[test]
-    fn a_shard_reads_as_index_of_count_and_shard_zero_keeps_a_stack_s_keys() {
-        assert_eq!(Shard::parse("0/1"), Ok(Shard::WHOLE));
-        let third = Shard::parse(" 2/4 ").unwrap();
-        assert_eq!((third.index, third.of, third.to_string()), (2, 4, "2/4".to_owned()));
-        for bad in ["4/4", "1/0", "2", "a/4", "-1/4"] {
-            assert!(Shard::parse(bad).is_err(), "{bad}");
-        }
+    fn shard_zero_keeps_a_stack_s_keys_and_each_lane_lives_on_one_shard() {
+        let third = Shard { index: 2, of: 4 };
+        assert_eq!(third.to_string(), "2/4");
         assert_eq!((Shard::WHOLE.scope(), Shard::WHOLE.lease_key()), (StoreScope::Stack, "lease".to_owned()));
         assert_eq!((third.scope(), third.lease_key()), (StoreScope::Shard(2), "shard#2#lease".to_owned()));
         let lanes: Vec<LaneId> = (0..400).map(|n| LaneId::parse(&format!("t{n}")).unwrap()).collect();

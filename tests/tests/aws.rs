@@ -764,10 +764,11 @@ async fn three_lanes_keep_their_own_quotas_and_keys_and_one_lane_s_failures_touc
     assert_eq!((depth.visible, depth.not_visible), (0, 0));
 }
 
-/// Two shards of one stack, on one table and one worker: each shard's orchestrator
-/// paces the lanes that live on it (by the hash of their ids), received from its own
-/// queue under its own lease, at its half of the shared quota; a job sent to the other
-/// shard's queue is sent on to its lane's and called once.
+/// Two shards of one stack, on one table and one worker, run by one orchestrator
+/// function: each shard's run paces the lanes that live on it (by the hash of their
+/// ids), received from its own queue under its own lease, at its half of the shared
+/// quota; a job sent to the other shard's queue is sent on to its lane's and called once.
+/// The schedule's kick starts shard 0's run and kicks shard 1's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_shards_pace_their_own_lanes_under_halves_of_the_shared_quota_and_send_on_a_misrouted_job() {
     use paceline_e2e::runtime_api::template_env;
@@ -791,16 +792,15 @@ async fn two_shards_pace_their_own_lanes_under_halves_of_the_shared_quota_and_se
     let worker_env = template_env("WorkerFunction", &given);
     let get = |k: &str| worker_env.get(k).cloned();
     lambda.run_worker(Arc::new(paceline_worker::lambda::from_env(&Env::new(&get), &sdk).unwrap()));
-    let shard_orchestrator = |index: usize| {
-        let mut env = template_env("OrchestratorFunction", &given);
-        env.insert("PACELINE_QUEUE_URL".into(), queues[index].clone());
-        env.insert("PACELINE_SHARD".into(), format!("{index}/2"));
-        env.insert("PACELINE_SHARD_QUEUES".into(), json!(queues).to_string());
-        env.insert("PACELINE_DEADLINE_MARGIN".into(), "1s".into());
-        let get = |k: &str| env.get(k).cloned();
-        orchestrator_lambda::from_env(&Env::new(&get), &sdk, Some(&lambda.url)).unwrap().into_orchestrator()
-    };
-    let (first, second) = (shard_orchestrator(0), shard_orchestrator(1));
+    // One orchestrator function runs both shards, a run each.
+    let mut env = template_env("OrchestratorFunction", &given);
+    env.insert("PACELINE_SHARD_QUEUES".into(), json!(queues).to_string());
+    env.insert("PACELINE_DEADLINE_MARGIN".into(), "1s".into());
+    env.insert("AWS_LAMBDA_FUNCTION_NAME".into(), "paceline-orchestrator".into());
+    let get = |k: &str| env.get(k).cloned();
+    let function = orchestrator_lambda::from_env(&Env::new(&get), &sdk, Some(&lambda.url)).unwrap();
+    let (first, second) = (function.shard(0).unwrap(), function.shard(1).unwrap());
+    assert!(function.shard(2).is_none());
 
     // Eight lanes, four jobs each, each on its lane's shard's queue; two jobs of a lane
     // of shard 1 sent to shard 0's by mistake.
@@ -839,6 +839,14 @@ async fn two_shards_pace_their_own_lanes_under_halves_of_the_shared_quota_and_se
         let item = dynamodb.get_item().table_name(&names.table).key("pk", AttributeValue::S(key.into())).send().await.unwrap();
         assert!(item.item().is_some(), "{key}");
     }
+    // The schedule's kick runs shard 0 and starts shard 1's run; a shard's own kick does not.
+    let kick = |event: serde_json::Value| LambdaEvent::new(serde_json::from_value(event).unwrap(), Context::default());
+    orchestrator_lambda::handle(kick(json!({})), &function).await.unwrap();
+    orchestrator_lambda::handle(kick(json!({ "kick_shard": 1 })), &function).await.unwrap();
+    let skipped = orchestrator_lambda::handle(kick(json!({ "kick_shard": 2 })), &function).await.unwrap();
+    assert_eq!(skipped["skipped"], json!("this stack has 2 shard(s), not shard 2"));
+    let kicks: Vec<serde_json::Value> = lambda.kicks().into_iter().map(|(_, event)| event).filter(|event| event.get("kick_shard").is_some()).collect();
+    assert_eq!(kicks, vec![json!({ "kick_shard": 1 })]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
