@@ -80,6 +80,7 @@ def main(template_path, url):
     # The translator fills in pseudo parameters (AWS::Region...) from a boto3 session.
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     check_provisioned_table(template, url, dict(parameters), f"paceline-provisioned-{unique}")
+    sharded = check_sharded_stack(template, url, dict(parameters), f"paceline-sharded-{unique}")
     translated = transform(copy.deepcopy(template), dict(parameters), NoManagedPolicies())
 
     cfn = client("cloudformation", url)
@@ -148,7 +149,7 @@ def main(template_path, url):
     check("Dashboard" in resources, "a dashboard")
     check_what_moto_cannot_create(translated)
     print("the template deploys with the expected settings")
-    return stack
+    return stack, sharded
 
 
 def create_stack(cfn, stack, translated, parameters):
@@ -196,6 +197,36 @@ def check_provisioned_table(template, url, parameters, stack):
     check(all(p["TargetTrackingScalingPolicyConfiguration"]["TargetValue"] == 70 for p in policies), "provisioned table: kept at 70% use")
 
 
+def check_sharded_stack(template, url, parameters, stack):
+    """Shards=3: a jobs queue for each shard, all of them run by the one orchestrator
+    function (a run and its relay each), which may receive from and pass jobs on to
+    each; returns the stack's name."""
+    parameters.update(Shards="3")
+    translated = transform(copy.deepcopy(template), dict(parameters), NoManagedPolicies())
+    described = create_stack(client("cloudformation", url), stack, translated, parameters)
+    outputs = {o["OutputKey"]: o["OutputValue"] for o in described.get("Outputs", [])}
+    queues = json.loads(outputs["ShardQueueUrls"])
+    check(len(queues) == 3 and queues[0] == outputs["JobsQueueUrl"], "shards: a jobs queue for each of the three, shard 0's the stack's")
+    sqs = client("sqs", url)
+    dlq_arn = sqs.get_queue_attributes(QueueUrl=outputs["JobsDlqUrl"], AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    redrives = [json.loads(sqs.get_queue_attributes(QueueUrl=q, AttributeNames=["RedrivePolicy"])["Attributes"]["RedrivePolicy"]) for q in queues]
+    check(all(r["deadLetterTargetArn"] == dlq_arn for r in redrives), "shards: every shard's queue redrives to the one jobs DLQ")
+    lam = client("lambda", url)
+    orchestrator = outputs["OrchestratorFunctionName"]
+    check(lam.get_function_concurrency(FunctionName=orchestrator).get("ReservedConcurrentExecutions") == 6, "shards: one orchestrator function, a run and its relay for each shard")
+    env = lam.get_function_configuration(FunctionName=orchestrator)["Environment"]["Variables"]
+    check(json.loads(env["PACELINE_SHARD_QUEUES"]) == queues, "shards: the orchestrator runs each shard from its queue")
+    arns = {sqs.get_queue_attributes(QueueUrl=q, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"] for q in queues}
+    role = lam.get_function_configuration(FunctionName=orchestrator)["Role"].split("/")[-1]
+    iam = client("iam", url)
+    documents = [iam.get_role_policy(RoleName=role, PolicyName=name)["PolicyDocument"] for name in iam.list_role_policies(RoleName=role)["PolicyNames"]]
+    documents = [ast.literal_eval(d) if isinstance(d, str) else d for d in documents]
+    passing_on = [s for d in documents for s in d["Statement"] if s and "sqs:SendMessage" in s["Action"] and "sqs:ReceiveMessage" in s["Action"]]
+    # moto keeps an entry a condition left out (AWS::NoValue) as None.
+    check(len(passing_on) == 1 and {r for r in passing_on[0]["Resource"] if r} == arns, "shards: the orchestrator may receive from and pass jobs on to every shard's queue, no other")
+    return stack
+
+
 def declared(translated, resource_type):
     """The properties of each resource of a type in the translated template."""
     return [r["Properties"] for r in translated["Resources"].values() if r["Type"] == resource_type]
@@ -232,9 +263,27 @@ def check_what_moto_cannot_create(translated):
     )
 
 
+def operator_env(url):
+    """What the operator's commands run with: moto's endpoint, and no config file."""
+    return dict(os.environ, AWS_ENDPOINT_URL=url, AWS_REGION="us-east-1", AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", PACELINE_CONFIG="/nonexistent.toml")
+
+
+def stack_outputs(url, stack):
+    return {o["OutputKey"]: o["OutputValue"] for o in client("cloudformation", url).describe_stacks(StackName=stack)["Stacks"][0]["Outputs"]}
+
+
+def variables_as_lambda_keeps_them(url, stack):
+    """Lambda keeps every variable as text; moto keeps a Number parameter's as a number,
+    which the SDK cannot read. Put the orchestrator's as Lambda would have them."""
+    lam = client("lambda", url)
+    orchestrator = stack_outputs(url, stack)["OrchestratorFunctionName"]
+    variables = lam.get_function_configuration(FunctionName=orchestrator)["Environment"]["Variables"]
+    lam.update_function_configuration(FunctionName=orchestrator, Environment={"Variables": {k: str(v) for k, v in variables.items()}})
+
+
 def check_operator_commands(paceline, url, stack):
     """`paceline lanes` on the deployed stack, found by its name alone."""
-    env = dict(os.environ, AWS_ENDPOINT_URL=url, AWS_REGION="us-east-1", AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", PACELINE_CONFIG="/nonexistent.toml")
+    env = operator_env(url)
 
     def paceline_json(*args):
         done = subprocess.run([paceline, *args, "--stack", stack, "--json"], env=env, capture_output=True, text=True, check=False)
@@ -243,12 +292,7 @@ def check_operator_commands(paceline, url, stack):
         return json.loads(done.stdout)
 
     print("the operator's commands on the deployed stack:")
-    # Lambda keeps every variable as text; moto keeps a Number parameter's as a number,
-    # which the SDK cannot read. Put them as Lambda would have them.
-    lam = client("lambda", url)
-    orchestrator = {o["OutputKey"]: o["OutputValue"] for o in client("cloudformation", url).describe_stacks(StackName=stack)["Stacks"][0]["Outputs"]}["OrchestratorFunctionName"]
-    variables = lam.get_function_configuration(FunctionName=orchestrator)["Environment"]["Variables"]
-    lam.update_function_configuration(FunctionName=orchestrator, Environment={"Variables": {k: str(v) for k, v in variables.items()}})
+    variables_as_lambda_keeps_them(url, stack)
     changed = paceline_json("lanes", "set", "gold", "--weight", "2", "--max-in-flight", "4")
     check(changed["weight"] == 2 and changed["tiers"] == ["20/s"] and changed["max_in_flight"] == 4, "lanes set: gold's change over its deployed settings")
     listed = {lane["lane"]: lane for lane in paceline_json("lanes", "list")}
@@ -266,7 +310,34 @@ def check_operator_commands(paceline, url, stack):
     )
 
 
+def check_enqueue_to_shards(paceline, url, stack):
+    """`paceline enqueue --stack` on a stack of shards: each job on its lane's shard's
+    queue, by the FNV-1a hash of the lane id."""
+    print("enqueueing to a stack of shards:")
+    variables_as_lambda_keeps_them(url, stack)
+    lanes = [f"tenant-{n}" for n in range(6)]
+    lines = "".join(json.dumps({"id": f"{lane}-job", "lane": lane, "request": {"method": "GET", "path": f"/items/{lane}"}}) + "\n" for lane in lanes)
+    done = subprocess.run([paceline, "enqueue", "--stack", stack, "--json"], env=operator_env(url), input=lines, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise AssertionError(f"paceline enqueue: {done.stderr}")
+    queues = json.loads(stack_outputs(url, stack)["ShardQueueUrls"])
+    sqs = client("sqs", url)
+    for index, queue in enumerate(queues):
+        bodies = [json.loads(m["Body"]) for m in sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10).get("Messages", [])]
+        expected = sorted(lane for lane in lanes if fnv1a(lane) % len(queues) == index)
+        check(sorted(body["lane"] for body in bodies) == expected, f"enqueue: shard {index}'s queue holds its lanes' jobs: {expected}")
+
+
+def fnv1a(text):
+    """The 64-bit FNV-1a hash of `text`, as a producer in Python computes a lane's shard."""
+    hashed = 0xCBF29CE484222325
+    for byte in text.encode():
+        hashed = ((hashed ^ byte) * 0x100000001B3) % (1 << 64)
+    return hashed
+
+
 if __name__ == "__main__":
-    deployed = main(sys.argv[1], sys.argv[2])
+    deployed, sharded = main(sys.argv[1], sys.argv[2])
     if len(sys.argv) > 3:
         check_operator_commands(sys.argv[3], sys.argv[2], deployed)
+        check_enqueue_to_shards(sys.argv[3], sys.argv[2], sharded)
