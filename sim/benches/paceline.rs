@@ -16,9 +16,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use paceline_orchestrator::{Orchestrator, RunOptions, Settings};
 use paceline_shared::adapters::embedded::EmbeddedStore;
-use paceline_shared::config::{CircuitConfig, Config, OrchestratorConfig, RetryConfig, WorkerHost};
+use paceline_shared::config::{Config, OrchestratorConfig, RetryConfig, WorkerHost};
 use paceline_shared::job::WorkerPayload;
-use paceline_shared::order::JobOrder;
 use paceline_shared::ports::{Invoker, JobQueue, OutgoingMessage, PortResult};
 use paceline_shared::quota::{chrono_tz, Quota};
 use paceline_shared::time::{system_since_epoch, Clock, SystemClock, TokioClock};
@@ -54,15 +53,7 @@ fn quota(tiers: &[&str], margin_ms: u64) -> Quota {
 
 fn settings(tiers: &[&str], margin_ms: u64, ahead_ms: u64) -> Settings {
     let orchestrator = OrchestratorConfig { dispatch_ahead: Some(Duration::from_millis(ahead_ms)), ..OrchestratorConfig::default() };
-    Settings {
-        quota: quota(tiers, margin_ms),
-        orchestrator,
-        circuit: CircuitConfig::default(),
-        workers: WorkerHost::Lambda,
-        lanes: None,
-        ordering: JobOrder::None,
-        shard: paceline_shared::keys::Shard::WHOLE,
-    }
+    Settings { orchestrator, ..Settings::defaults_for(quota(tiers, margin_ms), WorkerHost::Lambda) }
 }
 
 /// CPU time (user + system) of this process so far.

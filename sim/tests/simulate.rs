@@ -4,8 +4,7 @@
 use std::time::Duration;
 
 use paceline_orchestrator::Settings;
-use paceline_shared::config::{CircuitConfig, OrchestratorConfig, RetryConfig, WorkerHost};
-use paceline_shared::order::JobOrder;
+use paceline_shared::config::{OrchestratorConfig, RetryConfig, WorkerHost};
 use paceline_shared::quota::{chrono_tz, Quota};
 use paceline_shared::time::UnixMillis;
 use paceline_sim::baselines::Admission;
@@ -16,20 +15,7 @@ use paceline_sim::{simulate, Dispatcher, Plan};
 fn plan(tiers: &[&str], margin_ms: u64, dispatch_ahead_ms: u64, jobs: usize, seed: u64) -> Plan {
     let quota = Quota::new(tiers.iter().map(|t| t.parse().unwrap()).collect(), chrono_tz::UTC, Duration::from_millis(margin_ms)).unwrap();
     let orchestrator = OrchestratorConfig { dispatch_ahead: Some(Duration::from_millis(dispatch_ahead_ms)), ..OrchestratorConfig::default() };
-    Plan::new(
-        jobs,
-        seed,
-        Settings {
-            quota,
-            orchestrator,
-            circuit: CircuitConfig::default(),
-            workers: WorkerHost::Lambda,
-            lanes: None,
-            ordering: JobOrder::None,
-            shard: paceline_shared::keys::Shard::WHOLE,
-        },
-        RetryConfig::default(),
-    )
+    Plan::new(jobs, seed, Settings { orchestrator, ..Settings::defaults_for(quota, WorkerHost::Lambda) }, RetryConfig::default())
 }
 
 #[test]
