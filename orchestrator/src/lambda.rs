@@ -12,13 +12,13 @@ use std::time::Duration;
 
 use aws_lambda_events::eventbridge::EventBridgeEvent;
 use lambda_runtime::LambdaEvent;
-use paceline_shared::adapters::aws::{AwsAdapters, AwsNames, LambdaInvoker};
+use paceline_shared::adapters::aws::{AwsAdapters, AwsNames, DynamoStateStore, LambdaInvoker};
 use paceline_shared::config::{check_fifo_for_ordering, LanesConfig, WorkerHost};
 use paceline_shared::keys::Shard;
 use paceline_shared::lambda_env::Env;
 use paceline_shared::metrics::{emf_record, emf_record_by, Metric};
-use paceline_shared::ports::{Invoker, JobQueue};
-use paceline_shared::time::{Clock, SystemClock, UnixMillis};
+use paceline_shared::ports::{Invoker, JobQueue, PortResult, StateStore as _};
+use paceline_shared::time::{system_now, Clock, SystemClock, UnixMillis};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tracing::Instrument as _;
@@ -39,12 +39,14 @@ pub struct OrchestratorFunction {
     lane: String,
     /// This function, which a kick of shard 0 invokes once for each other shard.
     kicker: Option<LambdaInvoker>,
+    /// Where the stack records how many shards its runs run as (deployed functions).
+    layout: Option<ShardLayout>,
 }
 
 impl OrchestratorFunction {
     #[must_use]
     pub fn new(orchestrator: Orchestrator, lane: impl Into<String>) -> Self {
-        Self { shards: vec![orchestrator], lane: lane.into(), kicker: None }
+        Self { shards: vec![orchestrator], lane: lane.into(), kicker: None, layout: None }
     }
 
     /// The drain loop the function runs on each kick (shard 0's in a stack of shards).
@@ -118,7 +120,75 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
         shards.push(orchestrator);
     }
     let kicker = (count > 1).then(|| env.optional("AWS_LAMBDA_FUNCTION_NAME")).flatten().map(|name| aws.invoker.for_function(name));
-    Ok(OrchestratorFunction { shards, lane: env.stack_name(), kicker })
+    let layout = Some(ShardLayout { store: aws.store.clone(), shards: count });
+    Ok(OrchestratorFunction { shards, lane: env.stack_name(), kicker, layout })
+}
+
+/// The stack's shards as this function runs them, and the table that records how many
+/// its runs last ran as. Runs of another layout (still going after a deploy changed
+/// `Shards`) pace other shares of the shared quota, and each lane may live on another
+/// shard there: no run of this layout starts while one of theirs holds a lease.
+struct ShardLayout {
+    store: DynamoStateStore,
+    shards: usize,
+}
+
+/// What a run does about the stack's shard layout.
+#[derive(Debug, PartialEq, Eq)]
+enum LayoutStep {
+    /// The stack runs as this function's shards: go.
+    Run,
+    /// It ran as `from` shards and none of their runs (nor of this layout's) holds a
+    /// lease: record this function's layout, then go.
+    Switch { from: usize },
+    /// A run holds a lease while the layout changes: this kick does nothing; the next
+    /// looks again.
+    Wait(String),
+}
+
+/// The step for a function of `shards` shards in a stack whose runs last ran as
+/// `recorded`, while the shards `held` (of either layout) hold their leases.
+fn layout_step(shards: usize, recorded: usize, held: &[usize]) -> LayoutStep {
+    if recorded == shards {
+        LayoutStep::Run
+    } else if held.is_empty() {
+        LayoutStep::Switch { from: recorded }
+    } else {
+        LayoutStep::Wait(format!("the stack's shards change from {recorded} to {shards}: waiting for the runs holding the leases of shard(s) {held:?} to end"))
+    }
+}
+
+impl ShardLayout {
+    /// `Ok(None)` when a run may start now, `Ok(Some(why))` when it must wait.
+    ///
+    /// # Errors
+    /// The table's.
+    async fn settle(&self) -> PortResult<Option<String>> {
+        let recorded = self.store.shard_layout().await?;
+        if recorded == self.shards {
+            return Ok(None);
+        }
+        let now = system_now();
+        let mut held = Vec::new();
+        for index in 0..recorded.max(self.shards) {
+            let lease = self.store.clone().for_shard(Shard { index, of: self.shards }).lease().await?;
+            if lease.is_some_and(|lease| lease.expires_at > now) {
+                held.push(index);
+            }
+        }
+        match layout_step(self.shards, recorded, &held) {
+            LayoutStep::Run => Ok(None),
+            LayoutStep::Wait(why) => Ok(Some(why)),
+            LayoutStep::Switch { from } => {
+                if self.store.switch_shard_layout(from, self.shards).await? || self.store.shard_layout().await? == self.shards {
+                    tracing::info!(from, to = self.shards, "the stack's runs run as this layout's shards from now");
+                    Ok(None)
+                } else {
+                    Ok(Some("another run changed the stack's shards first; the next kick looks again".into()))
+                }
+            }
+        }
+    }
 }
 
 /// Each shard's jobs queue by index (`PACELINE_SHARD_QUEUES`, a JSON list of URLs, the
@@ -214,6 +284,16 @@ async fn run_once(event: LambdaEvent<Trigger>, shard: usize, function: &Orchestr
             None => deadline,
         },
     };
+    if let Some(layout) = &function.layout {
+        match layout.settle().await {
+            Ok(None) => {}
+            Ok(Some(why)) => {
+                tracing::info!(%why, "not running");
+                return Ok(json!({ "skipped": why }));
+            }
+            Err(e) => return ended_by(RunError::Port(e)),
+        }
+    }
     let opts = RunOptions { holder: format!("lambda:{}", event.context.request_id), deadline, drain: false, stop: None };
     match orchestrator.run(&opts).await {
         Ok(report) => {
@@ -440,6 +520,14 @@ mod tests {
         assert_eq!(relay(&[("AWS_LAMBDA_FUNCTION_NAME", "sms-orchestrator"), ("PACELINE_RELAY", "off")]), Ok(None));
         assert_eq!(relay(&[]), Ok(None), "outside Lambda: no function to relay to");
         assert_eq!(relay(&[("PACELINE_RELAY", "sometimes")]), Err("PACELINE_RELAY: `sometimes` is neither on nor off".into()));
+    }
+
+    #[test]
+    fn a_new_shard_layout_waits_for_every_lease_of_either_layout_then_is_recorded() {
+        assert_eq!(layout_step(2, 2, &[0, 1]), LayoutStep::Run, "the same layout: leases are the runs' own business");
+        assert_eq!(layout_step(4, 2, &[]), LayoutStep::Switch { from: 2 });
+        let LayoutStep::Wait(why) = layout_step(1, 3, &[2]) else { panic!("a held lease of the old layout holds the new") };
+        assert!(why.contains("from 3 to 1") && why.contains("[2]"), "{why}");
     }
 
     #[test]

@@ -764,16 +764,20 @@ async fn three_lanes_keep_their_own_quotas_and_keys_and_one_lane_s_failures_touc
     assert_eq!((depth.visible, depth.not_visible), (0, 0));
 }
 
-/// Two shards of one stack, on one table and one worker, run by one orchestrator
-/// function: each shard's run paces the lanes that live on it (by the hash of their
-/// ids), received from its own queue under its own lease, at its half of the shared
-/// quota; a job sent to the other shard's queue is sent on to its lane's and called once.
-/// The schedule's kick starts shard 0's run and kicks shard 1's.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_shards_pace_their_own_lanes_under_halves_of_the_shared_quota_and_send_on_a_misrouted_job() {
+/// A stack of lanes deployed as two shards (the template's environment, `Shards=2`) on
+/// moto: its resources, the fake Lambda running its worker, the strict API of the
+/// shared `6/s` (each lane `5/s`), and the orchestrator function running both shards.
+struct TwoShards {
+    sdk: aws_config::SdkConfig,
+    names: AwsNames,
+    queues: [String; 2],
+    lambda: FakeLambda,
+    api: FakeApi,
+    function: orchestrator_lambda::OrchestratorFunction,
+}
+
+async fn two_shards() -> TwoShards {
     use paceline_e2e::runtime_api::template_env;
-    use paceline_shared::lane::LaneId;
-    let _alone = MOTO_BUSY_OR_TIMED.lock().await;
     let sdk = moto_sdk_config().await;
     let names = create_lane(&sdk, "paceline-worker").await;
     let queues = [names.queue_url.clone(), create_queue(&sdk, "paceline-jobs").await];
@@ -792,13 +796,46 @@ async fn two_shards_pace_their_own_lanes_under_halves_of_the_shared_quota_and_se
     let worker_env = template_env("WorkerFunction", &given);
     let get = |k: &str| worker_env.get(k).cloned();
     lambda.run_worker(Arc::new(paceline_worker::lambda::from_env(&Env::new(&get), &sdk).unwrap()));
-    // One orchestrator function runs both shards, a run each.
     let mut env = template_env("OrchestratorFunction", &given);
     env.insert("PACELINE_SHARD_QUEUES".into(), json!(queues).to_string());
     env.insert("PACELINE_DEADLINE_MARGIN".into(), "1s".into());
     env.insert("AWS_LAMBDA_FUNCTION_NAME".into(), "paceline-orchestrator".into());
     let get = |k: &str| env.get(k).cloned();
     let function = orchestrator_lambda::from_env(&Env::new(&get), &sdk, Some(&lambda.url)).unwrap();
+    TwoShards { sdk, names, queues, lambda, api, function }
+}
+
+/// A deploy that changes `Shards` while a run of the old layout goes on: no run of the
+/// new layout starts (each would pace another share of the shared quota, and a lane may
+/// live on another shard there) until every lease of either layout is free; then the
+/// stack records the new layout and its runs go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_of_a_new_shard_layout_waits_until_the_old_layout_s_runs_have_ended() {
+    let TwoShards { sdk, names, function, .. } = two_shards().await;
+    let store = AwsAdapters::new(&sdk, &names, None).store;
+    // The stack ran as one shard; its run still holds the lease.
+    let old_run = store.acquire_lease("lambda:one-shard-run", Duration::from_secs(30), system_now()).await.unwrap();
+    let kick = || LambdaEvent::new(serde_json::from_value(json!({ "kick_shard": 1 })).unwrap(), Context::default());
+    let waited = orchestrator_lambda::handle(kick(), &function).await.unwrap();
+    let why = waited["skipped"].as_str().unwrap_or_default();
+    assert!(why.contains("from 1 to 2") && why.contains("[0]"), "{waited}");
+    assert_eq!(store.shard_layout().await.unwrap(), 1);
+    store.release_lease(&old_run).await.unwrap();
+    let ran = orchestrator_lambda::handle(kick(), &function).await.unwrap();
+    assert!(ran.get("skipped").is_none() && ran.get("stop").is_some(), "shard 1 ran: {ran}");
+    assert_eq!(store.shard_layout().await.unwrap(), 2, "the stack runs as two shards from now");
+}
+
+/// Two shards of one stack, on one table and one worker, run by one orchestrator
+/// function: each shard's run paces the lanes that live on it (by the hash of their
+/// ids), received from its own queue under its own lease, at its half of the shared
+/// quota; a job sent to the other shard's queue is sent on to its lane's and called once.
+/// The schedule's kick starts shard 0's run and kicks shard 1's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_shards_pace_their_own_lanes_under_halves_of_the_shared_quota_and_send_on_a_misrouted_job() {
+    use paceline_shared::lane::LaneId;
+    let _alone = MOTO_BUSY_OR_TIMED.lock().await;
+    let TwoShards { sdk, names, queues, lambda, api, function } = two_shards().await;
     let (first, second) = (function.shard(0).unwrap(), function.shard(1).unwrap());
     assert!(function.shard(2).is_none());
 

@@ -27,6 +27,8 @@ use crate::ports::{
 use crate::time::UnixMillis;
 
 const PACER: &str = "pacer";
+/// How many shards the stack's runs run as (see [`DynamoStateStore::shard_layout`]).
+const SHARD_LAYOUT: &str = "shard_layout";
 const CIRCUIT: &str = "circuit";
 const COOL_DOWN: &str = "cool_down";
 const PROVIDER_READING: &str = "provider_reading";
@@ -126,6 +128,30 @@ impl DynamoStateStore {
     #[must_use]
     pub fn scoped(&self, scope: &StoreScope) -> Self {
         Self { scope: scope.clone(), ..self.clone() }
+    }
+
+    /// How many shards the stack's runs last ran as: 1 for a stack that never had more.
+    ///
+    /// # Errors
+    /// Transport errors.
+    pub async fn shard_layout(&self) -> PortResult<usize> {
+        let item = self.get_item(s(SHARD_LAYOUT)).await?;
+        Ok(item.map_or(1, |item| usize::try_from(get_n(&item, "shards")).unwrap_or(1).max(1)))
+    }
+
+    /// Records that the stack's runs run as `to` shards from now, if they ran as `from`:
+    /// `false` when another run changed it first.
+    ///
+    /// # Errors
+    /// Transport errors.
+    pub async fn switch_shard_layout(&self, from: usize, to: usize) -> PortResult<bool> {
+        let put = self.client.put_item().table_name(&self.table).item("pk", s(SHARD_LAYOUT)).item("shards", n(to));
+        let put = if from == 1 { put.condition_expression("attribute_not_exists(pk) OR shards = :from") } else { put.condition_expression("shards = :from") };
+        match put.expression_attribute_values(":from", n(from)).send().await.map_err(|e| map_sdk_error("dynamodb PutItem (shard layout)", &e)) {
+            Ok(_) => Ok(true),
+            Err(PortError::Conflict(_)) => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
     /// The item key of `name` in this store's scope.
