@@ -224,6 +224,13 @@ def check_sharded_stack(template, url, parameters, stack):
     passing_on = [s for d in documents for s in d["Statement"] if s and "sqs:SendMessage" in s["Action"] and "sqs:ReceiveMessage" in s["Action"]]
     # moto keeps an entry a condition left out (AWS::NoValue) as None.
     check(len(passing_on) == 1 and {r for r in passing_on[0]["Resource"] if r} == arns, "shards: the orchestrator may receive from and pass jobs on to every shard's queue, no other")
+    # moto's CloudFormation does not create alarms: this one is checked as declared.
+    alarm = translated["Resources"]["ShardsOldestJobAlarm"]
+    watched = json.dumps(alarm["Properties"]["Metrics"])
+    check(
+        alarm["Condition"] == "Sharded" and "MAX(METRICS())" in watched and all(f"JobsQueueShard{k}" in watched for k in (1, 2, 3)),
+        "shards: an alarm on the oldest job of the other shards' queues",
+    )
     return stack
 
 
@@ -256,7 +263,7 @@ def check_what_moto_cannot_create(translated):
     grants = json.dumps(translated["Resources"]["WorkerFunctionRole"]["Properties"]["Policies"])
     check('"UsesResultsQueue", {"Effect": "Allow", "Action": "sqs:SendMessage", "Resource": {"Fn::GetAtt": ["ResultsQueue", "Arn"]}}' in grants, "worker role: may send to the results queue only")
     check('"ResultsToSns", {"Effect": "Allow", "Action": "sns:Publish", "Resource": {"Ref": "ResultsDestinationArn"}}' in grants, "worker role: may publish to a named topic only")
-    alarms = {a["MetricName"] for a in declared(translated, "AWS::CloudWatch::Alarm")}
+    alarms = {a.get("MetricName") for a in declared(translated, "AWS::CloudWatch::Alarm")}
     check(
         {"ApproximateNumberOfMessagesVisible", "CircuitOpen", "QuotaExhausted", "Errors", "ApproximateAgeOfOldestMessage", "RateLimited"} <= alarms,
         "alarms: DLQ depth, circuit open, quota exhausted, orchestrator errors, the oldest job's age, any 429",
