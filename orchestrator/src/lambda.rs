@@ -88,8 +88,10 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
     let quota = env.quota()?;
     let lanes = env.lanes(&quota)?;
     let ordering = env.ordering()?;
-    let ordered = LanesConfig::ordering_of_stack(lanes.as_ref(), ordering).any();
-    let shard_urls = shard_queues_from_env(env, lanes.is_some(), ordered, &names.queue_url)?;
+    let lane_ordering = LanesConfig::ordering_of_stack(lanes.as_ref(), ordering);
+    check_fifo_for_ordering(&lane_ordering, &names.queue_url).map_err(|e| format!("PACELINE_ORDERING or PACELINE_LANES: {e}"))?;
+    let shard_urls = shard_queues_from_env(env, lanes.is_some(), lane_ordering.any(), &names.queue_url)?;
+    let (orchestrator_config, circuit) = (env.orchestrator()?, env.circuit()?);
     let aws = AwsAdapters::new(sdk, &names, lambda_endpoint);
     let relay = relay_function(env)?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
@@ -100,9 +102,7 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
         let shard = Shard { index, of: count };
         // A shard paces its lanes under its share of the shared quota.
         let quota = quota.share(index, count).map_err(|e| format!("PACELINE_TIERS among PACELINE_SHARD_QUEUES's {count} shards: {e}"))?;
-        let settings =
-            Settings { quota, orchestrator: env.orchestrator()?, circuit: env.circuit()?, workers: WorkerHost::Lambda, lanes: lanes.clone(), ordering, shard };
-        check_fifo_for_ordering(&settings.lane_ordering(), &names.queue_url).map_err(|e| format!("PACELINE_ORDERING or PACELINE_LANES: {e}"))?;
+        let settings = Settings { quota, orchestrator: orchestrator_config, circuit, workers: WorkerHost::Lambda, lanes: lanes.clone(), ordering, shard };
         let invoker: Arc<dyn Invoker> = if settings.worker_batch() > 1 {
             Arc::new(BatchingInvoker::for_settings(Arc::new(aws.invoker.clone()), clock.clone(), &settings))
         } else {

@@ -36,13 +36,12 @@ use crate::timers::{passing, Backoff, Timer, TimerTable};
 
 /// Longest long poll (SQS allows 20 s).
 const MAX_POLL: Duration = Duration::from_secs(20);
-
-/// The most messages sent on to another shard's queue in one request (SQS's batch).
-const FORWARD_AT_ONCE: usize = 10;
 /// A draining run's long poll: short, so it notices soon that nothing is left.
 const DRAIN_POLL: Duration = Duration::from_millis(500);
 /// Messages one receive returns at most (SQS batch size).
 pub(crate) const RECEIVE_BATCH: usize = 10;
+/// The most messages sent on to another shard's queue in one request (SQS's batch).
+const FORWARD_AT_ONCE: usize = 10;
 /// Prefetch receives under way at once at the least allowed: with 10 ms per receive,
 /// enough for 4,000 jobs/s. A faster pace allows more (see `StackMachine::receives_allowed`).
 const MIN_RECEIVES_IN_FLIGHT: usize = 4;
