@@ -24,7 +24,7 @@ use paceline_shared::ports::{call_record_key, CallClaim, JobQueue, PortError, Po
 use paceline_shared::time::{Clock, UnixMillis};
 use tracing::{info, warn};
 
-use crate::{ApiClient, CallSlots, Worker, WorkerStats, CALL_RECORD_KEEP};
+use crate::{call_holder, ApiClient, CallSlots, Worker, WorkerStats, CALL_RECORD_KEEP};
 
 /// A lane's worker being built: the worker, or why it cannot be (never with a secret in it).
 pub type LaneWorkerBuild = BoxFuture<'static, Result<Worker, String>>;
@@ -192,7 +192,7 @@ impl LaneWorkers {
     async fn dead_letter_once(&self, lane: &LaneId, job: &Job, attempt: u32, dispatched_at: UnixMillis, reason: &DeadLetterReason) -> PortResult<()> {
         let store = self.stores.scoped(&StoreScope::Lane(lane.clone()));
         let record = call_record_key(job.id.as_str(), attempt);
-        let holder = format!("{}#{attempt}#{}", job.id.as_str(), dispatched_at.0);
+        let holder = call_holder(job, attempt, dispatched_at);
         let now = self.clock.now();
         match store.claim_call(&record, &holder, now, now.plus(DEAD_LETTER_CLAIM)).await? {
             CallClaim::Taken => {}

@@ -232,6 +232,12 @@ struct Answered<'a> {
 /// all that is left.
 const SETTLE_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(120);
 
+/// Who claims a call record: one delivery of `attempt` of `job`, handed off at
+/// `dispatched_at` (Lambda's retry of the same event is the same holder).
+pub(crate) fn call_holder(job: &Job, attempt: u32, dispatched_at: UnixMillis) -> String {
+    format!("{}#{attempt}#{}", job.id.as_str(), dispatched_at.0)
+}
+
 /// A call record is kept this long after its answer: a repeated delivery within it does
 /// not call again.
 pub(crate) const CALL_RECORD_KEEP: std::time::Duration = std::time::Duration::from_secs(86_400);
@@ -825,7 +831,7 @@ impl Worker {
     async fn handle_one(&self, payload: WorkerPayload) -> PortResult<Option<OutcomeRecord>> {
         match payload {
             WorkerPayload::Job { job, attempt, circuit_epoch, slot, trip, dispatched_at, report_limits } => {
-                let holder = format!("{}#{attempt}#{}", job.id.as_str(), dispatched_at.0);
+                let holder = call_holder(&job, attempt, dispatched_at);
                 let record = self.call_record(&job, attempt, slot);
                 if let Some(record) = &record {
                     if !self.claim_call(record, &holder, slot, &job, attempt).await? {
