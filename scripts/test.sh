@@ -71,11 +71,12 @@ section "build with clippy's lints (-D warnings): the paceline binary (the end-t
 with_clippy cargo build --quiet --workspace --all-targets --all-features
 
 # What only checks (the CLI without AWS, as the README's demo builds it, and rustdoc's
-# links) runs beside the tests at idle priority (SCHED_IDLE), in a target directory of its
-# own so that it never holds the tests' build lock: it takes only the CPU they leave.
+# links) runs beside the tests at idle priority (SCHED_IDLE for the CPU, the idle class
+# for the disk), in a target directory of its own so that it never holds the tests' build
+# lock: it takes only the CPU and disk they leave.
 section "in the background (target/check.log): clippy on the CLI without AWS, and rustdoc (every doc link resolves)"
 # shellcheck disable=SC2016 # expanded by the inner shell
-CARGO_TARGET_DIR=target/check chrt --idle 0 bash -c 'set -e
+CARGO_TARGET_DIR=target/check chrt --idle 0 ionice -c 3 bash -c 'set -e
     cargo clippy -p paceline-cli --no-default-features --quiet -- -D warnings
     RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps --workspace --all-features' > target/check.log 2>&1 &
 check=$!
@@ -83,13 +84,13 @@ trap 'kill $check 2>/dev/null || true' EXIT
 
 wait_for_installs
 
-# The functions' arm64 build runs beside the tests, at idle priority (SCHED_IDLE): it takes
-# only the CPU they leave, so it never delays a lane's wake-up. Its profile (`arm64-check`,
+# The functions' arm64 build runs beside the tests, at idle priority (as the checks above):
+# it takes only the CPU and disk they leave, so it never delays a lane's wake-up. Its profile (`arm64-check`,
 # the dev profile without debug information) leaves out the release build's optimisation,
 # most of that build's time: it proves the functions compile and link for aarch64 with
 # zig, as `sam build` does.
 section "build both Lambda functions for arm64 with cargo lambda (zig from PyPI), in the background: target/arm64-build.log"
-chrt --idle 0 cargo lambda build --profile arm64-check --arm64 -p paceline-orchestrator -p paceline-worker > target/arm64-build.log 2>&1 &
+chrt --idle 0 ionice -c 3 cargo lambda build --profile arm64-check --arm64 -p paceline-orchestrator -p paceline-worker > target/arm64-build.log 2>&1 &
 arm64_build=$!
 trap 'kill $check $arm64_build 2>/dev/null || true' EXIT
 

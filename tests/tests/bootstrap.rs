@@ -151,7 +151,9 @@ async fn the_worker_binary_calls_a_batch_s_jobs_at_their_slots_and_sends_each_ou
     env.insert("PACELINE_RESULTS_QUEUE_URL".into(), results.clone());
     let worker = start_function(&function_binary("worker"), &runtime, &env);
 
-    let first = system_now().plus(Duration::from_millis(500));
+    // The first slot leaves the process time to start on a loaded machine (a fresh
+    // clone's first run: its binary and libraries not yet in the page cache).
+    let first = system_now().plus(Duration::from_secs(2));
     let calls: Vec<WorkerPayload> = (0..3_u64)
         .map(|i| {
             let job = Job::parse(&format!(r#"{{"id":"batch-{i}","request":{{"method":"GET","path":"/items/batch-{i}"}}}}"#)).unwrap();
