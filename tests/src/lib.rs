@@ -103,7 +103,10 @@ pub async fn paceline_with_env(args: &[&str], stdin: &str, env: &[(String, Strin
         .spawn()
         .expect("spawn paceline");
     let mut input = child.stdin.take().expect("stdin");
-    input.write_all(stdin.as_bytes()).await.expect("write stdin");
+    if let Err(e) = input.write_all(stdin.as_bytes()).await {
+        // A command that refuses its arguments exits before it reads its input.
+        assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe, "write stdin: {e}");
+    }
     drop(input);
     child.wait_with_output().await.expect("paceline output")
 }
