@@ -77,12 +77,6 @@ pub struct Shard {
     pub of: usize,
 }
 
-impl Default for Shard {
-    fn default() -> Self {
-        Self::WHOLE
-    }
-}
-
 impl Shard {
     /// The one shard of a stack that has no others.
     pub const WHOLE: Self = Self { index: 0, of: 1 };
@@ -112,12 +106,6 @@ impl Shard {
     }
 }
 
-impl fmt::Display for Shard {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.index, self.of)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -141,7 +129,6 @@ mod tests {
     #[test]
     fn shard_zero_keeps_a_stack_s_keys_and_each_lane_lives_on_one_shard() {
         let third = Shard { index: 2, of: 4 };
-        assert_eq!(third.to_string(), "2/4");
         assert_eq!((Shard::WHOLE.scope(), Shard::WHOLE.lease_key()), (StoreScope::Stack, "lease".to_owned()));
         assert_eq!((third.scope(), third.lease_key()), (StoreScope::Shard(2), "shard#2#lease".to_owned()));
         let lanes: Vec<LaneId> = (0..400).map(|n| LaneId::parse(&format!("t{n}")).unwrap()).collect();
