@@ -12,6 +12,7 @@
 //! too large is split in two and each half sent, down to single jobs, whose refusal is
 //! then the job's own (the loop dead-letters it).
 
+use std::hash::{BuildHasher as _, Hasher as _};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -51,7 +52,9 @@ struct Batcher {
     max_calls: usize,
     max_bytes: usize,
     /// Names the batches: `{prefix}#{number}`, the prefix telling this invoker's from
-    /// an earlier one's (the time it was built).
+    /// any other's (the time it was built and a random number: the shards of a stack
+    /// build theirs in one cold start, and other runs' may be built in the same
+    /// millisecond; the worker skips a batch id it saw settle).
     prefix: String,
     numbers: AtomicU64,
     /// The batches gathering, one a stripe: jobs go to them in turn, so that no worker
@@ -65,7 +68,8 @@ impl BatchingInvoker {
     /// first job's slot, `stripes` of them gathering at once (each job to the next).
     #[must_use]
     pub fn new(inner: Arc<dyn Invoker>, clock: Arc<dyn Clock>, lead: Duration, max_calls: u32, stripes: usize) -> Self {
-        let prefix = format!("batch-{}", clock.now().0);
+        let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
+        let prefix = format!("batch-{}-{random:016x}", clock.now().0);
         Self(Arc::new(Batcher {
             inner,
             clock,
@@ -286,6 +290,29 @@ mod tests {
         let t1 = clock.now();
         hand_off(&invoker, vec![slotted(4, t1.plus(LEAD))]).await;
         assert_eq!(inner.accepted()[1], (t1, slotted(4, t1.plus(LEAD))));
+    }
+
+    /// The shards of one stack each batch their jobs for one worker function, their
+    /// invokers built at the same instant (one cold start builds every shard's): a batch
+    /// id the worker saw settle is skipped as a repeated delivery, so two shards' first
+    /// batches named alike lost the second's jobs uncalled.
+    #[tokio::test(start_paused = true)]
+    async fn invokers_built_at_the_same_instant_name_their_batches_apart() {
+        let (clock, t0, inner, first) = rig(100, 1);
+        let second = Arc::new(BatchingInvoker::new(inner.clone(), clock.clone(), LEAD, 100, 1));
+        let slot = t0.plus(Duration::from_millis(1_000));
+        let (a, b) = tokio::join!(hand_off(&first, vec![slotted(1, slot), slotted(2, slot)]), hand_off(&second, vec![slotted(3, slot), slotted(4, slot)]));
+        assert!(a.iter().chain(&b).all(Result::is_ok));
+        let ids: Vec<String> = inner
+            .accepted()
+            .iter()
+            .map(|(_, payload)| match payload {
+                WorkerPayload::Batch { id, .. } => id.clone(),
+                other => panic!("not a batch: {other:?}"),
+            })
+            .collect();
+        assert_eq!(ids.len(), 2);
+        assert_ne!(ids[0], ids[1], "two batches of one worker named alike");
     }
 
     #[tokio::test(start_paused = true)]
