@@ -18,6 +18,7 @@ use paceline_shared::keys::Shard;
 use paceline_shared::lambda_env::Env;
 use paceline_shared::metrics::{emf_record, emf_record_by, Metric};
 use paceline_shared::ports::{Invoker, JobQueue, PortResult, StateStore as _};
+use paceline_shared::shares::shard_quota;
 use paceline_shared::time::{system_now, Clock, SystemClock, UnixMillis};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -100,9 +101,12 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
     let mut shards = Vec::with_capacity(count);
     for index in 0..count {
         let shard = Shard { index, of: count };
-        // A shard paces its lanes under its share of the shared quota.
-        let quota = quota.share(index, count).map_err(|e| format!("PACELINE_TIERS among PACELINE_SHARD_QUEUES's {count} shards: {e}"))?;
-        let settings = Settings { quota, orchestrator: orchestrator_config, circuit, workers: WorkerHost::Lambda, lanes: lanes.clone(), ordering, shard };
+        // A shard paces its lanes under its share of the shared quota, which moves to where
+        // the work is through the share book in the table.
+        let (quota, shares_move) =
+            shard_quota(&quota, index, count).map_err(|e| format!("PACELINE_TIERS among PACELINE_SHARD_QUEUES's {count} shards: {e}"))?;
+        let settings =
+            Settings { quota, orchestrator: orchestrator_config, circuit, workers: WorkerHost::Lambda, lanes: lanes.clone(), ordering, shard, shares_move };
         let invoker: Arc<dyn Invoker> = if settings.worker_batch() > 1 {
             Arc::new(BatchingInvoker::for_settings(Arc::new(aws.invoker.clone()), clock.clone(), &settings))
         } else {
@@ -110,7 +114,9 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
         };
         let queue = shard_urls.get(index).map_or_else(|| aws.queue.clone(), |url| aws.queue.at(url));
         let store = Arc::new(aws.store.clone().for_shard(shard));
-        let mut orchestrator = Orchestrator::new(Arc::new(queue), store.clone(), invoker, clock.clone(), settings).with_scoped_stores(store);
+        let mut orchestrator = Orchestrator::new(Arc::new(queue), store.clone(), invoker, clock.clone(), settings)
+            .with_scoped_stores(store)
+            .with_share_book(Arc::new(aws.store.clone()));
         if count > 1 {
             orchestrator = orchestrator.with_shard_queues(shard_queues.clone())?;
         }

@@ -33,6 +33,7 @@ mod report;
 mod reservations;
 mod schedule;
 mod settings;
+mod shares;
 mod stack;
 mod timers;
 
@@ -48,7 +49,7 @@ use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, O
 use paceline_shared::pacer::MissedSlots;
 use paceline_shared::ports::{
     load_calendar_usage, Invoker, JobQueue, LaneSignals, Lease, OutcomeSink, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueuedMessage,
-    ScopedStores, StateStore, VisibleAgain, CALL_SLOTS_FULL_KEY,
+    ScopedStores, ShareBookStore, StateStore, VisibleAgain, CALL_SLOTS_FULL_KEY,
 };
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, UnixMillis};
@@ -122,6 +123,8 @@ pub struct Orchestrator {
     /// In a stack of shards, each shard's jobs queue (by shard index): where a job of a
     /// lane that lives on another shard is sent on.
     shard_queues: Vec<Arc<dyn JobQueue>>,
+    /// In a stack of shards whose shares move: where the share book is kept.
+    share_book: Option<Arc<dyn ShareBookStore>>,
 }
 
 impl Orchestrator {
@@ -141,7 +144,15 @@ impl Orchestrator {
             relay: None,
             lanes,
             shard_queues: Vec::new(),
+            share_book: None,
         }
+    }
+
+    /// The same orchestrator, in a stack of shards whose shares move
+    /// ([`Settings::shares_move`]), keeping the share book in `book`.
+    #[must_use]
+    pub fn with_share_book(self, book: Arc<dyn ShareBookStore>) -> Self {
+        Self { share_book: Some(book), ..self }
     }
 
     /// The same orchestrator, in a stack of shards, sending a job of a lane that lives
@@ -265,6 +276,9 @@ impl Orchestrator {
     pub async fn run(&self, opts: &RunOptions) -> Result<RunReport, RunError> {
         if self.settings.lanes.is_some() && self.scoped_stores.is_none() {
             return Err(RunError::Port(PortError::Fatal("[lanes] needs a state store that keeps lanes apart (the embedded one, DynamoDB)".into())));
+        }
+        if self.settings.shares_move && self.settings.shard.of > 1 && self.share_book.is_none() {
+            return Err(RunError::Port(PortError::Fatal("shards whose shares move need the share book's store (`with_share_book`)".into())));
         }
         let started = self.clock.now();
         let lease = match self.store.acquire_lease(&opts.holder, self.settings.orchestrator.lease_ttl, started).await {
@@ -559,6 +573,16 @@ impl Executor<'_> {
                 let relay = o.relay.clone().expect("a relay is asked for only when there is one");
                 info!(release_by = %request.release_by, "starting the relay: the next run, to take the lease at its release");
                 self.background.spawn(async move { Event::RelayStarted(relay.start_next(&request).await) });
+                return Ok(());
+            }
+            Action::ReadShares => {
+                let book = o.share_book.clone().expect("checked when the run started");
+                self.background.spawn(async move { Event::SharesRead(book.share_book().await) });
+                return Ok(());
+            }
+            Action::WriteShares(written, version) => {
+                let book = o.share_book.clone().expect("checked when the run started");
+                self.background.spawn(async move { Event::SharesWritten(book.put_share_book(&written, version).await) });
                 return Ok(());
             }
             Action::Sleep { .. } | Action::Stop => unreachable!("the loop sleeps and stops itself"),

@@ -28,7 +28,12 @@ use crate::timers::LaneDeadlines;
 /// the scheduler that divides it among them by weight, and what each lane is doing.
 pub(crate) struct ManyLanes<'a> {
     pub config: &'a LanesConfig,
-    pub shared: &'a Quota,
+    /// The shared quota this stack paces under: in a stack of shards whose shares move,
+    /// this shard's share of it as last granted.
+    pub shared: Quota,
+    /// In a stack of shards whose shares move: the shard holds no part of the shared
+    /// quota, and no call may go.
+    pub no_share: bool,
     pub pacer: PacerState,
     /// The shared day and month units reserved in the store and not yet spent.
     pub reserved: Reservations,
@@ -82,10 +87,11 @@ pub(crate) struct ManyLanes<'a> {
 }
 
 impl<'a> ManyLanes<'a> {
-    pub fn new(config: &'a LanesConfig, shared: &'a Quota) -> Self {
+    pub fn new(config: &'a LanesConfig, shared: &Quota) -> Self {
         Self {
             config,
-            shared,
+            shared: shared.clone(),
+            no_share: false,
             pacer: PacerState::new(shared),
             reserved: Reservations::default(),
             meter: TierMeter::new(shared),
@@ -205,12 +211,29 @@ impl<'a> ManyLanes<'a> {
 
     /// The shared quota as a lane's dispatch sees it.
     pub fn calendar(&self) -> SharedCalendar<'_> {
-        SharedCalendar { quota: self.shared, pacer: &self.pacer, reserved: &self.reserved }
+        SharedCalendar { quota: &self.shared, pacer: &self.pacer, reserved: &self.reserved }
+    }
+
+    /// Paces under `share` of the shared quota from now (`None`: no part of it, no call).
+    /// The pacer keeps its windows: calls made under a larger share count against the
+    /// smaller one until they leave them.
+    pub fn set_share(&mut self, share: Option<Quota>) {
+        match share {
+            Some(quota) => {
+                self.shared = quota;
+                self.no_share = false;
+            }
+            None => self.no_share = true,
+        }
+        self.capacity_seen = None;
     }
 
     /// About how many unit-cost jobs the shared quota takes from `from` until `until`, at
     /// most `max` (see `Quota::room_estimate`).
     pub fn shared_room(&self, from: UnixMillis, until: UnixMillis, max: usize) -> usize {
+        if self.no_share {
+            return 0;
+        }
         self.shared.room_estimate(&self.pacer, from, until, max)
     }
 
@@ -220,6 +243,9 @@ impl<'a> ManyLanes<'a> {
     /// between that count less what was spent since, which errs low by what the quota
     /// freed meanwhile, never high.
     pub fn shared_capacity(&mut self, from: UnixMillis, stretch: Duration, max: usize) -> usize {
+        if self.no_share {
+            return 0;
+        }
         if let Some((counted_from, units, spent_then)) = self.capacity_seen {
             if from >= counted_from && from < counted_from.plus(Duration::from_secs(1)) {
                 return units.saturating_sub(usize::try_from(self.spent - spent_then).unwrap_or(usize::MAX));
@@ -228,6 +254,11 @@ impl<'a> ManyLanes<'a> {
         let units = self.shared.capacity_until(&self.pacer, from, from.plus(stretch), max);
         self.capacity_seen = Some((from, units, self.spent));
         units
+    }
+
+    /// Units spent on the shared quota in this run.
+    pub fn spent(&self) -> u64 {
+        self.spent
     }
 
     /// The shared quota's pacer snapshot at `now`.
@@ -272,6 +303,9 @@ impl<'a> ManyLanes<'a> {
 
     /// How long from `from` until the shared quota lets a call go (zero when one may).
     pub fn shared_held_for(&self, from: UnixMillis) -> Duration {
+        if self.no_share {
+            return paceline_shared::shares::REPORT_EVERY;
+        }
         self.shared.held_for(&self.pacer, from)
     }
 
@@ -284,9 +318,9 @@ impl<'a> ManyLanes<'a> {
             _ => None,
         };
         let paced = self.last_slot.map_or(Duration::ZERO, |last| slot.since(last));
-        self.pacer.commit(self.shared, cost, slot.plus(upload));
+        self.pacer.commit(&self.shared, cost, slot.plus(upload));
         self.spent += cost;
-        self.reserved.spend(self.shared, cost, slot);
+        self.reserved.spend(&self.shared, cost, slot);
         self.meter.record(slot, cost, paced, held);
         self.last_slot = Some(slot);
     }

@@ -23,6 +23,7 @@ use paceline_shared::order::{is_group_of, OrderMark};
 use paceline_shared::pacer::{Decision, MissedSlot, PacerState};
 use paceline_shared::ports::{Lease, PacerSnapshot, PortError, PortResult, QueuedMessage, VisibleAgain};
 use paceline_shared::quota::Quota;
+use paceline_shared::shares::{ShareBook, REPORT_EVERY};
 use paceline_shared::time::UnixMillis;
 use tracing::{debug, warn};
 
@@ -32,6 +33,7 @@ use crate::lane::{LaneMachine, LaneStep};
 use crate::many::{ManyLanes, FAIR_SHARE_STRETCH, RECALL_STRETCH};
 use crate::report::{Fairness, LaneReport, Progress, RunReport, StopReason};
 use crate::settings::{RunError, Settings};
+use crate::shares::ShareRun;
 use crate::timers::{passing, Backoff, Timer, TimerTable};
 
 /// Longest long poll (SQS allows 20 s).
@@ -125,6 +127,10 @@ pub(crate) enum Action {
     HealthCheck(usize, WorkerPayload),
     /// Start the next run, to take the lease when this one releases it (background).
     StartRelay(RelayRequest),
+    /// Read the share book, to report to it (background).
+    ReadShares,
+    /// Write the share book over the version read (background).
+    WriteShares(ShareBook, Option<u64>),
     /// Nothing left here: ask whether anything is left anywhere (drain mode; await it).
     CheckDrained,
     /// Wait until `until` or the first event that comes back, whichever is first.
@@ -162,6 +168,9 @@ pub(crate) enum Event {
     HandedOff(HandOff, WorkerPayload, PortResult<()>),
     HealthChecked(usize, PortResult<()>),
     RelayStarted(PortResult<()>),
+    SharesRead(PortResult<Option<(ShareBook, u64)>>),
+    /// `true` when the book was written; `false` when another shard wrote first.
+    SharesWritten(PortResult<bool>),
     /// `true` when nothing is left on the queue or in flight anywhere.
     DrainChecked(PortResult<bool>),
     /// Workers in this process started too late for these slots and made no call.
@@ -257,6 +266,10 @@ pub(crate) struct StackMachine<'a> {
     idle_probe: Duration,
     /// What the relay (the next run) is asked when [`Timer::Relay`] fires.
     relay: Option<RelayRequest>,
+    /// In a stack of shards whose shares move: this shard's share of the shared quota,
+    /// and the book to write back once read.
+    shares: Option<ShareRun>,
+    share_write: Option<(ShareBook, Option<u64>)>,
     stop: Option<StopReason>,
     pub report: RunReport,
 }
@@ -273,6 +286,13 @@ impl<'a> StackMachine<'a> {
         if settings.lanes.is_some() {
             timers.set(Timer::Extend, started.plus(extend_every(cfg.visibility_timeout)));
         }
+        let shares = ShareRun::for_settings(settings, lease_valid_for(cfg.lease_ttl), started);
+        let mut many = settings.lanes.as_ref().map(|config| ManyLanes::new(config, &settings.quota));
+        if let (Some(many), Some(_)) = (&mut many, &shares) {
+            // No call before the first report to the share book landed.
+            many.set_share(None);
+            timers.set(Timer::ShareReport, started);
+        }
         Self {
             settings,
             progress,
@@ -285,7 +305,7 @@ impl<'a> StackMachine<'a> {
                 vec![Box::new(LaneMachine::new(settings, LaneId::default_lane(), 0, &settings.quota, started))]
             },
             lane_index: HashMap::new(),
-            many: settings.lanes.as_ref().map(|config| ManyLanes::new(config, &settings.quota)),
+            many,
             to_release: Vec::new(),
             pending_deletes: Vec::new(),
             to_dead_letter: VecDeque::new(),
@@ -302,6 +322,8 @@ impl<'a> StackMachine<'a> {
             idle_receives: 0,
             idle_probe: IDLE_PROBE_FIRST,
             relay: None,
+            shares,
+            share_write: None,
             stop: None,
             report: RunReport::starting_at(started),
         }
@@ -407,14 +429,14 @@ impl<'a> StackMachine<'a> {
         let Some(many) = &mut self.many else { return };
         let (snapshot, unclean) = last_run.into_start();
         if let Some(snapshot) = snapshot {
-            many.pacer = PacerState::restored(many.shared, &snapshot.state);
+            many.pacer = PacerState::restored(&many.shared, &snapshot.state);
         }
         if unclean {
-            many.pacer.hold_after_unclean_stop(many.shared, now);
+            many.pacer.hold_after_unclean_stop(&many.shared, now);
         }
         for (index, tier) in many.shared.tiers().iter().enumerate() {
             if tier.is_calendar() {
-                many.pacer.set_calendar_used(many.shared, index, calendar_used[index], now);
+                many.pacer.set_calendar_used(&many.shared, index, calendar_used[index], now);
             }
         }
     }
@@ -452,6 +474,9 @@ impl<'a> StackMachine<'a> {
             self.renew_sent_at = now;
             return Action::Renew(self.lease.clone());
         }
+        if let Some(report) = self.share_report_due(now) {
+            return report;
+        }
         if let Some(refresh) = self.refresh_due(now) {
             return refresh;
         }
@@ -488,6 +513,81 @@ impl<'a> StackMachine<'a> {
             CircuitStatus::Closed | CircuitStatus::HalfOpen => self.while_closed(now),
             CircuitStatus::Open => self.while_open(now),
         }
+    }
+
+    /// In a stack of shards whose shares move: the share book's write after its read, or
+    /// its next read if due; and no part held once the last report that landed is too
+    /// old to count on.
+    fn share_report_due(&mut self, now: UnixMillis) -> Option<Action> {
+        let shares = self.shares.as_mut()?;
+        if self.timers.is_expired(Timer::ShareValid, now) {
+            self.timers.stop(Timer::ShareValid);
+            if shares.expire(now) {
+                warn!("no report to the share book landed for the lease's validity: this shard holds no part of the shared quota until one does");
+                self.apply_share();
+            }
+        }
+        if let Some((book, version)) = self.share_write.take() {
+            return Some(Action::WriteShares(book, version));
+        }
+        if self.timers.is_expired(Timer::ShareReport, now) {
+            self.timers.stop(Timer::ShareReport);
+            return Some(Action::ReadShares);
+        }
+        None
+    }
+
+    /// Paces the stack's lanes under the share of the shared quota this shard holds now.
+    fn apply_share(&mut self) {
+        if let (Some(many), Some(shares)) = (&mut self.many, &self.shares) {
+            many.set_share(shares.quota());
+        }
+    }
+
+    /// Reports to the share book just read: the shard's share lowered at once if it gives
+    /// parts up, the book written back next.
+    fn on_shares_read(&mut self, result: PortResult<Option<(ShareBook, u64)>>, now: UnixMillis) -> Result<(), RunError> {
+        let Some(shares) = self.shares.as_mut() else { return Ok(()) };
+        match result {
+            Ok(read) => {
+                let spent = self.many.as_ref().map_or(0, ManyLanes::spent);
+                self.share_write = Some(shares.report(read, spent, now));
+                self.apply_share();
+            }
+            Err(e) => {
+                passing(e, "could not read the share book; this shard keeps its parts until they run out")?;
+                self.timers.set(Timer::ShareReport, ShareRun::next_report(now));
+            }
+        }
+        Ok(())
+    }
+
+    /// The share book's write landed (the shard's share raised if it took parts), lost
+    /// to another shard's (read again soon), or failed (the share stays as lowered).
+    fn on_shares_written(&mut self, result: PortResult<bool>, now: UnixMillis) -> Result<(), RunError> {
+        let Some(shares) = self.shares.as_mut() else { return Ok(()) };
+        match result {
+            Ok(true) => {
+                let moved = shares.written(true);
+                self.timers.set(Timer::ShareValid, shares.valid_until());
+                self.timers.set(Timer::ShareReport, ShareRun::next_report(now));
+                if moved {
+                    self.apply_share();
+                }
+            }
+            Ok(false) => {
+                shares.written(false);
+                // Shards that collide try again at different moments.
+                let shard = u64::try_from(self.settings.shard.index).unwrap_or(0);
+                self.timers.set(Timer::ShareReport, now.plus(Duration::from_millis(20 + 15 * shard)));
+            }
+            Err(e) => {
+                shares.write_failed();
+                passing(e, "could not write the share book")?;
+                self.timers.set(Timer::ShareReport, ShareRun::next_report(now));
+            }
+        }
+        Ok(())
     }
 
     /// A lane's re-read, if one is due. With many lanes, only the lanes whose own
@@ -672,7 +772,7 @@ impl<'a> StackMachine<'a> {
         match &self.many {
             None => self.lanes[0].receive_room(now, horizon, RECEIVE_BATCH),
             Some(many) => {
-                let room = many.shared.capacity_until(&many.pacer, now.plus(self.lead()), horizon, RECEIVE_BATCH);
+                let room = if many.no_share { 0 } else { many.shared.capacity_until(&many.pacer, now.plus(self.lead()), horizon, RECEIVE_BATCH) };
                 if room > 0 {
                     Ok(room)
                 } else {
@@ -757,6 +857,9 @@ impl<'a> StackMachine<'a> {
             let not_before = match self.shared_allows(index, cost, now) {
                 Ok(slot) => slot,
                 Err(at) => {
+                    if let Some(shares) = &mut self.shares {
+                        shares.held_back();
+                    }
                     shared_wake = Some(at);
                     break;
                 }
@@ -838,6 +941,9 @@ impl<'a> StackMachine<'a> {
     /// its own are); or, when that is further off, when to look again.
     fn shared_allows(&self, index: usize, cost: u64, now: UnixMillis) -> Result<UnixMillis, UnixMillis> {
         let many = self.many.as_ref().expect("many lanes");
+        if many.no_share {
+            return Err(now.plus(REPORT_EVERY));
+        }
         let lane = &self.lanes[index];
         let slot = lane.earliest_slot(now);
         match many.shared.decide(&many.pacer, cost, slot) {
@@ -1048,6 +1154,8 @@ impl<'a> StackMachine<'a> {
     pub fn on_event(&mut self, event: Event, now: UnixMillis) -> Result<(), RunError> {
         match event {
             Event::Renewed(result) => self.on_renewed(result, now),
+            Event::SharesRead(result) => self.on_shares_read(result, now),
+            Event::SharesWritten(result) => self.on_shares_written(result, now),
             Event::Refreshed(lane, Ok(shared)) => {
                 self.apply_shared_state(lane, shared, now);
                 Ok(())
@@ -1168,8 +1276,8 @@ impl<'a> StackMachine<'a> {
                     let index = if self.many.is_some() { self.lane_index.get(&slot.lane).copied() } else { Some(0) };
                     let Some(index) = index else { continue };
                     if let Some(many) = &mut self.many {
-                        many.pacer.give_back(many.shared, slot.arrival, slot.cost);
-                        many.reserved.give_back(many.shared, slot.cost, slot.slot);
+                        many.pacer.give_back(&many.shared, slot.arrival, slot.cost);
+                        many.reserved.give_back(&many.shared, slot.cost, slot.slot);
                     }
                     self.lanes[index].give_back(slot);
                     self.touch(index);
@@ -1332,7 +1440,9 @@ impl<'a> StackMachine<'a> {
             Timer::Flush => &mut self.backoffs.flush,
             Timer::Receive => &mut self.backoffs.receive,
             Timer::InvokeHold => &mut self.backoffs.invoke,
-            Timer::LeaseExpiry | Timer::Prefetch | Timer::RetryProbe | Timer::Stop | Timer::Relay | Timer::Extend => unreachable!("{timer:?} is not a retry"),
+            Timer::LeaseExpiry | Timer::Prefetch | Timer::RetryProbe | Timer::Stop | Timer::Relay | Timer::Extend | Timer::ShareReport | Timer::ShareValid => {
+                unreachable!("{timer:?} is not a retry")
+            }
         };
         self.timers.set(timer, now.plus(backoff.failed()));
         Ok(())
@@ -1428,7 +1538,7 @@ impl<'a> StackMachine<'a> {
     /// shared tiers' are, and each lane has its line.
     pub fn close_report(&mut self, now: UnixMillis) {
         if let Some(many) = &self.many {
-            self.report.tiers = many.meter.report(many.shared, &many.pacer.usage(many.shared, now));
+            self.report.tiers = many.meter.report(&many.shared, &many.pacer.usage(&many.shared, now));
             self.report.paced_ms = u64::try_from(many.meter.paced_for().as_millis()).unwrap_or(u64::MAX);
             self.report.paced_by = many.meter.paced_by().map(|i| many.shared.tiers()[i]);
             self.report.lanes = self
@@ -1489,6 +1599,7 @@ mod tests {
             lanes: None,
             ordering: JobOrder::None,
             shard: paceline_shared::keys::Shard::WHOLE,
+            shares_move: false,
         }
     }
 

@@ -63,6 +63,11 @@ timer_kind! {
         /// The next look for jobs in hand whose visibility timeout comes near, to extend
         /// it (a stack of many lanes).
         Extend,
+        /// The shard's next report to the share book (a stack of shards whose shares move).
+        ShareReport,
+        /// Until when the shard may use the parts it holds: the lease's validity after its
+        /// last report that landed.
+        ShareValid,
     }
 }
 

@@ -19,6 +19,7 @@ pub mod pacer;
 pub mod ports;
 pub mod quota;
 pub mod retry;
+pub mod shares;
 #[cfg(feature = "tables")]
 pub mod table;
 #[cfg(any(test, feature = "test-util"))]

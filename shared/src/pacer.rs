@@ -296,7 +296,7 @@ impl Quota {
                         // up to the bucket's size).
                         let room = u128::from(tolerance + 1 - cost.min(tolerance + 1));
                         let ready_scaled = rolling.tat_scaled.saturating_sub(room * u128::from(state.window_ms(self, tier)));
-                        let ready_scaled = if tolerance == 0 { ready_scaled.max(rolling.spaced_until_scaled) } else { ready_scaled };
+                        let ready_scaled = if tolerance == 0 && self.strict_gaps() { ready_scaled.max(rolling.spaced_until_scaled) } else { ready_scaled };
                         UnixMillis(u64::try_from(ready_scaled.div_ceil(u128::from(tier.limit))).unwrap_or(u64::MAX))
                     });
                     let window = if rules.window { rolling.log.ready_at(now, cost, tier.limit).unwrap_or(UnixMillis(u64::MAX)) } else { now };
@@ -688,6 +688,23 @@ mod tests {
             assert!((pair[1].0 .0 - pair[0].0 .0) * 7 >= 1_000, "{pair:?}");
         }
         assert!(sent.len() >= 690, "{} calls in 100 s", sent.len());
+    }
+
+    /// A lane's tier rounds each gap up to the millisecond (a strict bucket at 990/s on a
+    /// millisecond clock takes no more: 1.01 ms is 2 ms), which costs a 990/s tier half
+    /// its rate; a shard's share, whose calls interleave with other shards', keeps the
+    /// spacing's schedule on average: gaps of 1 and 2 ms, and still no window over 990.
+    #[test]
+    fn a_share_keeps_its_spacing_on_average_where_a_lane_rounds_each_gap_up() {
+        let lane = quota(&["990/s"], 0);
+        assert_eq!(saturate(&lane, &[1], 0, 10_000).len(), 5_000);
+        let share = quota(&["990/s"], 0).with_gaps_on_average();
+        let sent = saturate(&share, &[1], 0, 10_000);
+        assert!(sent.len() >= 9_890, "{} calls in 10 s", sent.len());
+        assert!(peak_in_any_window(&sent, Duration::from_secs(1)) <= 990);
+        let odd = quota(&["99/s", "5000/min"], 0).with_gaps_on_average();
+        let sent = saturate(&odd, &[1], 0, 10_000);
+        assert!(sent.len() >= 985 && peak_in_any_window(&sent, Duration::from_secs(1)) <= 99, "{} calls in 10 s", sent.len());
     }
 
     #[test]

@@ -25,6 +25,7 @@ use crate::order::{OrderMark, OrderState};
 use crate::outcome::OutcomeRecord;
 use crate::pacer::PacerState;
 use crate::quota::Quota;
+use crate::shares::ShareBook;
 use crate::time::UnixMillis;
 
 /// What went wrong in an adapter, by what the caller can do about it.
@@ -682,6 +683,40 @@ pub trait StateStore: Send + Sync {
     async fn settle_order(&self, job_id: &str, attempt: u32, state: OrderState) -> PortResult<bool> {
         let _ = (job_id, attempt, state);
         Err(PortError::Fatal("this backend keeps no order mark: ordered lanes need the embedded store or DynamoDB".into()))
+    }
+}
+
+/// Where a stack of shards keeps the book that divides its shared quota's rolling tiers
+/// among them ([`ShareBook`]): one item, written only over the version read.
+#[async_trait]
+pub trait ShareBookStore: Send + Sync {
+    /// The book and its version, read consistently; `None` before any shard wrote one.
+    async fn share_book(&self) -> PortResult<Option<(ShareBook, u64)>>;
+
+    /// Writes `book` as the next version if the stored one is still `expected` (`None`:
+    /// none stored yet); `Ok(false)` when another shard wrote first.
+    async fn put_share_book(&self, book: &ShareBook, expected: Option<u64>) -> PortResult<bool>;
+}
+
+/// A [`ShareBookStore`] in memory: for tests and the simulator, whose shards share it.
+#[derive(Debug, Default)]
+pub struct MemoryShareBook {
+    book: std::sync::Mutex<Option<(ShareBook, u64)>>,
+}
+
+#[async_trait]
+impl ShareBookStore for MemoryShareBook {
+    async fn share_book(&self) -> PortResult<Option<(ShareBook, u64)>> {
+        Ok(self.book.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone())
+    }
+
+    async fn put_share_book(&self, book: &ShareBook, expected: Option<u64>) -> PortResult<bool> {
+        let mut stored = self.book.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if stored.as_ref().map(|(_, version)| *version) != expected {
+            return Ok(false);
+        }
+        *stored = Some((book.clone(), expected.map_or(1, |v| v + 1)));
+        Ok(true)
     }
 }
 

@@ -268,6 +268,13 @@ pub struct Quota {
     safety_margin: Duration,
     /// Index of the shortest rolling tier, which spaces calls evenly.
     spacing: Option<usize>,
+    /// Each gap between calls at least the spacing tier's interval, rounded up to the
+    /// millisecond, so that a strict bucket at the provider's rate never sees two calls
+    /// too close (`true`, a lane's own quota); or the spacing's schedule kept exactly on
+    /// average, a gap a millisecond shorter where the interval is not a whole number of
+    /// them (`false`, a shard's share: its calls interleave with the other shards' anyway,
+    /// and rounding each gap up would cost a 990/s share half its calls).
+    strict_gaps: bool,
     /// The most calls in flight at the API at once, across all workers.
     max_in_flight: Option<u32>,
 }
@@ -300,7 +307,7 @@ impl Quota {
             Period::Day | Period::Month => None,
         });
         let spacing = spacing.min().map(|(_, i)| i);
-        Ok(Self { tiers, zone, safety_margin, spacing, max_in_flight: None })
+        Ok(Self { tiers, zone, safety_margin, spacing, strict_gaps: true, max_in_flight: None })
     }
 
     /// Shard `index`'s share of this quota when `shards` shards divide it: each tier's
@@ -330,11 +337,22 @@ impl Quota {
         Ok(Self { tiers, ..self.clone() })
     }
 
+    /// The same quota with `tiers` in place of its own, period for period (a shard's share
+    /// of it: see `shares::quota_of_parts`).
+    ///
+    /// # Panics
+    /// Tiers that are not this quota's periods in its order.
+    #[must_use]
+    pub fn with_tiers(&self, tiers: Vec<Tier>) -> Self {
+        assert!(tiers.iter().map(|t| t.period).eq(self.tiers.iter().map(|t| t.period)), "the same periods in the same order");
+        Self { tiers, ..self.clone() }
+    }
+
     /// A quota of no tiers: it admits every call. The shared quota of lanes that are
     /// different APIs with nothing in common (a config with `[lanes]` and no `[quota]`).
     #[must_use]
     pub fn unlimited(zone: Tz, safety_margin: Duration) -> Self {
-        Self { tiers: Vec::new(), zone, safety_margin, spacing: None, max_in_flight: None }
+        Self { tiers: Vec::new(), zone, safety_margin, spacing: None, strict_gaps: true, max_in_flight: None }
     }
 
     /// The same quota with at most `max_in_flight` calls in flight at once (`None`: no
@@ -355,6 +373,20 @@ impl Quota {
     #[must_use]
     pub fn spacing_tier(&self) -> Option<usize> {
         self.spacing
+    }
+
+    /// Whether every gap between calls is at least the spacing tier's interval (see the
+    /// field).
+    #[must_use]
+    pub fn strict_gaps(&self) -> bool {
+        self.strict_gaps
+    }
+
+    /// The same quota keeping its spacing's schedule on average, not each gap (a shard's
+    /// share of a shared quota).
+    #[must_use]
+    pub fn with_gaps_on_average(self) -> Self {
+        Self { strict_gaps: false, ..self }
     }
 
     /// The first tier a job of `cost` units can never fit in (over its whole limit, or

@@ -17,8 +17,9 @@ use paceline_shared::lane::LaneId;
 use paceline_shared::order::{OrderMark, OrderState};
 use paceline_shared::ports::{
     slot_probe_start, BatchClaim, BatchProgress, CallClaim, Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult,
-    QueueDepth, QueuedMessage, ScopedStores, StateStore, VisibleAgain, WorkerHandler,
+    QueueDepth, QueuedMessage, ScopedStores, ShareBookStore, StateStore, VisibleAgain, WorkerHandler,
 };
+use paceline_shared::shares::ShareBook;
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 
 use crate::profile::{job_key, Sampler, Stream};
@@ -293,6 +294,8 @@ struct StoreState {
     batches: BTreeMap<String, (String, UnixMillis, BatchProgress)>,
     /// An ordered lane's mark.
     order_mark: Option<OrderMark>,
+    /// The share book of a stack of shards, and its version.
+    share_book: Option<(ShareBook, u64)>,
 }
 
 impl StoreState {
@@ -423,6 +426,25 @@ impl ScopedStores for SimStores {
                 .or_insert_with(|| Arc::new(SimStore { stack: Some(self.stack.clone()), ..SimStore::new(self.world.clone()) }))
                 .clone(),
         }
+    }
+}
+
+/// The share book, one item: a consistent read, and a conditional put.
+#[async_trait]
+impl ShareBookStore for SimStore {
+    async fn share_book(&self) -> PortResult<Option<(ShareBook, u64)>> {
+        self.read(1).await;
+        Ok(self.state().share_book.clone())
+    }
+
+    async fn put_share_book(&self, book: &ShareBook, expected: Option<u64>) -> PortResult<bool> {
+        self.write("dynamodb:PutItem", 1, 1).await;
+        let mut state = self.state();
+        if state.share_book.as_ref().map(|(_, version)| *version) != expected {
+            return Ok(false);
+        }
+        state.share_book = Some((book.clone(), expected.map_or(1, |v| v + 1)));
+        Ok(true)
     }
 }
 

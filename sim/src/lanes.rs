@@ -17,20 +17,21 @@ use paceline_orchestrator::{jain_index, BatchingInvoker, Orchestrator, RunOption
 use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::config::LanesConfig;
 use paceline_shared::job::{CallSlot, Job, WorkerPayload};
-use paceline_shared::keys::StoreScope;
+use paceline_shared::keys::{Shard, StoreScope};
 use paceline_shared::lane::LaneId;
 use paceline_shared::order::OrderState;
 use paceline_shared::outcome::OutcomeRecord;
 use paceline_shared::pacer::{Decision, PacerState};
 use paceline_shared::ports::{Invoker, JobQueue, OutgoingMessage, PortResult, ScopedStores, StateStore, WorkerHandler};
 use paceline_shared::quota::{Period, Quota};
+use paceline_shared::shares::shard_quota;
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 use rand::SeedableRng;
 use rand_distr::{Distribution, Zipf};
 use rand_pcg::Pcg64Mcg;
 use serde::Serialize;
 
-use crate::aws::{SimLambda, SimQueue, SimStores, World};
+use crate::aws::{SimLambda, SimQueue, SimStore, SimStores, World};
 use crate::profile::{LatencyProfile, Sampler, Stream};
 use crate::SIM_START;
 
@@ -54,9 +55,11 @@ pub struct LanesPlan {
     /// each job's slot.
     pub lambda: Option<LambdaWorkers>,
     /// Shards, each with its own jobs queue, orchestrator and state, its lanes chosen by
-    /// [`LaneId::shard`] and the shared tiers divided among them ([`Quota::share`]);
-    /// 1 for one orchestrator.
+    /// [`LaneId::shard`] and the shared tiers divided among them: the rolling tiers
+    /// moving to where the work is through one share book (`paceline_shared::shares`), or
+    /// with `fixed_shares` evenly and for good ([`Quota::share`]); 1 for one orchestrator.
     pub shards: usize,
+    pub fixed_shares: bool,
 }
 
 /// Simulated Lambda workers for a simulation of lanes: the account's concurrent
@@ -404,13 +407,20 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
                 0.0,
             ))
         });
+        // The stack's table, where the shards keep the book of their shares.
+        let share_book = Arc::new(SimStore::new(world.clone()));
+        let shard_queues: Vec<Arc<dyn JobQueue>> = shards.iter().map(|shard| shard.queue.clone()).collect();
         let orchestrators: Vec<Orchestrator> = shards
             .iter()
             .enumerate()
             .map(|(index, shard)| {
                 // A shard paces its lanes under its share of the shared tiers.
-                let shared = plan.settings.quota.share(index, shard_count).expect("the plan's shared tiers divide among its shards");
-                let settings = Settings { quota: shared, ..plan.settings.clone() };
+                let (quota, shares_move) = if plan.fixed_shares {
+                    (plan.settings.quota.share(index, shard_count).expect("the plan's shared tiers divide among its shards"), false)
+                } else {
+                    shard_quota(&plan.settings.quota, index, shard_count).expect("the plan's shared tiers divide among its shards")
+                };
+                let settings = Settings { quota, shares_move, shard: Shard { index, of: shard_count }, ..plan.settings.clone() };
                 let invoker: Arc<dyn Invoker> = match &lambda {
                     Some(lambda) if settings.worker_batch() > 1 && !settings.hand_off_lead().is_zero() => {
                         Arc::new(BatchingInvoker::for_settings(lambda.clone(), clock.clone(), &settings))
@@ -418,7 +428,14 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
                     Some(lambda) => lambda.clone(),
                     None => log.clone(),
                 };
-                Orchestrator::new(shard.queue.clone(), shard.state.clone(), invoker, clock.clone(), settings).with_scoped_stores(shard.scoped.clone())
+                let orchestrator = Orchestrator::new(shard.queue.clone(), shard.state.clone(), invoker, clock.clone(), settings)
+                    .with_scoped_stores(shard.scoped.clone())
+                    .with_share_book(share_book.clone());
+                if shard_count > 1 {
+                    orchestrator.with_shard_queues(shard_queues.clone()).expect("a queue for each shard")
+                } else {
+                    orchestrator
+                }
             })
             .collect();
         let opts = RunOptions { holder: "simulate".into(), deadline: SIM_START.plus(Duration::from_secs(400 * 86_400)), drain: true, stop: None };
@@ -825,7 +842,7 @@ mod tests {
         let text =
             "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"50/s\"]\n[lanes]\ntiers = [\"5/s\"]\n[orchestrator]\ndispatch_ahead = \"0s\"\n";
         let settings = settings_of(text, WorkerHost::InProcess);
-        LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 7, settings, queue: LanesQueue::Embedded, lambda: None, shards: 1 }
+        LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 7, settings, queue: LanesQueue::Embedded, lambda: None, shards: 1, fixed_shares: false }
     }
 
     /// 40 lanes, a few with most of 3,000 jobs: no call over any tier, the shared tier
@@ -901,7 +918,17 @@ mod tests {
     fn ordered_lanes_on_a_fifo_queue_call_every_job_once_one_at_a_time_a_lane() {
         let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"50/s\"]\n[lanes]\ntiers = [\"5/s\"]\nordering = \"fifo\"\n";
         let settings = settings_of(text, WorkerHost::InProcess);
-        let plan = LanesPlan { lanes: 3, skew: Skew::Zipf(0.0), jobs: 60, seed: 7, settings, queue: LanesQueue::SqsFifo, lambda: None, shards: 1 };
+        let plan = LanesPlan {
+            lanes: 3,
+            skew: Skew::Zipf(0.0),
+            jobs: 60,
+            seed: 7,
+            settings,
+            queue: LanesQueue::SqsFifo,
+            lambda: None,
+            shards: 1,
+            fixed_shares: false,
+        };
         let ordered = simulate_lanes(&plan);
         assert_eq!((ordered.calls, ordered.lane_violations, ordered.shared_violations), (60, 0, 0), "{ordered:?}");
         // 20 jobs a lane, each after the one before is settled (a Lambda start and the
@@ -932,7 +959,8 @@ mod tests {
     /// none over any tier.
     fn drained_on_a_fair_queue(shared: &str, lane_tier: &str, lanes: usize, jobs: usize) -> LanesReport {
         let settings = lanes_settings(shared, lane_tier, WorkerHost::InProcess);
-        let plan = LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 1, settings, queue: LanesQueue::SqsFair, lambda: None, shards: 1 };
+        let plan =
+            LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 1, settings, queue: LanesQueue::SqsFair, lambda: None, shards: 1, fixed_shares: false };
         let paceline = simulate_lanes(&plan);
         assert_eq!((paceline.calls, paceline.lane_violations, paceline.shared_violations), (jobs, 0, 0), "{paceline:?}");
         paceline
@@ -948,8 +976,17 @@ mod tests {
     fn lanes_called_by_lambda_workers_keep_every_tier_within_the_account_s_concurrency() {
         let settings = lanes_settings("1000/s", "20/s", WorkerHost::Lambda);
         let lambda = LambdaWorkers { concurrency: 50, max_event_age: crate::aws::DEFAULT_MAX_EVENT_AGE };
-        let plan =
-            LanesPlan { lanes: 100, skew: Skew::Zipf(0.0), jobs: 30_000, seed: 3, settings, queue: LanesQueue::SqsFair, lambda: Some(lambda), shards: 1 };
+        let plan = LanesPlan {
+            lanes: 100,
+            skew: Skew::Zipf(0.0),
+            jobs: 30_000,
+            seed: 3,
+            settings,
+            queue: LanesQueue::SqsFair,
+            lambda: Some(lambda),
+            shards: 1,
+            fixed_shares: false,
+        };
         let report = simulate_lanes(&plan);
         assert_eq!((report.lane_violations, report.shared_violations), (0, 0), "{report:?}");
         assert_eq!(report.calls, 30_000, "every job called once: {report:?}");
@@ -970,7 +1007,17 @@ mod tests {
     #[test]
     fn shards_each_pace_their_lanes_under_their_share_and_together_keep_the_shared_tier() {
         let settings = lanes_settings("1000/s", "20/s", WorkerHost::InProcess);
-        let plan = LanesPlan { lanes: 100, skew: Skew::Zipf(0.0), jobs: 20_000, seed: 5, settings, queue: LanesQueue::SqsFair, lambda: None, shards: 4 };
+        let plan = LanesPlan {
+            lanes: 100,
+            skew: Skew::Zipf(0.0),
+            jobs: 20_000,
+            seed: 5,
+            settings,
+            queue: LanesQueue::SqsFair,
+            lambda: None,
+            shards: 4,
+            fixed_shares: false,
+        };
         let report = simulate_lanes(&plan);
         assert_eq!((report.calls, report.lane_violations, report.shared_violations), (20_000, 0, 0), "{report:?}");
         assert!(report.dispatcher.ends_with("4 shards"), "{report:?}");
@@ -1011,7 +1058,17 @@ mod tests {
     fn lanes_without_a_shared_quota_each_go_at_their_own_pace() {
         let text = "[api]\nbase_url = \"https://api.example.com\"\n[lanes]\ntiers = [\"5/s\"]\n[orchestrator]\ndispatch_ahead = \"0s\"\n";
         let settings = settings_of(text, WorkerHost::InProcess);
-        let plan = LanesPlan { lanes: 10, skew: Skew::Zipf(0.0), jobs: 500, seed: 7, settings, queue: LanesQueue::Embedded, lambda: None, shards: 1 };
+        let plan = LanesPlan {
+            lanes: 10,
+            skew: Skew::Zipf(0.0),
+            jobs: 500,
+            seed: 7,
+            settings,
+            queue: LanesQueue::Embedded,
+            lambda: None,
+            shards: 1,
+            fixed_shares: false,
+        };
         let paceline = simulate_lanes(&plan);
         assert_eq!((paceline.lane_violations, paceline.shared_violations), (0, 0), "{paceline:?}");
         assert!(paceline.seconds <= 11.0, "{paceline:?}");

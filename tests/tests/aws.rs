@@ -22,7 +22,7 @@ use paceline_shared::keys::StoreScope;
 use paceline_shared::lambda_env::Env;
 use paceline_shared::outcome::{from_destination, Ending, OutcomeRecord};
 use paceline_shared::ports::{call_record_key, CallClaim, DeadLetterQueues, PortError};
-use paceline_shared::ports::{JobQueue, OutgoingMessage, StateStore, WorkerHandler};
+use paceline_shared::ports::{JobQueue, OutgoingMessage, ShareBookStore as _, StateStore, WorkerHandler};
 use paceline_shared::testing::contract;
 use paceline_shared::time::{system_now, SystemClock, UnixMillis};
 use serde_json::json;
@@ -844,11 +844,12 @@ async fn a_run_of_a_new_shard_layout_waits_until_the_old_layout_s_runs_have_ende
 
 /// Two shards of one stack, on one table and one worker, run by one orchestrator
 /// function: each shard's run paces the lanes that live on it (by the hash of their
-/// ids), received from its own queue under its own lease, at its half of the shared
-/// quota; a job sent to the other shard's queue is sent on to its lane's and called once.
-/// The schedule's kick starts shard 0's run and kicks shard 1's.
+/// ids), received from its own queue under its own lease, at its share of the shared
+/// quota, kept in the share book in the table; a job sent to the other shard's queue is
+/// sent on to its lane's and called once. The schedule's kick starts shard 0's run and
+/// kicks shard 1's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_shards_pace_their_own_lanes_under_halves_of_the_shared_quota_and_send_on_a_misrouted_job() {
+async fn two_shards_pace_their_own_lanes_under_their_shares_of_the_shared_quota_and_send_on_a_misrouted_job() {
     use paceline_shared::lane::LaneId;
     let _alone = MOTO_BUSY_OR_TIMED.lock().await;
     let TwoShards { sdk, names, queues, lambda, api, function } = two_shards().await;
@@ -880,10 +881,16 @@ async fn two_shards_pace_their_own_lanes_under_halves_of_the_shared_quota_and_se
     lambda.settle(Duration::from_secs(10)).await;
 
     let log = api.log();
-    assert_eq!((log.ok, log.quota_rejections), (32, 0), "every job called, none over the shared 6/s");
+    assert_eq!((log.ok, log.quota_rejections), (32, 0), "every job called, none over the shared 6/s: {ran_first:?} {ran_second:?}");
     assert!(log.ok_by_path.values().all(|calls| *calls == 1), "each job once: {:?}", log.ok_by_path);
     let arrivals: Vec<(UnixMillis, u64)> = log.arrivals.iter().map(|at| (*at, 1)).collect();
-    assert!(peak_in_any_window(&arrivals, Duration::from_secs(1)) <= 6, "the two shards' halves add up to the shared 6/s");
+    assert!(peak_in_any_window(&arrivals, Duration::from_secs(1)) <= 6, "the two shards' shares add up to the shared 6/s");
+    // The shards reported to one share book in the table, whose 6 parts (a unit of the
+    // 6/s each) are all held or free.
+    let (book, version) = AwsAdapters::new(&sdk, &names, None).store.share_book().await.unwrap().expect("the share book");
+    assert!(version >= 2, "both shards wrote it: version {version}");
+    let parts: u64 = book.held.iter().map(|h| h.parts).chain(book.free.iter().map(|f| f.parts)).sum();
+    assert_eq!((book.parts, book.held.len(), parts), (6, 2, 6), "{book:?}");
     let on_first: u64 = lanes.iter().filter(|lane| lane.shard(2) == 0).count() as u64 * 4;
     assert_eq!(ran_first.dispatched, on_first, "shard 0 called only its own lanes' jobs");
     // Each shard ran under its own lease: the two runs overlapped.

@@ -142,10 +142,15 @@ pub struct SimulateArgs {
     #[arg(long)]
     pub lambda_workers: bool,
     /// With `--lanes`: this many shards, each with its own jobs queue, orchestrator and
-    /// state, each lane on the shard its id's hash names, the shared tiers divided among
-    /// them evenly.
+    /// state, each lane on the shard its id's hash names, the shared rolling tiers divided
+    /// among them where the work is (one share book, as deployed), the calendar tiers
+    /// evenly.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub shards: usize,
+    /// With `--shards`: every shared tier divided evenly and for good, as before shares
+    /// moved (to compare).
+    #[arg(long, requires = "shards")]
+    pub fixed_shares: bool,
     /// Draw each tier's use over time against its limit to this file (.png or .svg),
     /// with outages, refused calls and, with `--baselines`, the other dispatchers.
     #[arg(long, value_name = "FILE")]
@@ -197,8 +202,16 @@ impl SimulateArgs {
             !config.quota_ordering.is_ordered(),
             "[quota] ordering = \"fifo\": the simulator of one lane on AWS does not model ordered lanes yet (simulate --lanes does, on the embedded queue)"
         );
-        let settings =
-            Settings { quota, orchestrator, circuit: config.circuit, workers: WorkerHost::Lambda, lanes: None, ordering: JobOrder::None, shard: Shard::WHOLE };
+        let settings = Settings {
+            quota,
+            orchestrator,
+            circuit: config.circuit,
+            workers: WorkerHost::Lambda,
+            lanes: None,
+            ordering: JobOrder::None,
+            shard: Shard::WHOLE,
+            shares_move: false,
+        };
         let mut plan = Plan::new(self.jobs, self.seed, settings, config.retry);
         plan.profile = profile;
         plan.failures = failures;
@@ -251,8 +264,19 @@ impl SimulateArgs {
             lanes: config.lanes,
             ordering: config.quota_ordering,
             shard: Shard::WHOLE,
+            shares_move: false,
         };
-        Ok(LanesPlan { lanes, skew: self.skew, jobs: self.jobs, seed: self.seed, settings, queue: self.queue, lambda, shards: self.shards })
+        Ok(LanesPlan {
+            lanes,
+            skew: self.skew,
+            jobs: self.jobs,
+            seed: self.seed,
+            settings,
+            queue: self.queue,
+            lambda,
+            shards: self.shards,
+            fixed_shares: self.fixed_shares,
+        })
     }
 
     /// `--lanes`: runs the lanes' simulation (and its baselines) and reports.

@@ -22,6 +22,7 @@ use super::*;
 
 mod faults;
 mod handover;
+mod shares;
 mod windows;
 
 const T0: UnixMillis = UnixMillis(1_795_824_000_000); // 2026-11-28T00:00:00Z
@@ -47,6 +48,7 @@ fn lane_built(tiers: &[&str], margin_ms: u64, invoker: impl FnOnce(Arc<TokioCloc
         lanes: None,
         ordering: JobOrder::None,
         shard: paceline_shared::keys::Shard::WHOLE,
+        shares_move: false,
     };
     adjust(&mut settings);
     let orchestrator = Orchestrator::new(store.clone(), store.clone(), invoker.clone(), clock.clone(), settings);

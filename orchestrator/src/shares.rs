@@ -1,0 +1,211 @@
+//! A shard's run under the parts of the shared quota the share book gives it
+//! (`paceline_shared::shares`), pure: what it could use (its demand), the book it writes
+//! back after each read, and the parts it paces under meanwhile: lowered before the
+//! write, raised once the write landed, none once no report landed for the lease's
+//! validity.
+
+use std::time::Duration;
+
+use paceline_shared::quota::Quota;
+use paceline_shared::shares::{parts_of, quota_of_parts, Grant, ShareBook, ShareTiming, REPORT_EVERY};
+use paceline_shared::time::UnixMillis;
+use tracing::{debug, info};
+
+use crate::settings::Settings;
+
+/// A shard asks for this much more than it used since its last report, so that a shard
+/// whose pace grows is not held at its last one.
+const HEADROOM: f64 = 1.25;
+
+/// The run's share of the shared quota's rolling tiers.
+#[derive(Debug)]
+pub(crate) struct ShareRun {
+    /// The most this shard may pace under (every part): the whole rolling tiers and its
+    /// even share of the calendar ones.
+    most: Quota,
+    parts: u64,
+    shard: usize,
+    shards: usize,
+    timing: ShareTiming,
+    /// The parts paced under now.
+    held: u64,
+    /// Until when they may be: the lease's validity after the last report that landed.
+    valid_until: UnixMillis,
+    /// The report being written: the grant it asks, and when it was made.
+    writing: Option<(Grant, UnixMillis)>,
+    /// When the last report was made, and the shared units spent by then.
+    last_report: (UnixMillis, u64),
+    /// The shared quota held a lane back since the last report: the shard could use more.
+    held_back: bool,
+}
+
+impl ShareRun {
+    /// The run's shares in a stack of shards whose shares move, if `settings` says so
+    /// and its quota has rolling tiers; it holds nothing until its first report landed.
+    pub fn for_settings(settings: &Settings, lease_valid_for: Duration, started: UnixMillis) -> Option<Self> {
+        if !settings.shares_move || settings.shard.of <= 1 {
+            return None;
+        }
+        let parts = parts_of(&settings.quota)?;
+        let window = paceline_shared::shares::longest_window(&settings.quota);
+        Some(Self {
+            most: settings.quota.clone(),
+            parts,
+            shard: settings.shard.index,
+            shards: settings.shard.of,
+            timing: ShareTiming { window, valid_for: lease_valid_for },
+            held: 0,
+            valid_until: started,
+            writing: None,
+            last_report: (started, 0),
+            held_back: false,
+        })
+    }
+
+    /// The quota the shard paces under now; `None` while it holds no part.
+    pub fn quota(&self) -> Option<Quota> {
+        quota_of_parts(&self.most, &self.most, self.held, self.parts)
+    }
+
+    /// The shared quota held a lane back: the shard could use more than it holds.
+    pub fn held_back(&mut self) {
+        self.held_back = true;
+    }
+
+    /// When the next report is due after one made at `now`.
+    pub fn next_report(now: UnixMillis) -> UnixMillis {
+        now.plus(REPORT_EVERY)
+    }
+
+    /// Until when the parts held may be used.
+    pub fn valid_until(&self) -> UnixMillis {
+        self.valid_until
+    }
+
+    /// What the shard could use, in parts, having spent `spent` shared units in the run
+    /// by `now`: every part when the shared quota held a lane back since the last report,
+    /// else its pace since then with some headroom.
+    fn demand(&self, spent: u64, now: UnixMillis) -> u64 {
+        if self.held_back {
+            return self.parts;
+        }
+        let (at, spent_then) = self.last_report;
+        let seconds = now.since(at).as_secs_f64().max(0.001);
+        let pace = spent.saturating_sub(spent_then) as f64 / seconds;
+        let whole = self.most.sustained_per_second();
+        if !whole.is_finite() || whole <= 0.0 {
+            return self.parts;
+        }
+        ((pace * HEADROOM / whole) * self.parts as f64).ceil().min(self.parts as f64) as u64
+    }
+
+    /// The book read at `now` (`None`: none yet; or one of another layout): reports to it
+    /// and gives the book to write over the version read. The parts paced under are
+    /// lowered to the grant at once, before the write.
+    pub fn report(&mut self, read: Option<(ShareBook, u64)>, spent: u64, now: UnixMillis) -> (ShareBook, Option<u64>) {
+        let (mut book, version) = match read {
+            Some((book, version)) if book.fits(self.parts, self.shards) => (book, Some(version)),
+            Some((_, version)) => {
+                info!(shards = self.shards, "the share book is of another layout or quota: a new one, every part free one window on");
+                (ShareBook::after_new_layout(self.parts, self.shards, now, &self.timing), Some(version))
+            }
+            None => (ShareBook::even(self.parts, self.shards, now), None),
+        };
+        let grant = book.report(self.shard, self.demand(spent, now), now, &self.timing);
+        self.held = self.held.min(grant.parts);
+        self.writing = Some((grant, now));
+        self.last_report = (now, spent);
+        self.held_back = false;
+        (book, version)
+    }
+
+    /// The report's write landed (`true`) or lost to another shard's (`false`): the grant
+    /// is the shard's until the lease's validity from when the report was made. `true`
+    /// when the parts paced under changed.
+    pub fn written(&mut self, landed: bool) -> bool {
+        let Some((grant, made_at)) = self.writing.take() else { return false };
+        if !landed {
+            return false;
+        }
+        self.valid_until = made_at.plus(self.timing.valid_for);
+        let before = self.held;
+        self.held = grant.parts;
+        if before != self.held {
+            debug!(parts = self.held, of = self.parts, "the shard's share of the shared quota moved");
+        }
+        before != self.held
+    }
+
+    /// The write failed: the report is over, the parts stay as lowered.
+    pub fn write_failed(&mut self) {
+        self.writing = None;
+    }
+
+    /// No report landed for the lease's validity: the shard holds nothing from `now`.
+    /// `true` when it held any.
+    pub fn expire(&mut self, now: UnixMillis) -> bool {
+        if now < self.valid_until || self.held == 0 {
+            return false;
+        }
+        self.held = 0;
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use paceline_shared::config::WorkerHost;
+    use paceline_shared::keys::Shard;
+    use paceline_shared::quota::{chrono_tz, Tier};
+
+    use super::*;
+
+    fn settings(shard: usize) -> Settings {
+        let quota = Quota::new(vec!["100/s".parse::<Tier>().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
+        let mut settings = Settings::defaults_for(quota, WorkerHost::Lambda);
+        settings.shard = Shard { index: shard, of: 2 };
+        settings.shares_move = true;
+        settings
+    }
+
+    /// The shared 100/s as the run paces it now (`None`: no call may go).
+    fn pace(run: &ShareRun) -> Option<u64> {
+        run.quota().map(|quota| quota.tiers()[0].limit)
+    }
+
+    #[test]
+    fn a_run_holds_nothing_until_its_report_lands_and_lowers_itself_before_its_write() {
+        let valid_for = Duration::from_secs(24);
+        let mut run = ShareRun::for_settings(&settings(0), valid_for, UnixMillis(0)).unwrap();
+        assert_eq!(pace(&run), None);
+        // The first report: an even book; the shard spent nothing yet and keeps its half.
+        let (book, version) = run.report(None, 0, UnixMillis(10));
+        assert_eq!((version, pace(&run)), (None, None));
+        assert!(run.written(true));
+        assert_eq!(pace(&run), Some(50));
+        // The other shard is held back and asks for every part; this one used 10 a second.
+        let mut other = ShareRun::for_settings(&settings(1), valid_for, UnixMillis(0)).unwrap();
+        other.held_back();
+        let (book, _) = other.report(Some((book, 1)), 0, UnixMillis(20));
+        let (_, version) = run.report(Some((book, 2)), 10, UnixMillis(1_010));
+        assert_eq!((version, pace(&run)), (Some(2), Some(13)), "10 a second, and a quarter more, lowered before the write");
+        // The write lost to another shard's: the share stays lowered, and the next report
+        // reads again.
+        assert!(!run.written(false));
+        assert_eq!(pace(&run), Some(13));
+        // Nothing landed for the lease's validity after the first report: nothing held.
+        assert!(!run.expire(UnixMillis(24_009)));
+        assert!(run.expire(UnixMillis(24_010)));
+        assert_eq!(pace(&run), None);
+    }
+
+    #[test]
+    fn a_stack_whose_shares_are_fixed_or_of_one_shard_has_no_share_run() {
+        let mut fixed = settings(0);
+        fixed.shares_move = false;
+        assert!(ShareRun::for_settings(&fixed, Duration::from_secs(24), UnixMillis(0)).is_none());
+        let mut whole = settings(0);
+        whole.shard = Shard::WHOLE;
+        assert!(ShareRun::for_settings(&whole, Duration::from_secs(24), UnixMillis(0)).is_none());
+    }
+}

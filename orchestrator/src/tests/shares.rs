@@ -1,0 +1,73 @@
+//! Two shards whose shares of the shared quota move through one share book: a busy
+//! shard takes what an idle one does not use, and the two together never pass the
+//! shared tier in any window.
+
+use paceline_shared::keys::Shard;
+use paceline_shared::lane::LaneId;
+use paceline_shared::ports::{MemoryShareBook, ShareBookStore};
+use paceline_shared::shares::shard_quota;
+
+use super::*;
+
+/// A lane id that lives on shard `index` of two.
+fn lane_on(index: usize) -> String {
+    (0..).map(|n| format!("tenant{n}")).find(|id| id.parse::<LaneId>().unwrap().shard(2) == index).unwrap()
+}
+
+/// Shard `index` of two under a shared 100/s, its share moving through `book` (or fixed
+/// at half when `moving` is false), each with its own queue and store.
+fn shard(index: usize, moving: bool, book: &Arc<MemoryShareBook>) -> Lane {
+    let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"100/s\"]\nsafety_margin = \"0ms\"\n[lanes]\ntiers = [\"1000/s\"]\n";
+    let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
+    let (quota, shares_move) = if moving { shard_quota(&config.quota, index, 2).unwrap() } else { (config.quota.share(index, 2).unwrap(), false) };
+    let mut lane = lane_with_settings(&["100/s"], 0, |settings| {
+        settings.lanes = config.lanes.clone();
+        settings.quota = quota;
+        settings.shard = Shard { index, of: 2 };
+        settings.shares_move = shares_move;
+    });
+    lane.orchestrator = lane.orchestrator.with_scoped_stores(lane.store.clone()).with_share_book(book.clone() as Arc<dyn ShareBookStore>);
+    lane
+}
+
+/// Runs both shards for 30 s (shard 0 with `busy` jobs, shard 1 with 20), and gives
+/// each one's call instants in ms from T0.
+async fn run_both(moving: bool, busy: usize) -> (Vec<u64>, Vec<u64>) {
+    let book = Arc::new(MemoryShareBook::default());
+    let (first, second) = (shard(0, moving, &book), shard(1, moving, &book));
+    let queues: Vec<Arc<dyn JobQueue>> = vec![first.store.clone(), second.store.clone()];
+    let (first_lane, second_lane) = (lane_on(0), lane_on(1));
+    enqueue(&first, (0..busy).map(|i| lane_job(&first_lane, &format!("a{i}")))).await;
+    enqueue(&second, (0..20).map(|i| lane_job(&second_lane, &format!("b{i}")))).await;
+    let first = Lane { orchestrator: first.orchestrator.with_shard_queues(queues.clone()).unwrap(), ..first };
+    let second = Lane { orchestrator: second.orchestrator.with_shard_queues(queues).unwrap(), ..second };
+    let run = opts(false, Duration::from_secs(30));
+    let (a, b) = tokio::join!(first.orchestrator.run(&run), second.orchestrator.run(&run));
+    a.unwrap();
+    b.unwrap();
+    (offsets(&first), offsets(&second))
+}
+
+/// The most calls of `both` in any 1 s window `(t - 1000, t]`.
+fn busiest_second(both: &[u64]) -> usize {
+    both.iter().map(|t| both.iter().filter(|earlier| **earlier <= *t && **earlier + 1_000 > *t).count()).max().unwrap_or(0)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_busy_shard_takes_the_share_an_idle_shard_does_not_use_and_together_they_never_pass_the_shared_tier() {
+    let (busy, idle) = run_both(true, 4_000).await;
+    assert_eq!(idle.len(), 20, "the idle shard's own jobs went");
+    let mut both: Vec<u64> = busy.iter().chain(&idle).copied().collect();
+    both.sort_unstable();
+    assert!(busiest_second(&both) <= 100, "a second held {} calls of the shared 100/s", busiest_second(&both));
+    // Half the tier at first; the idle shard gives its share up once it has reported
+    // its pace, and the busy shard takes it a window and the clock skew later.
+    let in_second = |n: u64| busy.iter().filter(|t| **t >= n * 1_000 && **t < (n + 1) * 1_000).count();
+    assert!((45..=55).contains(&in_second(0)), "half the tier in the first second: {}", in_second(0));
+    for n in 5..28 {
+        assert!(in_second(n) >= 98, "second {n} held {} of the busy shard's calls", in_second(n));
+    }
+    // With fixed shares the busy shard keeps to its half.
+    let (fixed, _) = run_both(false, 4_000).await;
+    assert!(fixed.len() <= 50 * 29 + 1 && busy.len() >= 2_600, "moving {} calls, fixed {}", busy.len(), fixed.len());
+}
