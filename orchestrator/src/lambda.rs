@@ -103,10 +103,9 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
         let shard = Shard { index, of: count };
         // A shard paces its lanes under its share of the shared quota, which moves to where
         // the work is through the share book in the table.
-        let (quota, shares_move) =
-            shard_quota(&quota, index, count).map_err(|e| format!("PACELINE_TIERS among PACELINE_SHARD_QUEUES's {count} shards: {e}"))?;
+        let (quota, share_most) = shard_quota(&quota, index, count).map_err(|e| format!("PACELINE_TIERS among PACELINE_SHARD_QUEUES's {count} shards: {e}"))?;
         let settings =
-            Settings { quota, orchestrator: orchestrator_config, circuit, workers: WorkerHost::Lambda, lanes: lanes.clone(), ordering, shard, shares_move };
+            Settings { quota, orchestrator: orchestrator_config, circuit, workers: WorkerHost::Lambda, lanes: lanes.clone(), ordering, shard, share_most };
         let invoker: Arc<dyn Invoker> = if settings.worker_batch() > 1 {
             Arc::new(BatchingInvoker::for_settings(Arc::new(aws.invoker.clone()), clock.clone(), &settings))
         } else {

@@ -149,7 +149,7 @@ impl Orchestrator {
     }
 
     /// The same orchestrator, in a stack of shards whose shares move
-    /// ([`Settings::shares_move`]), keeping the share book in `book`.
+    /// ([`Settings::share_most`]), keeping the share book in `book`.
     #[must_use]
     pub fn with_share_book(self, book: Arc<dyn ShareBookStore>) -> Self {
         Self { share_book: Some(book), ..self }
@@ -277,7 +277,7 @@ impl Orchestrator {
         if self.settings.lanes.is_some() && self.scoped_stores.is_none() {
             return Err(RunError::Port(PortError::Fatal("[lanes] needs a state store that keeps lanes apart (the embedded one, DynamoDB)".into())));
         }
-        if self.settings.shares_move && self.settings.shard.of > 1 && self.share_book.is_none() {
+        if self.settings.share_most.is_some() && self.settings.shard.of > 1 && self.share_book.is_none() {
             return Err(RunError::Port(PortError::Fatal("shards whose shares move need the share book's store (`with_share_book`)".into())));
         }
         let started = self.clock.now();
@@ -639,10 +639,35 @@ impl Executor<'_> {
         for (scope, deltas) in &unspent {
             returned = returned.and(o.store_for(scope).add_usage(deltas).await);
         }
+        self.leave_share_book().await;
         self.state.close_report(o.clock.now());
         let report = &self.state.report;
         info!(dispatched = report.dispatched, dead_lettered = report.dead_lettered, stop = ?report.stop, "run ended");
         deleted.and(released).and(returned).and(flushed).and(lease).map_err(RunError::from)
+    }
+
+    /// A shard whose run ended with nothing left to do (drained, or stopped by its
+    /// operator) leaves the share book: its parts go to the other shards once its calls
+    /// have gone. A write another shard made first is read again; a failure leaves the
+    /// parts to be taken back as a silent shard's are.
+    async fn leave_share_book(&self) {
+        let (Some(book), Some(shares)) = (&self.o.share_book, self.state.shares()) else { return };
+        if !matches!(self.state.report.stop, StopReason::Drained | StopReason::Stopped) {
+            return;
+        }
+        for _ in 0..HAND_OVER_RETRIES {
+            let read = match book.share_book().await {
+                Ok(read) => read,
+                Err(e) => return warn!(error = %e, "could not read the share book to leave it"),
+            };
+            let Some((left, version)) = shares.leave(read, self.o.clock.now()) else { return };
+            match book.put_share_book(&left, Some(version)).await {
+                Ok(true) => return info!("left the share book: this shard's parts go to the others"),
+                Ok(false) => {}
+                Err(e) => return warn!(error = %e, "could not leave the share book"),
+            }
+        }
+        warn!("could not leave the share book: other shards kept writing it");
     }
 }
 

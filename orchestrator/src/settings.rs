@@ -26,11 +26,12 @@ pub struct Settings {
     /// Which shard of the stack this orchestrator runs (its lanes, its lease, its share
     /// of the shared quota, which `quota` then is): the whole stack unless sharded.
     pub shard: Shard,
-    /// In a stack of shards: each shard's share of the shared quota's rolling tiers moves
-    /// to where the work is, through the share book (`paceline_shared::shares`); `quota`
-    /// then holds those tiers whole (the most a shard may get) and the shard's even share
-    /// of the calendar ones. `false`: `quota` is the shard's fixed share.
-    pub shares_move: bool,
+    /// In a stack of shards whose shares of the shared quota's rolling tiers move to where
+    /// the work is (through the share book, `paceline_shared::shares`): the most this
+    /// shard may pace under (those tiers whole, its even share of the calendar ones).
+    /// `quota` is its even share, which sizes its batches and their stripes. `None`:
+    /// `quota` is the shard's fixed share.
+    pub share_most: Option<Quota>,
 }
 
 impl Settings {
@@ -45,7 +46,7 @@ impl Settings {
             lanes: config.lanes.clone(),
             ordering: config.quota_ordering,
             shard: Shard::WHOLE,
-            shares_move: false,
+            share_most: None,
         }
     }
 
@@ -61,7 +62,7 @@ impl Settings {
             lanes: None,
             ordering: JobOrder::None,
             shard: Shard::WHOLE,
-            shares_move: false,
+            share_most: None,
         }
     }
 

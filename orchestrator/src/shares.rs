@@ -43,17 +43,15 @@ impl ShareRun {
     /// The run's shares in a stack of shards whose shares move, if `settings` says so
     /// and its quota has rolling tiers; it holds nothing until its first report landed.
     pub fn for_settings(settings: &Settings, lease_valid_for: Duration, started: UnixMillis) -> Option<Self> {
-        if !settings.shares_move || settings.shard.of <= 1 {
-            return None;
-        }
-        let parts = parts_of(&settings.quota)?;
-        let window = paceline_shared::shares::longest_window(&settings.quota);
+        let most = settings.share_most.as_ref().filter(|_| settings.shard.of > 1)?;
+        let parts = parts_of(most)?;
+        let window = paceline_shared::shares::longest_window(most);
         Some(Self {
-            most: settings.quota.clone(),
+            most: most.clone(),
             parts,
             shard: settings.shard.index,
             shards: settings.shard.of,
-            timing: ShareTiming { window, valid_for: lease_valid_for },
+            timing: ShareTiming { window, ahead: settings.dispatch_ahead(), valid_for: lease_valid_for },
             held: 0,
             valid_until: started,
             writing: None,
@@ -136,6 +134,15 @@ impl ShareRun {
         before != self.held
     }
 
+    /// The book `read` at `now` with this shard gone from it, its run over with nothing
+    /// left to do (see `ShareBook::leave`): the book to write over the version read;
+    /// `None` when there is no book of this layout to leave.
+    pub fn leave(&self, read: Option<(ShareBook, u64)>, now: UnixMillis) -> Option<(ShareBook, u64)> {
+        let (mut book, version) = read.filter(|(book, _)| book.fits(self.parts, self.shards))?;
+        book.leave(self.shard, now, &self.timing);
+        Some((book, version))
+    }
+
     /// The write failed: the report is over, the parts stay as lowered.
     pub fn write_failed(&mut self) {
         self.writing = None;
@@ -162,9 +169,9 @@ mod tests {
 
     fn settings(shard: usize) -> Settings {
         let quota = Quota::new(vec!["100/s".parse::<Tier>().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
-        let mut settings = Settings::defaults_for(quota, WorkerHost::Lambda);
+        let mut settings = Settings::defaults_for(quota.share(shard, 2).unwrap(), WorkerHost::Lambda);
         settings.shard = Shard { index: shard, of: 2 };
-        settings.shares_move = true;
+        settings.share_most = Some(quota);
         settings
     }
 
@@ -202,7 +209,7 @@ mod tests {
     #[test]
     fn a_stack_whose_shares_are_fixed_or_of_one_shard_has_no_share_run() {
         let mut fixed = settings(0);
-        fixed.shares_move = false;
+        fixed.share_most = None;
         assert!(ShareRun::for_settings(&fixed, Duration::from_secs(24), UnixMillis(0)).is_none());
         let mut whole = settings(0);
         whole.shard = Shard::WHOLE;

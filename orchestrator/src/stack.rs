@@ -287,7 +287,8 @@ impl<'a> StackMachine<'a> {
             timers.set(Timer::Extend, started.plus(extend_every(cfg.visibility_timeout)));
         }
         let shares = ShareRun::for_settings(settings, lease_valid_for(cfg.lease_ttl), started);
-        let mut many = settings.lanes.as_ref().map(|config| ManyLanes::new(config, &settings.quota));
+        // A shard whose share moves holds in hand what the most it may get needs.
+        let mut many = settings.lanes.as_ref().map(|config| ManyLanes::new(config, settings.share_most.as_ref().unwrap_or(&settings.quota)));
         if let (Some(many), Some(_)) = (&mut many, &shares) {
             // No call before the first report to the share book landed.
             many.set_share(None);
@@ -535,6 +536,11 @@ impl<'a> StackMachine<'a> {
             return Some(Action::ReadShares);
         }
         None
+    }
+
+    /// In a stack of shards whose shares move: this shard's share of the shared quota.
+    pub fn shares(&self) -> Option<&ShareRun> {
+        self.shares.as_ref()
     }
 
     /// Paces the stack's lanes under the share of the shared quota this shard holds now.
@@ -1005,7 +1011,8 @@ impl<'a> StackMachine<'a> {
     /// so that a light lane's jobs behind a heavy lane's are reached (the heavy lane's
     /// surplus goes back to the queue for later, see [`Self::route_received`]).
     fn receive_more(&mut self, now: UnixMillis) -> Option<Action> {
-        let pace = self.settings.quota.sustained_per_second();
+        // The shared quota's pace as this stack holds it now (a shard's share moves).
+        let pace = self.many.as_ref().expect("many lanes").shared.sustained_per_second();
         if self.in_flight.receives >= self.receives_allowed(pace) || self.timers.is_pending(Timer::Receive, now) || self.timers.is_pending(Timer::Prefetch, now)
         {
             return None;
@@ -1599,7 +1606,7 @@ mod tests {
             lanes: None,
             ordering: JobOrder::None,
             shard: paceline_shared::keys::Shard::WHOLE,
-            shares_move: false,
+            share_most: None,
         }
     }
 

@@ -7,13 +7,17 @@
 //! rolling tier under `limit × p / parts` ([`quota_of_parts`]). Parts move so that no
 //! window of any tier holds more than the whole across the shards:
 //! - a shard gives parts up only by lowering its own share first, and a part given up is
-//!   usable by another shard one window of the longest rolling tier later (plus
+//!   usable by another shard once the calls it decided before (their slots up to its
+//!   dispatch-ahead later) have left every window of the longest rolling tier (plus
 //!   [`CLOCK_SKEW`]): a window that starts before the change holds at most the old
 //!   shares, one that starts after it at most the new ones;
 //! - a shard takes parts only once they are usable, and uses them once its write landed;
 //! - a shard uses its parts only until [`ShareTiming::valid_for`] after its last report
-//!   that landed; parts of a shard not heard of for that long plus a window are taken
-//!   back ("reclaimed") for the others, as a lease runs out.
+//!   that landed; parts of a shard not heard of for that long plus that wait are taken
+//!   back ("reclaimed") for the others, as a lease runs out;
+//! - a shard whose run ends with nothing left to do leaves the book: its parts are free
+//!   after the same wait, and it no longer counts as running.
+//!
 //!
 //! The calendar tiers (day, month) stay divided evenly ([`crate::quota::Quota::share`]):
 //! each shard's counters are its own and a block once reserved cannot move.
@@ -39,17 +43,21 @@ const FLOOR_OF_EVEN_SHARE: u64 = 100;
 /// The times the book's rules are measured in, from the quota and the lease.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ShareTiming {
-    /// The longest rolling window of the shared quota: how long a given-up part waits.
+    /// The longest rolling window of the shared quota.
     pub window: Duration,
+    /// How far ahead of a decision its call's slot may be (the shards' dispatch-ahead):
+    /// calls decided under a share go until this long after it was lowered.
+    pub ahead: Duration,
     /// How long after its last report that landed a shard may use its parts (the
     /// lease's own validity: a run that cannot write for that long has lost its lease).
     pub valid_for: Duration,
 }
 
 impl ShareTiming {
-    /// How long a part given up at `now` waits before another shard may use it.
+    /// How long a part given up at `now` waits before another shard may use it: until
+    /// the calls decided before have gone and left every window.
     fn wait_before_reuse(&self) -> Duration {
-        self.window + CLOCK_SKEW
+        self.ahead + self.window + CLOCK_SKEW
     }
 }
 
@@ -154,6 +162,17 @@ impl ShareBook {
             self.held[shard].parts += take;
         }
         Grant { before, parts: self.held[shard].parts }
+    }
+
+    /// Shard `shard`, whose run ended with nothing left to do at `now`, leaves the book:
+    /// its parts free once the calls it decided have left every window, and it no longer
+    /// counts as running (its floor goes to the others) until it reports again.
+    pub fn leave(&mut self, shard: usize, now: UnixMillis, timing: &ShareTiming) {
+        let holding = &mut self.held[shard];
+        if holding.parts > 0 {
+            self.free.push(Freed { parts: holding.parts, usable_at: now.plus(timing.wait_before_reuse()) });
+        }
+        *holding = Holding { parts: 0, demand: 0, seen: UnixMillis(0) };
     }
 
     /// Free parts usable at `now`.
@@ -278,19 +297,17 @@ pub fn quota_of_parts(whole: &Quota, calendar_share: &Quota, held: u64, parts: u
     Some(whole.with_tiers(tiers).with_gaps_on_average())
 }
 
-/// The quota shard `index` of `count` is built with, and whether its share moves: where
-/// the quota has rolling tiers, those whole (the most the shard may get; the share book
-/// says how much of them it paces under) and its even share of the calendar tiers; else
-/// its fixed even share ([`Quota::share`]).
+/// Shard `index` of `count`'s even share of `whole` ([`Quota::share`]), and, where its
+/// share moves (a stack of shards, a quota with rolling tiers), the most it may pace
+/// under: the rolling tiers whole (the share book says how much of them it holds) and
+/// its even share of the calendar tiers.
 ///
 /// # Errors
 /// A tier too small for every shard to have a unit of it, named.
-pub fn shard_quota(whole: &Quota, index: usize, count: usize) -> Result<(Quota, bool), String> {
+pub fn shard_quota(whole: &Quota, index: usize, count: usize) -> Result<(Quota, Option<Quota>), String> {
     let even = whole.share(index, count)?;
-    match parts_of(whole) {
-        Some(parts) if count > 1 => Ok((quota_of_parts(whole, &even, parts, parts).unwrap_or(even), true)),
-        _ => Ok((even, false)),
-    }
+    let most = parts_of(whole).filter(|_| count > 1).and_then(|parts| quota_of_parts(whole, &even, parts, parts));
+    Ok((even, most))
 }
 
 #[cfg(test)]
@@ -299,7 +316,7 @@ mod tests {
 
     use super::*;
 
-    const TIMING: ShareTiming = ShareTiming { window: Duration::from_secs(1), valid_for: Duration::from_secs(24) };
+    const TIMING: ShareTiming = ShareTiming { window: Duration::from_secs(1), ahead: Duration::from_millis(900), valid_for: Duration::from_secs(24) };
 
     fn at(ms: u64) -> UnixMillis {
         UnixMillis(ms)
@@ -315,16 +332,18 @@ mod tests {
     }
 
     #[test]
-    fn a_busy_shard_takes_what_an_idle_one_gives_up_one_window_and_the_clock_skew_later() {
+    fn a_busy_shard_takes_what_an_idle_one_gives_up_once_its_calls_left_every_window() {
         let mut book = ShareBook::even(1_000, 2, at(0));
         // Shard 0 is busy (it could use the whole), shard 1 idle (it used nothing).
         assert_eq!(book.report(0, 1_000, at(1_000), &TIMING), Grant { before: 500, parts: 500 }, "nothing free yet");
         let given = book.report(1, 0, at(1_100), &TIMING);
         assert_eq!(given, Grant { before: 500, parts: 5 }, "the idle shard keeps a hundredth of an even share");
         assert_eq!(given.while_writing(), 5, "and lowers itself before its write");
-        assert_eq!(book.free, vec![Freed { parts: 495, usable_at: at(1_100 + 1_000 + 250) }]);
-        assert_eq!(book.report(0, 1_000, at(2_349), &TIMING).parts, 500, "not usable a millisecond early");
-        let taken = book.report(0, 1_000, at(2_350), &TIMING);
+        // Its calls decided until now go up to 900 ms later, and leave the window a second
+        // after that; and the clocks may differ by 250 ms.
+        assert_eq!(book.free, vec![Freed { parts: 495, usable_at: at(1_100 + 900 + 1_000 + 250) }]);
+        assert_eq!(book.report(0, 1_000, at(3_249), &TIMING).parts, 500, "not usable a millisecond early");
+        let taken = book.report(0, 1_000, at(3_250), &TIMING);
         assert_eq!(taken, Grant { before: 500, parts: 995 });
         assert_eq!(taken.while_writing(), 500, "raised only once its write landed");
         assert_whole(&book);
@@ -355,7 +374,7 @@ mod tests {
         let mut book = ShareBook::even(1_000, 2, at(0));
         book.report(1, 1_000, at(0), &TIMING);
         // Shard 1 is never heard of again (its run crashed at 0).
-        let reclaim_at = 24_000 + 1_000 + 250;
+        let reclaim_at = 24_000 + 900 + 1_000 + 250;
         assert_eq!(book.report(0, 1_000, at(reclaim_at - 1), &TIMING).parts, 500);
         assert_eq!(book.report(0, 1_000, at(reclaim_at), &TIMING).parts, 1_000, "its parts came back, usable at once");
         assert_eq!(held(&book), vec![1_000, 0]);
@@ -363,7 +382,7 @@ mod tests {
         // gives up half, usable a window later.
         assert_eq!(book.report(1, 1_000, at(30_000), &TIMING).parts, 0);
         book.report(0, 1_000, at(30_500), &TIMING);
-        assert_eq!(book.report(1, 1_000, at(30_500 + 1_250), &TIMING).parts, 500);
+        assert_eq!(book.report(1, 1_000, at(30_500 + 2_150), &TIMING).parts, 500);
         assert_whole(&book);
     }
 
@@ -372,7 +391,7 @@ mod tests {
         let mut book = ShareBook::after_new_layout(300, 3, at(5_000), &TIMING);
         assert!(book.fits(300, 3) && !book.fits(300, 2) && !book.fits(301, 3));
         assert_eq!(book.report(0, 300, at(5_000), &TIMING).parts, 0);
-        assert_eq!(book.report(0, 300, at(6_250), &TIMING).parts, 298, "all but the floor of the two others, idle");
+        assert_eq!(book.report(0, 300, at(7_150), &TIMING).parts, 298, "all but the floor of the two others, idle");
         assert_whole(&book);
     }
 
@@ -426,15 +445,20 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(300))]
 
-        /// Shards report at random moments with random demands; some reports' writes are
-        /// lost (the book is not written, the shard lowered itself anyway) and some shards
-        /// go silent. At no instant do the parts in use within any window add up to more
-        /// than the whole: a window's calls under a shard's share are at most its largest
-        /// share within the window.
+        /// Shards report at random moments with random demands, and some leave the book
+        /// (their run ended); some writes are lost (the book is not written, the shard
+        /// lowered itself, or stopped, anyway) and some shards go silent. No window of
+        /// the tier ever holds more than the whole across the shards: a call at `t` was
+        /// decided under the share its shard held at some instant of `[t - ahead, t]`, so
+        /// a window's calls under a shard's share are at most its largest share from
+        /// `ahead` before the window to its end.
         #[test]
         fn no_window_ever_holds_more_than_the_whole_across_the_shards(
             shards in 2usize..5,
-            reports in proptest::collection::vec((0usize..4, 0u64..1_200, prop_oneof![1u64..700, 1u64..30_000], any::<bool>()), 1..120),
+            reports in proptest::collection::vec(
+                (0usize..4, 0u64..1_200, prop_oneof![1u64..700, 1u64..30_000], any::<bool>(), proptest::bool::weighted(0.1)),
+                1..120,
+            ),
         ) {
             let parts = 1_000;
             let mut book = ShareBook::even(parts, shards, UnixMillis(0));
@@ -444,7 +468,7 @@ mod tests {
             }
             let mut landed_at = vec![0u64; shards];
             let mut now = 0;
-            for (shard, demand, gap, lost) in reports {
+            for (shard, demand, gap, lost, leaves) in reports {
                 let shard = shard % shards;
                 now += gap;
                 // A shard whose last landed report is too old stopped using its parts.
@@ -455,6 +479,15 @@ mod tests {
                     }
                 }
                 let mut written = book.clone();
+                if leaves {
+                    written.leave(shard, UnixMillis(now), &TIMING);
+                    usage[shard].set(now, 0);
+                    if !lost {
+                        book = written;
+                    }
+                    assert_whole(&book);
+                    continue;
+                }
                 let grant = written.report(shard, demand, UnixMillis(now), &TIMING);
                 // Lowered before the write (to the grant, or less if a write was lost).
                 let in_use_before = usage[shard].steps.last().map_or(0, |s| s.1);
@@ -466,9 +499,9 @@ mod tests {
                 }
                 assert_whole(&book);
             }
-            let window = TIMING.window.as_millis() as u64;
+            let (window, ahead) = (TIMING.window.as_millis() as u64, TIMING.ahead.as_millis() as u64);
             for start in (0..now + window).step_by(50) {
-                let in_window: u64 = usage.iter().map(|u| u.most_within(start, start + window)).sum();
+                let in_window: u64 = usage.iter().map(|u| u.most_within(start.saturating_sub(ahead), start + window)).sum();
                 prop_assert!(in_window <= parts, "window from {start} ms holds {in_window} parts of {parts}");
             }
         }

@@ -415,12 +415,9 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
             .enumerate()
             .map(|(index, shard)| {
                 // A shard paces its lanes under its share of the shared tiers.
-                let (quota, shares_move) = if plan.fixed_shares {
-                    (plan.settings.quota.share(index, shard_count).expect("the plan's shared tiers divide among its shards"), false)
-                } else {
-                    shard_quota(&plan.settings.quota, index, shard_count).expect("the plan's shared tiers divide among its shards")
-                };
-                let settings = Settings { quota, shares_move, shard: Shard { index, of: shard_count }, ..plan.settings.clone() };
+                let (quota, most) = shard_quota(&plan.settings.quota, index, shard_count).expect("the plan's shared tiers divide among its shards");
+                let share_most = most.filter(|_| !plan.fixed_shares);
+                let settings = Settings { quota, share_most, shard: Shard { index, of: shard_count }, ..plan.settings.clone() };
                 let invoker: Arc<dyn Invoker> = match &lambda {
                     Some(lambda) if settings.worker_batch() > 1 && !settings.hand_off_lead().is_zero() => {
                         Arc::new(BatchingInvoker::for_settings(lambda.clone(), clock.clone(), &settings))

@@ -210,7 +210,7 @@ impl SimulateArgs {
             lanes: None,
             ordering: JobOrder::None,
             shard: Shard::WHOLE,
-            shares_move: false,
+            share_most: None,
         };
         let mut plan = Plan::new(self.jobs, self.seed, settings, config.retry);
         plan.profile = profile;
@@ -264,7 +264,7 @@ impl SimulateArgs {
             lanes: config.lanes,
             ordering: config.quota_ordering,
             shard: Shard::WHOLE,
-            shares_move: false,
+            share_most: None,
         };
         Ok(LanesPlan {
             lanes,

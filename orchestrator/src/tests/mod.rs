@@ -48,7 +48,7 @@ fn lane_built(tiers: &[&str], margin_ms: u64, invoker: impl FnOnce(Arc<TokioCloc
         lanes: None,
         ordering: JobOrder::None,
         shard: paceline_shared::keys::Shard::WHOLE,
-        shares_move: false,
+        share_most: None,
     };
     adjust(&mut settings);
     let orchestrator = Orchestrator::new(store.clone(), store.clone(), invoker.clone(), clock.clone(), settings);

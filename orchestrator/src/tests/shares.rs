@@ -19,12 +19,12 @@ fn lane_on(index: usize) -> String {
 fn shard(index: usize, moving: bool, book: &Arc<MemoryShareBook>) -> Lane {
     let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"100/s\"]\nsafety_margin = \"0ms\"\n[lanes]\ntiers = [\"1000/s\"]\n";
     let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
-    let (quota, shares_move) = if moving { shard_quota(&config.quota, index, 2).unwrap() } else { (config.quota.share(index, 2).unwrap(), false) };
+    let (quota, most) = shard_quota(&config.quota, index, 2).unwrap();
     let mut lane = lane_with_settings(&["100/s"], 0, |settings| {
         settings.lanes = config.lanes.clone();
         settings.quota = quota;
         settings.shard = Shard { index, of: 2 };
-        settings.shares_move = shares_move;
+        settings.share_most = most.filter(|_| moving);
     });
     lane.orchestrator = lane.orchestrator.with_scoped_stores(lane.store.clone()).with_share_book(book.clone() as Arc<dyn ShareBookStore>);
     lane
