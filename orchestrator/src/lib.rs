@@ -652,7 +652,7 @@ impl Executor<'_> {
     /// parts to be taken back as a silent shard's are.
     async fn leave_share_book(&self) {
         let (Some(book), Some(shares)) = (&self.o.share_book, self.state.shares()) else { return };
-        if !matches!(self.state.report.stop, StopReason::Drained | StopReason::Stopped) {
+        if !matches!(self.state.stop_reason(), Some(StopReason::Drained | StopReason::Stopped)) {
             return;
         }
         for _ in 0..HAND_OVER_RETRIES {

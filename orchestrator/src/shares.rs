@@ -17,6 +17,12 @@ use crate::settings::Settings;
 /// whose pace grows is not held at its last one.
 const HEADROOM: f64 = 1.25;
 
+/// A shard that used this much of its share's pace since its last report could use more
+/// (it asks for every part), whatever held its lanes: busy shards then ask alike, and
+/// their even shares stay put instead of moving to and fro (a part that moves is unused
+/// for a window and more).
+const SATURATED: f64 = 0.9;
+
 /// The run's share of the shared quota's rolling tiers.
 #[derive(Debug)]
 pub(crate) struct ShareRun {
@@ -81,17 +87,16 @@ impl ShareRun {
     }
 
     /// What the shard could use, in parts, having spent `spent` shared units in the run
-    /// by `now`: every part when the shared quota held a lane back since the last report,
-    /// else its pace since then with some headroom.
+    /// by `now`: every part when the shared quota held a lane back since the last report
+    /// or the shard used most of its share's pace, else its pace since then with some
+    /// headroom.
     fn demand(&self, spent: u64, now: UnixMillis) -> u64 {
-        if self.held_back {
-            return self.parts;
-        }
         let (at, spent_then) = self.last_report;
         let seconds = now.since(at).as_secs_f64().max(0.001);
         let pace = spent.saturating_sub(spent_then) as f64 / seconds;
         let whole = self.most.sustained_per_second();
-        if !whole.is_finite() || whole <= 0.0 {
+        let held = self.quota().map_or(0.0, |share| share.sustained_per_second());
+        if self.held_back || (held > 0.0 && pace >= held * SATURATED) || !whole.is_finite() || whole <= 0.0 {
             return self.parts;
         }
         ((pace * HEADROOM / whole) * self.parts as f64).ceil().min(self.parts as f64) as u64

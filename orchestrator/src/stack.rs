@@ -538,6 +538,11 @@ impl<'a> StackMachine<'a> {
         None
     }
 
+    /// Why the run stopped, once it did.
+    pub fn stop_reason(&self) -> Option<&StopReason> {
+        self.stop.as_ref()
+    }
+
     /// In a stack of shards whose shares move: this shard's share of the shared quota.
     pub fn shares(&self) -> Option<&ShareRun> {
         self.shares.as_ref()

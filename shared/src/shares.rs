@@ -35,6 +35,11 @@ pub const CLOCK_SKEW: Duration = Duration::from_millis(250);
 /// How often a shard's run reports to the book (and takes or gives parts).
 pub const REPORT_EVERY: Duration = Duration::from_secs(1);
 
+/// The fewest parts a shard gives up at once, as a fraction of the whole: a part that
+/// moves is unused for a while (see [`ShareTiming`]), so shares a little off their
+/// targets stay as they are.
+const LEAST_MOVE_OF_WHOLE: u64 = 200;
+
 /// A running shard's least demand, as a fraction of an even share: a shard whose lanes
 /// are idle keeps a sliver, so that a job that comes goes at once (at that pace) while
 /// the shard asks for more.
@@ -152,7 +157,7 @@ impl ShareBook {
             let wanted_elsewhere: u64 = (0..self.held.len()).filter(|k| *k != shard).map(|k| targets[k].saturating_sub(self.held[k].parts)).sum();
             let already_free: u64 = self.free.iter().map(|f| f.parts).sum();
             let give = (mine - target).min(wanted_elsewhere.saturating_sub(already_free));
-            if give > 0 {
+            if give > 0 && give >= (self.parts / LEAST_MOVE_OF_WHOLE).max(1) {
                 self.held[shard].parts -= give;
                 self.free.push(Freed { parts: give, usable_at: now.plus(timing.wait_before_reuse()) });
             }

@@ -30,9 +30,9 @@ fn shard(index: usize, moving: bool, book: &Arc<MemoryShareBook>) -> Lane {
     lane
 }
 
-/// Runs both shards for 30 s (shard 0 with `busy` jobs, shard 1 with 20), and gives
-/// each one's call instants in ms from T0.
-async fn run_both(moving: bool, busy: usize) -> (Vec<u64>, Vec<u64>) {
+/// Runs both shards for 30 s, or until each drained (shard 0 with `busy` jobs, shard 1
+/// with 20), and gives each one's call instants in ms from T0.
+async fn run_both(moving: bool, busy: usize, drain: bool) -> (Vec<u64>, Vec<u64>) {
     let book = Arc::new(MemoryShareBook::default());
     let (first, second) = (shard(0, moving, &book), shard(1, moving, &book));
     let queues: Vec<Arc<dyn JobQueue>> = vec![first.store.clone(), second.store.clone()];
@@ -41,7 +41,7 @@ async fn run_both(moving: bool, busy: usize) -> (Vec<u64>, Vec<u64>) {
     enqueue(&second, (0..20).map(|i| lane_job(&second_lane, &format!("b{i}")))).await;
     let first = Lane { orchestrator: first.orchestrator.with_shard_queues(queues.clone()).unwrap(), ..first };
     let second = Lane { orchestrator: second.orchestrator.with_shard_queues(queues).unwrap(), ..second };
-    let run = opts(false, Duration::from_secs(30));
+    let run = opts(drain, Duration::from_secs(30));
     let (a, b) = tokio::join!(first.orchestrator.run(&run), second.orchestrator.run(&run));
     a.unwrap();
     b.unwrap();
@@ -55,7 +55,7 @@ fn busiest_second(both: &[u64]) -> usize {
 
 #[tokio::test(start_paused = true)]
 async fn a_busy_shard_takes_the_share_an_idle_shard_does_not_use_and_together_they_never_pass_the_shared_tier() {
-    let (busy, idle) = run_both(true, 4_000).await;
+    let (busy, idle) = run_both(true, 4_000, false).await;
     assert_eq!(idle.len(), 20, "the idle shard's own jobs went");
     let mut both: Vec<u64> = busy.iter().chain(&idle).copied().collect();
     both.sort_unstable();
@@ -68,6 +68,18 @@ async fn a_busy_shard_takes_the_share_an_idle_shard_does_not_use_and_together_th
         assert!(in_second(n) >= 98, "second {n} held {} of the busy shard's calls", in_second(n));
     }
     // With fixed shares the busy shard keeps to its half.
-    let (fixed, _) = run_both(false, 4_000).await;
+    let (fixed, _) = run_both(false, 4_000, false).await;
     assert!(fixed.len() <= 50 * 29 + 1 && busy.len() >= 2_600, "moving {} calls, fixed {}", busy.len(), fixed.len());
+}
+
+/// A shard whose run drained leaves the book: the other takes its parts once its calls
+/// have left the window, not when it would be taken for silent (the lease's 24 s later).
+#[tokio::test(start_paused = true)]
+async fn a_shard_whose_run_drained_leaves_its_share_to_the_others_within_seconds() {
+    let (busy, idle) = run_both(true, 3_000, true).await;
+    assert_eq!(idle.len(), 20);
+    let in_second = |n: u64| busy.iter().filter(|t| **t >= n * 1_000 && **t < (n + 1) * 1_000).count();
+    for n in 4..20 {
+        assert!(in_second(n) >= 98, "second {n} held {} of the busy shard's calls", in_second(n));
+    }
 }
