@@ -123,7 +123,7 @@ section "deploy the template into moto's CloudFormation"
 # other test binary, which run one after another as `cargo test` runs them.
 section "tests (the real-time lanes' beside the others, in a process of their own: target/embedded-tests.log)"
 embedded_tests=$(with_clippy cargo test --quiet -p paceline-e2e --all-features --test embedded --no-run --message-format=json |
-    python3 -c 'import json, sys; print(next(m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["name"] == "embedded"))')
+    python3 -c 'import json, sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["name"] == "embedded"][0])')
 "$embedded_tests" > target/embedded-tests.log 2>&1 &
 embedded=$!
 trap 'kill $moto_pid $check $arm64_build $embedded 2>/dev/null || true' EXIT
