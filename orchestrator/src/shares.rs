@@ -18,9 +18,9 @@ use crate::settings::Settings;
 const HEADROOM: f64 = 1.25;
 
 /// A shard that used this much of its share's pace since its last report could use more
-/// (it asks for every part), whatever held its lanes: busy shards then ask alike, and
-/// their even shares stay put instead of moving to and fro (a part that moves is unused
-/// for a window and more).
+/// (it asks for every part), whatever held its lanes: a shard held by its share at the
+/// dispatch-ahead's slack (the shared quota never refused it outright) asks as one
+/// refused does.
 const SATURATED: f64 = 0.9;
 
 /// The run's share of the shared quota's rolling tiers.
@@ -209,6 +209,25 @@ mod tests {
         assert!(!run.expire(UnixMillis(24_009)));
         assert!(run.expire(UnixMillis(24_010)));
         assert_eq!(pace(&run), None);
+    }
+
+    /// A shard that used nearly all of its share (45 and 50 a second of 50) asks for
+    /// every part, whatever held its lanes, and two such shards keep their halves.
+    #[test]
+    fn a_shard_that_used_nearly_all_its_share_asks_for_every_part() {
+        let valid_for = Duration::from_secs(24);
+        let (mut first, mut second) =
+            (ShareRun::for_settings(&settings(0), valid_for, UnixMillis(0)).unwrap(), ShareRun::for_settings(&settings(1), valid_for, UnixMillis(0)).unwrap());
+        let (book, _) = first.report(None, 0, UnixMillis(0));
+        first.written(true);
+        let (book, _) = second.report(Some((book, 1)), 0, UnixMillis(5));
+        second.written(true);
+        let (book, _) = first.report(Some((book, 2)), 45, UnixMillis(1_000));
+        first.written(true);
+        let (book, _) = second.report(Some((book, 3)), 50, UnixMillis(1_005));
+        second.written(true);
+        assert_eq!(book.held.iter().map(|h| (h.parts, h.demand)).collect::<Vec<_>>(), vec![(50, 100), (50, 100)], "{book:?}");
+        assert_eq!((pace(&first), pace(&second)), (Some(50), Some(50)));
     }
 
     #[test]
