@@ -69,12 +69,11 @@ cargo fmt --all --check
 with_clippy() {
     RUSTC_WORKSPACE_WRAPPER="$(rustc --print sysroot)/bin/clippy-driver" CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__" "$@"
 }
-section "build with clippy's lints (-D warnings): the paceline binary (the end-to-end tests run it) and the tests, in one go"
-with_clippy cargo build --quiet --workspace --all-targets --all-features
-
 # What only checks (the CLI without AWS, as the README's demo builds it, and rustdoc's
-# links) runs beside the tests at idle priority (SCHED_IDLE), in a target directory of its
-# own so that it never holds the tests' build lock: it takes only the CPU they leave.
+# links) starts now, beside the build and then the tests, at idle priority (SCHED_IDLE),
+# in a target directory of its own so that it never holds the build's lock: it takes only
+# the CPU they leave (a build leaves a core idle while it links, or waits on its last
+# crates).
 section "in the background (target/check.log): clippy on the CLI without AWS, and rustdoc (every doc link resolves)"
 # shellcheck disable=SC2016 # expanded by the inner shell
 CARGO_TARGET_DIR=target/check chrt --idle 0 bash -c 'set -e
@@ -82,6 +81,9 @@ CARGO_TARGET_DIR=target/check chrt --idle 0 bash -c 'set -e
     RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps --workspace --all-features' > target/check.log 2>&1 &
 check=$!
 trap 'kill $check 2>/dev/null || true' EXIT
+
+section "build with clippy's lints (-D warnings): the paceline binary (the end-to-end tests run it) and the tests, in one go"
+with_clippy cargo build --quiet --workspace --all-targets --all-features
 
 wait_for_installs
 
