@@ -69,11 +69,12 @@ cargo fmt --all --check
 with_clippy() {
     RUSTC_WORKSPACE_WRAPPER="$(rustc --print sysroot)/bin/clippy-driver" CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__" "$@"
 }
+section "build with clippy's lints (-D warnings): the paceline binary (the end-to-end tests run it) and the tests, in one go"
+with_clippy cargo build --quiet --workspace --all-targets --all-features
+
 # What only checks (the CLI without AWS, as the README's demo builds it, and rustdoc's
-# links) starts now, beside the build and then the tests, at idle priority (SCHED_IDLE),
-# in a target directory of its own so that it never holds the build's lock: it takes only
-# the CPU they leave (a build leaves a core idle while it links, or waits on its last
-# crates).
+# links) runs beside the tests at idle priority (SCHED_IDLE), in a target directory of its
+# own so that it never holds the tests' build lock: it takes only the CPU they leave.
 section "in the background (target/check.log): clippy on the CLI without AWS, and rustdoc (every doc link resolves)"
 # shellcheck disable=SC2016 # expanded by the inner shell
 CARGO_TARGET_DIR=target/check chrt --idle 0 bash -c 'set -e
@@ -81,9 +82,6 @@ CARGO_TARGET_DIR=target/check chrt --idle 0 bash -c 'set -e
     RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps --workspace --all-features' > target/check.log 2>&1 &
 check=$!
 trap 'kill $check 2>/dev/null || true' EXIT
-
-section "build with clippy's lints (-D warnings): the paceline binary (the end-to-end tests run it) and the tests, in one go"
-with_clippy cargo build --quiet --workspace --all-targets --all-features
 
 wait_for_installs
 
@@ -120,23 +118,8 @@ export PACELINE_TEST_MOTO_URL="http://127.0.0.1:$port"
 section "deploy the template into moto's CloudFormation"
 .venv/bin/python infra/tests/deploy_to_moto.py infra/template.yaml "$PACELINE_TEST_MOTO_URL" target/debug/paceline
 
-# The real-time lanes' end-to-end tests (tests/tests/embedded.rs: 2.5 minutes, one lane
-# at a time, each waiting on its lane's pace) run in a process of their own, beside every
-# other test binary, which run one after another as `cargo test` runs them.
-section "tests (the real-time lanes' beside the others, in a process of their own: target/embedded-tests.log)"
-embedded_tests=$(with_clippy cargo test --quiet -p paceline-e2e --all-features --test embedded --no-run --message-format=json |
-    python3 -c 'import json, sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["name"] == "embedded"][0])')
-"$embedded_tests" > target/embedded-tests.log 2>&1 &
-embedded=$!
-trap 'kill $moto_pid $check $arm64_build $embedded 2>/dev/null || true' EXIT
-other_e2e_tests=$(cargo metadata --no-deps --format-version 1 |
-    python3 -c 'import json, sys; e2e = next(p for p in json.load(sys.stdin)["packages"] if p["name"] == "paceline-e2e"); print(" ".join("--test " + t["name"] for t in e2e["targets"] if "test" in t["kind"] and t["name"] != "embedded"))')
-with_clippy cargo test --workspace --all-features --exclude paceline-e2e
-# shellcheck disable=SC2086 # one word a flag or a target
-with_clippy cargo test -p paceline-e2e --all-features --lib $other_e2e_tests
-with_clippy cargo test -p paceline-e2e --all-features --doc
-wait "$embedded" || { cat target/embedded-tests.log; echo "the real-time lanes' tests failed: target/embedded-tests.log above"; exit 1; }
-grep '^test result' target/embedded-tests.log
+section "tests"
+with_clippy cargo test --workspace --all-features
 
 section "the web console in headless chromium, and /metrics through Prometheus's parser"
 PACELINE_BIN=target/debug/paceline .venv/bin/pytest -q tests/console
