@@ -35,13 +35,41 @@ pub async fn one_lane_at_a_time() -> tokio::sync::MutexGuard<'static, ()> {
     LANES.lock().await
 }
 
-/// A fresh folder for one test's lane.
+/// A fresh folder for one test's lane, removed when the test ends: its stores grow to tens
+/// of megabytes, and a suite run leaves dozens. A test that fails keeps its folder, to be
+/// read.
 #[must_use]
-pub fn lane_dir(name: &str) -> PathBuf {
+pub fn lane_dir(name: &str) -> LaneDir {
     let dir = std::env::temp_dir().join(format!("paceline-e2e-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("create lane dir");
-    dir
+    LaneDir(dir)
+}
+
+/// A test's folder (see [`lane_dir`]); it reads as the [`Path`] it holds.
+#[derive(Debug)]
+pub struct LaneDir(PathBuf);
+
+impl std::ops::Deref for LaneDir {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for LaneDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for LaneDir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
 }
 
 /// Writes a lane config for `base_url` with `tiers` into `dir`; returns its path. The
@@ -165,4 +193,18 @@ pub async fn serve_on_loopback(app: axum::Router) -> (String, tokio::task::JoinH
         let _ = axum::serve(listener, app).await;
     });
     (address, server)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lane_dir;
+
+    #[test]
+    fn a_lane_dir_is_removed_when_its_test_ends() {
+        let dir = lane_dir("removed-after");
+        std::fs::write(dir.join("lane.db"), b"a lane's store").expect("write into the lane dir");
+        let path = dir.to_path_buf();
+        drop(dir);
+        assert!(!path.exists(), "{} is left behind: every run of the suite filled the disk a little more", path.display());
+    }
 }

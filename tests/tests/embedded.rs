@@ -761,7 +761,8 @@ async fn simulate_of_many_lanes_reports_fairness_beside_its_baselines_and_needs_
     assert!(report["jain_index_mean"].as_f64().is_some_and(|j| j >= 0.99), "{report}");
     let baselines: Vec<&str> = report["baselines"].as_array().unwrap().iter().map(|b| b["dispatcher"].as_str().unwrap()).collect();
     assert_eq!(baselines, ["first come, first served (one queue)", "round robin (unweighted)"]);
-    let single = write_config(&lane_dir("simulate-lanes-single"), "http://127.0.0.1:9", &["50/s"], "");
+    let single = lane_dir("simulate-lanes-single");
+    let single = write_config(&single, "http://127.0.0.1:9", &["50/s"], "");
     let refused = paceline(&["simulate", "--config", single.to_str().unwrap(), "--lanes", "20"], "").await;
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--lanes needs a [lanes] table"), "{}", String::from_utf8_lossy(&refused.stderr));
     let bad = paceline(&["simulate", "--config", config, "--lanes", "20", "--skew", "pareto:2"], "").await;

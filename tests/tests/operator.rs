@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use paceline_cli::fake_api::{FakeApi, FakeApiSpec};
 use paceline_e2e::aws::{create_lane, create_queue, lambda_failure_record, lane_env, moto_env, moto_sdk_config, FakeLambda};
-use paceline_e2e::{assert_times_are_rfc3339, job_lines, json_of, lane_dir, paceline, paceline_bin, paceline_with_env, write_config};
+use paceline_e2e::{assert_times_are_rfc3339, job_lines, json_of, lane_dir, paceline, paceline_bin, paceline_with_env, write_config, LaneDir};
 use paceline_orchestrator::{lambda as orchestrator_lambda, RunOptions, StopReason};
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames, SqsQueue};
 use paceline_shared::check::peak_in_any_window;
@@ -60,13 +60,14 @@ fn aws_config(dir: &Path, names: &AwsNames, tiers: &str) -> PathBuf {
     path
 }
 
-/// An AWS lane with a worker DLQ, and a config file for it.
-async fn aws_lane(name: &str, tiers: &str) -> (aws_config::SdkConfig, AwsNames, PathBuf) {
+/// An AWS lane with a worker DLQ, and a config file for it in a folder the test holds.
+async fn aws_lane(name: &str, tiers: &str) -> (aws_config::SdkConfig, AwsNames, PathBuf, LaneDir) {
     let sdk = moto_sdk_config().await;
     let mut names = create_lane(&sdk, "paceline-worker").await;
     names.worker_dlq_url = Some(create_queue(&sdk, "paceline-worker-dlq").await);
-    let config = aws_config(&lane_dir(name), &names, tiers);
-    (sdk, names, config)
+    let dir = lane_dir(name);
+    let config = aws_config(&dir, &names, tiers);
+    (sdk, names, config, dir)
 }
 
 async fn cli(config: &Path, args: &[&str]) -> std::process::Output {
@@ -108,7 +109,7 @@ fn group_counts(summary: &serde_json::Value) -> BTreeMap<String, u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enqueue_status_circuit_and_kick_on_an_aws_lane() {
-    let (sdk, names, config) = aws_lane("ops-aws", r#""10/s", "100000/day""#).await;
+    let (sdk, names, config, _dir) = aws_lane("ops-aws", r#""10/s", "100000/day""#).await;
     let jobs = ids("bulk", 1000);
     let mut input = job_lines(&jobs);
     input.insert_str(0, "{\"request\": 1}\n");
@@ -206,7 +207,7 @@ async fn outage_fills_the_dlqs(sdk: &aws_config::SdkConfig, names: &AwsNames) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_an_outage_dlq_summary_groups_causes_and_redrive_moves_exactly_those_asked_for() {
-    let (sdk, names, config) = aws_lane("ops-dlq", r#""10/s""#).await;
+    let (sdk, names, config, _dir) = aws_lane("ops-dlq", r#""10/s""#).await;
     outage_fills_the_dlqs(&sdk, &names).await;
 
     let summary = json_of(&cli(&config, &["dlq", "summary", "--json"]).await);
@@ -299,7 +300,7 @@ async fn after_an_outage_dlq_summary_groups_causes_and_redrive_moves_exactly_tho
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_worker_batch_in_the_worker_dlq_is_shown_and_redriven_job_by_job() {
-    let (sdk, names, config) = aws_lane("ops-batch", r#""10/s""#).await;
+    let (sdk, names, config, _dir) = aws_lane("ops-batch", r#""10/s""#).await;
     let calls: Vec<WorkerPayload> = ids("batched", 5).iter().map(|id| job_payload(id)).collect();
     let failed = lambda_failure_record(&WorkerPayload::batch("run-9#3".into(), &calls), "Transient", "sqs SendMessage: timed out");
     let sqs = aws_sdk_sqs::Client::new(&sdk);
@@ -327,7 +328,7 @@ async fn a_failed_worker_batch_in_the_worker_dlq_is_shown_and_redriven_job_by_jo
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redrive_killed_midway_and_run_again_loses_nothing_and_duplicates_nothing_in_the_dlq() {
-    let (sdk, names, config) = aws_lane("ops-kill", r#""10/s""#).await;
+    let (sdk, names, config, _dir) = aws_lane("ops-kill", r#""10/s""#).await;
     let queue = AwsAdapters::new(&sdk, &names, None).queue;
     let failed = ids("failed", 240);
     let refused = ids("refused", 120);
@@ -438,7 +439,7 @@ async fn the_same_operator_commands_work_on_the_embedded_store() {
 /// paced by `serve` itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_without_a_run_shows_an_aws_stack_s_dead_letters_by_cause_and_redrives_them() {
-    let (sdk, names, config) = aws_lane("ops-serve", r#""10/s""#).await;
+    let (sdk, names, config, _dir) = aws_lane("ops-serve", r#""10/s""#).await;
     outage_fills_the_dlqs(&sdk, &names).await;
     let token = "a-token-for-serving-an-aws-stack-0123";
     let mut text = std::fs::read_to_string(&config).unwrap();
