@@ -69,12 +69,10 @@ cargo fmt --all --check
 with_clippy() {
     RUSTC_WORKSPACE_WRAPPER="$(rustc --print sysroot)/bin/clippy-driver" CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__" "$@"
 }
-section "build with clippy's lints (-D warnings): the paceline binary (the end-to-end tests run it) and the tests, in one go"
-with_clippy cargo build --quiet --workspace --all-targets --all-features
-
 # What only checks (the CLI without AWS, as the README's demo builds it, and rustdoc's
-# links) runs beside the tests at idle priority (SCHED_IDLE), in a target directory of its
-# own so that it never holds the tests' build lock: it takes only the CPU they leave.
+# links) starts now, beside the build and then the tests, at idle priority (SCHED_IDLE),
+# in a target directory of its own so that it never holds the build's lock: it takes only
+# the CPU they leave (the build's last minutes, one crate after another, leave a core).
 section "in the background (target/check.log): clippy on the CLI without AWS, and rustdoc (every doc link resolves)"
 # shellcheck disable=SC2016 # expanded by the inner shell
 CARGO_TARGET_DIR=target/check chrt --idle 0 bash -c 'set -e
@@ -82,6 +80,9 @@ CARGO_TARGET_DIR=target/check chrt --idle 0 bash -c 'set -e
     RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps --workspace --all-features' > target/check.log 2>&1 &
 check=$!
 trap 'kill $check 2>/dev/null || true' EXIT
+
+section "build with clippy's lints (-D warnings): the paceline binary (the end-to-end tests run it) and the tests, in one go"
+with_clippy cargo build --quiet --workspace --all-targets --all-features
 
 wait_for_installs
 
@@ -118,8 +119,32 @@ export PACELINE_TEST_MOTO_URL="http://127.0.0.1:$port"
 section "deploy the template into moto's CloudFormation"
 .venv/bin/python infra/tests/deploy_to_moto.py infra/template.yaml "$PACELINE_TEST_MOTO_URL" target/debug/paceline
 
-section "tests"
-with_clippy cargo test --workspace --all-features
+# The real-time lanes' end-to-end tests (tests/tests/embedded.rs: 2.5 minutes, one lane at a
+# time, each waiting on its lane's pace) run in a process of their own beside the other test
+# binaries, which run one after another from their package's folder, as `cargo test` runs
+# them. The binaries are listed with the build's own selection (`--workspace
+# --all-features`): a narrower `-p` resolves features anew and compiles the workspace again.
+section "tests (the real-time lanes' beside the others, in a process of their own: target/embedded-tests.log)"
+with_clippy cargo test --quiet --workspace --all-features --no-run --message-format=json | python3 -c '
+import json, os, sys
+for m in map(json.loads, sys.stdin):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(os.path.dirname(m["manifest_path"]), m["target"]["name"], m["executable"], sep="\t")' > target/test-binaries.tsv
+run_test_binary() { # FOLDER NAME EXECUTABLE
+    printf '\n     Running %s (%s)\n' "$2" "${3#"$PWD/"}"
+    (cd "$1" && "$3" < /dev/null)
+}
+embedded_line=$(grep -P '^[^\t]*/tests\tembedded\t' target/test-binaries.tsv)
+IFS=$'\t' read -r folder name executable <<< "$embedded_line"
+run_test_binary "$folder" "$name" "$executable" > target/embedded-tests.log 2>&1 &
+embedded=$!
+trap 'kill $moto_pid $check $arm64_build $embedded 2>/dev/null || true' EXIT
+grep -vxF "$embedded_line" target/test-binaries.tsv | while IFS=$'\t' read -r folder name executable; do
+    run_test_binary "$folder" "$name" "$executable"
+done
+with_clippy cargo test --quiet --workspace --all-features --doc
+wait "$embedded" || { cat target/embedded-tests.log; echo "the real-time lanes' tests failed: target/embedded-tests.log above says why"; exit 1; }
+grep '^test result' target/embedded-tests.log
 
 section "the web console in headless chromium, and /metrics through Prometheus's parser"
 PACELINE_BIN=target/debug/paceline .venv/bin/pytest -q tests/console
