@@ -902,8 +902,12 @@ async fn two_shards_pace_their_own_lanes_under_their_shares_of_the_shared_quota_
     assert!(version >= 2, "both shards wrote it: version {version}");
     let parts: u64 = book.held.iter().map(|h| h.parts).chain(book.free.iter().map(|f| f.parts)).sum();
     assert_eq!((book.parts, book.held.len(), parts), (6, 2, 6), "{book:?}");
-    let on_first: u64 = lanes.iter().filter(|lane| lane.shard(2) == 0).count() as u64 * 4;
-    assert_eq!(ran_first.dispatched, on_first, "shard 0 called only its own lanes' jobs");
+    // Each shard dispatched for its own lanes only (a job is dispatched again when its
+    // worker started past its slot and put it back, by design: counts are not compared).
+    for (index, ran) in [(0, &ran_first), (1, &ran_second)] {
+        let paced: Vec<&str> = ran.lanes.iter().filter(|lane| lane.dispatched > 0).map(|lane| lane.lane.as_str()).collect();
+        assert!(paced.iter().all(|lane| lane.parse::<LaneId>().unwrap().shard(2) == index), "shard {index} paced {paced:?}");
+    }
     // Each shard ran under its own lease: the two runs overlapped.
     let dynamodb = aws_sdk_dynamodb::Client::new(&sdk);
     for key in ["lease", "shard#1#lease"] {
