@@ -18,10 +18,12 @@ mod aws;
 pub use aws::OrchestratorFunction;
 use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::config::{AwsBackend, Backend, Config, CoolDownScope, LanesConfig};
+use paceline_shared::homes::{LaneHomes, MoveProblem};
 use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
-use paceline_shared::ports::{DeadLetterQueues, JobQueue, QueueDepth, ScopedStores, StateStore};
+use paceline_shared::ports::{read_document, write_document, DeadLetterQueues, JobQueue, QueueDepth, ScopedStores, StackDocument, StackDocuments, StateStore};
 use paceline_shared::quota::Quota;
+use paceline_shared::time::system_now;
 
 use crate::stack::{load_config_for_operations, open_store, IfMissing};
 
@@ -78,6 +80,8 @@ pub struct OperatorStack {
     /// An AWS stack of several shards: each shard's jobs queue, by index (empty: one
     /// shard, `queues`). A job goes to its lane's shard's.
     pub shard_queues: Vec<Arc<dyn JobQueue>>,
+    /// Where a stack of shards keeps its documents (where its lanes live): its table.
+    pub documents: Option<Arc<dyn StackDocuments>>,
 }
 
 /// Why a stack whose config has no `[lanes]` has one lane.
@@ -97,7 +101,46 @@ impl OperatorStack {
             orchestrator: Err("an embedded stack has no orchestrator function: `paceline run` runs one in this process".into()),
             embedded: Some(store),
             shard_queues: Vec::new(),
+            documents: None,
         }
+    }
+
+    /// How many shards the stack has (1 unless it is an AWS stack of shards).
+    #[must_use]
+    pub fn shards(&self) -> usize {
+        self.shard_queues.len().max(1)
+    }
+
+    /// Where the stack's lanes live, and the version read (`None`: no lane was ever
+    /// moved, or a stack of one shard).
+    ///
+    /// # Errors
+    /// The stack's table could not be read.
+    pub async fn lane_homes(&self) -> anyhow::Result<(LaneHomes, Option<u64>)> {
+        let Some(documents) = self.documents.as_ref().filter(|_| self.shards() > 1) else { return Ok((LaneHomes::default(), None)) };
+        let read = read_document::<LaneHomes>(documents.as_ref(), StackDocument::LaneHomes).await.context("reading where the stack's lanes live")?;
+        Ok(read.map_or((LaneHomes::default(), None), |(homes, version)| (homes, Some(version))))
+    }
+
+    /// Moves lane `lane` to shard `to`: the shard it leaves sends its jobs on and hands
+    /// its pace over, and `to` takes it up once that is done. Returns the shard it left.
+    ///
+    /// # Errors
+    /// A stack of one shard, a shard that does not exist, the lane's own shard, or the
+    /// table could not be read or written.
+    pub async fn move_lane(&self, lane: &LaneId, to: usize) -> anyhow::Result<usize> {
+        let shards = self.shards();
+        let Some(documents) = self.documents.as_ref().filter(|_| shards > 1) else { bail!("{}", MoveProblem::OneShard) };
+        // Written over the version read: a move another operator made meanwhile is read
+        // again, never overwritten.
+        for _ in 0..5 {
+            let (homes, version) = self.lane_homes().await?;
+            let moved = homes.with_move(lane, to, shards, system_now())?;
+            if write_document(documents.as_ref(), StackDocument::LaneHomes, &moved, version).await.context("writing where the stack's lanes live")? {
+                return Ok(homes.home_of(lane, shards));
+            }
+        }
+        bail!("where the lanes live kept changing while lane {lane} was moved: try again")
     }
 
     /// The stack's lanes and each lane's state.

@@ -333,6 +333,21 @@ def check_enqueue_to_shards(paceline, url, stack):
         bodies = [json.loads(m["Body"]) for m in sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10).get("Messages", [])]
         expected = sorted(lane for lane in lanes if fnv1a(lane) % len(queues) == index)
         check(sorted(body["lane"] for body in bodies) == expected, f"enqueue: shard {index}'s queue holds its lanes' jobs: {expected}")
+    # `paceline lanes move`: a lane's jobs go to the shard it was moved to from then on.
+    moved, home = "tenant-0", fnv1a("tenant-0") % len(queues)
+    to = (home + 1) % len(queues)
+    done = subprocess.run([paceline, "lanes", "move", moved, "--to-shard", str(to), "--stack", stack, "--json"], env=operator_env(url), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise AssertionError(f"paceline lanes move: {done.stderr}")
+    check(json.loads(done.stdout) == {"lane": moved, "from_shard": home, "to_shard": to}, f"lanes move: {moved} from shard {home} to shard {to}")
+    again = subprocess.run([paceline, "lanes", "move", moved, "--to-shard", str(to), "--stack", stack], env=operator_env(url), capture_output=True, text=True, check=False)
+    check(again.returncode != 0 and f"lives on shard {to} already" in again.stderr, f"lanes move: refused where the lane is already ({again.stderr.strip()})")
+    line = json.dumps({"id": "moved-job", "lane": moved, "request": {"method": "GET", "path": "/items/moved"}}) + "\n"
+    done = subprocess.run([paceline, "enqueue", "--stack", stack], env=operator_env(url), input=line, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise AssertionError(f"paceline enqueue: {done.stderr}")
+    bodies = [json.loads(m["Body"]) for m in sqs.receive_message(QueueUrl=queues[to], MaxNumberOfMessages=10, WaitTimeSeconds=1).get("Messages", [])]
+    check([body["id"] for body in bodies] == ["moved-job"], f"enqueue: a moved lane's job goes to its new shard's queue ({to})")
 
 
 def fnv1a(text):

@@ -150,7 +150,9 @@ pub fn drain(
                 let calendar_used = vec![0; machine.lane_scope(lane).1.tiers().len()];
                 Event::LaneHydrated(lane, Ok(LaneStart { last_run: crate::handover::LastRun::None, calendar_used, shared: shared() }))
             }
-            Action::Forward(..) | Action::ReadShares | Action::WriteShares(..) => unreachable!("the benchmarked stack is one shard"),
+            Action::Forward(..) | Action::ReadShares | Action::WriteShares(..) | Action::ReadHomes | Action::HandOver(..) => {
+                unreachable!("the benchmarked stack is one shard")
+            }
             Action::DeadLetter(message, ..) => {
                 queue.delete(std::slice::from_ref(&message.receipt));
                 Event::DeadLettered(message, Ok(()))

@@ -115,7 +115,7 @@ pub fn from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, lambda_endpoint: Opt
         let store = Arc::new(aws.store.clone().for_shard(shard));
         let mut orchestrator = Orchestrator::new(Arc::new(queue), store.clone(), invoker, clock.clone(), settings)
             .with_scoped_stores(store)
-            .with_share_book(Arc::new(aws.store.clone()));
+            .with_stack_documents(Arc::new(aws.store.clone()));
         if count > 1 {
             orchestrator = orchestrator.with_shard_queues(shard_queues.clone())?;
         }

@@ -398,6 +398,11 @@ impl<'a> LaneMachine<'a> {
         &self.id
     }
 
+    /// Its index in the stack's lanes.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
     /// The cost of the job at the front, if it parsed.
     pub fn head_cost(&self) -> Option<u64> {
         self.buffer.front().and_then(|front| front.job.as_ref().ok()).map(|job| job.cost)

@@ -24,6 +24,7 @@ mod batching;
 pub mod decision_bench;
 mod fairness;
 pub mod handover;
+mod homes;
 #[cfg(feature = "lambda")]
 pub mod lambda;
 mod lane;
@@ -41,6 +42,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use paceline_shared::config::{CoolDownScope, LaneChange, LanesConfig};
+use paceline_shared::homes::LaneHomes;
 use paceline_shared::job::{DeadLetterReason, Job, JobId};
 use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
@@ -48,8 +50,8 @@ use paceline_shared::order::OrderMark;
 use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, OutcomeTimes};
 use paceline_shared::pacer::MissedSlots;
 use paceline_shared::ports::{
-    load_calendar_usage, Invoker, JobQueue, LaneSignals, Lease, OutcomeSink, OutgoingMessage, PacerSnapshot, PortError, PortResult, QueuedMessage,
-    ScopedStores, ShareBookStore, StateStore, VisibleAgain, CALL_SLOTS_FULL_KEY,
+    load_calendar_usage, read_document, write_document, Invoker, JobQueue, LaneSignals, Lease, OutcomeSink, OutgoingMessage, PacerSnapshot, PortError,
+    PortResult, QueuedMessage, ScopedStores, StackDocument, StackDocuments, StateStore, VisibleAgain, CALL_SLOTS_FULL_KEY,
 };
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, UnixMillis};
@@ -59,6 +61,7 @@ use tracing::{info, warn};
 pub use batching::{BatchingInvoker, MAX_BATCH_BYTES};
 pub use fairness::{jain_index, FAIRNESS_WINDOW};
 use handover::{LastRun, Relay};
+use homes::HomesRun;
 pub use report::{Fairness, LaneReport, Progress, RunReport, StopReason, TierReport};
 pub use settings::{RunError, Settings};
 use stack::{Action, CallSlotsRead, Event, LaneRead, LaneStart, Retune, SharedState, StackMachine, DELETE_BATCH};
@@ -123,8 +126,9 @@ pub struct Orchestrator {
     /// In a stack of shards, each shard's jobs queue (by shard index): where a job of a
     /// lane that lives on another shard is sent on.
     shard_queues: Vec<Arc<dyn JobQueue>>,
-    /// In a stack of shards whose shares move: where the share book is kept.
-    share_book: Option<Arc<dyn ShareBookStore>>,
+    /// In a stack of shards: where its documents are kept (the share book, the lanes'
+    /// homes).
+    documents: Option<Arc<dyn StackDocuments>>,
 }
 
 impl Orchestrator {
@@ -144,15 +148,16 @@ impl Orchestrator {
             relay: None,
             lanes,
             shard_queues: Vec::new(),
-            share_book: None,
+            documents: None,
         }
     }
 
-    /// The same orchestrator, in a stack of shards whose shares move
-    /// ([`Settings::share_most`]), keeping the share book in `book`.
+    /// The same orchestrator, in a stack of shards, reading and writing the stack's
+    /// documents in `documents`: the share book (where shares move,
+    /// [`Settings::share_most`]) and the lanes' homes.
     #[must_use]
-    pub fn with_share_book(self, book: Arc<dyn ShareBookStore>) -> Self {
-        Self { share_book: Some(book), ..self }
+    pub fn with_stack_documents(self, documents: Arc<dyn StackDocuments>) -> Self {
+        Self { documents: Some(documents), ..self }
     }
 
     /// The same orchestrator, in a stack of shards, sending a job of a lane that lives
@@ -277,9 +282,19 @@ impl Orchestrator {
         if self.settings.lanes.is_some() && self.scoped_stores.is_none() {
             return Err(RunError::Port(PortError::Fatal("[lanes] needs a state store that keeps lanes apart (the embedded one, DynamoDB)".into())));
         }
-        if self.settings.share_most.is_some() && self.settings.shard.of > 1 && self.share_book.is_none() {
-            return Err(RunError::Port(PortError::Fatal("shards whose shares move need the share book's store (`with_share_book`)".into())));
+        if self.settings.shard.of > 1 && self.documents.is_none() {
+            return Err(RunError::Port(PortError::Fatal("a stack of shards needs the store of its documents (`with_stack_documents`)".into())));
         }
+        // Where the lanes live, known before the first receive: a lane moved away must
+        // not be called for here.
+        let homes = match (&self.documents, self.settings.shard) {
+            (Some(documents), shard) if shard.of > 1 => {
+                let sent_at = self.clock.now();
+                let read = read_document::<LaneHomes>(documents.as_ref(), StackDocument::LaneHomes).await?;
+                Some(HomesRun::new(shard, read.map(|(homes, _)| homes).unwrap_or_default(), sent_at, self.settings.dispatch_ahead()))
+            }
+            _ => None,
+        };
         let started = self.clock.now();
         let lease = match self.store.acquire_lease(&opts.holder, self.settings.orchestrator.lease_ttl, started).await {
             Ok(lease) => lease,
@@ -292,6 +307,9 @@ impl Orchestrator {
             .on_fair_queue(self.queue.serves_groups_fairly());
         if self.relay.is_some() && !opts.drain {
             state = state.with_relay(started);
+        }
+        if let Some(homes) = homes {
+            state = state.with_homes(homes, started);
         }
         let mut run = Executor { o: self, state, background: JoinSet::new(), stop: opts.stop.clone(), handed_off_any: false };
         let outcome = match run.hydrate().await {
@@ -576,13 +594,24 @@ impl Executor<'_> {
                 return Ok(());
             }
             Action::ReadShares => {
-                let book = o.share_book.clone().expect("checked when the run started");
-                self.background.spawn(async move { Event::SharesRead(book.share_book().await) });
+                let documents = o.documents.clone().expect("checked when the run started");
+                self.background.spawn(async move { Event::SharesRead(read_document(documents.as_ref(), StackDocument::ShareBook).await) });
+                return Ok(());
+            }
+            Action::ReadHomes => {
+                let (documents, sent_at) = (o.documents.clone().expect("checked when the run started"), o.clock.now());
+                self.background.spawn(async move { Event::HomesRead { result: read_document(documents.as_ref(), StackDocument::LaneHomes).await, sent_at } });
+                return Ok(());
+            }
+            Action::HandOver(lease, lane, snapshot) => {
+                let store = o.store_for(&StoreScope::Lane(lane.clone()));
+                self.background.spawn(async move { Event::HandedOver(lane, store.save_pacer(&lease, &snapshot).await) });
                 return Ok(());
             }
             Action::WriteShares(written, version) => {
-                let book = o.share_book.clone().expect("checked when the run started");
-                self.background.spawn(async move { Event::SharesWritten(book.put_share_book(&written, version).await) });
+                let documents = o.documents.clone().expect("checked when the run started");
+                self.background
+                    .spawn(async move { Event::SharesWritten(write_document(documents.as_ref(), StackDocument::ShareBook, &written, version).await) });
                 return Ok(());
             }
             Action::Sleep { .. } | Action::Stop => unreachable!("the loop sleeps and stops itself"),
@@ -651,17 +680,17 @@ impl Executor<'_> {
     /// have gone. A write another shard made first is read again; a failure leaves the
     /// parts to be taken back as a silent shard's are.
     async fn leave_share_book(&self) {
-        let (Some(book), Some(shares)) = (&self.o.share_book, self.state.shares()) else { return };
+        let (Some(documents), Some(shares)) = (&self.o.documents, self.state.shares()) else { return };
         if !matches!(self.state.stop_reason(), Some(StopReason::Drained | StopReason::Stopped)) {
             return;
         }
         for _ in 0..HAND_OVER_RETRIES {
-            let read = match book.share_book().await {
+            let read = match read_document(documents.as_ref(), StackDocument::ShareBook).await {
                 Ok(read) => read,
                 Err(e) => return warn!(error = %e, "could not read the share book to leave it"),
             };
             let Some((left, version)) = shares.leave(read, self.o.clock.now()) else { return };
-            match book.put_share_book(&left, Some(version)).await {
+            match write_document(documents.as_ref(), StackDocument::ShareBook, &left, Some(version)).await {
                 Ok(true) => return info!("left the share book: this shard's parts go to the others"),
                 Ok(false) => {}
                 Err(e) => return warn!(error = %e, "could not leave the share book"),

@@ -43,6 +43,9 @@ pub(crate) struct ManyLanes<'a> {
     pub hydrated: Vec<bool>,
     /// The lanes to read from the store, first come first.
     pub to_hydrate: VecDeque<usize>,
+    /// Per lane: in a stack of shards, it was moved to another shard during this run
+    /// (its jobs go there, and nothing of it is saved here any more).
+    pub away: Vec<bool>,
     /// Per lane: jobs handed off.
     pub dispatched: Vec<u64>,
     /// The slot of the last call on the shared quota.
@@ -98,6 +101,7 @@ impl<'a> ManyLanes<'a> {
             scheduler: Scheduler::default(),
             hydrated: Vec::new(),
             to_hydrate: VecDeque::new(),
+            away: Vec::new(),
             dispatched: Vec::new(),
             last_slot: None,
             spent: 0,
@@ -138,7 +142,27 @@ impl<'a> ManyLanes<'a> {
         self.is_touched.push(false);
         self.in_hand.push(0);
         self.is_starved.push(false);
+        self.away.push(false);
         index
+    }
+
+    /// Lane `index` was moved to another shard, with the jobs it held: what it gave back
+    /// to the queue goes there too when it comes back, so it is no longer counted here.
+    pub fn lane_left(&mut self, index: usize) {
+        self.away[index] = true;
+        self.hidden_total -= self.hidden[index].len();
+        self.hidden[index] = HiddenJobs::default();
+        self.returning[index].clear();
+        self.recalling[index] = false;
+        self.may_recall.remove(&index);
+    }
+
+    /// Lane `index` was moved back to this shard: it is read from the store again (the
+    /// pace its other shard handed over) before it dispatches.
+    pub fn lane_came_back(&mut self, index: usize) {
+        self.away[index] = false;
+        self.hydrated[index] = false;
+        self.to_hydrate.push_back(index);
     }
 
     /// Lane `index`'s weight is `weight` from its next dispatch on.

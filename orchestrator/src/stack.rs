@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use paceline_shared::breaker::{Circuit, CircuitStatus};
 use paceline_shared::config::LaneChange;
+use paceline_shared::homes::LaneHomes;
 use paceline_shared::job::{DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
 use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
@@ -25,9 +26,10 @@ use paceline_shared::ports::{Lease, PacerSnapshot, PortError, PortResult, Queued
 use paceline_shared::quota::Quota;
 use paceline_shared::shares::{ShareBook, REPORT_EVERY};
 use paceline_shared::time::UnixMillis;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::handover::{LastRun, RelayRequest, RELAY_LEAD};
+use crate::homes::{HomesRun, READ_EVERY};
 pub(crate) use crate::lane::{CallSlotsRead, HandOff, Retune, SharedState};
 use crate::lane::{LaneMachine, LaneStep};
 use crate::many::{ManyLanes, FAIR_SHARE_STRETCH, RECALL_STRETCH};
@@ -129,6 +131,11 @@ pub(crate) enum Action {
     StartRelay(RelayRequest),
     /// Read the share book, to report to it (background).
     ReadShares,
+    /// Read where the stack's lanes live (background).
+    ReadHomes,
+    /// Save a lane's pacer snapshot for the shard it moved to, while the lease is ours
+    /// (background).
+    HandOver(Lease, LaneId, PacerSnapshot),
     /// Write the share book over the version read (background).
     WriteShares(ShareBook, Option<u64>),
     /// Nothing left here: ask whether anything is left anywhere (drain mode; await it).
@@ -169,6 +176,13 @@ pub(crate) enum Event {
     HealthChecked(usize, PortResult<()>),
     RelayStarted(PortResult<()>),
     SharesRead(PortResult<Option<(ShareBook, u64)>>),
+    /// Where the stack's lanes live, as read by a request sent at `sent_at`.
+    HomesRead {
+        result: PortResult<Option<(LaneHomes, u64)>>,
+        sent_at: UnixMillis,
+    },
+    /// A lane's pace, saved for the shard it moved to (or not).
+    HandedOver(LaneId, PortResult<()>),
     /// `true` when the book was written; `false` when another shard wrote first.
     SharesWritten(PortResult<bool>),
     /// `true` when nothing is left on the queue or in flight anywhere.
@@ -270,6 +284,10 @@ pub(crate) struct StackMachine<'a> {
     /// and the book to write back once read.
     shares: Option<ShareRun>,
     share_write: Option<(ShareBook, Option<u64>)>,
+    /// In a stack of shards: where its lanes live, and the lanes moved away whose pace
+    /// is to be saved for their new shard.
+    homes: Option<HomesRun>,
+    to_hand_over: VecDeque<usize>,
     stop: Option<StopReason>,
     pub report: RunReport,
 }
@@ -325,6 +343,8 @@ impl<'a> StackMachine<'a> {
             relay: None,
             shares,
             share_write: None,
+            homes: None,
+            to_hand_over: VecDeque::new(),
             stop: None,
             report: RunReport::starting_at(started),
         }
@@ -348,6 +368,14 @@ impl<'a> StackMachine<'a> {
             self.timers.set(Timer::Relay, stop.minus(RELAY_LEAD).max(started));
             self.relay = Some(RelayRequest { after: self.lease.holder.clone(), release_by: stop });
         }
+        self
+    }
+
+    /// The same machine in a stack of shards, knowing where the lanes live from `homes`
+    /// (read before the run's first receive), and reading them again every second.
+    pub fn with_homes(mut self, homes: HomesRun, now: UnixMillis) -> Self {
+        self.timers.set(Timer::HomesRead, now.plus(READ_EVERY));
+        self.homes = Some(homes);
         self
     }
 
@@ -402,8 +430,12 @@ impl<'a> StackMachine<'a> {
 
     /// The pacer snapshots to save: each lane's, and the shared quota's.
     pub fn snapshots(&self, at_exit: bool, now: UnixMillis) -> Vec<(StoreScope, PacerSnapshot)> {
-        let mut snapshots: Vec<(StoreScope, PacerSnapshot)> =
-            self.lanes.iter().map(|lane| (StoreScope::Lane(lane.id().clone()), lane.snapshot(at_exit, now))).collect();
+        let mut snapshots: Vec<(StoreScope, PacerSnapshot)> = self
+            .lanes
+            .iter()
+            .filter(|lane| !self.is_away(lane.index()))
+            .map(|lane| (StoreScope::Lane(lane.id().clone()), lane.snapshot(at_exit, now)))
+            .collect();
         if let Some(many) = &self.many {
             snapshots.push((self.settings.shard.scope(), many.snapshot(at_exit, now)));
         }
@@ -415,12 +447,22 @@ impl<'a> StackMachine<'a> {
     /// lane's is as it was saved), and the shared quota's when any did.
     fn flush_snapshots(&mut self, now: UnixMillis) -> Vec<(StoreScope, PacerSnapshot)> {
         let Some(many) = &self.many else { return self.snapshots(false, now) };
-        let mut snapshots: Vec<(StoreScope, PacerSnapshot)> =
-            self.lanes.iter_mut().filter_map(|lane| lane.take_unsaved(now).then(|| (StoreScope::Lane(lane.id().clone()), lane.snapshot(false, now)))).collect();
+        let away = &many.away;
+        let mut snapshots: Vec<(StoreScope, PacerSnapshot)> = self
+            .lanes
+            .iter_mut()
+            .filter(|lane| !away[lane.index()])
+            .filter_map(|lane| lane.take_unsaved(now).then(|| (StoreScope::Lane(lane.id().clone()), lane.snapshot(false, now))))
+            .collect();
         if !snapshots.is_empty() {
             snapshots.push((self.settings.shard.scope(), many.snapshot(false, now)));
         }
         snapshots
+    }
+
+    /// Whether lane `index` was moved to another shard during this run.
+    fn is_away(&self, index: usize) -> bool {
+        self.many.as_ref().is_some_and(|many| many.away[index])
     }
 
     /// With `[lanes]`: starts the shared quota's pacer from its last snapshot (held a
@@ -478,6 +520,9 @@ impl<'a> StackMachine<'a> {
         if let Some(report) = self.share_report_due(now) {
             return report;
         }
+        if let Some(homes) = self.homes_due(now) {
+            return homes;
+        }
         if let Some(refresh) = self.refresh_due(now) {
             return refresh;
         }
@@ -506,6 +551,11 @@ impl<'a> StackMachine<'a> {
             if let Some(extend) = self.extend_hidden_in_hand(now) {
                 return extend;
             }
+        }
+        if self.homes.as_ref().is_some_and(|homes| homes.valid_until() <= now) {
+            // Not knowing where the lanes live, a lane moved away could be called for
+            // here and on its new shard at once: nothing goes until a read lands.
+            return self.await_event();
         }
         if self.many.is_some() {
             return self.for_many_lanes(now);
@@ -536,6 +586,52 @@ impl<'a> StackMachine<'a> {
             return Some(Action::ReadShares);
         }
         None
+    }
+
+    /// In a stack of shards: a moved lane's pace to hand over, or the next read of the
+    /// lanes' homes if due.
+    fn homes_due(&mut self, now: UnixMillis) -> Option<Action> {
+        self.homes.as_ref()?;
+        if let Some(index) = self.to_hand_over.pop_front() {
+            let lane = &self.lanes[index];
+            return Some(Action::HandOver(self.lease.clone(), lane.id().clone(), lane.snapshot(true, now)));
+        }
+        if self.timers.is_expired(Timer::HomesRead, now) {
+            self.timers.stop(Timer::HomesRead);
+            return Some(Action::ReadHomes);
+        }
+        None
+    }
+
+    /// Takes up the lanes' homes just read: a lane of this run moved away is handed over
+    /// (its jobs sent on to its new shard, its pace saved for it), one moved back is read
+    /// from the store again before it dispatches.
+    fn on_homes_read(&mut self, result: PortResult<Option<(LaneHomes, u64)>>, sent_at: UnixMillis, now: UnixMillis) -> Result<(), RunError> {
+        self.timers.set(Timer::HomesRead, now.plus(READ_EVERY));
+        let Some(homes) = self.homes.as_mut() else { return Ok(()) };
+        let read = match result {
+            Ok(read) => read.map(|(homes, _)| homes).unwrap_or_default(),
+            Err(e) => return passing(e, "could not read where the lanes live; nothing is dispatched once the last read is 5 s old"),
+        };
+        let changed = homes.read(read, sent_at);
+        let here = self.settings.shard.index;
+        for (lane, home) in changed {
+            let Some(&index) = self.lane_index.get(&lane) else { continue };
+            let Some(many) = self.many.as_mut() else { continue };
+            if home == here {
+                info!(%lane, "lane moved back to this shard: read again before it dispatches");
+                many.lane_came_back(index);
+                continue;
+            }
+            let jobs = self.lanes[index].release_past(0);
+            many.lane_left(index);
+            many.settle(index, &self.lanes[index]);
+            many.touch(index);
+            info!(%lane, shard = home, jobs = jobs.len(), "lane moved to another shard: its jobs go on to that shard's queue, and its pace with them");
+            self.to_forward.extend(jobs.into_iter().map(|message| (home, message)));
+            self.to_hand_over.push_back(index);
+        }
+        Ok(())
     }
 
     /// Why the run stopped, once it did.
@@ -809,9 +905,23 @@ impl<'a> StackMachine<'a> {
                 return Action::Release(VisibleAgain::all(lane.release_all(), self.settings.circuit.health_check_interval));
             }
         }
-        while self.in_flight.hydrations < HYDRATIONS_IN_FLIGHT {
-            let Some(index) = many.to_hydrate.pop_front() else { break };
-            if !many.hydrated[index] {
+        if self.in_flight.hydrations < HYDRATIONS_IN_FLIGHT {
+            // A lane moved here is read once the shard it left has handed its pace over.
+            let arriving = |index: usize| self.homes.as_ref().is_some_and(|homes| homes.arriving_until(self.lanes[index].id(), now).is_some());
+            let (mut waiting, mut hydrate) = (Vec::new(), None);
+            while let Some(index) = many.to_hydrate.pop_front() {
+                if many.hydrated[index] {
+                    continue;
+                }
+                if arriving(index) {
+                    waiting.push(index);
+                    continue;
+                }
+                hydrate = Some(index);
+                break;
+            }
+            many.to_hydrate.extend(waiting);
+            if let Some(index) = hydrate {
                 self.in_flight.hydrations += 1;
                 return Action::HydrateLane(index);
             }
@@ -972,7 +1082,7 @@ impl<'a> StackMachine<'a> {
         let not_closed: Vec<usize> = self.many.as_ref().expect("many lanes").not_closed.iter().copied().collect();
         for index in not_closed {
             let lane = &self.lanes[index];
-            if lane.circuit().status != CircuitStatus::Open || lane.health_check_in_flight() || lane.held_until(now).is_some() {
+            if lane.circuit().status != CircuitStatus::Open || lane.health_check_in_flight() || lane.held_until(now).is_some() || self.is_away(index) {
                 continue;
             }
             if self.shared_allows(index, 1, now).is_err() {
@@ -1168,6 +1278,16 @@ impl<'a> StackMachine<'a> {
             Event::Renewed(result) => self.on_renewed(result, now),
             Event::SharesRead(result) => self.on_shares_read(result, now),
             Event::SharesWritten(result) => self.on_shares_written(result, now),
+            Event::HomesRead { result, sent_at } => self.on_homes_read(result, sent_at, now),
+            Event::HandedOver(lane, result) => {
+                match result {
+                    Ok(()) => info!(%lane, "the moved lane's pace is saved for its new shard"),
+                    // Its new shard finds the snapshot of a run under way and holds the lane
+                    // one window of its longest tier: never over its quota.
+                    Err(e) => warn!(%lane, error = %e, "could not save the moved lane's pace: its new shard holds it one window first"),
+                }
+                Ok(())
+            }
             Event::Refreshed(lane, Ok(shared)) => {
                 self.apply_shared_state(lane, shared, now);
                 Ok(())
@@ -1365,19 +1485,29 @@ impl<'a> StackMachine<'a> {
     }
 
     /// Keeps the messages of this shard's lanes; those of another shard's go to
-    /// `to_forward`, never paced here (their lane's own orchestrator paces them).
-    fn keep_own_lanes(&mut self, received: Vec<QueuedMessage>) -> Vec<QueuedMessage> {
-        let shard = self.settings.shard;
-        if shard.of <= 1 {
-            return received;
+    /// `to_forward`, never paced here (their lane's own orchestrator paces them), and
+    /// those of a lane just moved here go back to the queue until the shard it left can
+    /// no longer call for it.
+    fn keep_own_lanes(&mut self, received: Vec<QueuedMessage>, now: UnixMillis) -> Vec<QueuedMessage> {
+        let Some(homes) = &self.homes else { return received };
+        let (mut own, mut others, mut arriving) = (Vec::new(), 0_usize, 0_usize);
+        for message in received {
+            let lane = LaneId::named_in(&message.body);
+            if !homes.owns(&lane) {
+                others += 1;
+                self.to_forward.push_back((homes.home_of(&lane), message));
+            } else if let Some(until) = homes.arriving_until(&lane, now) {
+                arriving += 1;
+                self.to_release.push(VisibleAgain { receipt: message.receipt, after: until.since(now) });
+            } else {
+                own.push(message);
+            }
         }
-        let (own, others): (Vec<QueuedMessage>, Vec<QueuedMessage>) = received.into_iter().partition(|message| shard.owns(&LaneId::named_in(&message.body)));
-        if !others.is_empty() {
-            warn!(
-                messages = others.len(),
-                "jobs of lanes that live on another shard: sent on to that shard's queue (producers send a lane's jobs to its shard's)"
-            );
-            self.to_forward.extend(others.into_iter().map(|message| (LaneId::named_in(&message.body).shard(shard.of), message)));
+        if others > 0 {
+            warn!(messages = others, "jobs of lanes that live on another shard: sent on to that shard's queue (producers send a lane's jobs to its shard's)");
+        }
+        if arriving > 0 {
+            debug!(messages = arriving, "jobs of lanes just moved here: back on the queue until the shards they left have handed them over");
         }
         own
     }
@@ -1400,7 +1530,7 @@ impl<'a> StackMachine<'a> {
                 self.backoffs.receive.succeeded();
                 self.queue_seen_empty = false;
                 if self.many.is_some() {
-                    let received = self.keep_own_lanes(received);
+                    let received = self.keep_own_lanes(received, now);
                     self.route_received(received, now);
                 } else {
                     self.lanes[0].take_in(received, now);
@@ -1452,7 +1582,15 @@ impl<'a> StackMachine<'a> {
             Timer::Flush => &mut self.backoffs.flush,
             Timer::Receive => &mut self.backoffs.receive,
             Timer::InvokeHold => &mut self.backoffs.invoke,
-            Timer::LeaseExpiry | Timer::Prefetch | Timer::RetryProbe | Timer::Stop | Timer::Relay | Timer::Extend | Timer::ShareReport | Timer::ShareValid => {
+            Timer::LeaseExpiry
+            | Timer::Prefetch
+            | Timer::RetryProbe
+            | Timer::Stop
+            | Timer::Relay
+            | Timer::Extend
+            | Timer::ShareReport
+            | Timer::ShareValid
+            | Timer::HomesRead => {
                 unreachable!("{timer:?} is not a retry")
             }
         };
@@ -1595,7 +1733,7 @@ fn extend_every(visibility: Duration) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use paceline_shared::config::{CircuitConfig, OrchestratorConfig, WorkerHost};
+    use paceline_shared::config::{CircuitConfig, LanesConfig, OrchestratorConfig, WorkerHost};
     use paceline_shared::order::JobOrder;
     use paceline_shared::quota::{chrono_tz, Quota};
 
@@ -1643,6 +1781,86 @@ mod tests {
                     state.on_event(Event::Refreshed(lane, Ok(shared)), now).unwrap();
                 }
                 action => return action,
+            }
+        }
+    }
+
+    /// A lane that lives on shard `index` of two.
+    fn lane_on(index: usize) -> LaneId {
+        (0..).map(|n| LaneId::parse(&format!("tenant{n}")).unwrap()).find(|lane| lane.shard(2) == index).unwrap()
+    }
+
+    fn message(lane: &LaneId, n: usize) -> QueuedMessage {
+        QueuedMessage {
+            message_id: format!("m{n}"),
+            receipt: format!("r{n}"),
+            body: format!(r#"{{"id":"{lane}-{n}","lane":"{lane}","request":{{"method":"GET","path":"/items/{n}"}}}}"#),
+            attempt: 0,
+            enqueued_at: T0,
+            group: None,
+        }
+    }
+
+    /// Answers the machine's housekeeping and hydrations at `now` until it asks for
+    /// something else.
+    fn next_past_reads(state: &mut StackMachine<'_>, now: UnixMillis) -> Action {
+        loop {
+            match next(state, now) {
+                Action::HydrateLane(index) => {
+                    let shared = SharedState { circuit: Circuit::default(), cool_down: UnixMillis(0), provider_reading: None, call_slots: None, retune: None };
+                    let start = LaneStart { last_run: LastRun::None, calendar_used: Vec::new(), shared };
+                    state.on_event(Event::LaneHydrated(index, Ok(start)), now).unwrap();
+                }
+                Action::Flush(..) => state.on_event(Event::Flushed(Ok(())), now).unwrap(),
+                Action::Receive { .. } => state.on_event(Event::Received { result: Ok(Vec::new()), took: Duration::ZERO, long_poll: false }, now).unwrap(),
+                action => return action,
+            }
+        }
+    }
+
+    /// Shard 0 of two learns that a lane it paces moved to shard 1: the jobs it holds go
+    /// on to shard 1's queue, the lane's pace is saved for shard 1 as of a clean stop
+    /// (and saved here no more), and a job of that lane received later goes on too.
+    /// Not knowing where the lanes live for 5 s, it dispatches nothing.
+    #[test]
+    fn a_lane_moved_away_goes_on_with_its_jobs_and_its_pace_and_a_shard_that_cannot_read_the_homes_stops() {
+        let config = LanesConfig::parse_text("tiers = [\"100/s\"]", &settings().quota).unwrap();
+        let shard = paceline_shared::keys::Shard { index: 0, of: 2 };
+        let settings = Settings { lanes: Some(config), shard, ..settings() };
+        let progress = Progress::default();
+        let lease = Lease { holder: "test".into(), epoch: 1, expires_at: T0.plus(Duration::from_secs(30)) };
+        let homes = HomesRun::new(shard, LaneHomes::default(), T0, Duration::ZERO);
+        let mut state = StackMachine::new(&settings, &progress, lease, T0, T0.plus(Duration::from_secs(60)), false).with_homes(homes, T0);
+        let (moving, staying) = (lane_on(0), (0..).map(|n| LaneId::parse(&format!("stay{n}")).unwrap()).find(|lane| lane.shard(2) == 0).unwrap());
+        let received: Vec<QueuedMessage> = (0..4).map(|n| message(&moving, n)).chain((4..6).map(|n| message(&staying, n))).collect();
+        assert!(matches!(next(&mut state, T0), Action::Receive { .. }));
+        state.on_event(Event::Received { result: Ok(received), took: Duration::ZERO, long_poll: true }, T0).unwrap();
+        assert!(matches!(next_past_reads(&mut state, T0), Action::Dispatch(..)), "both lanes flow");
+
+        let later = T0.plus(Duration::from_millis(1_000));
+        assert!(matches!(next(&mut state, later), Action::ReadHomes));
+        let moved = LaneHomes::default().with_move(&moving, 1, 2, T0.plus(Duration::from_millis(900))).unwrap();
+        state.on_event(Event::HomesRead { result: Ok(Some((moved, 1))), sent_at: later }, later).unwrap();
+        let Action::Forward(1, sent_on) = next(&mut state, later) else { panic!("the moved lane's jobs go on to shard 1") };
+        assert!(sent_on.len() >= 3 && sent_on.iter().all(|message| LaneId::named_in(&message.body) == moving), "{sent_on:?}");
+        let Action::HandOver(_, lane, snapshot) = next(&mut state, later) else { panic!("the moved lane's pace is handed over") };
+        assert_eq!((lane, snapshot.at_exit), (moving.clone(), true));
+        assert!(state.snapshots(true, later).iter().all(|(scope, _)| *scope != StoreScope::Lane(moving.clone())), "a lane moved away is saved here no more");
+
+        // A job of the moved lane received later goes on as well.
+        let kept = state.keep_own_lanes(vec![message(&moving, 9), message(&staying, 10)], later);
+        assert_eq!(kept.iter().map(|m| m.message_id.as_str()).collect::<Vec<_>>(), ["m10"]);
+        assert!(matches!(next(&mut state, later), Action::Forward(1, m) if m.len() == 1 && m[0].message_id == "m9"));
+
+        // No read lands for 5 s after the last one was sent: nothing is dispatched.
+        let stale = later.plus(crate::homes::VALID_FOR);
+        for _ in 0..20 {
+            match next(&mut state, stale) {
+                Action::ReadHomes => state.on_event(Event::HomesRead { result: Err(PortError::Transient("down".into())), sent_at: stale }, stale).unwrap(),
+                Action::Dispatch(..) => panic!("a shard that does not know where its lanes live dispatched"),
+                Action::Sleep { .. } => break,
+                Action::Flush(..) => state.on_event(Event::Flushed(Ok(())), stale).unwrap(),
+                _ => {}
             }
         }
     }

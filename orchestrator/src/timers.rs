@@ -68,6 +68,8 @@ timer_kind! {
         /// Until when the shard may use the parts it holds: the lease's validity after its
         /// last report that landed.
         ShareValid,
+        /// The shard's next read of where the stack's lanes live (a stack of shards).
+        HomesRead,
     }
 }
 

@@ -8,6 +8,7 @@ pub mod check;
 pub mod config;
 pub mod dlq;
 pub mod figures;
+pub mod homes;
 pub mod job;
 pub mod keys;
 pub mod lambda_env;

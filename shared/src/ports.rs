@@ -25,7 +25,6 @@ use crate::order::{OrderMark, OrderState};
 use crate::outcome::OutcomeRecord;
 use crate::pacer::PacerState;
 use crate::quota::Quota;
-use crate::shares::ShareBook;
 use crate::time::UnixMillis;
 
 /// What went wrong in an adapter, by what the caller can do about it.
@@ -686,36 +685,84 @@ pub trait StateStore: Send + Sync {
     }
 }
 
-/// Where a stack of shards keeps the book that divides its shared quota's rolling tiers
-/// among them ([`ShareBook`]): one item, written only over the version read.
-#[async_trait]
-pub trait ShareBookStore: Send + Sync {
-    /// The book and its version, read consistently; `None` before any shard wrote one.
-    async fn share_book(&self) -> PortResult<Option<(ShareBook, u64)>>;
-
-    /// Writes `book` as the next version if the stored one is still `expected` (`None`:
-    /// none stored yet); `Ok(false)` when another shard wrote first.
-    async fn put_share_book(&self, book: &ShareBook, expected: Option<u64>) -> PortResult<bool>;
+/// The small documents the shards of a stack share, each one item of the stack (never
+/// scoped) holding its JSON and its version.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum StackDocument {
+    /// The book that divides the shared quota's rolling tiers among the shards
+    /// ([`ShareBook`](crate::shares::ShareBook)).
+    ShareBook,
+    /// The lanes an operator moved to another shard
+    /// ([`LaneHomes`](crate::homes::LaneHomes)).
+    LaneHomes,
 }
 
-/// A [`ShareBookStore`] in memory: for tests and the simulator, whose shards share it.
+impl StackDocument {
+    /// Its key in the store.
+    #[must_use]
+    pub fn key(self) -> &'static str {
+        match self {
+            Self::ShareBook => "share_book",
+            Self::LaneHomes => "lane_homes",
+        }
+    }
+}
+
+/// Where a stack of shards keeps its [`StackDocument`]s: each written only over the
+/// version read.
+#[async_trait]
+pub trait StackDocuments: Send + Sync {
+    /// The document's JSON and its version, read consistently; `None` before any was
+    /// written.
+    async fn document(&self, document: StackDocument) -> PortResult<Option<(String, u64)>>;
+
+    /// Writes `json` as the document's next version if the stored one is still
+    /// `expected` (`None`: none stored yet); `Ok(false)` when another wrote first.
+    async fn put_document(&self, document: StackDocument, json: &str, expected: Option<u64>) -> PortResult<bool>;
+}
+
+/// Document `document` as a `T`, and its version.
+///
+/// # Errors
+/// Transport errors; [`PortError::Unreadable`] for a document that does not parse.
+pub async fn read_document<T: serde::de::DeserializeOwned>(store: &dyn StackDocuments, document: StackDocument) -> PortResult<Option<(T, u64)>> {
+    let Some((json, version)) = store.document(document).await? else { return Ok(None) };
+    let value = serde_json::from_str(&json).map_err(|e| PortError::Unreadable(format!("stored {}: {e}", document.key())))?;
+    Ok(Some((value, version)))
+}
+
+/// Writes `value` as document `document`'s next version over `expected` (see
+/// [`StackDocuments::put_document`]).
+///
+/// # Errors
+/// Transport errors.
+pub async fn write_document<T: Serialize + Sync>(store: &dyn StackDocuments, document: StackDocument, value: &T, expected: Option<u64>) -> PortResult<bool> {
+    let json = serde_json::to_string(value).map_err(|e| PortError::Fatal(e.to_string()))?;
+    store.put_document(document, &json, expected).await
+}
+
+/// [`StackDocuments`] in memory: for tests, and the simulator's store.
 #[derive(Debug, Default)]
-pub struct MemoryShareBook {
-    book: std::sync::Mutex<Option<(ShareBook, u64)>>,
+pub struct MemoryDocuments(std::sync::Mutex<std::collections::BTreeMap<StackDocument, (String, u64)>>);
+
+impl MemoryDocuments {
+    fn documents(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<StackDocument, (String, u64)>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 #[async_trait]
-impl ShareBookStore for MemoryShareBook {
-    async fn share_book(&self) -> PortResult<Option<(ShareBook, u64)>> {
-        Ok(self.book.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone())
+impl StackDocuments for MemoryDocuments {
+    async fn document(&self, document: StackDocument) -> PortResult<Option<(String, u64)>> {
+        Ok(self.documents().get(&document).cloned())
     }
 
-    async fn put_share_book(&self, book: &ShareBook, expected: Option<u64>) -> PortResult<bool> {
-        let mut stored = self.book.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if stored.as_ref().map(|(_, version)| *version) != expected {
+    async fn put_document(&self, document: StackDocument, json: &str, expected: Option<u64>) -> PortResult<bool> {
+        let mut documents = self.documents();
+        if documents.get(&document).map(|(_, version)| *version) != expected {
             return Ok(false);
         }
-        *stored = Some((book.clone(), expected.map_or(1, |v| v + 1)));
+        documents.insert(document, (json.to_owned(), expected.map_or(1, |v| v + 1)));
         Ok(true)
     }
 }

@@ -16,10 +16,9 @@ use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
 use paceline_shared::order::{OrderMark, OrderState};
 use paceline_shared::ports::{
-    slot_probe_start, BatchClaim, BatchProgress, CallClaim, Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortError, PortResult,
-    QueueDepth, QueuedMessage, ScopedStores, ShareBookStore, StateStore, VisibleAgain, WorkerHandler,
+    slot_probe_start, BatchClaim, BatchProgress, CallClaim, Invoker, JobQueue, LaneSignals, Lease, MemoryDocuments, OutgoingMessage, PacerSnapshot, PortError,
+    PortResult, QueueDepth, QueuedMessage, ScopedStores, StackDocument, StackDocuments, StateStore, VisibleAgain, WorkerHandler,
 };
-use paceline_shared::shares::ShareBook;
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 
 use crate::profile::{job_key, Sampler, Stream};
@@ -294,8 +293,6 @@ struct StoreState {
     batches: BTreeMap<String, (String, UnixMillis, BatchProgress)>,
     /// An ordered lane's mark.
     order_mark: Option<OrderMark>,
-    /// The share book of a stack of shards, and its version.
-    share_book: Option<(ShareBook, u64)>,
 }
 
 impl StoreState {
@@ -313,12 +310,14 @@ pub struct SimStore {
     fail_release: std::sync::atomic::AtomicBool,
     /// A lane's items: the stack's, which hold the lease its writes are conditioned on.
     stack: Option<Arc<SimStore>>,
+    /// A stack of shards' documents (the share book, the lanes' homes).
+    documents: MemoryDocuments,
 }
 
 impl SimStore {
     #[must_use]
     pub fn new(world: Arc<World>) -> Self {
-        Self { world, state: Mutex::default(), fail_release: std::sync::atomic::AtomicBool::new(false), stack: None }
+        Self { world, state: Mutex::default(), fail_release: std::sync::atomic::AtomicBool::new(false), stack: None, documents: MemoryDocuments::default() }
     }
 
     /// Whether `lease` is the one held (in the stack's items, for a lane's).
@@ -429,22 +428,17 @@ impl ScopedStores for SimStores {
     }
 }
 
-/// The share book, one item: a consistent read, and a conditional put.
+/// A stack's documents, one item each: a consistent read, and a conditional put.
 #[async_trait]
-impl ShareBookStore for SimStore {
-    async fn share_book(&self) -> PortResult<Option<(ShareBook, u64)>> {
+impl StackDocuments for SimStore {
+    async fn document(&self, document: StackDocument) -> PortResult<Option<(String, u64)>> {
         self.read(1).await;
-        Ok(self.state().share_book.clone())
+        self.documents.document(document).await
     }
 
-    async fn put_share_book(&self, book: &ShareBook, expected: Option<u64>) -> PortResult<bool> {
+    async fn put_document(&self, document: StackDocument, json: &str, expected: Option<u64>) -> PortResult<bool> {
         self.write("dynamodb:PutItem", 1, 1).await;
-        let mut state = self.state();
-        if state.share_book.as_ref().map(|(_, version)| *version) != expected {
-            return Ok(false);
-        }
-        state.share_book = Some((book.clone(), expected.map_or(1, |v| v + 1)));
-        Ok(true)
+        self.documents.put_document(document, json, expected).await
     }
 }
 

@@ -407,8 +407,9 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
                 0.0,
             ))
         });
-        // The stack's table, where the shards keep the book of their shares.
-        let share_book = Arc::new(SimStore::new(world.clone()));
+        // The stack's table, where the shards keep their documents (the book of their
+        // shares, the lanes' homes).
+        let documents = Arc::new(SimStore::new(world.clone()));
         let shard_queues: Vec<Arc<dyn JobQueue>> = shards.iter().map(|shard| shard.queue.clone()).collect();
         let orchestrators: Vec<Orchestrator> = shards
             .iter()
@@ -427,7 +428,7 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
                 };
                 let orchestrator = Orchestrator::new(shard.queue.clone(), shard.state.clone(), invoker, clock.clone(), settings)
                     .with_scoped_stores(shard.scoped.clone())
-                    .with_share_book(share_book.clone());
+                    .with_stack_documents(documents.clone());
                 if shard_count > 1 {
                     orchestrator.with_shard_queues(shard_queues.clone()).expect("a queue for each shard")
                 } else {

@@ -12,7 +12,7 @@ use lambda_runtime::{Context, LambdaEvent};
 use paceline_cli::fake_api::{FakeApi, FakeApiSpec};
 use paceline_e2e::aws::{create_lane, create_lane_of, create_queue, lane_env, moto_sdk_config, FakeLambda, QueueKind};
 use paceline_e2e::two_percent_failing_api;
-use paceline_orchestrator::{lambda as orchestrator_lambda, Orchestrator, RunError, RunOptions, StopReason};
+use paceline_orchestrator::{lambda as orchestrator_lambda, Orchestrator, RunError, RunOptions, RunReport, StopReason};
 use paceline_shared::adapters::aws::{AwsAdapters, AwsNames, DynamoStateStore, SqsQueue};
 use paceline_shared::adapters::memory::RecordingWorker;
 use paceline_shared::check::peak_in_any_window;
@@ -22,7 +22,8 @@ use paceline_shared::keys::StoreScope;
 use paceline_shared::lambda_env::Env;
 use paceline_shared::outcome::{from_destination, Ending, OutcomeRecord};
 use paceline_shared::ports::{call_record_key, CallClaim, DeadLetterQueues, PortError};
-use paceline_shared::ports::{JobQueue, OutgoingMessage, ShareBookStore as _, StateStore, WorkerHandler};
+use paceline_shared::ports::{read_document, write_document, JobQueue, OutgoingMessage, StackDocument, StateStore, WorkerHandler};
+use paceline_shared::shares::ShareBook;
 use paceline_shared::testing::contract;
 use paceline_shared::time::{system_now, SystemClock, UnixMillis};
 use serde_json::json;
@@ -832,6 +833,46 @@ async fn two_shards() -> TwoShards {
     TwoShards { sdk, names, queues, lambda, api, function }
 }
 
+/// `paceline lanes move` while both shards run: the lane's shard sends its jobs on to
+/// the new shard's queue and hands its pace over; the new shard takes the lane up once
+/// the old one can no longer call for it. Each job is called once, and no second holds
+/// more of the lane's calls than its 5/s, across the move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_moved_to_another_shard_mid_run_is_called_once_a_job_and_never_over_its_tier() {
+    use paceline_shared::homes::LaneHomes;
+    use paceline_shared::lane::LaneId;
+    let _alone = MOTO_BUSY_OR_TIMED.lock().await;
+    let TwoShards { sdk, names, queues, lambda, api, function } = two_shards().await;
+    let (first, second) = (function.shard(0).unwrap(), function.shard(1).unwrap());
+    let lane = (0..).map(|n| LaneId::parse(&format!("tenant-{n}")).unwrap()).find(|lane| lane.shard(2) == 0).unwrap();
+    let adapters = AwsAdapters::new(&sdk, &names, None);
+    let jobs: Vec<OutgoingMessage> = (0..30)
+        .map(|i| OutgoingMessage::fresh(format!(r#"{{"id":"{lane}-{i}","lane":"{lane}","request":{{"method":"GET","path":"/items/{lane}-{i}"}}}}"#)))
+        .collect();
+    for batch in jobs.chunks(10) {
+        adapters.queue.at(&queues[0]).send(batch).await.unwrap();
+    }
+    let runs = |holder: &str| RunOptions { holder: holder.into(), deadline: system_now().plus(Duration::from_secs(18)), drain: false, stop: None };
+    let (opts_first, opts_second) = (runs("shard-0"), runs("shard-1"));
+    let move_it = async {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let moved = LaneHomes::default().with_move(&lane, 1, 2, system_now()).unwrap();
+        assert!(write_document(&adapters.store, StackDocument::LaneHomes, &moved, None).await.unwrap());
+    };
+    let (ran_first, ran_second, ()) = tokio::join!(first.run(&opts_first), second.run(&opts_second), move_it);
+    let (ran_first, ran_second) = (ran_first.unwrap(), ran_second.unwrap());
+    lambda.settle(Duration::from_secs(10)).await;
+
+    let log = api.log();
+    assert_eq!((log.ok, log.quota_rejections), (30, 0), "every job called: {ran_first:?} {ran_second:?}");
+    assert!(log.ok_by_path.values().all(|calls| *calls == 1), "each job once: {:?}", log.ok_by_path);
+    let arrivals: Vec<(UnixMillis, u64)> = log.arrivals.iter().map(|at| (*at, 1)).collect();
+    assert!(peak_in_any_window(&arrivals, Duration::from_secs(1)) <= 5, "the lane's 5/s held across the move: {:?}", log.arrivals);
+    let paced = |ran: &RunReport| ran.lanes.iter().find(|report| report.lane == lane.as_str()).map_or(0, |report| report.dispatched);
+    assert!(paced(&ran_first) > 0 && paced(&ran_second) > 0, "both shards called for the lane: {} then {}", paced(&ran_first), paced(&ran_second));
+    assert!(ran_first.forwarded > 0, "the jobs shard 0 held went on to shard 1's queue: {ran_first:?}");
+}
+
 /// A deploy that changes `Shards` while a run of the old layout goes on: no run of the
 /// new layout starts (each would pace another share of the shared quota, and a lane may
 /// live on another shard there) until every lease of either layout is free; then the
@@ -898,7 +939,8 @@ async fn two_shards_pace_their_own_lanes_under_their_shares_of_the_shared_quota_
     assert!(peak_in_any_window(&arrivals, Duration::from_secs(1)) <= 6, "the two shards' shares add up to the shared 6/s");
     // The shards reported to one share book in the table, whose 6 parts (a unit of the
     // 6/s each) are all held or free.
-    let (book, version) = AwsAdapters::new(&sdk, &names, None).store.share_book().await.unwrap().expect("the share book");
+    let store = AwsAdapters::new(&sdk, &names, None).store;
+    let (book, version): (ShareBook, u64) = read_document(&store, StackDocument::ShareBook).await.unwrap().expect("the share book");
     assert!(version >= 2, "both shards wrote it: version {version}");
     let parts: u64 = book.held.iter().map(|h| h.parts).chain(book.free.iter().map(|f| f.parts)).sum();
     assert_eq!((book.parts, book.held.len(), parts), (6, 2, 6), "{book:?}");

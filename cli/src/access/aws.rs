@@ -60,7 +60,17 @@ pub(super) async fn open(args: &StackArgs, config: Option<Config>, mut aws: AwsB
     };
     let shard_queues = shard_urls.iter().map(|url| Arc::new(adapters.queue.at(url)) as Arc<dyn JobQueue>).collect();
     let store = Arc::new(adapters.store);
-    Ok(OperatorStack { config, queues: Arc::new(adapters.queue), state: store.clone(), stores: store, orchestrator, lanes, embedded: None, shard_queues })
+    Ok(OperatorStack {
+        config,
+        queues: Arc::new(adapters.queue),
+        state: store.clone(),
+        stores: store.clone(),
+        orchestrator,
+        lanes,
+        embedded: None,
+        shard_queues,
+        documents: Some(store),
+    })
 }
 
 /// The lanes an AWS stack's orchestrator function is deployed with (its `PACELINE_LANES`

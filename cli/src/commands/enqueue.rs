@@ -94,7 +94,8 @@ pub async fn send_jobs(queue: &dyn JobQueue, jobs: &[Job], mut sent: impl FnMut(
 }
 
 /// Puts `jobs` on the stack's queue, or in a stack of shards each on its lane's shard's
-/// queue (in order within each shard), telling `sent` how many went after each send.
+/// queue (in order within each shard: where its id's hash puts it, or where an operator
+/// moved it), telling `sent` how many went after each send.
 ///
 /// # Errors
 /// A send that failed, saying which shard's, and how many of that shard's jobs went
@@ -104,8 +105,9 @@ pub async fn send_to_shards(stack: &OperatorStack, jobs: &[Job], mut sent: impl 
         return send_jobs(stack.queues.as_ref(), jobs, sent).await;
     }
     let shards = stack.shard_queues.len();
+    let homes = stack.lane_homes().await?.0;
     for (index, queue) in stack.shard_queues.iter().enumerate() {
-        let own: Vec<Job> = jobs.iter().filter(|job| job.lane.shard(shards) == index).cloned().collect();
+        let own: Vec<Job> = jobs.iter().filter(|job| homes.home_of(&job.lane, shards) == index).cloned().collect();
         send_jobs(queue.as_ref(), &own, &mut sent).await.with_context(|| format!("shard {index} of {shards}'s queue"))?;
     }
     Ok(())

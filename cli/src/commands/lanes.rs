@@ -1,9 +1,9 @@
-//! `paceline lanes list|show|set|remove`: the lanes of a stack with `[lanes]` (on AWS,
-//! the config's or those its orchestrator is deployed with), their settings, backlog and
-//! circuit; and an operator's change of a lane's tiers, weight or cap on calls in
-//! flight, kept in the lane's state (the embedded store, or the stack's DynamoDB table),
-//! which a run takes up within `state_refresh` (`remove` forgets it: the config's
-//! settings again).
+//! `paceline lanes list|show|set|remove|move`: the lanes of a stack with `[lanes]` (on
+//! AWS, the config's or those its orchestrator is deployed with), their settings, backlog
+//! and circuit; an operator's change of a lane's tiers, weight or cap on calls in flight,
+//! kept in the lane's state (the embedded store, or the stack's DynamoDB table), which a
+//! run takes up within `state_refresh` (`remove` forgets it: the config's settings
+//! again); and in a stack of shards, a lane's move to another shard.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -64,6 +64,16 @@ pub enum LanesAction {
     Remove {
         /// The lane id.
         lane: LaneId,
+    },
+    /// In a stack of shards: move a lane to another shard. The shard it leaves sends its
+    /// jobs on and hands its pace over within a second; the new one takes it up once
+    /// the old one can no longer call for it (about 6 s), never over the lane's quota.
+    Move {
+        /// The lane id.
+        lane: LaneId,
+        /// The shard it goes to (0 to the stack's shards less one).
+        #[arg(long)]
+        to_shard: usize,
     },
 }
 
@@ -220,6 +230,18 @@ impl LanesArgs {
                 } else {
                     view.print_one();
                     println!("a run takes it up within state_refresh ({refresh})");
+                }
+            }
+            LanesAction::Move { lane, to_shard } => {
+                let from = stack.move_lane(&lane, to_shard).await?;
+                if self.json {
+                    println!("{}", serde_json::json!({ "lane": lane.to_string(), "from_shard": from, "to_shard": to_shard }));
+                } else {
+                    println!(
+                        "lane {lane} moves from shard {from} to shard {to_shard}: shard {from} sends its jobs on to shard {to_shard}'s queue and hands its pace over within a second; \
+                         shard {to_shard} takes it up about 6 s after the move. `paceline enqueue` sends its jobs to shard {to_shard}'s queue from now on \
+                         (producers that route by the lane's hash may go on sending to shard {from}'s, which sends them on)"
+                    );
                 }
             }
             LanesAction::Remove { lane } => {

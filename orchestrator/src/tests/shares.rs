@@ -4,7 +4,7 @@
 
 use paceline_shared::keys::Shard;
 use paceline_shared::lane::LaneId;
-use paceline_shared::ports::{MemoryShareBook, ShareBookStore};
+use paceline_shared::ports::{MemoryDocuments, StackDocuments};
 use paceline_shared::shares::shard_quota;
 
 use super::*;
@@ -16,7 +16,7 @@ fn lane_on(index: usize) -> String {
 
 /// Shard `index` of two under a shared 100/s, its share moving through `book` (or fixed
 /// at half when `moving` is false), each with its own queue and store.
-fn shard(index: usize, moving: bool, book: &Arc<MemoryShareBook>) -> Lane {
+fn shard(index: usize, moving: bool, book: &Arc<MemoryDocuments>) -> Lane {
     let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"100/s\"]\nsafety_margin = \"0ms\"\n[lanes]\ntiers = [\"1000/s\"]\n";
     let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
     let (quota, most) = shard_quota(&config.quota, index, 2).unwrap();
@@ -26,14 +26,14 @@ fn shard(index: usize, moving: bool, book: &Arc<MemoryShareBook>) -> Lane {
         settings.shard = Shard { index, of: 2 };
         settings.share_most = most.filter(|_| moving);
     });
-    lane.orchestrator = lane.orchestrator.with_scoped_stores(lane.store.clone()).with_share_book(book.clone() as Arc<dyn ShareBookStore>);
+    lane.orchestrator = lane.orchestrator.with_scoped_stores(lane.store.clone()).with_stack_documents(book.clone() as Arc<dyn StackDocuments>);
     lane
 }
 
 /// Runs both shards for 30 s, or until each drained (shard 0 with `busy` jobs, shard 1
 /// with 20), and gives each one's call instants in ms from T0.
 async fn run_both(moving: bool, busy: usize, drain: bool) -> (Vec<u64>, Vec<u64>) {
-    let book = Arc::new(MemoryShareBook::default());
+    let book = Arc::new(MemoryDocuments::default());
     let (first, second) = (shard(0, moving, &book), shard(1, moving, &book));
     let queues: Vec<Arc<dyn JobQueue>> = vec![first.store.clone(), second.store.clone()];
     let (first_lane, second_lane) = (lane_on(0), lane_on(1));

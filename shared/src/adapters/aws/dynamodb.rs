@@ -22,16 +22,15 @@ use crate::keys::{Shard, StoreScope, LANE_CHANGE};
 use crate::lane::LaneId;
 use crate::order::{OrderMark, OrderState, ORDER_MARK};
 use crate::ports::{
-    slot_probe_start, BatchClaim, BatchProgress, CallClaim, LaneSignals, Lease, PacerSnapshot, PortError, PortResult, ScopedStores, ShareBookStore, StateStore,
+    slot_probe_start, BatchClaim, BatchProgress, CallClaim, LaneSignals, Lease, PacerSnapshot, PortError, PortResult, ScopedStores, StackDocument,
+    StackDocuments, StateStore,
 };
-use crate::shares::ShareBook;
 use crate::time::UnixMillis;
 
 const PACER: &str = "pacer";
 /// How many shards the stack's runs run as (see [`DynamoStateStore::shard_layout`]).
 const SHARD_LAYOUT: &str = "shard_layout";
 /// The book that divides the shared quota's rolling tiers among the shards.
-const SHARE_BOOK: &str = "share_book";
 const CIRCUIT: &str = "circuit";
 const COOL_DOWN: &str = "cool_down";
 const PROVIDER_READING: &str = "provider_reading";
@@ -240,24 +239,23 @@ impl DynamoStateStore {
     }
 }
 
-/// The share book is one item of the stack (never scoped), its JSON and its version: a
-/// few hundred bytes, one read and one conditional write a shard a second.
+/// A stack's documents are items of their own (never scoped), each its JSON and its
+/// version: a few hundred bytes; the share book is read and written by each shard once a
+/// second, the lanes' homes read each `state_refresh`.
 #[async_trait]
-impl ShareBookStore for DynamoStateStore {
-    async fn share_book(&self) -> PortResult<Option<(ShareBook, u64)>> {
-        let Some(item) = self.get_item(s(SHARE_BOOK)).await? else { return Ok(None) };
-        let book = serde_json::from_str(get_s(&item, "book")).map_err(|e| PortError::Unreadable(format!("stored share book: {e}")))?;
-        Ok(Some((book, get_n(&item, "version"))))
+impl StackDocuments for DynamoStateStore {
+    async fn document(&self, document: StackDocument) -> PortResult<Option<(String, u64)>> {
+        let Some(item) = self.get_item(s(document.key())).await? else { return Ok(None) };
+        Ok(Some((get_s(&item, "json").to_owned(), get_n(&item, "version"))))
     }
 
-    async fn put_share_book(&self, book: &ShareBook, expected: Option<u64>) -> PortResult<bool> {
-        let json = serde_json::to_string(book).map_err(|e| PortError::Fatal(e.to_string()))?;
-        let put = self.client.put_item().table_name(&self.table).item("pk", s(SHARE_BOOK)).item("book", s(json));
+    async fn put_document(&self, document: StackDocument, json: &str, expected: Option<u64>) -> PortResult<bool> {
+        let put = self.client.put_item().table_name(&self.table).item("pk", s(document.key())).item("json", s(json));
         let put = match expected {
             None => put.item("version", n(1)).condition_expression("attribute_not_exists(pk)"),
             Some(version) => put.item("version", n(version + 1)).condition_expression("version = :read").expression_attribute_values(":read", n(version)),
         };
-        match put.send().await.map_err(|e| map_sdk_error("dynamodb PutItem (share book)", &e)) {
+        match put.send().await.map_err(|e| map_sdk_error("dynamodb PutItem (a stack's document)", &e)) {
             Ok(_) => Ok(true),
             Err(PortError::Conflict(_)) => Ok(false),
             Err(e) => Err(e),
