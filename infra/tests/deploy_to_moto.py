@@ -319,7 +319,8 @@ def check_operator_commands(paceline, url, stack):
 
 def check_enqueue_to_shards(paceline, url, stack):
     """`paceline enqueue --stack` on a stack of shards: each job on its lane's shard's
-    queue, by the FNV-1a hash of the lane id."""
+    queue, by the FNV-1a hash of the lane id; `paceline lanes move` and `lanes show`,
+    and a moved lane's job on its new shard's queue."""
     print("enqueueing to a stack of shards:")
     variables_as_lambda_keeps_them(url, stack)
     lanes = [f"tenant-{n}" for n in range(6)]
@@ -340,6 +341,9 @@ def check_enqueue_to_shards(paceline, url, stack):
     if done.returncode != 0:
         raise AssertionError(f"paceline lanes move: {done.stderr}")
     check(json.loads(done.stdout) == {"lane": moved, "from_shard": home, "to_shard": to}, f"lanes move: {moved} from shard {home} to shard {to}")
+    shown = subprocess.run([paceline, "lanes", "show", moved, "--stack", stack, "--json"], env=operator_env(url), capture_output=True, text=True, check=False)
+    lives_there = shown.returncode == 0 and json.loads(shown.stdout).get("shard") == to
+    check(lives_there, f"lanes show: {moved} lives on shard {to}" + ("" if lives_there else f": {shown.stdout}{shown.stderr}"))
     again = subprocess.run([paceline, "lanes", "move", moved, "--to-shard", str(to), "--stack", stack], env=operator_env(url), capture_output=True, text=True, check=False)
     check(again.returncode != 0 and f"lives on shard {to} already" in again.stderr, f"lanes move: refused where the lane is already ({again.stderr.strip()})")
     line = json.dumps({"id": "moved-job", "lane": moved, "request": {"method": "GET", "path": "/items/moved"}}) + "\n"

@@ -11,6 +11,7 @@ use anyhow::bail;
 use clap::Subcommand;
 use paceline_shared::breaker::CircuitStatus;
 use paceline_shared::config::{LaneChange, LanesConfig, OrchestratorConfig};
+use paceline_shared::homes::LaneHomes;
 use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
 use paceline_shared::ports::{QueueDepth, StateStore};
@@ -98,6 +99,10 @@ pub struct LaneView {
     pub circuit: CircuitStatus,
     pub circuit_held: bool,
     pub cool_down_until: Option<String>,
+    /// In a stack of shards: the shard it lives on (where its id's hash puts it, or
+    /// where an operator moved it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shard: Option<usize>,
 }
 
 impl LaneView {
@@ -119,7 +124,14 @@ impl LaneView {
             circuit: circuit.status,
             circuit_held: circuit.held,
             cool_down_until: (cool_down > system_now()).then(|| cool_down.to_rfc3339()),
+            shard: None,
         })
+    }
+
+    /// The same view of lane `lane` saying which shard it lives on, in a stack of
+    /// `shards` shards (none with one).
+    fn on_shard(self, lane: &LaneId, shards: usize, homes: &LaneHomes) -> Self {
+        Self { shard: (shards > 1).then(|| homes.home_of(lane, shards)), ..self }
     }
 
     fn print_one(&self) {
@@ -132,6 +144,9 @@ impl LaneView {
         match self.backlog {
             Some(backlog) => println!("  backlog: {} ready, {} in flight or delayed, {} dead letters", backlog.visible, backlog.not_visible, backlog.dead),
             None => println!("  backlog: not counted by lane on SQS (`paceline status` counts the whole queue)"),
+        }
+        if let Some(shard) = self.shard {
+            println!("  shard: {shard}");
         }
         println!("  circuit: {}{}", self.circuit, if self.circuit_held { " (held)" } else { "" });
         if let Some(until) = &self.cool_down_until {
@@ -147,10 +162,11 @@ pub(crate) async fn lane_views(stack: &OperatorStack) -> anyhow::Result<Vec<Lane
     let mut ids: BTreeSet<LaneId> = lanes.named.keys().cloned().collect();
     ids.extend(stores.scoped(&StoreScope::Stack).lanes_with_state().await?);
     ids.extend(depths.iter().flat_map(BTreeMap::keys).cloned());
+    let homes = stack.lane_homes().await?.0;
     let mut views = Vec::with_capacity(ids.len());
     for id in &ids {
         let scoped = stores.scoped(&StoreScope::Lane(id.clone()));
-        views.push(LaneView::read(lanes, id, scoped.as_ref(), backlog_of_lane(depths.as_ref(), id)).await?);
+        views.push(LaneView::read(lanes, id, scoped.as_ref(), backlog_of_lane(depths.as_ref(), id)).await?.on_shard(id, stack.shards(), &homes));
     }
     views.sort_by(|a, b| backlog_of(b).cmp(&backlog_of(a)).then_with(|| a.lane.cmp(&b.lane)));
     Ok(views)
@@ -207,7 +223,9 @@ impl LanesArgs {
                 }
             }
             LanesAction::Show { lane } => {
+                let homes = stack.lane_homes().await?.0;
                 let view = LaneView::read(lanes, &lane, stores.scoped(&StoreScope::Lane(lane.clone())).as_ref(), backlog(&lane)?).await?;
+                let view = view.on_shard(&lane, stack.shards(), &homes);
                 if self.json {
                     println!("{}", serde_json::to_string_pretty(&view)?);
                 } else {
