@@ -320,7 +320,7 @@ def check_operator_commands(paceline, url, stack):
 def check_enqueue_to_shards(paceline, url, stack):
     """`paceline enqueue --stack` on a stack of shards: each job on its lane's shard's
     queue, by the FNV-1a hash of the lane id; `paceline lanes move` and `lanes show`,
-    and a moved lane's job on its new shard's queue."""
+    a moved lane's job on its new shard's queue, and `status` counting every shard's."""
     print("enqueueing to a stack of shards:")
     variables_as_lambda_keeps_them(url, stack)
     lanes = [f"tenant-{n}" for n in range(6)]
@@ -352,6 +352,14 @@ def check_enqueue_to_shards(paceline, url, stack):
         raise AssertionError(f"paceline enqueue: {done.stderr}")
     bodies = [json.loads(m["Body"]) for m in sqs.receive_message(QueueUrl=queues[to], MaxNumberOfMessages=10, WaitTimeSeconds=1).get("Messages", [])]
     check([body["id"] for body in bodies] == ["moved-job"], f"enqueue: a moved lane's job goes to its new shard's queue ({to})")
+    # `paceline status`: every shard's queue, and the whole stack's (all seven jobs received above, in flight).
+    done = subprocess.run([paceline, "status", "--stack", stack, "--json"], env=operator_env(url), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise AssertionError(f"paceline status: {done.stderr}")
+    status = json.loads(done.stdout)
+    per_shard = [(shard["shard"], shard["visible"] + shard["not_visible"]) for shard in status.get("shards", [])]
+    whole = status["queue"]["visible"] + status["queue"]["not_visible"]
+    check(len(per_shard) == len(queues) and sum(n for _, n in per_shard) == whole == 7, f"status: each shard's queue and the whole stack's 7 jobs ({per_shard})")
 
 
 def fnv1a(text):

@@ -92,6 +92,10 @@ pub struct Status {
     /// `status --lane` on SQS, which counts no lane apart: `queue` is the whole stack's.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub queue_is_the_stacks: bool,
+    /// In a stack of shards: each shard's jobs queue (`queue` adds them up, where it is
+    /// the whole stack's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shards: Option<Vec<ShardQueue>>,
     /// The worker's DLQ, where the lane has one.
     pub worker_dead: Option<u64>,
     /// The lane's circuit (none for a stack of many lanes: each has its own, in `lanes`).
@@ -111,6 +115,40 @@ pub struct Status {
     /// With `[lanes]`: every lane, the largest backlog first.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lanes: Option<Vec<LaneView>>,
+}
+
+/// One shard's jobs queue, in a stack of shards.
+#[derive(Serialize)]
+pub struct ShardQueue {
+    pub shard: usize,
+    pub visible: u64,
+    pub not_visible: u64,
+}
+
+/// Each shard's jobs queue in a stack of shards (`None` with one shard).
+async fn shard_queues(stack: &OperatorStack) -> anyhow::Result<Option<Vec<ShardQueue>>> {
+    if stack.shards() <= 1 {
+        return Ok(None);
+    }
+    let mut shards = Vec::with_capacity(stack.shard_queues.len());
+    for (shard, queue) in stack.shard_queues.iter().enumerate() {
+        let depth = queue.depth().await?;
+        shards.push(ShardQueue { shard, visible: depth.visible, not_visible: depth.not_visible });
+    }
+    Ok(Some(shards))
+}
+
+/// The whole stack's queue: `queue` (shard 0's, with the dead letters) with every
+/// shard's jobs counted, in a stack of shards.
+fn whole_stack(queue: QueueDepth, shards: Option<&[ShardQueue]>) -> QueueDepth {
+    match shards {
+        Some(shards) => QueueDepth {
+            visible: shards.iter().map(|shard| shard.visible).sum(),
+            not_visible: shards.iter().map(|shard| shard.not_visible).sum(),
+            dead: queue.dead,
+        },
+        None => queue,
+    }
 }
 
 /// How many lanes the text view lists (`--json` has all).
@@ -176,6 +214,7 @@ impl StatusArgs {
 pub async fn read_status(stack: &OperatorStack, lane: Option<&LaneId>, now: UnixMillis) -> anyhow::Result<Status> {
     let worker_dead = if stack.queues.sources().contains(&DlqSource::Worker) { Some(stack.queues.count(DlqSource::Worker).await?) } else { None };
     let with_lanes = stack.has_lanes();
+    let shards = shard_queues(stack).await?;
     let mut queue_is_the_stacks = false;
     let (state, quota, queue, lanes): (Arc<dyn StateStore>, Option<Quota>, QueueDepth, Option<Vec<LaneView>>) = match lane {
         Some(lane) if with_lanes => {
@@ -186,7 +225,7 @@ pub async fn read_status(stack: &OperatorStack, lane: Option<&LaneId>, now: Unix
                 Some(depths) => depths.get(lane).copied().unwrap_or_default(),
                 None => {
                     queue_is_the_stacks = true;
-                    stack.queues.depth().await?
+                    whole_stack(stack.queues.depth().await?, shards.as_deref())
                 }
             };
             (state, Some(quota), queue, None)
@@ -194,7 +233,7 @@ pub async fn read_status(stack: &OperatorStack, lane: Option<&LaneId>, now: Unix
         None if with_lanes => {
             let shared = stack.lanes()?.1.scoped(&StoreScope::Stack);
             let quota = stack.shared_quota().cloned();
-            (shared, quota, stack.queues.depth().await?, Some(lane_views(stack).await?))
+            (shared, quota, whole_stack(stack.queues.depth().await?, shards.as_deref()), Some(lane_views(stack).await?))
         }
         lane => {
             let state = stack.lane_state(lane)?;
@@ -260,6 +299,7 @@ pub async fn read_status(stack: &OperatorStack, lane: Option<&LaneId>, now: Unix
         lane: lane.map(ToString::to_string),
         queue,
         queue_is_the_stacks,
+        shards: shards.filter(|_| lane.is_none() || queue_is_the_stacks),
         worker_dead,
         circuit: if lanes.is_some() { None } else { Some(state.circuit().await?) },
         lease: stack.state.lease().await?.filter(|l| l.expires_at > now),
@@ -277,6 +317,9 @@ fn print_status(status: &Status, now: UnixMillis) {
     let q = &status.queue;
     let whose = if status.queue_is_the_stacks { " (the whole stack's: SQS counts no lane apart)" } else { "" };
     println!("queue{whose}: {} ready, {} in flight or delayed", q.visible, q.not_visible);
+    for shard in status.shards.iter().flatten() {
+        println!("  shard {}'s queue: {} ready, {} in flight or delayed", shard.shard, shard.visible, shard.not_visible);
+    }
     match status.worker_dead {
         Some(worker) => println!("dead letters: {} in the jobs DLQ, {worker} in the worker DLQ", q.dead),
         None => println!("dead letters: {}", q.dead),
