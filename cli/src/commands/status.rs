@@ -125,29 +125,26 @@ pub struct ShardQueue {
     pub not_visible: u64,
 }
 
-/// Each shard's jobs queue in a stack of shards (`None` with one shard).
-async fn shard_queues(stack: &OperatorStack) -> anyhow::Result<Option<Vec<ShardQueue>>> {
+/// Each shard's jobs queue in a stack of shards, and the whole stack's (their jobs
+/// added up, and the dead letters of the one DLQ they share); `None` with one shard.
+async fn shard_queues(stack: &OperatorStack) -> anyhow::Result<Option<(Vec<ShardQueue>, QueueDepth)>> {
     if stack.shards() <= 1 {
         return Ok(None);
     }
-    let mut shards = Vec::with_capacity(stack.shard_queues.len());
+    let (mut shards, mut whole) = (Vec::with_capacity(stack.shard_queues.len()), QueueDepth::default());
     for (shard, queue) in stack.shard_queues.iter().enumerate() {
         let depth = queue.depth().await?;
         shards.push(ShardQueue { shard, visible: depth.visible, not_visible: depth.not_visible });
+        whole = QueueDepth { visible: whole.visible + depth.visible, not_visible: whole.not_visible + depth.not_visible, dead: depth.dead };
     }
-    Ok(Some(shards))
+    Ok(Some((shards, whole)))
 }
 
-/// The whole stack's queue: `queue` (shard 0's, with the dead letters) with every
-/// shard's jobs counted, in a stack of shards.
-fn whole_stack(queue: QueueDepth, shards: Option<&[ShardQueue]>) -> QueueDepth {
+/// The whole stack's queue: the stack's own, or in a stack of shards every shard's.
+async fn whole_stack(stack: &OperatorStack, shards: Option<&(Vec<ShardQueue>, QueueDepth)>) -> anyhow::Result<QueueDepth> {
     match shards {
-        Some(shards) => QueueDepth {
-            visible: shards.iter().map(|shard| shard.visible).sum(),
-            not_visible: shards.iter().map(|shard| shard.not_visible).sum(),
-            dead: queue.dead,
-        },
-        None => queue,
+        Some((_, whole)) => Ok(*whole),
+        None => Ok(stack.queues.depth().await?),
     }
 }
 
@@ -225,7 +222,7 @@ pub async fn read_status(stack: &OperatorStack, lane: Option<&LaneId>, now: Unix
                 Some(depths) => depths.get(lane).copied().unwrap_or_default(),
                 None => {
                     queue_is_the_stacks = true;
-                    whole_stack(stack.queues.depth().await?, shards.as_deref())
+                    whole_stack(stack, shards.as_ref()).await?
                 }
             };
             (state, Some(quota), queue, None)
@@ -233,7 +230,7 @@ pub async fn read_status(stack: &OperatorStack, lane: Option<&LaneId>, now: Unix
         None if with_lanes => {
             let shared = stack.lanes()?.1.scoped(&StoreScope::Stack);
             let quota = stack.shared_quota().cloned();
-            (shared, quota, whole_stack(stack.queues.depth().await?, shards.as_deref()), Some(lane_views(stack).await?))
+            (shared, quota, whole_stack(stack, shards.as_ref()).await?, Some(lane_views(stack).await?))
         }
         lane => {
             let state = stack.lane_state(lane)?;
@@ -299,7 +296,7 @@ pub async fn read_status(stack: &OperatorStack, lane: Option<&LaneId>, now: Unix
         lane: lane.map(ToString::to_string),
         queue,
         queue_is_the_stacks,
-        shards: shards.filter(|_| lane.is_none() || queue_is_the_stacks),
+        shards: shards.map(|(shards, _)| shards).filter(|_| lane.is_none() || queue_is_the_stacks),
         worker_dead,
         circuit: if lanes.is_some() { None } else { Some(state.circuit().await?) },
         lease: stack.state.lease().await?.filter(|l| l.expires_at > now),
