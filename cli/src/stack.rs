@@ -284,6 +284,7 @@ fn lane_workers(config: &Config, store: &Arc<EmbeddedStore>, clock: &Arc<dyn Clo
         body_cap: config.outcomes.body_cap(),
         retry: config.retry,
         queue: store.clone(),
+        shard_queues: Vec::new(),
         stores: store.clone(),
         clock: clock.clone(),
         stats: stats.clone(),

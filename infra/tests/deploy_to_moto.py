@@ -217,13 +217,26 @@ def check_sharded_stack(template, url, parameters, stack):
     env = lam.get_function_configuration(FunctionName=orchestrator)["Environment"]["Variables"]
     check(json.loads(env["PACELINE_SHARD_QUEUES"]) == queues, "shards: the orchestrator runs each shard from its queue")
     arns = {sqs.get_queue_attributes(QueueUrl=q, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"] for q in queues}
-    role = lam.get_function_configuration(FunctionName=orchestrator)["Role"].split("/")[-1]
     iam = client("iam", url)
-    documents = [iam.get_role_policy(RoleName=role, PolicyName=name)["PolicyDocument"] for name in iam.list_role_policies(RoleName=role)["PolicyNames"]]
-    documents = [ast.literal_eval(d) if isinstance(d, str) else d for d in documents]
-    passing_on = [s for d in documents for s in d["Statement"] if s and "sqs:SendMessage" in s["Action"] and "sqs:ReceiveMessage" in s["Action"]]
-    # moto keeps an entry a condition left out (AWS::NoValue) as None.
-    check(len(passing_on) == 1 and {r for r in passing_on[0]["Resource"] if r} == arns, "shards: the orchestrator may receive from and pass jobs on to every shard's queue, no other")
+
+    def statements(function):
+        role = lam.get_function_configuration(FunctionName=function)["Role"].split("/")[-1]
+        documents = [iam.get_role_policy(RoleName=role, PolicyName=name)["PolicyDocument"] for name in iam.list_role_policies(RoleName=role)["PolicyNames"]]
+        documents = [ast.literal_eval(d) if isinstance(d, str) else d for d in documents]
+        return [s for d in documents for s in d["Statement"] if s]
+
+    def resources(statement):
+        # moto keeps an entry a condition left out (AWS::NoValue) as None.
+        listed = statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
+        return {r for r in listed if r}
+
+    passing_on = [s for s in statements(orchestrator) if "sqs:SendMessage" in s["Action"] and "sqs:ReceiveMessage" in s["Action"]]
+    check(len(passing_on) == 1 and resources(passing_on[0]) == arns, "shards: the orchestrator may receive from and pass jobs on to every shard's queue, no other")
+    worker = outputs["WorkerFunctionName"]
+    worker_env = lam.get_function_configuration(FunctionName=worker)["Environment"]["Variables"]
+    check(json.loads(worker_env["PACELINE_SHARD_QUEUES"]) == queues, "shards: the worker knows each shard's queue")
+    sends = set().union(*(resources(s) for s in statements(worker) if "sqs:SendMessage" in s["Action"]))
+    check(arns <= sends, "shards: the worker may put a lane's job back on its shard's queue")
     # moto's CloudFormation does not create alarms: this one is checked as declared.
     alarm = translated["Resources"]["ShardsOldestJobAlarm"]
     watched = json.dumps(alarm["Properties"]["Metrics"])

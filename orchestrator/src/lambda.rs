@@ -205,10 +205,9 @@ impl ShardLayout {
 /// to its shard would lose its place), or a list that is not JSON or does not start with
 /// this stack's queue.
 fn shard_queues_from_env(env: &Env<'_>, has_lanes: bool, ordered: bool, own_queue: &str) -> Result<Vec<String>, String> {
-    let Some(queues) = env.optional("PACELINE_SHARD_QUEUES") else { return Ok(Vec::new()) };
-    let queues: Vec<String> = serde_json::from_str(&queues).map_err(|e| format!("PACELINE_SHARD_QUEUES: not a JSON list of queue URLs: {e}"))?;
-    if queues.len() <= 1 {
-        return Ok(Vec::new());
+    let queues = env.shard_queues()?;
+    if queues.is_empty() {
+        return Ok(queues);
     }
     if !has_lanes {
         return Err("PACELINE_SHARD_QUEUES: shards divide a stack's lanes, and this stack has none (PACELINE_LANES)".into());

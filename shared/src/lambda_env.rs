@@ -147,6 +147,17 @@ impl<'a> Env<'a> {
         self.optional("PACELINE_LANES").map(|text| LanesConfig::parse_text(&text, shared).map_err(|problem| format!("PACELINE_LANES: {problem}"))).transpose()
     }
 
+    /// `PACELINE_SHARD_QUEUES`: each shard's jobs queue by index, in a stack of shards
+    /// (a JSON list of URLs, shard 0's first); empty for a stack of one shard.
+    ///
+    /// # Errors
+    /// Names the variable when it is not a JSON list of URLs.
+    pub fn shard_queues(&self) -> Result<Vec<String>, String> {
+        let Some(queues) = self.optional("PACELINE_SHARD_QUEUES") else { return Ok(Vec::new()) };
+        let queues: Vec<String> = serde_json::from_str(&queues).map_err(|e| format!("PACELINE_SHARD_QUEUES: not a JSON list of queue URLs: {e}"))?;
+        Ok(if queues.len() > 1 { queues } else { Vec::new() })
+    }
+
     /// `PACELINE_ORDERING`: how a stack without lanes orders its jobs (`fifo`, or `none`,
     /// the default; with lanes, `PACELINE_LANES` says for each).
     ///

@@ -802,6 +802,8 @@ struct TwoShards {
     lambda: FakeLambda,
     api: FakeApi,
     function: orchestrator_lambda::OrchestratorFunction,
+    /// The worker function the fake Lambda runs.
+    worker: Arc<dyn WorkerHandler>,
 }
 
 async fn two_shards() -> TwoShards {
@@ -821,16 +823,44 @@ async fn two_shards() -> TwoShards {
         ("ApiBaseUrl", api.base_url.clone()),
         ("Lanes", json!({ "tiers": ["5/s"] }).to_string()),
     ]);
-    let worker_env = template_env("WorkerFunction", &given);
+    let mut worker_env = template_env("WorkerFunction", &given);
+    worker_env.insert("PACELINE_SHARD_QUEUES".into(), json!(queues).to_string());
     let get = |k: &str| worker_env.get(k).cloned();
-    lambda.run_worker(Arc::new(paceline_worker::lambda::from_env(&Env::new(&get), &sdk).unwrap()));
+    let secrets = paceline_worker::lambda::ApiSecrets::fetch(&Env::new(&get), &sdk).await.unwrap();
+    let worker = paceline_worker::lambda::function_from_env(&Env::new(&get), &sdk, secrets).unwrap().handler();
+    lambda.run_worker(worker.clone());
     let mut env = template_env("OrchestratorFunction", &given);
     env.insert("PACELINE_SHARD_QUEUES".into(), json!(queues).to_string());
     env.insert("PACELINE_DEADLINE_MARGIN".into(), "1s".into());
     env.insert("AWS_LAMBDA_FUNCTION_NAME".into(), "paceline-orchestrator".into());
     let get = |k: &str| env.get(k).cloned();
     let function = orchestrator_lambda::from_env(&Env::new(&get), &sdk, Some(&lambda.url)).unwrap();
-    TwoShards { sdk, names, queues, lambda, api, function }
+    TwoShards { sdk, names, queues, lambda, api, function, worker }
+}
+
+/// A job the worker puts back (here: it started past its slot) goes to its lane's
+/// shard's queue, where that shard's run takes it up, not to shard 0's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_the_worker_puts_back_goes_to_its_lane_s_shard_s_queue() {
+    use paceline_shared::job::{CallSlot, Job};
+    use paceline_shared::lane::LaneId;
+    let TwoShards { sdk, names, queues, worker, .. } = two_shards().await;
+    let lane = (0..).map(|n| LaneId::parse(&format!("tenant-{n}")).unwrap()).find(|lane| lane.shard(2) == 1).unwrap();
+    let job = Job::parse(&format!(r#"{{"id":"late-1","lane":"{lane}","request":{{"method":"GET","path":"/items/late-1"}}}}"#)).unwrap();
+    let past = system_now().minus(Duration::from_secs(5));
+    let slot = CallSlot { not_before: past, call_by: past.plus(Duration::from_millis(100)) };
+    let late = WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: past, slot: Some(slot), trip: None, report_limits: false };
+    worker.handle(late).await.unwrap();
+
+    let sqs = AwsAdapters::new(&sdk, &names, None).queue;
+    let depth = |index: usize| {
+        let queue = sqs.at(&queues[index]);
+        async move {
+            let depth = queue.depth().await.unwrap();
+            depth.visible + depth.not_visible
+        }
+    };
+    assert_eq!((depth(0).await, depth(1).await), (0, 1), "put back on shard 1's queue");
 }
 
 /// `paceline lanes move` while both shards run: the lane's shard sends its jobs on to
@@ -842,7 +872,7 @@ async fn a_lane_moved_to_another_shard_mid_run_is_called_once_a_job_and_never_ov
     use paceline_shared::homes::LaneHomes;
     use paceline_shared::lane::LaneId;
     let _alone = MOTO_BUSY_OR_TIMED.lock().await;
-    let TwoShards { sdk, names, queues, lambda, api, function } = two_shards().await;
+    let TwoShards { sdk, names, queues, lambda, api, function, .. } = two_shards().await;
     let (first, second) = (function.shard(0).unwrap(), function.shard(1).unwrap());
     let lane = (0..).map(|n| LaneId::parse(&format!("tenant-{n}")).unwrap()).find(|lane| lane.shard(2) == 0).unwrap();
     let adapters = AwsAdapters::new(&sdk, &names, None);
@@ -904,7 +934,7 @@ async fn a_run_of_a_new_shard_layout_waits_until_the_old_layout_s_runs_have_ende
 async fn two_shards_pace_their_own_lanes_under_their_shares_of_the_shared_quota_and_send_on_a_misrouted_job() {
     use paceline_shared::lane::LaneId;
     let _alone = MOTO_BUSY_OR_TIMED.lock().await;
-    let TwoShards { sdk, names, queues, lambda, api, function } = two_shards().await;
+    let TwoShards { sdk, names, queues, lambda, api, function, .. } = two_shards().await;
     let (first, second) = (function.shard(0).unwrap(), function.shard(1).unwrap());
     assert!(function.shard(2).is_none());
 

@@ -132,6 +132,7 @@ pub fn function_from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, secrets: Ap
     let outcomes = env.outcomes()?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let keep_for = env.duration("PACELINE_SECRETS_TTL", DEFAULT_SECRETS_TTL)?;
+    let shard_queues = env.shard_queues()?.into_iter().map(|url| Arc::new(aws.queue.at(url)) as Arc<dyn JobQueue>).collect();
     let queue: Arc<dyn JobQueue> = Arc::new(aws.queue);
     let stack = LaneStack {
         lanes,
@@ -139,6 +140,7 @@ pub fn function_from_env(env: &Env<'_>, sdk: &aws_config::SdkConfig, secrets: Ap
         body_cap: outcomes.body_cap(),
         retry: env.retry()?,
         queue: queue.clone(),
+        shard_queues,
         stores: Arc::new(aws.store),
         clock: clock.clone(),
         stats: stats.clone(),

@@ -48,6 +48,9 @@ pub struct LaneStack {
     pub body_cap: usize,
     pub retry: RetryConfig,
     pub queue: Arc<dyn JobQueue>,
+    /// In a stack of shards, each shard's jobs queue by index: a lane's jobs go back to
+    /// its shard's (empty: all go to `queue`).
+    pub shard_queues: Vec<Arc<dyn JobQueue>>,
     pub stores: Arc<dyn ScopedStores>,
     pub clock: Arc<dyn Clock>,
     pub stats: Arc<WorkerStats>,
@@ -65,12 +68,22 @@ impl LaneStack {
         let api = settings.api_for(lane, &self.api, env).map_err(|e| e.to_string())?;
         let client = ApiClient::new(&api).map_err(|e| e.to_string())?.keeping_bodies(self.body_cap);
         let store = self.stores.scoped(&StoreScope::Lane(lane.clone()));
-        let worker = Worker::new(Arc::new(client), self.queue.clone(), store, self.clock.clone(), self.retry, api.health_check.clone());
+        let worker = Worker::new(Arc::new(client), self.queue_of(lane), store, self.clock.clone(), self.retry, api.health_check.clone());
         let worker = match self.lanes.on_429 {
             CoolDownScope::Stack => worker.with_stack_cool_down(self.stores.scoped(&StoreScope::Stack)),
             CoolDownScope::Lane => worker,
         };
         Ok(worker.with_stats(self.stats.clone()).with_call_slots(CallSlots::for_api(settings.quota.max_in_flight(), api.timeout)).with_api_timeout(api.timeout))
+    }
+
+    /// Where lane `lane`'s jobs go back to: its shard's queue (by the hash of its id; a
+    /// lane moved off that shard has its jobs sent on from there, as any job that comes
+    /// to a shard its lane has left), or the stack's one queue.
+    fn queue_of(&self, lane: &LaneId) -> Arc<dyn JobQueue> {
+        match self.shard_queues.len() {
+            0 => self.queue.clone(),
+            shards => self.shard_queues[lane.shard(shards)].clone(),
+        }
     }
 }
 
