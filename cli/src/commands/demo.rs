@@ -320,5 +320,7 @@ fn print_report(r: &DemoReport) {
     println!("  paceline status --config {config}");
     println!("  paceline results --config {config} --status 4xx     (each job's outcome: the API's status and body)");
     println!("  paceline dlq summary --config {config}");
-    println!("(`paceline` comes with `cargo install --path cli`; without it, run `cargo run --release -p paceline-cli --no-default-features -- status --config {config}`.)");
+    println!(
+        "(`paceline` comes with `cargo install --path cli`; without it, run `cargo run -p paceline-cli --no-default-features -- status --config {config}`.)"
+    );
 }
