@@ -3,7 +3,8 @@
 //! go (its slot less the hand-off's lead), or at once when it is full (`worker_batch`
 //! jobs, or the async invoke's payload limit). Where the pace is more than one worker
 //! should call at (`worker_pace`), several batches gather at once, in stripes: each job
-//! goes to the next, so each worker calls at its share of the pace. Each job's hand-off is answered when its
+//! goes to the next, so each worker calls at its share of the pace; where the pace moves
+//! (a shard's share of the shared quota), so does the number of stripes in use. Each job's hand-off is answered when its
 //! batch's invoke is: the drain loop above sees one hand-off per job, as without
 //! batches, and deletes each job's message once Lambda took its batch.
 //!
@@ -13,7 +14,7 @@
 //! then the job's own (the loop dead-letters it).
 
 use std::hash::{BuildHasher as _, Hasher as _};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -58,9 +59,14 @@ struct Batcher {
     prefix: String,
     numbers: AtomicU64,
     /// The batches gathering, one a stripe: jobs go to them in turn, so that no worker
-    /// is given more than its share of the pace.
+    /// is given more than its share of the pace. As many stripes as the most the pace
+    /// may need; the first `in_use` take jobs.
     open: Mutex<Vec<Option<OpenBatch>>>,
+    in_use: AtomicUsize,
     next_stripe: AtomicU64,
+    /// The most calls a second a worker is given: the stripes in use follow the pace by
+    /// it (`None`: they stay as built).
+    worker_pace: Option<f64>,
 }
 
 impl BatchingInvoker {
@@ -79,15 +85,39 @@ impl BatchingInvoker {
             prefix,
             numbers: AtomicU64::new(0),
             open: Mutex::new((0..stripes.max(1)).map(|_| None).collect()),
+            in_use: AtomicUsize::new(stripes.max(1)),
             next_stripe: AtomicU64::new(0),
+            worker_pace: None,
         }))
     }
 
     /// Batches over `inner` as `settings` say: sent the hand-off's lead before their first
-    /// slot, of at most `worker_batch` jobs, in as many stripes as the pace needs workers.
+    /// slot, of at most `worker_batch` jobs, in as many stripes as the pace needs workers
+    /// (for a shard whose share moves, as many as its share needs as it moves: see
+    /// [`Invoker::pace_changed`]).
     #[must_use]
     pub fn for_settings(inner: Arc<dyn Invoker>, clock: Arc<dyn Clock>, settings: &crate::Settings) -> Self {
-        Self::new(inner, clock, settings.hand_off_lead(), settings.worker_batch(), settings.worker_stripes())
+        let invoker = Self::new(inner, clock, settings.hand_off_lead(), settings.worker_batch(), settings.most_worker_stripes());
+        if settings.most_worker_stripes() > 1 {
+            invoker.following_pace(settings.orchestrator.worker_pace, settings.quota.sustained_per_second())
+        } else {
+            invoker
+        }
+    }
+
+    /// The same invoker putting to use as many of its stripes as the pace needs at
+    /// `worker_pace` calls a second a worker: as many as `pace` needs now, then as
+    /// [`Invoker::pace_changed`] says.
+    ///
+    /// # Panics
+    /// Once a batch was gathered (the invoker is shared then).
+    #[must_use]
+    pub fn following_pace(self, worker_pace: u32, pace: f64) -> Self {
+        let mut batcher = Arc::into_inner(self.0).expect("set before use");
+        batcher.worker_pace = Some(f64::from(worker_pace.max(1)));
+        let invoker = Self(Arc::new(batcher));
+        invoker.pace_changed(pace);
+        invoker
     }
 
     /// The same invoker holding batches to `max_bytes` of payload.
@@ -113,9 +143,9 @@ impl Batcher {
     fn gather(self: &Arc<Self>, call: WorkerPayload, send_by: UnixMillis) -> (oneshot::Receiver<PortResult<()>>, Option<OpenBatch>) {
         let bytes = call.to_json().len();
         let (answer, answered) = oneshot::channel();
-        let stripes = self.open();
-        let stripe = usize::try_from(self.next_stripe.fetch_add(1, Ordering::Relaxed)).unwrap_or(0) % stripes.len();
-        let mut stripes = stripes;
+        let mut stripes = self.open();
+        let in_use = self.in_use.load(Ordering::Relaxed).clamp(1, stripes.len());
+        let stripe = usize::try_from(self.next_stripe.fetch_add(1, Ordering::Relaxed) % in_use as u64).unwrap_or(0);
         let open = &mut stripes[stripe];
         // A call that would take the batch over its payload limit starts the next one.
         let overflowing = open.as_ref().is_some_and(|batch| batch.bytes + bytes > self.max_bytes);
@@ -216,6 +246,17 @@ impl Invoker for BatchingInvoker {
 
     fn in_flight(&self) -> usize {
         self.0.inner.in_flight()
+    }
+
+    /// Puts as many stripes to use as `per_second` needs at `worker_pace` each (a batch
+    /// gathering in a stripe put out of use still goes at its time).
+    fn pace_changed(&self, per_second: f64) {
+        let Some(worker_pace) = self.0.worker_pace else { return };
+        if per_second.is_finite() && per_second > 0.0 {
+            let stripes = self.0.open().len();
+            let wanted = ((per_second / worker_pace).ceil() as usize).clamp(1, stripes);
+            self.0.in_use.store(wanted, Ordering::Relaxed);
+        }
     }
 
     fn pipeline(&self) -> usize {
@@ -331,6 +372,33 @@ mod tests {
         let mut sent: Vec<_> = sent(&inner).into_iter().map(|(_, ids)| ids).collect();
         sent.sort();
         assert_eq!(sent, vec![vec!["j-1".to_string(), "j-3".into()], vec!["j-2".into(), "j-4".into()]]);
+    }
+
+    /// A shard's share of the shared quota grows from 100/s to 350/s and falls to 150/s:
+    /// its batches gather in one stripe, then four (each worker at most 100 calls a
+    /// second), then two.
+    #[tokio::test(start_paused = true)]
+    async fn the_stripes_in_use_follow_the_pace_as_a_shard_s_share_moves() {
+        let clock = Arc::new(TokioClock::new());
+        let inner = Arc::new(RecordingInvoker::new(clock.clone()));
+        let t0 = clock.now();
+        let invoker = Arc::new(BatchingInvoker::new(inner.clone(), clock, LEAD, 100, 4).following_pace(100, 100.0));
+        // How many batches eight jobs went in once the pace changed to `pace`.
+        let batches_at = |pace: f64, first: u64| {
+            invoker.pace_changed(pace);
+            let (invoker, inner) = (invoker.clone(), inner.clone());
+            async move {
+                let before = inner.accepted().len();
+                let calls = (first..first + 8).map(|n| slotted(n, t0.plus(Duration::from_millis(1_000 + n)))).collect();
+                hand_off(&invoker, calls).await;
+                inner.accepted().len() - before
+            }
+        };
+        assert_eq!(batches_at(100.0, 0).await, 1, "one stripe");
+        assert_eq!(batches_at(350.0, 100).await, 4, "four, at 87.5 calls a second each");
+        assert_eq!(batches_at(150.0, 200).await, 2, "two");
+        assert_eq!(batches_at(f64::INFINITY, 300).await, 2, "an unknown pace changes nothing");
+        assert_eq!(batches_at(10_000.0, 400).await, 4, "never more than it was built with");
     }
 
     #[tokio::test(start_paused = true)]

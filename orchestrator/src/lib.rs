@@ -311,7 +311,7 @@ impl Orchestrator {
         if let Some(homes) = homes {
             state = state.with_homes(homes, started);
         }
-        let mut run = Executor { o: self, state, background: JoinSet::new(), stop: opts.stop.clone(), handed_off_any: false };
+        let mut run = Executor { o: self, state, background: JoinSet::new(), stop: opts.stop.clone(), handed_off_any: false, share_parts: None };
         let outcome = match run.hydrate().await {
             Ok(()) => run.drive().await,
             Err(e) => Err(e),
@@ -336,6 +336,9 @@ struct Executor<'a> {
     stop: Option<tokio::sync::watch::Receiver<bool>>,
     /// Whether the run handed a job off yet (its first is logged).
     handed_off_any: bool,
+    /// In a stack of shards whose shares move: the parts of the shared quota the invoker
+    /// was last told the pace of.
+    share_parts: Option<u64>,
 }
 
 impl Executor<'_> {
@@ -423,11 +426,26 @@ impl Executor<'_> {
             if let Some(missed) = self.o.missed_slots.as_ref().map(|slots| slots.take()).filter(|m| !m.is_empty()) {
                 self.state.on_event(Event::SlotsMissed(missed), self.o.clock.now())?;
             }
+            self.follow_share();
             match self.state.next_action(self.o.clock.now()) {
                 Action::Stop => return Ok(()),
                 Action::Sleep { until, precise } => self.sleep(until, precise).await?,
                 action => self.perform(action).await?,
             }
+        }
+    }
+
+    /// Tells the invoker the pace of this shard's share of the shared quota when it moved
+    /// (its batches' stripes follow it).
+    fn follow_share(&mut self) {
+        let Some(shares) = self.state.shares() else { return };
+        let held = shares.held();
+        if self.share_parts == Some(held) {
+            return;
+        }
+        self.share_parts = Some(held);
+        if let Some(share) = shares.quota() {
+            self.o.invoker.pace_changed(share.sustained_per_second());
         }
     }
 

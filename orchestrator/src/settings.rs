@@ -102,8 +102,21 @@ impl Settings {
     /// for no worker to call faster than `worker_pace` (one where the pace is unbounded).
     #[must_use]
     pub fn worker_stripes(&self) -> usize {
-        let pace = self.quota.sustained_per_second();
-        if self.worker_batch() <= 1 || !pace.is_finite() {
+        self.stripes_for(self.quota.sustained_per_second())
+    }
+
+    /// The most stripes the pace may need: for a shard whose share moves, at every part
+    /// of the shared quota (`share_most`); else [`Settings::worker_stripes`].
+    #[must_use]
+    pub fn most_worker_stripes(&self) -> usize {
+        self.share_most.as_ref().map_or_else(|| self.worker_stripes(), |most| self.stripes_for(most.sustained_per_second()).max(self.worker_stripes()))
+    }
+
+    /// How many stripes of batches keep each worker at `worker_pace` when the stack hands
+    /// off `pace` jobs a second (one without batches, or where the pace is unbounded).
+    #[must_use]
+    pub fn stripes_for(&self, pace: f64) -> usize {
+        if self.worker_batch() <= 1 || !pace.is_finite() || pace <= 0.0 {
             return 1;
         }
         (pace / f64::from(self.orchestrator.worker_pace.max(1))).ceil().max(1.0) as usize

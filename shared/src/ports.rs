@@ -855,6 +855,11 @@ pub trait Invoker: Send + Sync {
     /// last hand-offs must not hold it up).
     async fn flush(&self) {}
 
+    /// The orchestrator's pace changed to `per_second` (a shard's share of the shared
+    /// quota moved): an invoker that spreads its batches over workers by pace follows
+    /// it. Others ignore it.
+    fn pace_changed(&self, _per_second: f64) {}
+
     /// How many hand-offs the drain loop may have awaiting their answer at once: enough
     /// that an invoke's own latency never delays the next slot (an invoker that gathers
     /// hand-offs into batches holds a batch's worth awaiting).

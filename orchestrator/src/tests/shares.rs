@@ -31,8 +31,9 @@ fn shard(index: usize, moving: bool, book: &Arc<MemoryDocuments>) -> Lane {
 }
 
 /// Runs both shards for 30 s, or until each drained (shard 0 with `busy` jobs, shard 1
-/// with 20), and gives each one's call instants in ms from T0.
-async fn run_both(moving: bool, busy: usize, drain: bool) -> (Vec<u64>, Vec<u64>) {
+/// with 20), and gives each one's call instants in ms from T0, and the paces shard 0's
+/// invoker was told.
+async fn run_both(moving: bool, busy: usize, drain: bool) -> (Vec<u64>, Vec<u64>, Vec<f64>) {
     let book = Arc::new(MemoryDocuments::default());
     let (first, second) = (shard(0, moving, &book), shard(1, moving, &book));
     let queues: Vec<Arc<dyn JobQueue>> = vec![first.store.clone(), second.store.clone()];
@@ -45,7 +46,7 @@ async fn run_both(moving: bool, busy: usize, drain: bool) -> (Vec<u64>, Vec<u64>
     let (a, b) = tokio::join!(first.orchestrator.run(&run), second.orchestrator.run(&run));
     a.unwrap();
     b.unwrap();
-    (offsets(&first), offsets(&second))
+    (offsets(&first), offsets(&second), first.invoker.paces().into_iter().map(|(_, pace)| pace).collect())
 }
 
 /// The most calls of `both` in any 1 s window `(t - 1000, t]`.
@@ -55,8 +56,11 @@ fn busiest_second(both: &[u64]) -> usize {
 
 #[tokio::test(start_paused = true)]
 async fn a_busy_shard_takes_the_share_an_idle_shard_does_not_use_and_together_they_never_pass_the_shared_tier() {
-    let (busy, idle) = run_both(true, 4_000, false).await;
+    let (busy, idle, paces) = run_both(true, 4_000, false).await;
     assert_eq!(idle.len(), 20, "the idle shard's own jobs went");
+    // Its invoker was told each pace its share moved to (its batches' stripes follow):
+    // none before its first report landed, then about half, then nearly all the tier.
+    assert!(paces.first().is_some_and(|pace| *pace <= 60.0) && paces.last().is_some_and(|pace| *pace >= 95.0), "{paces:?}");
     let mut both: Vec<u64> = busy.iter().chain(&idle).copied().collect();
     both.sort_unstable();
     assert!(busiest_second(&both) <= 100, "a second held {} calls of the shared 100/s", busiest_second(&both));
@@ -68,7 +72,8 @@ async fn a_busy_shard_takes_the_share_an_idle_shard_does_not_use_and_together_th
         assert!(in_second(n) >= 98, "second {n} held {} of the busy shard's calls", in_second(n));
     }
     // With fixed shares the busy shard keeps to its half.
-    let (fixed, _) = run_both(false, 4_000, false).await;
+    let (fixed, _, told) = run_both(false, 4_000, false).await;
+    assert!(told.is_empty(), "a fixed share never moves: {told:?}");
     assert!(fixed.len() <= 50 * 29 + 1 && busy.len() >= 2_600, "moving {} calls, fixed {}", busy.len(), fixed.len());
 }
 
@@ -76,7 +81,7 @@ async fn a_busy_shard_takes_the_share_an_idle_shard_does_not_use_and_together_th
 /// have left the window, not when it would be taken for silent (the lease's 24 s later).
 #[tokio::test(start_paused = true)]
 async fn a_shard_whose_run_drained_leaves_its_share_to_the_others_within_seconds() {
-    let (busy, idle) = run_both(true, 3_000, true).await;
+    let (busy, idle, _) = run_both(true, 3_000, true).await;
     assert_eq!(idle.len(), 20);
     let in_second = |n: u64| busy.iter().filter(|t| **t >= n * 1_000 && **t < (n + 1) * 1_000).count();
     for n in 4..20 {

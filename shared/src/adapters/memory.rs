@@ -18,12 +18,21 @@ pub struct RecordingInvoker {
     scripted_errors: Mutex<VecDeque<PortError>>,
     forward_to: Option<Arc<dyn WorkerHandler>>,
     latency: std::time::Duration,
+    /// Each pace the orchestrator said it hands off at, with when.
+    paces: Mutex<Vec<(UnixMillis, f64)>>,
 }
 
 impl RecordingInvoker {
     #[must_use]
     pub fn new(clock: Arc<dyn Clock>) -> Self {
-        Self { clock, accepted: Mutex::default(), scripted_errors: Mutex::default(), forward_to: None, latency: std::time::Duration::ZERO }
+        Self {
+            clock,
+            accepted: Mutex::default(),
+            scripted_errors: Mutex::default(),
+            forward_to: None,
+            latency: std::time::Duration::ZERO,
+            paces: Mutex::default(),
+        }
     }
 
     /// Answers each invoke only after `latency` (recorded at the call, like Lambda's
@@ -51,6 +60,13 @@ impl RecordingInvoker {
     pub fn accepted(&self) -> Vec<(UnixMillis, WorkerPayload)> {
         self.accepted.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
+
+    /// Every pace the orchestrator said it hands off at (`Invoker::pace_changed`), with
+    /// when.
+    #[must_use]
+    pub fn paces(&self) -> Vec<(UnixMillis, f64)> {
+        self.paces.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
 }
 
 #[async_trait]
@@ -68,6 +84,10 @@ impl Invoker for RecordingInvoker {
             self.clock.sleep_until(until).await;
         }
         Ok(())
+    }
+
+    fn pace_changed(&self, per_second: f64) {
+        self.paces.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((self.clock.now(), per_second));
     }
 }
 
