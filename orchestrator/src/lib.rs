@@ -348,7 +348,7 @@ impl Executor<'_> {
         let earlier_runs = self.state.lease().epoch > 1;
         if self.o.settings.lanes.is_some() {
             let stack = self.o.store_for(&self.o.settings.shard.scope());
-            let last_run = LastRun::judge(stack.load_pacer().await, &self.o.settings.quota, earlier_runs, self.o.clock.now())?;
+            let last_run = LastRun::judge(stack.load_pacer().await, self.o.settings.shared_pacer_quota(), earlier_runs, self.o.clock.now())?;
             let calendar_used = load_calendar_usage(stack.as_ref(), &self.o.settings.quota, self.o.clock.now()).await?;
             self.state.hydrate_shared(last_run, &calendar_used, self.o.clock.now());
             let marker = self.state.snapshots(false, self.o.clock.now()).pop().expect("the shared quota's snapshot").1;

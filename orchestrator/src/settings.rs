@@ -66,6 +66,14 @@ impl Settings {
         }
     }
 
+    /// The quota the stack's pacer of the shared quota keeps its windows under: every part
+    /// of it for a shard whose share moves (its share changes, its windows do not), else
+    /// `quota`. Its snapshot is judged against this one.
+    #[must_use]
+    pub fn shared_pacer_quota(&self) -> &Quota {
+        self.share_most.as_ref().unwrap_or(&self.quota)
+    }
+
     /// How `lane`'s jobs are ordered.
     #[must_use]
     pub fn ordering_of(&self, lane: &LaneId) -> JobOrder {

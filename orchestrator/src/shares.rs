@@ -37,12 +37,17 @@ pub(crate) struct ShareRun {
     held: u64,
     /// Until when they may be: the lease's validity after the last report that landed.
     valid_until: UnixMillis,
-    /// The report being written: the grant it asks, and when it was made.
-    writing: Option<(Grant, UnixMillis)>,
-    /// When the last report was made, and the shared units spent by then.
+    /// The report being written: the grant it asks, when it was made and the shared
+    /// units spent by then.
+    writing: Option<(Grant, UnixMillis, u64)>,
+    /// When the last report that landed was made, and the shared units spent by then:
+    /// the shard's pace is measured from it.
     last_report: (UnixMillis, u64),
     /// The shared quota held a lane back since the last report: the shard could use more.
     held_back: bool,
+    /// Whether a report of the run landed yet: until one does, the run asks for what the
+    /// shard's last run said it could use (it has no pace of its own yet).
+    reported: bool,
 }
 
 impl ShareRun {
@@ -63,6 +68,7 @@ impl ShareRun {
             writing: None,
             last_report: (started, 0),
             held_back: false,
+            reported: false,
         })
     }
 
@@ -119,11 +125,15 @@ impl ShareRun {
             }
             None => (ShareBook::even(self.parts, self.shards, now), None),
         };
-        let grant = book.report(self.shard, self.demand(spent, now), now, &self.timing);
+        let mut demand = self.demand(spent, now);
+        if !self.reported {
+            // A run that goes on from the last (a relay, the next kick) keeps its share:
+            // asking for its own pace so far (none) would give it up for a window.
+            demand = demand.max(book.held.get(self.shard).map_or(0, |holding| holding.demand));
+        }
+        let grant = book.report(self.shard, demand, now, &self.timing);
         self.held = self.held.min(grant.parts);
-        self.writing = Some((grant, now));
-        self.last_report = (now, spent);
-        self.held_back = false;
+        self.writing = Some((grant, now, spent));
         (book, version)
     }
 
@@ -131,10 +141,15 @@ impl ShareRun {
     /// is the shard's until the lease's validity from when the report was made. `true`
     /// when the parts paced under changed.
     pub fn written(&mut self, landed: bool) -> bool {
-        let Some((grant, made_at)) = self.writing.take() else { return false };
+        let Some((grant, made_at, spent)) = self.writing.take() else { return false };
         if !landed {
+            // The next report, soon, measures the pace from the last that landed: over
+            // the few milliseconds since this one, it would be anything.
             return false;
         }
+        self.last_report = (made_at, spent);
+        self.held_back = false;
+        self.reported = true;
         self.valid_until = made_at.plus(self.timing.valid_for);
         let before = self.held;
         self.held = grant.parts;

@@ -306,7 +306,7 @@ impl<'a> StackMachine<'a> {
         }
         let shares = ShareRun::for_settings(settings, lease_valid_for(cfg.lease_ttl), started);
         // A shard whose share moves holds in hand what the most it may get needs.
-        let mut many = settings.lanes.as_ref().map(|config| ManyLanes::new(config, settings.share_most.as_ref().unwrap_or(&settings.quota)));
+        let mut many = settings.lanes.as_ref().map(|config| ManyLanes::new(config, settings.shared_pacer_quota()));
         if let (Some(many), Some(_)) = (&mut many, &shares) {
             // No call before the first report to the share book landed.
             many.set_share(None);
@@ -1178,7 +1178,11 @@ impl<'a> StackMachine<'a> {
         if misgrouped > 0 {
             warn!(messages = misgrouped, "a message's group is not the lane its job names: the job's lane is used (producers set MessageGroupId = lane)");
         }
-        let horizon = self.receive_horizon(now);
+        // Near the run's end too, a lane keeps what it could dispatch before the jobs'
+        // visibility timeout: what it holds at the stop goes back on the queue at once, for
+        // the next run (a relay's), where jobs given back now would come back a second or
+        // more later and leave the next run's first moments without them.
+        let horizon = self.visibility_horizon(now);
         let many = self.many.as_mut().expect("many lanes");
         for (index, messages) in &mut by_lane {
             self.lanes[*index].take_in(std::mem::take(messages), now);
@@ -1656,9 +1660,15 @@ impl<'a> StackMachine<'a> {
     /// Jobs received at `now` must be dispatched by this slot (before their visibility
     /// timeout, with a fifth of it to spare), and no later than the run's end.
     fn receive_horizon(&self, now: UnixMillis) -> UnixMillis {
-        let visibility = self.settings.orchestrator.visibility_timeout;
         let stop_at = self.timers.get(Timer::Stop).unwrap_or(UnixMillis(u64::MAX));
-        now.plus(visibility).minus(visibility / 5).min(stop_at).plus(self.lead())
+        self.visibility_horizon(now).min(stop_at.plus(self.lead()))
+    }
+
+    /// Jobs in hand at `now` can be dispatched until this slot: before their visibility
+    /// timeout, with a fifth of it to spare.
+    fn visibility_horizon(&self, now: UnixMillis) -> UnixMillis {
+        let visibility = self.settings.orchestrator.visibility_timeout;
+        now.plus(visibility).minus(visibility / 5).plus(self.lead())
     }
 
     /// What is left to settle at the end: deletes not yet sent, messages still in hand

@@ -88,3 +88,39 @@ async fn a_shard_whose_run_drained_leaves_its_share_to_the_others_within_seconds
         assert!(in_second(n) >= 98, "second {n} held {} of the busy shard's calls", in_second(n));
     }
 }
+
+/// Both shards busy, so each holds half the shared 100/s; shard 0's run ends at its
+/// deadline and its next run (a relay's) starts at once, and goes on at its half from
+/// its first moments. It failed three ways before: the next run distrusted the last
+/// one's snapshot of the shared quota (kept under the whole quota, judged against the
+/// even share) and held a window; its first report asked for its pace so far (none)
+/// and gave the half up to the other shard for a window; and the last run, near its
+/// end, had given its jobs back to the queue for a second or more instead of leaving
+/// them for the next. Together the shards never pass the shared tier.
+#[tokio::test(start_paused = true)]
+async fn a_shard_s_next_run_keeps_the_share_its_last_run_held() {
+    let book = Arc::new(MemoryDocuments::default());
+    let (first, second) = (shard(0, true, &book), shard(1, true, &book));
+    let queues: Vec<Arc<dyn JobQueue>> = vec![first.store.clone(), second.store.clone()];
+    let (first_lane, second_lane) = (lane_on(0), lane_on(1));
+    enqueue(&first, (0..4_000).map(|i| lane_job(&first_lane, &format!("a{i}")))).await;
+    enqueue(&second, (0..4_000).map(|i| lane_job(&second_lane, &format!("b{i}")))).await;
+    let first = Lane { orchestrator: first.orchestrator.with_shard_queues(queues.clone()).unwrap(), ..first };
+    let second = Lane { orchestrator: second.orchestrator.with_shard_queues(queues).unwrap(), ..second };
+    let two_runs = async {
+        first.orchestrator.run(&opts(false, Duration::from_secs(12))).await.unwrap();
+        first.orchestrator.run(&opts(false, Duration::from_secs(24))).await.unwrap()
+    };
+    let whole_time = opts(false, Duration::from_secs(24));
+    let (_, other) = tokio::join!(two_runs, second.orchestrator.run(&whole_time));
+    other.unwrap();
+
+    let (calls, others) = (offsets(&first), offsets(&second));
+    let mut both: Vec<u64> = calls.iter().chain(&others).copied().collect();
+    both.sort_unstable();
+    assert!(busiest_second(&both) <= 100, "a second held {} calls of the shared 100/s", busiest_second(&both));
+    // The first run stops a deadline margin (1 s) before its deadline; the next goes on.
+    let in_second = |n: u64| calls.iter().filter(|t| **t >= n * 1_000 && **t < (n + 1) * 1_000).count();
+    let per_second: Vec<usize> = (3..22).map(in_second).collect();
+    assert!(per_second.iter().all(|n| *n >= 45), "shard 0's calls, seconds 3 to 21: {per_second:?}");
+}
