@@ -1178,11 +1178,7 @@ impl<'a> StackMachine<'a> {
         if misgrouped > 0 {
             warn!(messages = misgrouped, "a message's group is not the lane its job names: the job's lane is used (producers set MessageGroupId = lane)");
         }
-        // Near the run's end too, a lane keeps what it could dispatch before the jobs'
-        // visibility timeout: what it holds at the stop goes back on the queue at once, for
-        // the next run (a relay's), where jobs given back now would come back a second or
-        // more later and leave the next run's first moments without them.
-        let horizon = self.visibility_horizon(now);
+        let horizon = self.receive_horizon(now);
         let many = self.many.as_mut().expect("many lanes");
         for (index, messages) in &mut by_lane {
             self.lanes[*index].take_in(std::mem::take(messages), now);
@@ -1660,15 +1656,9 @@ impl<'a> StackMachine<'a> {
     /// Jobs received at `now` must be dispatched by this slot (before their visibility
     /// timeout, with a fifth of it to spare), and no later than the run's end.
     fn receive_horizon(&self, now: UnixMillis) -> UnixMillis {
-        let stop_at = self.timers.get(Timer::Stop).unwrap_or(UnixMillis(u64::MAX));
-        self.visibility_horizon(now).min(stop_at.plus(self.lead()))
-    }
-
-    /// Jobs in hand at `now` can be dispatched until this slot: before their visibility
-    /// timeout, with a fifth of it to spare.
-    fn visibility_horizon(&self, now: UnixMillis) -> UnixMillis {
         let visibility = self.settings.orchestrator.visibility_timeout;
-        now.plus(visibility).minus(visibility / 5).plus(self.lead())
+        let stop_at = self.timers.get(Timer::Stop).unwrap_or(UnixMillis(u64::MAX));
+        now.plus(visibility).minus(visibility / 5).min(stop_at).plus(self.lead())
     }
 
     /// What is left to settle at the end: deletes not yet sent, messages still in hand
