@@ -37,9 +37,9 @@ pub(crate) struct ShareRun {
     held: u64,
     /// Until when they may be: the lease's validity after the last report that landed.
     valid_until: UnixMillis,
-    /// The report being written: the grant it asks, when it was made and the shared
-    /// units spent by then.
-    writing: Option<(Grant, UnixMillis, u64)>,
+    /// The report being written: the grant it asks, when it was made, the shared units
+    /// spent by then, and whether a lane had been held back.
+    writing: Option<(Grant, UnixMillis, u64, bool)>,
     /// When the last report that landed was made, and the shared units spent by then:
     /// the shard's pace is measured from it.
     last_report: (UnixMillis, u64),
@@ -133,7 +133,7 @@ impl ShareRun {
         }
         let grant = book.report(self.shard, demand, now, &self.timing);
         self.held = self.held.min(grant.parts);
-        self.writing = Some((grant, now, spent));
+        self.writing = Some((grant, now, spent, std::mem::take(&mut self.held_back)));
         (book, version)
     }
 
@@ -141,14 +141,15 @@ impl ShareRun {
     /// is the shard's until the lease's validity from when the report was made. `true`
     /// when the parts paced under changed.
     pub fn written(&mut self, landed: bool) -> bool {
-        let Some((grant, made_at, spent)) = self.writing.take() else { return false };
+        let Some((grant, made_at, spent, held_back)) = self.writing.take() else { return false };
         if !landed {
-            // The next report, soon, measures the pace from the last that landed: over
-            // the few milliseconds since this one, it would be anything.
+            // The next report, soon, measures the pace from the last that landed (over
+            // the few milliseconds since this one, it would be anything) and says again
+            // that a lane was held back.
+            self.held_back |= held_back;
             return false;
         }
         self.last_report = (made_at, spent);
-        self.held_back = false;
         self.reported = true;
         self.valid_until = made_at.plus(self.timing.valid_for);
         let before = self.held;
@@ -170,7 +171,9 @@ impl ShareRun {
 
     /// The write failed: the report is over, the parts stay as lowered.
     pub fn write_failed(&mut self) {
-        self.writing = None;
+        if let Some((.., held_back)) = self.writing.take() {
+            self.held_back |= held_back;
+        }
     }
 
     /// No report landed for the lease's validity: the shard holds nothing from `now`.
@@ -203,6 +206,29 @@ mod tests {
     /// The shared 100/s as the run paces it now (`None`: no call may go).
     fn pace(run: &ShareRun) -> Option<u64> {
         run.quota().map(|quota| quota.tiers()[0].limit)
+    }
+
+    /// A report whose write another shard's beat is made again soon after: it measures
+    /// the shard's pace from the last report that landed, not over the few milliseconds
+    /// since the lost one, and says again that a lane was held back.
+    #[test]
+    fn a_report_made_again_after_a_lost_write_measures_from_the_last_that_landed() {
+        let valid_for = Duration::from_secs(24);
+        let mut run = ShareRun::for_settings(&settings(0), valid_for, UnixMillis(0)).unwrap();
+        let (book, _) = run.report(None, 0, UnixMillis(0));
+        run.written(true);
+        // A second at its whole half (50 units): it asks for every part.
+        let (_, _) = run.report(Some((book.clone(), 1)), 50, UnixMillis(1_000));
+        run.written(false);
+        let (again, _) = run.report(Some((book.clone(), 1)), 50, UnixMillis(1_020));
+        assert_eq!(again.held[0].demand, 100, "its pace over the second, not over 20 ms: {again:?}");
+        // Held back, and the write lost: the next report still asks for every part.
+        run.written(true);
+        run.held_back();
+        let _ = run.report(Some((book.clone(), 2)), 50, UnixMillis(2_000));
+        run.written(false);
+        let (after_loss, _) = run.report(Some((book, 2)), 50, UnixMillis(2_020));
+        assert_eq!(after_loss.held[0].demand, 100, "{after_loss:?}");
     }
 
     #[test]
