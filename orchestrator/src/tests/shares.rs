@@ -30,18 +30,25 @@ fn shard(index: usize, moving: bool, book: &Arc<MemoryDocuments>) -> Lane {
     lane
 }
 
-/// Runs both shards for 30 s, or until each drained (shard 0 with `busy` jobs, shard 1
-/// with 20), and gives each one's call instants in ms from T0, and the paces shard 0's
-/// invoker was told.
-async fn run_both(moving: bool, busy: usize, drain: bool) -> (Vec<u64>, Vec<u64>, Vec<f64>) {
+/// Both shards of one share book (moving or fixed), each sending on what is not its
+/// own to the other's queue, with `jobs.0` and `jobs.1` jobs of a lane of its own.
+async fn two_shards(moving: bool, jobs: (usize, usize)) -> (Lane, Lane) {
     let book = Arc::new(MemoryDocuments::default());
     let (first, second) = (shard(0, moving, &book), shard(1, moving, &book));
     let queues: Vec<Arc<dyn JobQueue>> = vec![first.store.clone(), second.store.clone()];
     let (first_lane, second_lane) = (lane_on(0), lane_on(1));
-    enqueue(&first, (0..busy).map(|i| lane_job(&first_lane, &format!("a{i}")))).await;
-    enqueue(&second, (0..20).map(|i| lane_job(&second_lane, &format!("b{i}")))).await;
+    enqueue(&first, (0..jobs.0).map(|i| lane_job(&first_lane, &format!("a{i}")))).await;
+    enqueue(&second, (0..jobs.1).map(|i| lane_job(&second_lane, &format!("b{i}")))).await;
     let first = Lane { orchestrator: first.orchestrator.with_shard_queues(queues.clone()).unwrap(), ..first };
     let second = Lane { orchestrator: second.orchestrator.with_shard_queues(queues).unwrap(), ..second };
+    (first, second)
+}
+
+/// Runs both shards for 30 s, or until each drained (shard 0 with `busy` jobs, shard 1
+/// with 20), and gives each one's call instants in ms from T0, and the paces shard 0's
+/// invoker was told.
+async fn run_both(moving: bool, busy: usize, drain: bool) -> (Vec<u64>, Vec<u64>, Vec<f64>) {
+    let (first, second) = two_shards(moving, (busy, 20)).await;
     let run = opts(drain, Duration::from_secs(30));
     let (a, b) = tokio::join!(first.orchestrator.run(&run), second.orchestrator.run(&run));
     a.unwrap();
@@ -98,14 +105,7 @@ async fn a_shard_whose_run_drained_leaves_its_share_to_the_others_within_seconds
 /// Together the shards never pass the shared tier.
 #[tokio::test(start_paused = true)]
 async fn a_shard_s_next_run_keeps_the_share_its_last_run_held() {
-    let book = Arc::new(MemoryDocuments::default());
-    let (first, second) = (shard(0, true, &book), shard(1, true, &book));
-    let queues: Vec<Arc<dyn JobQueue>> = vec![first.store.clone(), second.store.clone()];
-    let (first_lane, second_lane) = (lane_on(0), lane_on(1));
-    enqueue(&first, (0..4_000).map(|i| lane_job(&first_lane, &format!("a{i}")))).await;
-    enqueue(&second, (0..4_000).map(|i| lane_job(&second_lane, &format!("b{i}")))).await;
-    let first = Lane { orchestrator: first.orchestrator.with_shard_queues(queues.clone()).unwrap(), ..first };
-    let second = Lane { orchestrator: second.orchestrator.with_shard_queues(queues).unwrap(), ..second };
+    let (first, second) = two_shards(true, (4_000, 4_000)).await;
     let two_runs = async {
         first.orchestrator.run(&opts(false, Duration::from_secs(12))).await.unwrap();
         first.orchestrator.run(&opts(false, Duration::from_secs(24))).await.unwrap()
