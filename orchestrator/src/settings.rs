@@ -117,7 +117,7 @@ impl Settings {
     /// of the shared quota (`share_most`); else [`Settings::worker_stripes`].
     #[must_use]
     pub fn most_worker_stripes(&self) -> usize {
-        self.share_most.as_ref().map_or_else(|| self.worker_stripes(), |most| self.stripes_for(most.sustained_per_second()).max(self.worker_stripes()))
+        self.stripes_for(self.shared_pacer_quota().sustained_per_second()).max(self.worker_stripes())
     }
 
     /// How many stripes of batches keep each worker at `worker_pace` when the stack hands
