@@ -144,7 +144,10 @@ pub fn drain(
             Action::Flush(..) => Event::Flushed(Ok(())),
             Action::StartRelay(_) => Event::RelayStarted(Ok(())),
             Action::Reserve(lane, needed) => Event::Reserved(lane, needed, Ok(())),
-            Action::ReserveShared(needed) => Event::SharedReserved(needed, Ok(())),
+            Action::ReserveShared(needed) => {
+                let granted = needed.iter().map(|reservation| reservation.units).collect();
+                Event::SharedReserved(needed, Ok(granted))
+            }
             Action::HydrateLane(lane) => {
                 // A fresh store: nothing used in any tier.
                 let calendar_used = vec![0; machine.lane_scope(lane).1.tiers().len()];

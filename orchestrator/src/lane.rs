@@ -25,7 +25,7 @@ use crate::handover::LastRun;
 use crate::order_gate::{GateStep, OrderGate};
 use crate::report::TierMeter;
 use crate::report::TierReport;
-use crate::reservations::Reservations;
+use crate::reservations::{Reservation, Reservations};
 use crate::settings::{RunError, Settings};
 use crate::timers::{passing, timer_kind, Backoff, TimerTable};
 
@@ -108,9 +108,9 @@ pub(crate) enum LaneStep {
     /// Nothing before this instant (its slot, its spacing, a call slot, a health check).
     WaitUntil(UnixMillis),
     /// Reserve these calendar units before the next call spends them.
-    Reserve(Vec<(String, u64)>),
+    Reserve(Vec<Reservation>),
     /// Reserve these calendar units of the quota the stack's lanes share first.
-    ReserveShared(Vec<(String, u64)>),
+    ReserveShared(Vec<Reservation>),
     /// Move this message to the jobs DLQ with its reason; its job where it parsed.
     DeadLetter(QueuedMessage, DeadLetterReason, Option<Box<Job>>),
     /// Hand this job to a worker.
@@ -1084,11 +1084,11 @@ impl<'a> LaneMachine<'a> {
     ///
     /// # Errors
     /// A fatal port error.
-    pub fn on_reserved(&mut self, needed: Vec<(String, u64)>, result: PortResult<()>, now: UnixMillis) -> Result<(), RunError> {
+    pub fn on_reserved(&mut self, needed: Vec<Reservation>, result: PortResult<()>, now: UnixMillis) -> Result<(), RunError> {
         match result {
             Ok(()) => {
                 self.reserve_backoff.succeeded();
-                self.reserved.add(needed);
+                needed.into_iter().for_each(|reservation| self.reserved.add(reservation.key, reservation.units));
                 Ok(())
             }
             Err(e) => self.retry_later(e, LaneTimer::Reserve, now, "could not reserve calendar units; nothing is dispatched meanwhile"),

@@ -50,8 +50,8 @@ use paceline_shared::order::OrderMark;
 use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, OutcomeTimes};
 use paceline_shared::pacer::MissedSlots;
 use paceline_shared::ports::{
-    load_calendar_usage, read_document, write_document, Invoker, JobQueue, LaneSignals, Lease, OutcomeSink, OutgoingMessage, PacerSnapshot, PortError,
-    PortResult, QueuedMessage, ScopedStores, StackDocument, StackDocuments, StateStore, VisibleAgain, CALL_SLOTS_FULL_KEY,
+    load_calendar_usage, load_shared_calendar_usage, read_document, write_document, Invoker, JobQueue, LaneSignals, Lease, OutcomeSink, OutgoingMessage,
+    PacerSnapshot, PortError, PortResult, QueuedMessage, ScopedStores, StackDocument, StackDocuments, StateStore, VisibleAgain, CALL_SLOTS_FULL_KEY,
 };
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, UnixMillis};
@@ -63,8 +63,9 @@ pub use fairness::{jain_index, FAIRNESS_WINDOW};
 use handover::{LastRun, Relay};
 use homes::HomesRun;
 pub use report::{Fairness, LaneReport, Progress, RunReport, StopReason, TierReport};
+use reservations::Reservation;
 pub use settings::{RunError, Settings};
-use stack::{Action, CallSlotsRead, Event, LaneRead, LaneStart, Retune, SharedState, StackMachine, DELETE_BATCH};
+use stack::{Action, CallSlotsRead, Event, LaneRead, LaneStart, Leftovers, Retune, SharedState, StackMachine, DELETE_BATCH};
 
 /// How long before the next scheduled kick a run stops dispatching (time to settle its
 /// last hand-offs, flush and give the lease up).
@@ -196,6 +197,44 @@ impl Orchestrator {
         }
     }
 
+    /// The counters a stack of shards reserves the shared quota's day and month units
+    /// from, one for the stack; `None` for a stack of one shard, which counts them in its
+    /// own scope as it always has.
+    fn shared_counters(&self) -> Option<&Arc<dyn StackDocuments>> {
+        self.documents.as_ref().filter(|_| self.settings.shard.of > 1)
+    }
+
+    /// What the shared quota's day and month tiers have used at `now`, by tier.
+    async fn shared_calendar_usage(&self, now: UnixMillis) -> PortResult<Vec<u64>> {
+        match self.shared_counters() {
+            Some(counters) => load_shared_calendar_usage(counters.as_ref(), &self.settings.quota, now).await,
+            None => load_calendar_usage(self.store_for(&self.settings.shard.scope()).as_ref(), &self.settings.quota, now).await,
+        }
+    }
+
+    /// Reserves `needed` of the shared quota's day and month units: the units granted of
+    /// each (in a stack of shards, fewer than asked where the other shards hold the rest).
+    async fn reserve_shared(&self, needed: &[Reservation]) -> PortResult<Vec<u64>> {
+        let Some(counters) = self.shared_counters() else {
+            self.store_for(&self.settings.shard.scope()).add_usage(&as_deltas(needed)).await?;
+            return Ok(needed.iter().map(|reservation| reservation.units).collect());
+        };
+        let mut granted = Vec::with_capacity(needed.len());
+        for reservation in needed {
+            granted.push(counters.reserve_shared(&reservation.key, reservation.units, reservation.limit).await?);
+        }
+        Ok(granted)
+    }
+
+    /// Gives back the shared quota's units reserved and not spent (negative deltas).
+    async fn return_shared(&self, unspent: &[(String, i64)]) -> PortResult<()> {
+        let Some(counters) = self.shared_counters() else { return self.store_for(&self.settings.shard.scope()).add_usage(unspent).await };
+        for (key, delta) in unspent {
+            counters.return_shared(key, delta.unsigned_abs()).await?;
+        }
+        Ok(())
+    }
+
     /// The same orchestrator giving back to its pacer the slots its workers (in this
     /// process, sharing `missed`) started too late to call at.
     #[must_use]
@@ -324,8 +363,8 @@ impl Orchestrator {
 /// Performs the decision step's actions through the ports: the ones the loop waits for
 /// inline, the hand-offs, health checks, receives and deletes in the background, so
 /// Units to reserve as the store's deltas.
-fn as_deltas(needed: &[(String, u64)]) -> Vec<(String, i64)> {
-    needed.iter().map(|(key, units)| (key.clone(), i64::try_from(*units).unwrap_or(i64::MAX))).collect()
+fn as_deltas(needed: &[Reservation]) -> Vec<(String, i64)> {
+    needed.iter().map(|reservation| (reservation.key.clone(), i64::try_from(reservation.units).unwrap_or(i64::MAX))).collect()
 }
 
 /// that none of their latencies delays the next slot (pacing is about frequency).
@@ -349,7 +388,7 @@ impl Executor<'_> {
         if self.o.settings.lanes.is_some() {
             let stack = self.o.store_for(&self.o.settings.shard.scope());
             let last_run = LastRun::judge(stack.load_pacer().await, self.o.settings.shared_pacer_quota(), earlier_runs, self.o.clock.now())?;
-            let calendar_used = load_calendar_usage(stack.as_ref(), &self.o.settings.quota, self.o.clock.now()).await?;
+            let calendar_used = self.o.shared_calendar_usage(self.o.clock.now()).await?;
             self.state.hydrate_shared(last_run, &calendar_used, self.o.clock.now());
             let marker = self.state.snapshots(false, self.o.clock.now()).pop().expect("the shared quota's snapshot").1;
             return self.mark_under_way(stack.as_ref(), &marker).await;
@@ -520,7 +559,7 @@ impl Executor<'_> {
                 Event::Reserved(lane, needed, result)
             }
             Action::ReserveShared(needed) => {
-                let result = o.store_for(&o.settings.shard.scope()).add_usage(&as_deltas(&needed)).await;
+                let result = o.reserve_shared(&needed).await;
                 Event::SharedReserved(needed, result)
             }
             Action::DeadLetter(message, mut reason, job) => {
@@ -675,14 +714,14 @@ impl Executor<'_> {
                 warn!(error = %e, "while settling the last background work");
             }
         }
-        let (deletes, in_hand, unspent) = self.state.leftovers();
+        let Leftovers { deletes, in_hand, unspent, shared_unspent } = self.state.leftovers();
         let deleted = in_batches(&deletes, |batch| o.queue.delete(batch)).await;
         let in_hand = VisibleAgain::all(in_hand, Duration::ZERO);
         let released = in_batches(&in_hand, |batch| o.queue.release(batch)).await;
         if released.is_ok() {
             self.state.report.released += in_hand.len() as u64;
         }
-        let mut returned = Ok(());
+        let mut returned = o.return_shared(&shared_unspent).await;
         for (scope, deltas) in &unspent {
             returned = returned.and(o.store_for(scope).add_usage(deltas).await);
         }

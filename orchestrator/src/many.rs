@@ -19,7 +19,7 @@ use paceline_shared::time::UnixMillis;
 use crate::fairness::FairnessMeter;
 use crate::lane::{LaneMachine, SharedCalendar};
 use crate::report::TierMeter;
-use crate::reservations::Reservations;
+use crate::reservations::{Reservation, Reservations};
 use crate::schedule::Scheduler;
 use crate::stack::RECEIVE_BATCH;
 use crate::timers::LaneDeadlines;
@@ -231,6 +231,16 @@ impl<'a> ManyLanes<'a> {
         } else {
             self.may_recall.remove(&index);
         }
+    }
+
+    /// The stack's counter of a shared day or month tier had fewer units left than
+    /// `reservation` asked (a stack's other shards hold the rest): until the tier's
+    /// window resets, this shard spends only what it holds, its pacer counting the rest
+    /// as used.
+    pub fn calendar_short(&mut self, reservation: &Reservation) {
+        let used = reservation.limit.saturating_sub(self.reserved.held(&reservation.key));
+        let counted = self.pacer.usage(&self.shared, reservation.slot)[reservation.tier];
+        self.pacer.set_calendar_used(&self.shared, reservation.tier, used.max(counted), reservation.slot);
     }
 
     /// The shared quota as a lane's dispatch sees it.

@@ -1,6 +1,9 @@
 //! Day and month units reserved in the store before they are spent, a block at a time (a
 //! lane's own, or the quota its lanes share): a run that starts after a crash reads the
 //! store's count, which already holds every unit spent, so no restart overruns a tier.
+//! The shards of a stack reserve the shared quota's units from one counter that never
+//! passes the limit: a shard may be granted fewer than it asked, and then spends only
+//! what it holds until the window resets.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -11,6 +14,21 @@ use paceline_shared::time::UnixMillis;
 
 /// Units reserved at a time when no rolling tier sets a pace.
 const RESERVATION_WITHOUT_PACE: u64 = 10;
+
+/// Units of one calendar tier to reserve before they are spent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Reservation {
+    /// The tier's counter for the calendar window that holds `slot`.
+    pub key: String,
+    pub units: u64,
+    /// The tier's index in its quota.
+    pub tier: usize,
+    /// The tier's limit: a counter that a stack's shards reserve from together is never
+    /// taken past it.
+    pub limit: u64,
+    /// The slot the units are for.
+    pub slot: UnixMillis,
+}
 
 /// Calendar units reserved in the store and not yet spent, by usage key.
 #[derive(Debug, Default)]
@@ -23,7 +41,7 @@ impl Reservations {
     /// what it used so far): for each calendar tier whose reserved units fall short, a
     /// block of what the pace uses in `block_for`, no more than the tier has left and
     /// at least the shortfall. Empty in the common case, on every dispatch.
-    pub fn needed(&self, quota: &Quota, pacer: &PacerState, cost: u64, slot: UnixMillis, block_for: Duration) -> Vec<(String, u64)> {
+    pub fn needed(&self, quota: &Quota, pacer: &PacerState, cost: u64, slot: UnixMillis, block_for: Duration) -> Vec<Reservation> {
         let mut needed = Vec::new();
         for (index, tier) in quota.tiers().iter().enumerate().filter(|(_, t)| t.is_calendar()) {
             let key = tier.usage_key(quota.zone(), slot);
@@ -34,16 +52,19 @@ impl Reservations {
             let rate = quota.pace_per_second();
             let block = if rate.is_finite() { (rate * block_for.as_secs_f64()).ceil() as u64 } else { RESERVATION_WITHOUT_PACE };
             let left = tier.limit.saturating_sub(pacer.usage(quota, slot)[index]).saturating_sub(have);
-            needed.push((key, block.min(left).max(cost - have)));
+            needed.push(Reservation { key, units: block.min(left).max(cost - have), tier: index, limit: tier.limit, slot });
         }
         needed
     }
 
-    /// The store took `needed`.
-    pub fn add(&mut self, needed: Vec<(String, u64)>) {
-        for (key, units) in needed {
-            *self.reserved.entry(key).or_default() += units;
-        }
+    /// The store granted `units` under `key`.
+    pub fn add(&mut self, key: String, units: u64) {
+        *self.reserved.entry(key).or_default() += units;
+    }
+
+    /// The units held under `key` and not yet spent.
+    pub fn held(&self, key: &str) -> u64 {
+        self.reserved.get(key).copied().unwrap_or(0)
     }
 
     /// `cost` units went at `slot` under `quota`.

@@ -74,7 +74,7 @@ impl ShareRun {
 
     /// The quota the shard paces under now; `None` while it holds no part.
     pub fn quota(&self) -> Option<Quota> {
-        quota_of_parts(&self.most, &self.most, self.held, self.parts)
+        quota_of_parts(&self.most, self.held, self.parts)
     }
 
     /// The parts held now.

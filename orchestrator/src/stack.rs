@@ -34,6 +34,7 @@ pub(crate) use crate::lane::{CallSlotsRead, HandOff, Retune, SharedState};
 use crate::lane::{LaneMachine, LaneStep};
 use crate::many::{ManyLanes, FAIR_SHARE_STRETCH, RECALL_STRETCH};
 use crate::report::{Fairness, LaneReport, Progress, RunReport, StopReason};
+use crate::reservations::Reservation;
 use crate::settings::{RunError, Settings};
 use crate::shares::ShareRun;
 use crate::timers::{passing, Backoff, Timer, TimerTable};
@@ -100,10 +101,10 @@ pub(crate) enum Action {
     /// (await it).
     Flush(Lease, Vec<(StoreScope, PacerSnapshot)>),
     /// Add these calendar units to this lane's counters before they are spent (await it).
-    Reserve(usize, Vec<(String, u64)>),
-    /// Add these calendar units to the shared quota's counters before they are spent
-    /// (await it).
-    ReserveShared(Vec<(String, u64)>),
+    Reserve(usize, Vec<Reservation>),
+    /// Reserve these calendar units from the shared quota's counters before they are
+    /// spent (await it): in a stack of shards, the counters all its shards reserve from.
+    ReserveShared(Vec<Reservation>),
     /// Read a lane's last snapshot, calendar usage and circuit, the first time it has
     /// jobs in this run (await it).
     HydrateLane(usize),
@@ -157,8 +158,9 @@ pub(crate) enum Event {
     CircuitSwapped(usize, Circuit, PortResult<()>),
     OrderRead(usize, PortResult<Option<OrderMark>>),
     Flushed(PortResult<()>),
-    Reserved(usize, Vec<(String, u64)>, PortResult<()>),
-    SharedReserved(Vec<(String, u64)>, PortResult<()>),
+    Reserved(usize, Vec<Reservation>, PortResult<()>),
+    /// The shared quota's units asked, and those granted of each.
+    SharedReserved(Vec<Reservation>, PortResult<Vec<u64>>),
     LaneHydrated(usize, PortResult<LaneStart>),
     DeadLettered(QueuedMessage, PortResult<()>),
     Forwarded(Vec<QueuedMessage>, PortResult<()>),
@@ -195,6 +197,18 @@ pub(crate) enum Event {
 
 /// Calendar units a lane reserved and did not spend (negative deltas), in its scope.
 pub(crate) type UnspentUnits = (StoreScope, Vec<(String, i64)>);
+
+/// What a run leaves to settle at its end.
+pub(crate) struct Leftovers {
+    /// Deletes not yet sent.
+    pub deletes: Vec<String>,
+    /// Receipts of the messages still in hand.
+    pub in_hand: Vec<String>,
+    /// The lanes' calendar units reserved and not spent.
+    pub unspent: Vec<UnspentUnits>,
+    /// The shared quota's calendar units reserved and not spent (negative deltas).
+    pub shared_unspent: Vec<(String, i64)>,
+}
 
 /// A lane's state as re-read with others: its settings not applied, and an operator's
 /// change of them in the store.
@@ -1336,8 +1350,14 @@ impl<'a> StackMachine<'a> {
                 self.touch(lane);
                 self.lanes[lane].on_reserved(needed, result, now)
             }
-            Event::SharedReserved(needed, Ok(())) => {
-                self.many.as_mut().expect("many lanes").reserved.add(needed);
+            Event::SharedReserved(needed, Ok(granted)) => {
+                let many = self.many.as_mut().expect("many lanes");
+                for (reservation, units) in needed.into_iter().zip(granted) {
+                    many.reserved.add(reservation.key.clone(), units);
+                    if units < reservation.units {
+                        many.calendar_short(&reservation);
+                    }
+                }
                 Ok(())
             }
             Event::SharedReserved(_, Err(e)) => {
@@ -1662,18 +1682,13 @@ impl<'a> StackMachine<'a> {
     }
 
     /// What is left to settle at the end: deletes not yet sent, messages still in hand
-    /// (the surplus waiting to go back included), and each lane's reserved units not
-    /// spent (as negative deltas, with the lane's scope).
-    pub fn leftovers(&mut self) -> (Vec<String>, Vec<String>, Vec<UnspentUnits>) {
+    /// (the surplus waiting to go back included), each lane's reserved units not spent
+    /// (as negative deltas, with the lane's scope), and the shared quota's.
+    pub fn leftovers(&mut self) -> Leftovers {
         let deletes = std::mem::take(&mut self.pending_deletes);
         let mut in_hand: Vec<String> = self.to_release.drain(..).map(|message| message.receipt).collect();
         let mut unspent = Vec::new();
-        if let Some(many) = &mut self.many {
-            let shared = many.reserved.take_unspent();
-            if !shared.is_empty() {
-                unspent.push((self.settings.shard.scope(), shared));
-            }
-        }
+        let shared_unspent = self.many.as_mut().map(|many| many.reserved.take_unspent()).unwrap_or_default();
         for lane in &mut self.lanes {
             let (held, lane_unspent) = lane.leftovers();
             in_hand.extend(held);
@@ -1681,7 +1696,7 @@ impl<'a> StackMachine<'a> {
                 unspent.push((StoreScope::Lane(lane.id().clone()), lane_unspent));
             }
         }
-        (deletes, in_hand, unspent)
+        Leftovers { deletes, in_hand, unspent, shared_unspent }
     }
 
     /// Closes the report at `now`: one lane's figures are the stack's; with many, the

@@ -708,8 +708,9 @@ impl StackDocument {
     }
 }
 
-/// Where a stack of shards keeps its [`StackDocument`]s: each written only over the
-/// version read.
+/// Where a stack of shards keeps its [`StackDocument`]s, each written only over the
+/// version read, and the counters from which its shards reserve the shared quota's day
+/// and month units.
 #[async_trait]
 pub trait StackDocuments: Send + Sync {
     /// The document's JSON and its version, read consistently; `None` before any was
@@ -719,6 +720,29 @@ pub trait StackDocuments: Send + Sync {
     /// Writes `json` as the document's next version if the stored one is still
     /// `expected` (`None`: none stored yet); `Ok(false)` when another wrote first.
     async fn put_document(&self, document: StackDocument, json: &str, expected: Option<u64>) -> PortResult<bool>;
+
+    /// What the stack-wide counters of the shared quota's day and month tiers hold, by
+    /// usage key (0 for one never written), read consistently. Shard 0's counters in the
+    /// stack's scope are these: a stack of one shard kept the same.
+    ///
+    /// # Errors
+    /// Transport errors.
+    async fn shared_counts(&self, keys: &[String]) -> PortResult<Vec<u64>>;
+
+    /// Adds up to `wanted` units to the stack-wide counter `key` without ever taking it
+    /// past `limit`, so that the shards reserving from it together never pass the tier:
+    /// the units added (fewer than `wanted` where the other shards hold the rest, 0 at
+    /// the limit).
+    ///
+    /// # Errors
+    /// Transport errors (nothing was added), or a counter too contended to reserve from.
+    async fn reserve_shared(&self, key: &str, wanted: u64, limit: u64) -> PortResult<u64>;
+
+    /// Takes `units` reserved and not spent back off the stack-wide counter `key`.
+    ///
+    /// # Errors
+    /// Transport errors (nothing was taken off: the counter stays over what was spent).
+    async fn return_shared(&self, key: &str, units: u64) -> PortResult<()>;
 }
 
 /// Document `document` as a `T`, and its version.
@@ -743,11 +767,18 @@ pub async fn write_document<T: Serialize + Sync>(store: &dyn StackDocuments, doc
 
 /// [`StackDocuments`] in memory: for tests, and the simulator's store.
 #[derive(Debug, Default)]
-pub struct MemoryDocuments(std::sync::Mutex<std::collections::BTreeMap<StackDocument, (String, u64)>>);
+pub struct MemoryDocuments {
+    documents: std::sync::Mutex<std::collections::BTreeMap<StackDocument, (String, u64)>>,
+    counters: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
+}
 
 impl MemoryDocuments {
     fn documents(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<StackDocument, (String, u64)>> {
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.documents.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn counters(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<String, u64>> {
+        self.counters.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -764,6 +795,26 @@ impl StackDocuments for MemoryDocuments {
         }
         documents.insert(document, (json.to_owned(), expected.map_or(1, |v| v + 1)));
         Ok(true)
+    }
+
+    async fn shared_counts(&self, keys: &[String]) -> PortResult<Vec<u64>> {
+        let counters = self.counters();
+        Ok(keys.iter().map(|key| counters.get(key).copied().unwrap_or(0)).collect())
+    }
+
+    async fn reserve_shared(&self, key: &str, wanted: u64, limit: u64) -> PortResult<u64> {
+        let mut counters = self.counters();
+        let used = counters.entry(key.to_owned()).or_default();
+        let units = wanted.min(limit.saturating_sub(*used));
+        *used += units;
+        Ok(units)
+    }
+
+    async fn return_shared(&self, key: &str, units: u64) -> PortResult<()> {
+        let mut counters = self.counters();
+        let used = counters.entry(key.to_owned()).or_default();
+        *used = used.saturating_sub(units);
+        Ok(())
     }
 }
 
@@ -822,13 +873,28 @@ pub fn slot_probe_start(holder: &str, capacity: u32) -> u32 {
 /// # Errors
 /// The store's.
 pub async fn load_calendar_usage(store: &dyn StateStore, quota: &Quota, now: UnixMillis) -> PortResult<Vec<u64>> {
-    let calendar: Vec<usize> = (0..quota.tiers().len()).filter(|i| quota.tiers()[*i].is_calendar()).collect();
-    let keys: Vec<String> = calendar.iter().map(|i| quota.tiers()[*i].usage_key(quota.zone(), now)).collect();
-    let mut used = vec![0; quota.tiers().len()];
-    for (index, units) in calendar.into_iter().zip(store.load_usage(&keys).await?) {
-        used[index] = units;
-    }
-    Ok(used)
+    Ok(by_tier(quota, store.load_usage(&calendar_keys(quota, now)).await?))
+}
+
+/// What each tier of the shared quota `quota` has used in its calendar window holding
+/// `now`, by tier index, as the stack-wide counters a stack's shards reserve from hold
+/// it (0 for rolling tiers).
+///
+/// # Errors
+/// The store's.
+pub async fn load_shared_calendar_usage(documents: &dyn StackDocuments, quota: &Quota, now: UnixMillis) -> PortResult<Vec<u64>> {
+    Ok(by_tier(quota, documents.shared_counts(&calendar_keys(quota, now)).await?))
+}
+
+/// The counters' keys of `quota`'s calendar tiers at `now`, in the tiers' order.
+fn calendar_keys(quota: &Quota, now: UnixMillis) -> Vec<String> {
+    quota.tiers().iter().filter(|tier| tier.is_calendar()).map(|tier| tier.usage_key(quota.zone(), now)).collect()
+}
+
+/// `counts` of `quota`'s calendar tiers (in their order) by tier index, 0 for the others.
+fn by_tier(quota: &Quota, counts: Vec<u64>) -> Vec<u64> {
+    let mut counts = counts.into_iter();
+    quota.tiers().iter().map(|tier| if tier.is_calendar() { counts.next().unwrap_or(0) } else { 0 }).collect()
 }
 
 /// Hands a payload to a worker without waiting for it to run (Lambda's `Event` invoke).
@@ -910,6 +976,11 @@ pub trait OutcomeSink: Send + Sync {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn memory_documents_keep_the_shared_counters_contract() {
+        crate::testing::contract::shared_counters(Arc::new(MemoryDocuments::default()), None).await;
+    }
 
     #[test]
     fn a_redrive_that_resets_attempts_resets_the_count_of_429s_too_and_one_that_keeps_them_keeps_it() {

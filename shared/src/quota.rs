@@ -310,18 +310,25 @@ impl Quota {
         Ok(Self { tiers, zone, safety_margin, spacing, strict_gaps: true, max_in_flight: None })
     }
 
-    /// Shard `index`'s share of this quota when `shards` shards divide it: each tier's
-    /// limit (and a `burst` tier's bucket) split as evenly as whole units allow, the
-    /// first shards taking one unit more, so the shares add up to the whole and no
-    /// window of any tier holds more than its limit across the shards.
+    /// Shard `index`'s share of this quota when `shards` shards divide it: each rolling
+    /// tier's limit (and a `burst` tier's bucket) split as evenly as whole units allow,
+    /// the first shards taking one unit more, so the shares add up to the whole and no
+    /// window of any tier holds more than its limit across the shards. A day or month
+    /// tier stays whole: the shards reserve its units from one counter in the store
+    /// ([`StackDocuments::reserve_shared`](crate::ports::StackDocuments::reserve_shared)),
+    /// which never passes it, so a busy shard can spend what an idle one does not.
     ///
     /// # Errors
-    /// A tier too small for every shard to have a unit of it, named.
+    /// A rolling tier too small for every shard to have a unit of it, named.
     pub fn share(&self, index: usize, shards: usize) -> Result<Self, String> {
         let shards = shards.max(1) as u64;
         let part = |whole: u64| whole / shards + u64::from((index as u64) < whole % shards);
         let mut tiers = Vec::with_capacity(self.tiers.len());
         for tier in &self.tiers {
+            if tier.is_calendar() {
+                tiers.push(*tier);
+                continue;
+            }
             if tier.limit < shards {
                 return Err(format!("tier {tier} cannot be divided among {shards} shards: each needs at least one unit of it"));
             }
@@ -470,17 +477,20 @@ mod tests {
         s.parse().unwrap()
     }
 
-    /// Shards' shares add up to each tier's whole limit (and bucket), none empty; a tier
-    /// smaller than the shards is refused, named.
+    /// Shards' shares of a rolling tier add up to its whole limit (and bucket), none
+    /// empty; a rolling tier smaller than the shards is refused, named; a day or month
+    /// tier stays whole in every share (the shards reserve it from one counter).
     #[test]
-    fn shards_shares_of_a_quota_add_up_to_each_tier_and_a_tier_too_small_is_refused() {
+    fn shards_shares_of_a_quota_add_up_to_each_rolling_tier_and_a_tier_too_small_is_refused() {
         let quota = Quota::new(vec![tier("10/s burst=7"), tier("1000/min"), tier("100003/day")], chrono_tz::UTC, Duration::from_millis(10)).unwrap();
         let shares: Vec<Quota> = (0..4).map(|index| quota.share(index, 4).unwrap()).collect();
-        for (index, whole) in quota.tiers().iter().enumerate() {
+        for (index, whole) in quota.tiers().iter().enumerate().filter(|(_, tier)| !tier.is_calendar()) {
             let limits: Vec<u64> = shares.iter().map(|share| share.tiers()[index].limit).collect();
             assert_eq!(limits.iter().sum::<u64>(), whole.limit, "{whole}: {limits:?}");
             assert!(limits.iter().all(|limit| limit * 4 >= whole.limit - 3), "{whole}: {limits:?}");
         }
+        assert!(shares.iter().all(|share| share.tiers()[2] == quota.tiers()[2]), "the day tier whole in every share");
+        assert!(Quota::new(vec![tier("3/day")], chrono_tz::UTC, Duration::ZERO).unwrap().share(3, 4).is_ok(), "a day tier of fewer units than shards");
         let buckets: Vec<u64> = shares
             .iter()
             .map(|share| match share.tiers()[0].spread {

@@ -19,8 +19,9 @@
 //!   after the same wait, and it no longer counts as running.
 //!
 //!
-//! The calendar tiers (day, month) stay divided evenly ([`crate::quota::Quota::share`]):
-//! each shard's counters are its own and a block once reserved cannot move.
+//! The calendar tiers (day, month) are not in the book: every shard paces under their
+//! whole limits and reserves their units a block at a time from one counter for the
+//! stack ([`crate::ports::StackDocuments::reserve_shared`]), which never passes a limit.
 
 use std::time::Duration;
 
@@ -275,11 +276,12 @@ pub fn longest_window(whole: &Quota) -> Duration {
 }
 
 /// The quota a shard holding `held` of `parts` paces under: each rolling tier of `whole`
-/// (and a `burst` tier's bucket) scaled down, rounded down, and the calendar tiers of its
-/// even share `calendar_share`, its spacing kept on average ([`Quota::strict_gaps`]: the
-/// shards' calls interleave). `None` when it holds nothing: it may not call at all.
+/// (and a `burst` tier's bucket) scaled down, rounded down, and its calendar tiers whole
+/// (the shards reserve them from one counter), its spacing kept on average
+/// ([`Quota::strict_gaps`]: the shards' calls interleave). `None` when it holds nothing:
+/// it may not call at all.
 #[must_use]
-pub fn quota_of_parts(whole: &Quota, calendar_share: &Quota, held: u64, parts: u64) -> Option<Quota> {
+pub fn quota_of_parts(whole: &Quota, held: u64, parts: u64) -> Option<Quota> {
     if held == 0 || parts == 0 {
         return None;
     }
@@ -287,8 +289,7 @@ pub fn quota_of_parts(whole: &Quota, calendar_share: &Quota, held: u64, parts: u
     let tiers = whole
         .tiers()
         .iter()
-        .zip(calendar_share.tiers())
-        .map(|(tier, calendar)| match tier.period {
+        .map(|tier| match tier.period {
             Period::Rolling(_) => {
                 let spread = match tier.spread {
                     Spread::Burst(bucket) => Spread::Burst(scaled(bucket)),
@@ -296,7 +297,7 @@ pub fn quota_of_parts(whole: &Quota, calendar_share: &Quota, held: u64, parts: u
                 };
                 Tier { limit: scaled(tier.limit), spread, ..*tier }
             }
-            Period::Day | Period::Month => *calendar,
+            Period::Day | Period::Month => *tier,
         })
         .collect();
     Some(whole.with_tiers(tiers).with_gaps_on_average())
@@ -304,14 +305,13 @@ pub fn quota_of_parts(whole: &Quota, calendar_share: &Quota, held: u64, parts: u
 
 /// Shard `index` of `count`'s even share of `whole` ([`Quota::share`]), and, where its
 /// share moves (a stack of shards, a quota with rolling tiers), the most it may pace
-/// under: the rolling tiers whole (the share book says how much of them it holds) and
-/// its even share of the calendar tiers.
+/// under: the whole quota (the share book says how much of its rolling tiers it holds).
 ///
 /// # Errors
-/// A tier too small for every shard to have a unit of it, named.
+/// A rolling tier too small for every shard to have a unit of it, named.
 pub fn shard_quota(whole: &Quota, index: usize, count: usize) -> Result<(Quota, Option<Quota>), String> {
     let even = whole.share(index, count)?;
-    let most = parts_of(whole).filter(|_| count > 1).and_then(|parts| quota_of_parts(whole, &even, parts, parts));
+    let most = parts_of(whole).filter(|_| count > 1).and_then(|parts| quota_of_parts(whole, parts, parts));
     Ok((even, most))
 }
 
@@ -401,18 +401,17 @@ mod tests {
     }
 
     #[test]
-    fn a_shard_s_quota_scales_each_rolling_tier_and_keeps_its_even_calendar_share() {
+    fn a_shard_s_quota_scales_each_rolling_tier_and_keeps_the_calendar_tiers_whole() {
         let tier = |text: &str| text.parse::<Tier>().unwrap();
         let whole = Quota::new(vec![tier("100/s"), tier("3000/min"), tier("100000/day")], chrono_tz::UTC, Duration::ZERO).unwrap();
         assert_eq!(parts_of(&whole), Some(100));
         assert_eq!(longest_window(&whole), Duration::from_secs(60));
-        let calendar = whole.share(1, 4).unwrap();
-        let quarter = quota_of_parts(&whole, &calendar, 25, 100).unwrap();
+        let quarter = quota_of_parts(&whole, 25, 100).unwrap();
         let limits: Vec<u64> = quarter.tiers().iter().map(|t| t.limit).collect();
-        assert_eq!(limits, vec![25, 750, 25_000]);
-        let sliver: Vec<u64> = quota_of_parts(&whole, &calendar, 1, 100).unwrap().tiers().iter().map(|t| t.limit).collect();
-        assert_eq!(sliver, vec![1, 30, 25_000]);
-        assert_eq!(quota_of_parts(&whole, &calendar, 0, 100), None, "no parts, no calls");
+        assert_eq!(limits, vec![25, 750, 100_000]);
+        let sliver: Vec<u64> = quota_of_parts(&whole, 1, 100).unwrap().tiers().iter().map(|t| t.limit).collect();
+        assert_eq!(sliver, vec![1, 30, 100_000]);
+        assert_eq!(quota_of_parts(&whole, 0, 100), None, "no parts, no calls");
         let calendar_only = Quota::new(vec![tier("1000/day")], chrono_tz::UTC, Duration::ZERO).unwrap();
         assert_eq!(parts_of(&calendar_only), None);
     }

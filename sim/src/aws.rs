@@ -440,6 +440,30 @@ impl StackDocuments for SimStore {
         self.write("dynamodb:PutItem", 1, 1).await;
         self.documents.put_document(document, json, expected).await
     }
+
+    async fn shared_counts(&self, keys: &[String]) -> PortResult<Vec<u64>> {
+        self.read(keys.len() as u64).await;
+        self.documents.shared_counts(keys).await
+    }
+
+    /// One conditional write; where the other shards hold some of the units asked, its
+    /// condition fails, and a read and (for what is left, if any) a second write follow.
+    async fn reserve_shared(&self, key: &str, wanted: u64, limit: u64) -> PortResult<u64> {
+        self.write("dynamodb:UpdateItem", 1, 1).await;
+        let units = self.documents.reserve_shared(key, wanted, limit).await?;
+        if units < wanted.min(limit) {
+            self.read(1).await;
+            if units > 0 {
+                self.write("dynamodb:UpdateItem", 1, 1).await;
+            }
+        }
+        Ok(units)
+    }
+
+    async fn return_shared(&self, key: &str, units: u64) -> PortResult<()> {
+        self.write("dynamodb:UpdateItem", 1, 1).await;
+        self.documents.return_shared(key, units).await
+    }
 }
 
 #[async_trait]

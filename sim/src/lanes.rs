@@ -57,7 +57,8 @@ pub struct LanesPlan {
     /// Shards, each with its own jobs queue, orchestrator and state, its lanes chosen by
     /// [`LaneId::shard`] and the shared tiers divided among them: the rolling tiers
     /// moving to where the work is through one share book (`paceline_shared::shares`), or
-    /// with `fixed_shares` evenly and for good ([`Quota::share`]); 1 for one orchestrator.
+    /// with `fixed_shares` evenly and for good ([`Quota::share`]), the calendar tiers
+    /// reserved from one counter; 1 for one orchestrator.
     pub shards: usize,
     pub fixed_shares: bool,
 }

@@ -584,6 +584,13 @@ async fn each_job_goes_in_its_lane_s_message_group_and_comes_back_with_it() {
 }
 
 #[tokio::test]
+async fn dynamodb_on_moto_keeps_the_shared_counters_contract() {
+    let lane = lane("5/s").await;
+    let stack: Arc<dyn StateStore> = Arc::new(lane.store().scoped(&StoreScope::Stack));
+    contract::shared_counters(Arc::new(lane.store()), Some(stack)).await;
+}
+
+#[tokio::test]
 async fn each_lane_s_items_in_dynamodb_are_its_own() {
     let lane = lane("5/s").await;
     let store = lane.store();

@@ -144,11 +144,11 @@ pub struct SimulateArgs {
     /// With `--lanes`: this many shards, each with its own jobs queue, orchestrator and
     /// state, each lane on the shard its id's hash names, the shared rolling tiers divided
     /// among them where the work is (one share book, as deployed), the calendar tiers
-    /// evenly.
+    /// reserved by every shard from one counter.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub shards: usize,
-    /// With `--shards`: every shared tier divided evenly and for good, as before shares
-    /// moved (to compare).
+    /// With `--shards`: every shared rolling tier divided evenly and for good, as before
+    /// shares moved (to compare).
     #[arg(long, requires = "shards")]
     pub fixed_shares: bool,
     /// Draw each tier's use over time against its limit to this file (.png or .svg),

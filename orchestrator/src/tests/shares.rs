@@ -14,11 +14,11 @@ fn lane_on(index: usize) -> String {
     (0..).map(|n| format!("tenant{n}")).find(|id| id.parse::<LaneId>().unwrap().shard(2) == index).unwrap()
 }
 
-/// Shard `index` of two under a shared 100/s, its share moving through `book` (or fixed
-/// at half when `moving` is false), each with its own queue and store.
-fn shard(index: usize, moving: bool, book: &Arc<MemoryDocuments>) -> Lane {
-    let text = "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"100/s\"]\nsafety_margin = \"0ms\"\n[lanes]\ntiers = [\"1000/s\"]\n";
-    let config = paceline_shared::config::Config::parse(text, std::path::Path::new("/stack"), &|_| None).unwrap();
+/// Shard `index` of two under the shared `tiers`, its share moving through `book` (or
+/// fixed at half when `moving` is false), each with its own queue and store.
+fn shard(index: usize, tiers: &str, moving: bool, book: &Arc<MemoryDocuments>) -> Lane {
+    let text = format!("[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = {tiers}\nsafety_margin = \"0ms\"\n[lanes]\ntiers = [\"1000/s\"]\n");
+    let config = paceline_shared::config::Config::parse(&text, std::path::Path::new("/stack"), &|_| None).unwrap();
     let (quota, most) = shard_quota(&config.quota, index, 2).unwrap();
     let mut lane = lane_with_settings(&["100/s"], 0, |settings| {
         settings.lanes = config.lanes.clone();
@@ -30,18 +30,25 @@ fn shard(index: usize, moving: bool, book: &Arc<MemoryDocuments>) -> Lane {
     lane
 }
 
-/// Both shards of one share book (moving or fixed), each sending on what is not its
-/// own to the other's queue, with `jobs.0` and `jobs.1` jobs of a lane of its own.
+/// Both shards of one share book (moving or fixed) under a shared 100/s, each sending on
+/// what is not its own to the other's queue, with `jobs.0` and `jobs.1` jobs of a lane of
+/// its own.
 async fn two_shards(moving: bool, jobs: (usize, usize)) -> (Lane, Lane) {
+    let (first, second, _) = two_shards_under(r#"["100/s"]"#, moving, jobs).await;
+    (first, second)
+}
+
+/// [`two_shards`] under the shared `tiers` (a TOML list), with the stack's documents.
+async fn two_shards_under(tiers: &str, moving: bool, jobs: (usize, usize)) -> (Lane, Lane, Arc<MemoryDocuments>) {
     let book = Arc::new(MemoryDocuments::default());
-    let (first, second) = (shard(0, moving, &book), shard(1, moving, &book));
+    let (first, second) = (shard(0, tiers, moving, &book), shard(1, tiers, moving, &book));
     let queues: Vec<Arc<dyn JobQueue>> = vec![first.store.clone(), second.store.clone()];
     let (first_lane, second_lane) = (lane_on(0), lane_on(1));
     enqueue(&first, (0..jobs.0).map(|i| lane_job(&first_lane, &format!("a{i}")))).await;
     enqueue(&second, (0..jobs.1).map(|i| lane_job(&second_lane, &format!("b{i}")))).await;
     let first = Lane { orchestrator: first.orchestrator.with_shard_queues(queues.clone()).unwrap(), ..first };
     let second = Lane { orchestrator: second.orchestrator.with_shard_queues(queues).unwrap(), ..second };
-    (first, second)
+    (first, second, book)
 }
 
 /// Runs both shards for 30 s, or until each drained (shard 0 with `busy` jobs, shard 1
@@ -125,4 +132,25 @@ async fn a_shard_s_next_run_keeps_the_share_its_last_run_held() {
     let in_second = |n: u64| calls.iter().filter(|t| **t >= n * 1_000 && **t < (n + 1) * 1_000).count();
     let per_second: Vec<usize> = (3..22).map(in_second).collect();
     assert!(per_second.iter().enumerate().all(|(k, n)| *n >= if k + 3 == 11 { 30 } else { 48 }), "shard 0's calls, seconds 3 to 21: {per_second:?}");
+}
+
+/// A shared day tier is one counter for the stack, which the shards reserve blocks from:
+/// a busy shard spends the units an idle one does not use (it had half of them for good
+/// before), the two together never pass the tier, and each run gives back what it
+/// reserved and did not spend.
+#[tokio::test(start_paused = true)]
+async fn a_busy_shard_spends_the_day_units_an_idle_shard_does_not_and_together_they_never_pass_the_day_tier() {
+    for moving in [true, false] {
+        let (first, second, documents) = two_shards_under(r#"["100/s", "600/day"]"#, moving, (4_000, 20)).await;
+        let run = opts(false, Duration::from_secs(30));
+        let (a, b) = tokio::join!(first.orchestrator.run(&run), second.orchestrator.run(&run));
+        a.unwrap();
+        b.unwrap();
+        let (busy, idle) = (offsets(&first).len() as u64, offsets(&second).len() as u64);
+        assert_eq!(idle, 20, "the idle shard's own jobs went");
+        assert!(busy + idle <= 600, "{busy} + {idle} calls under the shared 600/day");
+        assert!(busy >= 450, "the busy shard spent {busy} of the day's 600 (moving shares: {moving}); it had 300");
+        let key = "600/day".parse::<paceline_shared::quota::Tier>().unwrap().usage_key(chrono_tz::UTC, T0);
+        assert_eq!(documents.shared_counts(&[key]).await.unwrap(), vec![busy + idle], "the stack's counter holds the calls, no reservation left");
+    }
 }

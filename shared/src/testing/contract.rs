@@ -18,7 +18,7 @@ use crate::order::{OrderMark, OrderState};
 use crate::pacer::PacerState;
 use crate::ports::{
     BatchClaim, BatchProgress, CallClaim, DeadLetterQueues, Invoker, JobQueue, LaneSignals, OutgoingMessage, PacerSnapshot, PortError, ScopedStores,
-    StateStore, VisibleAgain,
+    StackDocuments, StateStore, VisibleAgain,
 };
 use crate::quota::Quota;
 use crate::time::{Clock, UnixMillis};
@@ -325,6 +325,38 @@ where
     invoker.invoke(&health, None).await.expect("a health check is handed off");
     let ran = settle().await;
     assert_eq!(ran, vec![health], "an accepted payload reaches the worker once, as sent");
+}
+
+/// The stack-wide counters a stack's shards reserve the shared quota's day and month
+/// units from ([`StackDocuments::reserve_shared`]): a reservation gets what it asks while
+/// the limit allows, what is left once it does not, and nothing at the limit, also when
+/// reservations race; units given back can be reserved again. `stack`, where the adapter
+/// has one, is the stack's scope of the same store: shard 0's counters are these.
+///
+/// # Panics
+/// On the first rule the adapter breaks, naming it.
+pub async fn shared_counters(documents: Arc<dyn StackDocuments>, stack: Option<Arc<dyn StateStore>>) {
+    let (day, month) = ("usage#100/day#0".to_owned(), "usage#5/month#0".to_owned());
+    assert_eq!(documents.shared_counts(&[day.clone(), month.clone()]).await.unwrap(), vec![0, 0], "counters start at 0");
+    assert_eq!(documents.reserve_shared(&day, 30, 100).await.unwrap(), 30);
+    assert_eq!(documents.reserve_shared(&day, 60, 100).await.unwrap(), 60);
+    assert_eq!(documents.reserve_shared(&day, 30, 100).await.unwrap(), 10, "what is left, once the limit does not allow all");
+    assert_eq!(documents.reserve_shared(&day, 1, 100).await.unwrap(), 0, "nothing at the limit");
+    assert_eq!(documents.reserve_shared(&month, 9, 5).await.unwrap(), 5, "never more than the limit");
+    documents.return_shared(&day, 25).await.unwrap();
+    assert_eq!(documents.shared_counts(std::slice::from_ref(&day)).await.unwrap(), vec![75]);
+
+    let mut racing = tokio::task::JoinSet::new();
+    for _ in 0..8 {
+        let (documents, day) = (documents.clone(), day.clone());
+        racing.spawn(async move { documents.reserve_shared(&day, 10, 100).await.unwrap() });
+    }
+    let granted: u64 = racing.join_all().await.into_iter().sum();
+    assert_eq!(granted, 25, "racing reservations share what was left, no more");
+    assert_eq!(documents.shared_counts(std::slice::from_ref(&day)).await.unwrap(), vec![100]);
+    if let Some(stack) = stack {
+        assert_eq!(stack.load_usage(std::slice::from_ref(&day)).await.unwrap(), vec![100], "shard 0's counter in the stack's scope is the same");
+    }
 }
 
 /// Lanes keep apart: each lane's circuit, cool-down, counters, call records, call

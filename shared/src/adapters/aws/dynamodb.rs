@@ -30,7 +30,9 @@ use crate::time::UnixMillis;
 const PACER: &str = "pacer";
 /// How many shards the stack's runs run as (see [`DynamoStateStore::shard_layout`]).
 const SHARD_LAYOUT: &str = "shard_layout";
-/// The book that divides the shared quota's rolling tiers among the shards.
+/// How many times a shard asks a shared counter for units that other shards' writes keep
+/// taking first (a few shards reserve a block every few seconds each: one retry is rare).
+const SHARED_RESERVATION_TRIES: usize = 8;
 const CIRCUIT: &str = "circuit";
 const COOL_DOWN: &str = "cool_down";
 const PROVIDER_READING: &str = "provider_reading";
@@ -260,6 +262,54 @@ impl StackDocuments for DynamoStateStore {
             Err(PortError::Conflict(_)) => Ok(false),
             Err(e) => Err(e),
         }
+    }
+
+    async fn shared_counts(&self, keys: &[String]) -> PortResult<Vec<u64>> {
+        let mut counts = Vec::with_capacity(keys.len());
+        for key in keys {
+            counts.push(self.get_item(s(StoreScope::Stack.key(key))).await?.map_or(0, |item| get_n(&item, "used")));
+        }
+        Ok(counts)
+    }
+
+    /// A conditional `ADD` (the counter at most `limit - units` before it); where another
+    /// shard took units meanwhile, the counter is read and what is left asked for.
+    async fn reserve_shared(&self, key: &str, wanted: u64, limit: u64) -> PortResult<u64> {
+        let pk = s(StoreScope::Stack.key(key));
+        let mut units = wanted.min(limit);
+        for _ in 0..SHARED_RESERVATION_TRIES {
+            if units == 0 {
+                return Ok(0);
+            }
+            let added = self
+                .client
+                .update_item()
+                .table_name(&self.table)
+                .key("pk", pk.clone())
+                .update_expression("ADD used :units")
+                .condition_expression("attribute_not_exists(used) OR used <= :most")
+                .expression_attribute_values(":units", n(units))
+                .expression_attribute_values(":most", n(limit - units))
+                .send()
+                .await;
+            match added.map_err(|e| map_sdk_error("dynamodb UpdateItem (a reservation from a shared counter)", &e)) {
+                Ok(_) => return Ok(units),
+                Err(PortError::Conflict(_)) => {
+                    let used = self.get_item(pk.clone()).await?.map_or(0, |item| get_n(&item, "used"));
+                    units = wanted.min(limit.saturating_sub(used));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(PortError::Transient(format!("the shared counter {key} changed under each of {SHARED_RESERVATION_TRIES} reservations")))
+    }
+
+    async fn return_shared(&self, key: &str, units: u64) -> PortResult<()> {
+        let delta = -i64::try_from(units).unwrap_or(i64::MAX);
+        let update = self.client.update_item().table_name(&self.table).key("pk", s(StoreScope::Stack.key(key)));
+        let update = update.update_expression("ADD used :d").expression_attribute_values(":d", n(delta));
+        update.send().await.map_err(|e| map_sdk_error("dynamodb UpdateItem (units given back to a shared counter)", &e))?;
+        Ok(())
     }
 }
 
