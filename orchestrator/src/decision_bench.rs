@@ -145,7 +145,7 @@ pub fn drain(
             Action::StartRelay(_) => Event::RelayStarted(Ok(())),
             Action::Reserve(lane, needed) => Event::Reserved(lane, needed, Ok(())),
             Action::ReserveShared(needed) => {
-                let granted = needed.iter().map(|reservation| reservation.units).collect();
+                let granted = needed.iter().map(|reservation| crate::reservations::Granted { units: reservation.units, shared_count: None }).collect();
                 Event::SharedReserved(needed, Ok(granted))
             }
             Action::HydrateLane(lane) => {

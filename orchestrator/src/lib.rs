@@ -63,7 +63,7 @@ pub use fairness::{jain_index, FAIRNESS_WINDOW};
 use handover::{LastRun, Relay};
 use homes::HomesRun;
 pub use report::{Fairness, LaneReport, Progress, RunReport, StopReason, TierReport};
-use reservations::Reservation;
+use reservations::{Granted, Reservation};
 pub use settings::{RunError, Settings};
 use stack::{Action, CallSlotsRead, Event, LaneRead, LaneStart, Leftovers, Retune, SharedState, StackMachine, DELETE_BATCH};
 
@@ -212,16 +212,17 @@ impl Orchestrator {
         }
     }
 
-    /// Reserves `needed` of the shared quota's day and month units: the units granted of
+    /// Reserves `needed` of the shared quota's day and month units: what was granted of
     /// each (in a stack of shards, fewer than asked where the other shards hold the rest).
-    async fn reserve_shared(&self, needed: &[Reservation]) -> PortResult<Vec<u64>> {
+    async fn reserve_shared(&self, needed: &[Reservation]) -> PortResult<Vec<Granted>> {
         let Some(counters) = self.shared_counters() else {
             self.store_for(&self.settings.shard.scope()).add_usage(&as_deltas(needed)).await?;
-            return Ok(needed.iter().map(|reservation| reservation.units).collect());
+            return Ok(needed.iter().map(|reservation| Granted { units: reservation.units, shared_count: None }).collect());
         };
         let mut granted = Vec::with_capacity(needed.len());
         for reservation in needed {
-            granted.push(counters.reserve_shared(&reservation.key, reservation.units, reservation.limit).await?);
+            let reserved = counters.reserve_shared(&reservation.key, reservation.units, reservation.limit).await?;
+            granted.push(Granted { units: reserved.units, shared_count: Some(reserved.count) });
         }
         Ok(granted)
     }

@@ -37,6 +37,9 @@ pub(crate) struct ManyLanes<'a> {
     pub pacer: PacerState,
     /// The shared day and month units reserved in the store and not yet spent.
     pub reserved: Reservations,
+    /// In a stack of shards: the shared day and month tiers whose counter had fewer units
+    /// left than asked, each with when to ask again (in that order).
+    short_tiers: Vec<(UnixMillis, Reservation)>,
     pub meter: TierMeter,
     pub scheduler: Scheduler,
     /// Per lane: read from the store yet (a lane dispatches nothing before).
@@ -97,6 +100,7 @@ impl<'a> ManyLanes<'a> {
             no_share: false,
             pacer: PacerState::new(shared),
             reserved: Reservations::default(),
+            short_tiers: Vec::new(),
             meter: TierMeter::new(shared),
             scheduler: Scheduler::default(),
             hydrated: Vec::new(),
@@ -233,14 +237,32 @@ impl<'a> ManyLanes<'a> {
         }
     }
 
-    /// The stack's counter of a shared day or month tier had fewer units left than
-    /// `reservation` asked (a stack's other shards hold the rest): until the tier's
-    /// window resets, this shard spends only what it holds, its pacer counting the rest
-    /// as used.
-    pub fn calendar_short(&mut self, reservation: &Reservation) {
-        let used = reservation.limit.saturating_sub(self.reserved.held(&reservation.key));
-        let counted = self.pacer.usage(&self.shared, reservation.slot)[reservation.tier];
-        self.pacer.set_calendar_used(&self.shared, reservation.tier, used.max(counted), reservation.slot);
+    /// A reservation from the stack's counter of a shared day or month tier (in a stack
+    /// of shards) was granted `units` and left the counter at `count`: the pacer counts as
+    /// used what every shard reserved less what this one holds, so that it spends what it
+    /// holds and then asks again. With the counter at the limit (the other shards hold
+    /// the rest), it asks again only [`ASK_SHORT_TIER_AGAIN`] later, when they may have
+    /// given some back.
+    pub fn counted_by_the_stack(&mut self, reservation: Reservation, count: u64, units: u64, now: UnixMillis) {
+        let used = count.saturating_sub(self.reserved.held(&reservation.key));
+        self.pacer.set_calendar_used(&self.shared, reservation.tier, used, reservation.slot);
+        if units < reservation.units || count >= reservation.limit {
+            self.short_tiers.push((now.plus(ASK_SHORT_TIER_AGAIN), reservation));
+        }
+    }
+
+    /// The shared tiers found short whose wait is over: their pacer lets a unit past
+    /// what the shard holds, so that the next call asks the counter again.
+    pub fn ask_short_tiers_again(&mut self, now: UnixMillis) {
+        if self.short_tiers.first().is_none_or(|(at, _)| *at > now) {
+            return;
+        }
+        let (due, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.short_tiers).into_iter().partition(|(at, _)| *at <= now);
+        self.short_tiers = waiting;
+        for (_, reservation) in due {
+            let used = reservation.limit.saturating_sub(self.reserved.held(&reservation.key) + 1);
+            self.pacer.set_calendar_used(&self.shared, reservation.tier, used, reservation.slot);
+        }
     }
 
     /// The shared quota as a lane's dispatch sees it.
@@ -362,6 +384,11 @@ impl<'a> ManyLanes<'a> {
 
 /// A message group with fewer messages in flight is never noisy on an SQS fair queue.
 const NOISY_IN_FLIGHT: usize = 30;
+
+/// How long a shard whose share of a shared day or month tier ran short (the other
+/// shards hold the rest of it) waits before it asks the stack's counter again: the
+/// others give back what they did not spend when their runs end.
+const ASK_SHORT_TIER_AGAIN: Duration = Duration::from_secs(5);
 
 /// The fewest jobs a stack of many lanes may hold in hand at once (see [`in_hand_most`]).
 const MANY_LANES_IN_HAND: usize = 5_000;

@@ -30,6 +30,16 @@ pub(crate) struct Reservation {
     pub slot: UnixMillis,
 }
 
+/// What the store granted of a [`Reservation`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Granted {
+    pub units: u64,
+    /// The counter after them where a stack's shards all reserve from it (every shard's
+    /// reservations, spent or not); `None` for a counter of this shard's alone, whose
+    /// count its own pacer keeps.
+    pub shared_count: Option<u64>,
+}
+
 /// Calendar units reserved in the store and not yet spent, by usage key.
 #[derive(Debug, Default)]
 pub(crate) struct Reservations {

@@ -34,7 +34,7 @@ pub(crate) use crate::lane::{CallSlotsRead, HandOff, Retune, SharedState};
 use crate::lane::{LaneMachine, LaneStep};
 use crate::many::{ManyLanes, FAIR_SHARE_STRETCH, RECALL_STRETCH};
 use crate::report::{Fairness, LaneReport, Progress, RunReport, StopReason};
-use crate::reservations::Reservation;
+use crate::reservations::{Granted, Reservation};
 use crate::settings::{RunError, Settings};
 use crate::shares::ShareRun;
 use crate::timers::{passing, Backoff, Timer, TimerTable};
@@ -159,8 +159,8 @@ pub(crate) enum Event {
     OrderRead(usize, PortResult<Option<OrderMark>>),
     Flushed(PortResult<()>),
     Reserved(usize, Vec<Reservation>, PortResult<()>),
-    /// The shared quota's units asked, and those granted of each.
-    SharedReserved(Vec<Reservation>, PortResult<Vec<u64>>),
+    /// The shared quota's units asked, and what was granted of each.
+    SharedReserved(Vec<Reservation>, PortResult<Vec<Granted>>),
     LaneHydrated(usize, PortResult<LaneStart>),
     DeadLettered(QueuedMessage, PortResult<()>),
     Forwarded(Vec<QueuedMessage>, PortResult<()>),
@@ -571,7 +571,8 @@ impl<'a> StackMachine<'a> {
             // here and on its new shard at once: nothing goes until a read lands.
             return self.await_event();
         }
-        if self.many.is_some() {
+        if let Some(many) = &mut self.many {
+            many.ask_short_tiers_again(now);
             return self.for_many_lanes(now);
         }
         match self.lanes[0].circuit().status {
@@ -1352,10 +1353,10 @@ impl<'a> StackMachine<'a> {
             }
             Event::SharedReserved(needed, Ok(granted)) => {
                 let many = self.many.as_mut().expect("many lanes");
-                for (reservation, units) in needed.into_iter().zip(granted) {
-                    many.reserved.add(reservation.key.clone(), units);
-                    if units < reservation.units {
-                        many.calendar_short(&reservation);
+                for (reservation, granted) in needed.into_iter().zip(granted) {
+                    many.reserved.add(reservation.key.clone(), granted.units);
+                    if let Some(count) = granted.shared_count {
+                        many.counted_by_the_stack(reservation, count, granted.units, now);
                     }
                 }
                 Ok(())

@@ -732,17 +732,26 @@ pub trait StackDocuments: Send + Sync {
     /// Adds up to `wanted` units to the stack-wide counter `key` without ever taking it
     /// past `limit`, so that the shards reserving from it together never pass the tier:
     /// the units added (fewer than `wanted` where the other shards hold the rest, 0 at
-    /// the limit).
+    /// the limit), and the count they left.
     ///
     /// # Errors
     /// Transport errors (nothing was added), or a counter too contended to reserve from.
-    async fn reserve_shared(&self, key: &str, wanted: u64, limit: u64) -> PortResult<u64>;
+    async fn reserve_shared(&self, key: &str, wanted: u64, limit: u64) -> PortResult<SharedReservation>;
 
     /// Takes `units` reserved and not spent back off the stack-wide counter `key`.
     ///
     /// # Errors
     /// Transport errors (nothing was taken off: the counter stays over what was spent).
     async fn return_shared(&self, key: &str, units: u64) -> PortResult<()>;
+}
+
+/// What a reservation from a stack-wide counter got ([`StackDocuments::reserve_shared`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedReservation {
+    /// The units added for the shard that asked.
+    pub units: u64,
+    /// The counter after them: every shard's reservations, spent or not.
+    pub count: u64,
 }
 
 /// Document `document` as a `T`, and its version.
@@ -802,12 +811,12 @@ impl StackDocuments for MemoryDocuments {
         Ok(keys.iter().map(|key| counters.get(key).copied().unwrap_or(0)).collect())
     }
 
-    async fn reserve_shared(&self, key: &str, wanted: u64, limit: u64) -> PortResult<u64> {
+    async fn reserve_shared(&self, key: &str, wanted: u64, limit: u64) -> PortResult<SharedReservation> {
         let mut counters = self.counters();
         let used = counters.entry(key.to_owned()).or_default();
         let units = wanted.min(limit.saturating_sub(*used));
         *used += units;
-        Ok(units)
+        Ok(SharedReservation { units, count: *used })
     }
 
     async fn return_shared(&self, key: &str, units: u64) -> PortResult<()> {

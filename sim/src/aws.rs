@@ -17,7 +17,7 @@ use paceline_shared::lane::LaneId;
 use paceline_shared::order::{OrderMark, OrderState};
 use paceline_shared::ports::{
     slot_probe_start, BatchClaim, BatchProgress, CallClaim, Invoker, JobQueue, LaneSignals, Lease, MemoryDocuments, OutgoingMessage, PacerSnapshot, PortError,
-    PortResult, QueueDepth, QueuedMessage, ScopedStores, StackDocument, StackDocuments, StateStore, VisibleAgain, WorkerHandler,
+    PortResult, QueueDepth, QueuedMessage, ScopedStores, SharedReservation, StackDocument, StackDocuments, StateStore, VisibleAgain, WorkerHandler,
 };
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 
@@ -448,16 +448,16 @@ impl StackDocuments for SimStore {
 
     /// One conditional write; where the other shards hold some of the units asked, its
     /// condition fails, and a read and (for what is left, if any) a second write follow.
-    async fn reserve_shared(&self, key: &str, wanted: u64, limit: u64) -> PortResult<u64> {
+    async fn reserve_shared(&self, key: &str, wanted: u64, limit: u64) -> PortResult<SharedReservation> {
         self.write("dynamodb:UpdateItem", 1, 1).await;
-        let units = self.documents.reserve_shared(key, wanted, limit).await?;
-        if units < wanted.min(limit) {
+        let reserved = self.documents.reserve_shared(key, wanted, limit).await?;
+        if reserved.units < wanted.min(limit) {
             self.read(1).await;
-            if units > 0 {
+            if reserved.units > 0 {
                 self.write("dynamodb:UpdateItem", 1, 1).await;
             }
         }
-        Ok(units)
+        Ok(reserved)
     }
 
     async fn return_shared(&self, key: &str, units: u64) -> PortResult<()> {

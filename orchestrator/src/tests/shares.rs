@@ -154,3 +154,19 @@ async fn a_busy_shard_spends_the_day_units_an_idle_shard_does_not_and_together_t
         assert_eq!(documents.shared_counts(&[key]).await.unwrap(), vec![busy + idle], "the stack's counter holds the calls, no reservation left");
     }
 }
+
+/// A shard that found the shared day tier short asks the stack's counter again a few
+/// seconds on: the units the other shard reserved and gave back when its run ended (at
+/// 15 s, after the busy shard ran short) are spent too, so the two use the whole tier.
+#[tokio::test(start_paused = true)]
+async fn a_shard_short_of_the_day_tier_takes_up_the_units_another_shard_gave_back() {
+    let (first, second, documents) = two_shards_under(r#"["100/s", "600/day"]"#, true, (4_000, 20)).await;
+    let (busy_run, shorter_run) = (opts(false, Duration::from_secs(30)), opts(false, Duration::from_secs(15)));
+    let (a, b) = tokio::join!(first.orchestrator.run(&busy_run), second.orchestrator.run(&shorter_run));
+    a.unwrap();
+    b.unwrap();
+    let (busy, idle) = (offsets(&first).len() as u64, offsets(&second).len() as u64);
+    assert_eq!((busy, idle), (580, 20), "the whole day tier, and no more");
+    let key = "600/day".parse::<paceline_shared::quota::Tier>().unwrap().usage_key(chrono_tz::UTC, T0);
+    assert_eq!(documents.shared_counts(&[key]).await.unwrap(), vec![600]);
+}

@@ -338,18 +338,25 @@ where
 pub async fn shared_counters(documents: Arc<dyn StackDocuments>, stack: Option<Arc<dyn StateStore>>) {
     let (day, month) = ("usage#100/day#0".to_owned(), "usage#5/month#0".to_owned());
     assert_eq!(documents.shared_counts(&[day.clone(), month.clone()]).await.unwrap(), vec![0, 0], "counters start at 0");
-    assert_eq!(documents.reserve_shared(&day, 30, 100).await.unwrap(), 30);
-    assert_eq!(documents.reserve_shared(&day, 60, 100).await.unwrap(), 60);
-    assert_eq!(documents.reserve_shared(&day, 30, 100).await.unwrap(), 10, "what is left, once the limit does not allow all");
-    assert_eq!(documents.reserve_shared(&day, 1, 100).await.unwrap(), 0, "nothing at the limit");
-    assert_eq!(documents.reserve_shared(&month, 9, 5).await.unwrap(), 5, "never more than the limit");
+    let reserve = |key: &str, wanted: u64, limit: u64| {
+        let (documents, key) = (documents.clone(), key.to_owned());
+        async move {
+            let reserved = documents.reserve_shared(&key, wanted, limit).await.unwrap();
+            (reserved.units, reserved.count)
+        }
+    };
+    assert_eq!(reserve(&day, 30, 100).await, (30, 30));
+    assert_eq!(reserve(&day, 60, 100).await, (60, 90));
+    assert_eq!(reserve(&day, 30, 100).await, (10, 100), "what is left, once the limit does not allow all");
+    assert_eq!(reserve(&day, 1, 100).await, (0, 100), "nothing at the limit");
+    assert_eq!(reserve(&month, 9, 5).await, (5, 5), "never more than the limit");
     documents.return_shared(&day, 25).await.unwrap();
     assert_eq!(documents.shared_counts(std::slice::from_ref(&day)).await.unwrap(), vec![75]);
 
     let mut racing = tokio::task::JoinSet::new();
     for _ in 0..8 {
         let (documents, day) = (documents.clone(), day.clone());
-        racing.spawn(async move { documents.reserve_shared(&day, 10, 100).await.unwrap() });
+        racing.spawn(async move { documents.reserve_shared(&day, 10, 100).await.unwrap().units });
     }
     let granted: u64 = racing.join_all().await.into_iter().sum();
     assert_eq!(granted, 25, "racing reservations share what was left, no more");

@@ -22,8 +22,8 @@ use crate::keys::{Shard, StoreScope, LANE_CHANGE};
 use crate::lane::LaneId;
 use crate::order::{OrderMark, OrderState, ORDER_MARK};
 use crate::ports::{
-    slot_probe_start, BatchClaim, BatchProgress, CallClaim, LaneSignals, Lease, PacerSnapshot, PortError, PortResult, ScopedStores, StackDocument,
-    StackDocuments, StateStore,
+    slot_probe_start, BatchClaim, BatchProgress, CallClaim, LaneSignals, Lease, PacerSnapshot, PortError, PortResult, ScopedStores, SharedReservation,
+    StackDocument, StackDocuments, StateStore,
 };
 use crate::time::UnixMillis;
 
@@ -274,12 +274,12 @@ impl StackDocuments for DynamoStateStore {
 
     /// A conditional `ADD` (the counter at most `limit - units` before it); where another
     /// shard took units meanwhile, the counter is read and what is left asked for.
-    async fn reserve_shared(&self, key: &str, wanted: u64, limit: u64) -> PortResult<u64> {
+    async fn reserve_shared(&self, key: &str, wanted: u64, limit: u64) -> PortResult<SharedReservation> {
         let pk = s(StoreScope::Stack.key(key));
-        let mut units = wanted.min(limit);
+        let (mut units, mut count) = (wanted.min(limit), 0);
         for _ in 0..SHARED_RESERVATION_TRIES {
             if units == 0 {
-                return Ok(0);
+                return Ok(SharedReservation { units, count });
             }
             let added = self
                 .client
@@ -290,13 +290,17 @@ impl StackDocuments for DynamoStateStore {
                 .condition_expression("attribute_not_exists(used) OR used <= :most")
                 .expression_attribute_values(":units", n(units))
                 .expression_attribute_values(":most", n(limit - units))
+                .return_values(ReturnValue::UpdatedNew)
                 .send()
                 .await;
             match added.map_err(|e| map_sdk_error("dynamodb UpdateItem (a reservation from a shared counter)", &e)) {
-                Ok(_) => return Ok(units),
+                Ok(out) => {
+                    let count = out.attributes().and_then(|item| item.get("used")).and_then(|used| used.as_n().ok()).and_then(|used| used.parse().ok());
+                    return Ok(SharedReservation { units, count: count.unwrap_or(limit) });
+                }
                 Err(PortError::Conflict(_)) => {
-                    let used = self.get_item(pk.clone()).await?.map_or(0, |item| get_n(&item, "used"));
-                    units = wanted.min(limit.saturating_sub(used));
+                    count = self.get_item(pk.clone()).await?.map_or(0, |item| get_n(&item, "used"));
+                    units = wanted.min(limit.saturating_sub(count));
                 }
                 Err(e) => return Err(e),
             }
