@@ -241,28 +241,30 @@ impl<'a> ManyLanes<'a> {
     /// of shards) was granted `units` and left the counter at `count`: the pacer counts as
     /// used what every shard reserved less what this one holds, so that it spends what it
     /// holds and then asks again. With the counter at the limit (the other shards hold
-    /// the rest), it asks again only [`ASK_SHORT_TIER_AGAIN`] later, when they may have
-    /// given some back.
+    /// the rest), the shard asks again [`ASK_SHORT_TIER_AGAIN`] later, when they may have
+    /// given some back ([`ManyLanes::short_tier_due`]).
     pub fn counted_by_the_stack(&mut self, reservation: Reservation, count: u64, units: u64, now: UnixMillis) {
         let used = count.saturating_sub(self.reserved.held(&reservation.key));
         self.pacer.set_calendar_used(&self.shared, reservation.tier, used, reservation.slot);
-        if units < reservation.units || count >= reservation.limit {
+        let short = units < reservation.units || count >= reservation.limit;
+        if short && !self.short_tiers.iter().any(|(_, waiting)| waiting.key == reservation.key) {
             self.short_tiers.push((now.plus(ASK_SHORT_TIER_AGAIN), reservation));
         }
     }
 
-    /// The shared tiers found short whose wait is over: their pacer lets a unit past
-    /// what the shard holds, so that the next call asks the counter again.
-    pub fn ask_short_tiers_again(&mut self, now: UnixMillis) {
-        if self.short_tiers.first().is_none_or(|(at, _)| *at > now) {
-            return;
+    /// The reservation to ask again of a shared tier found short whose wait is over, if
+    /// any: the block it asked, in the window it asked it in (one that has reset since
+    /// starts from a count of its own). It goes to the store as is, so that the lanes do
+    /// not take jobs from the queue for it first and give them back.
+    pub fn short_tier_due(&mut self, now: UnixMillis) -> Option<Reservation> {
+        while self.short_tiers.first().is_some_and(|(at, _)| *at <= now) {
+            let (_, reservation) = self.short_tiers.remove(0);
+            let tier = self.shared.tiers()[reservation.tier];
+            if tier.usage_key(self.shared.zone(), now) == reservation.key {
+                return Some(Reservation { slot: now, ..reservation });
+            }
         }
-        let (due, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.short_tiers).into_iter().partition(|(at, _)| *at <= now);
-        self.short_tiers = waiting;
-        for (_, reservation) in due {
-            let used = reservation.limit.saturating_sub(self.reserved.held(&reservation.key) + 1);
-            self.pacer.set_calendar_used(&self.shared, reservation.tier, used, reservation.slot);
-        }
+        None
     }
 
     /// The shared quota as a lane's dispatch sees it.

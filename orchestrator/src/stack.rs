@@ -572,7 +572,9 @@ impl<'a> StackMachine<'a> {
             return self.await_event();
         }
         if let Some(many) = &mut self.many {
-            many.ask_short_tiers_again(now);
+            if let Some(again) = many.short_tier_due(now) {
+                return Action::ReserveShared(vec![again]);
+            }
             return self.for_many_lanes(now);
         }
         match self.lanes[0].circuit().status {

@@ -814,19 +814,26 @@ struct TwoShards {
 }
 
 async fn two_shards() -> TwoShards {
+    two_shards_under("6/s").await
+}
+
+/// [`two_shards`] under the shared `quota_tiers` (the template's `QuotaTiers`), the API
+/// holding its calls to their rolling tiers.
+async fn two_shards_under(quota_tiers: &str) -> TwoShards {
     use paceline_e2e::runtime_api::template_env;
     let sdk = moto_sdk_config().await;
     let names = create_lane(&sdk, "paceline-worker").await;
     let queues = [names.queue_url.clone(), create_queue(&sdk, "paceline-jobs").await];
     let lambda = FakeLambda::start().await;
-    let api = api(&["6/s"], None).await;
+    let rolling: Vec<&str> = quota_tiers.split(',').filter(|tier| !tier.ends_with("/day") && !tier.ends_with("/month")).collect();
+    let api = api(&rolling, None).await;
     let given = BTreeMap::from([
         ("AWS::StackName", "two-shards".to_owned()),
         ("JobsQueue", names.queue_url.clone()),
         ("JobsDlq", names.dlq_url.clone()),
         ("StateTable", names.table.clone()),
         ("WorkerFunction", "paceline-worker".to_owned()),
-        ("QuotaTiers", "6/s".to_owned()),
+        ("QuotaTiers", quota_tiers.to_owned()),
         ("ApiBaseUrl", api.base_url.clone()),
         ("Lanes", json!({ "tiers": ["5/s"] }).to_string()),
     ]);
@@ -868,6 +875,58 @@ async fn a_job_the_worker_puts_back_goes_to_its_lane_s_shard_s_queue() {
         }
     };
     assert_eq!((depth(0).await, depth(1).await), (0, 1), "put back on shard 1's queue");
+}
+
+/// Two shards under a shared `6/s,20/day`: a lane of shard 0 with 28 jobs, one of shard
+/// 1 with 4. The shards reserve the day's units from one counter in the table, so shard
+/// 0 spends the 16 that shard 1 does not need (10 with the day divided evenly, as
+/// before), 20 calls between them and no more: what shard 1 reserved and did not spend
+/// goes back when its run ends (at 5 s), and shard 0, short since, asks again 5 s after.
+/// The other 12 jobs wait on shard 0's queue for the next day, none lost, and the
+/// counter ends at the 20 calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_shards_spend_a_shared_day_tier_from_one_counter_and_never_pass_it_together() {
+    use paceline_shared::lane::LaneId;
+    let _alone = MOTO_BUSY_OR_TIMED.lock().await;
+    let TwoShards { sdk, names, queues, lambda, api, function, .. } = two_shards_under("6/s,20/day").await;
+    let (first, second) = (function.shard(0).unwrap(), function.shard(1).unwrap());
+    let on = |shard: usize| (0..).map(|n| LaneId::parse(&format!("tenant-{n}")).unwrap()).find(|lane| lane.shard(2) == shard).unwrap();
+    let sqs_queue = AwsAdapters::new(&sdk, &names, None).queue;
+    for (shard, jobs) in [(0, 28), (1, 4)] {
+        let lane = on(shard);
+        let messages: Vec<OutgoingMessage> = (0..jobs)
+            .map(|i| OutgoingMessage::fresh(format!(r#"{{"id":"{lane}-{i}","lane":"{lane}","request":{{"method":"GET","path":"/items/{lane}-{i}"}}}}"#)))
+            .collect();
+        for batch in messages.chunks(10) {
+            sqs_queue.at(&queues[shard]).send(batch).await.unwrap();
+        }
+    }
+    let runs =
+        |holder: &str, seconds: u64| RunOptions { holder: holder.into(), deadline: system_now().plus(Duration::from_secs(seconds)), drain: false, stop: None };
+    let (opts_first, opts_second) = (runs("shard-0", 16), runs("shard-1", 6));
+    let (ran_first, ran_second) = tokio::join!(first.run(&opts_first), second.run(&opts_second));
+    let (ran_first, ran_second) = (ran_first.unwrap(), ran_second.unwrap());
+    lambda.settle(Duration::from_secs(10)).await;
+
+    // Shard 1 holds a sixth of the 6/s at first: on a busy machine its run may end before
+    // its fourth job, which shard 0 then spends.
+    let dispatched = (ran_first.dispatched, ran_second.dispatched);
+    assert!(dispatched.0 + dispatched.1 == 20 && dispatched.0 >= 16, "the whole shared day, no more, shard 0 past its even half: {dispatched:?}");
+    let log = api.log();
+    // A worker that starts after its slot (a busy machine) puts its job back uncalled;
+    // its unit stays spent.
+    assert!(log.ok <= 20 && log.quota_rejections == 0, "{} calls, {} refused", log.ok, log.quota_rejections);
+    assert!(log.ok_by_path.values().all(|calls| *calls == 1), "each job once: {:?}", log.ok_by_path);
+    let day = "20/day".parse::<paceline_shared::quota::Tier>().unwrap().usage_key(paceline_shared::quota::chrono_tz::UTC, system_now());
+    let stack = AwsAdapters::new(&sdk, &names, None).store.scoped(&StoreScope::Stack);
+    assert_eq!(stack.load_usage(&[day]).await.unwrap(), vec![20], "the stack's counter holds the hand-offs: what was reserved and not spent went back");
+    let mut left = 0;
+    for queue in &queues {
+        let depth = sqs_queue.at(queue).depth().await.unwrap();
+        assert_eq!(depth.dead, 0, "none dead-lettered");
+        left += depth.visible + depth.not_visible;
+    }
+    assert_eq!(log.ok + left, 32, "the rest wait on the queues for the next day, none lost");
 }
 
 /// `paceline lanes move` while both shards run: the lane's shard sends its jobs on to
