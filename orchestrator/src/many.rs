@@ -247,7 +247,9 @@ impl<'a> ManyLanes<'a> {
         let used = count.saturating_sub(self.reserved.held(&reservation.key));
         self.pacer.set_calendar_used(&self.shared, reservation.tier, used, reservation.slot);
         let short = units < reservation.units || count >= reservation.limit;
-        if short && !self.short_tiers.iter().any(|(_, waiting)| waiting.key == reservation.key) {
+        if !short {
+            self.short_tiers.retain(|(_, waiting)| waiting.key != reservation.key);
+        } else if !self.short_tiers.iter().any(|(_, waiting)| waiting.key == reservation.key) {
             self.short_tiers.push((now.plus(ASK_SHORT_TIER_AGAIN), reservation));
         }
     }
@@ -255,12 +257,15 @@ impl<'a> ManyLanes<'a> {
     /// The reservation to ask again of a shared tier found short whose wait is over, if
     /// any: the block it asked, in the window it asked it in (one that has reset since
     /// starts from a count of its own). It goes to the store as is, so that the lanes do
-    /// not take jobs from the queue for it first and give them back.
+    /// not take jobs from the queue for it first and give them back; and it is asked
+    /// again [`ASK_SHORT_TIER_AGAIN`] later until an answer finds units left (a failed
+    /// ask included).
     pub fn short_tier_due(&mut self, now: UnixMillis) -> Option<Reservation> {
         while self.short_tiers.first().is_some_and(|(at, _)| *at <= now) {
             let (_, reservation) = self.short_tiers.remove(0);
             let tier = self.shared.tiers()[reservation.tier];
             if tier.usage_key(self.shared.zone(), now) == reservation.key {
+                self.short_tiers.push((now.plus(ASK_SHORT_TIER_AGAIN), reservation.clone()));
                 return Some(Reservation { slot: now, ..reservation });
             }
         }
@@ -530,6 +535,39 @@ mod tests {
         let surplus = (0..n).map(|i| queued(&format!("{prefix}{i}"))).collect();
         surplus_returns(surplus, &mut hidden, 0, 10.0, Duration::from_secs(30), Duration::ZERO);
         hidden
+    }
+
+    /// A shard whose reservation of the shared day tier came back short spends what it
+    /// holds (its pacer counts the rest used), asks again 5 s later by itself, and again
+    /// 5 s after each ask (a failed one too) until an answer finds units left; an ask in
+    /// a window that has reset since is dropped.
+    #[test]
+    fn a_shard_short_of_a_shared_day_tier_asks_again_every_5_s_until_units_are_left() {
+        let tier = |text: &str| text.parse::<paceline_shared::quota::Tier>().unwrap();
+        let quota = Quota::new(vec![tier("100/s"), tier("600/day")], chrono_tz::UTC, Duration::ZERO).unwrap();
+        let config = LanesConfig::parse_text("tiers = [\"100/s\"]", &quota).unwrap();
+        let mut many = ManyLanes::new(&config, &quota);
+        let t0 = UnixMillis(1_795_824_000_000); // midnight UTC
+        let at = |ms: u64| t0.plus(Duration::from_millis(ms));
+        let key = quota.tiers()[1].usage_key(chrono_tz::UTC, t0);
+        let asked = Reservation { key: key.clone(), units: 200, tier: 1, limit: 600, slot: at(0) };
+        many.reserved.add(key.clone(), 30);
+        many.counted_by_the_stack(asked.clone(), 600, 30, at(0));
+        assert_eq!(many.pacer.usage(&quota, at(0))[1], 570, "the 30 held are all it may spend");
+        assert_eq!(many.short_tier_due(at(4_999)), None);
+        let again = many.short_tier_due(at(5_000)).expect("asked again");
+        assert_eq!((again.units, again.slot), (200, at(5_000)));
+        assert_eq!(many.short_tier_due(at(9_999)), None, "one ask at a time");
+        assert!(many.short_tier_due(at(10_000)).is_some(), "that ask's answer never came (it failed): asked again");
+        many.counted_by_the_stack(Reservation { slot: at(10_000), ..asked.clone() }, 600, 0, at(10_000));
+        assert!(many.short_tier_due(at(15_000)).is_some(), "still short");
+        // Another shard's run ended and gave 300 back: the 200 asked are granted.
+        many.reserved.add(key.clone(), 200);
+        many.counted_by_the_stack(Reservation { slot: at(15_000), ..asked.clone() }, 500, 200, at(15_000));
+        assert_eq!(many.pacer.usage(&quota, at(15_000))[1], 270, "500 counted, 230 of them held here");
+        assert_eq!(many.short_tier_due(at(60_000)), None, "units were left: no more asks");
+        many.counted_by_the_stack(asked, 600, 0, at(0));
+        assert_eq!(many.short_tier_due(at(86_400_000 + 5_000)), None, "the day reset: its count starts afresh");
     }
 
     /// A lane at 10/s keeping 20 jobs: a job it had not seen goes behind the 50 still
