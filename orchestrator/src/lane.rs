@@ -557,6 +557,11 @@ impl<'a> LaneMachine<'a> {
                 self.adaptive.resume(last);
             }
             self.pacer = PacerState::restored(quota, &snapshot.state);
+            // The last run's calls go on until its last slot: readings of them are not
+            // other clients' use.
+            if let Some(last) = self.pacer.last_slot() {
+                self.adaptive.known_from(last.plus(Duration::from_millis(1)));
+            }
             // A hold left by an earlier run is at most one window of the longest tier
             // (older versions saved the provider's cool-down in it: never past that).
             self.pacer.set_hold_until(self.pacer.hold_until().min(now.plus(self.pacer.longest_window(quota))));

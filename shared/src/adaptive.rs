@@ -224,6 +224,13 @@ impl AdaptiveRate {
         }
     }
 
+    /// Our calls are known only from `at` on: the calls an earlier run decided go until
+    /// then (up to its dispatch-ahead after it stopped), unseen by this one, so a reading
+    /// whose window begins before `at` cannot tell ours from others'.
+    pub fn known_from(&mut self, at: UnixMillis) {
+        self.known_since = self.known_since.max(at);
+    }
+
     /// Carries on from the rate an earlier run last had (a shared-quota estimate or a
     /// back-off, while still fresh), so a new run does not start by overrunning others.
     pub fn resume(&mut self, last: &EffectiveRate) {

@@ -174,6 +174,12 @@ impl SlidingWindowLog {
         None
     }
 
+    /// The last instant a unit was recorded at (the end of its bucket), if any.
+    #[must_use]
+    pub fn last_at(&self) -> Option<UnixMillis> {
+        self.entries.back().map(|(bucket, _)| UnixMillis(bucket + self.bucket_ms - 1))
+    }
+
     /// Takes back `cost` units recorded at `at` (a slot that made no call), as far as the
     /// log still holds them.
     pub fn remove(&mut self, at: UnixMillis, cost: u64) {
@@ -596,6 +602,13 @@ impl PacerState {
     #[must_use]
     pub fn frees_at(&self, index: usize, now: UnixMillis) -> Option<UnixMillis> {
         self.tiers.get(index)?.rolling.as_ref()?.log.next_free_at(now)
+    }
+
+    /// The last slot the rolling tiers' logs hold (a snapshot's: the last call its run
+    /// decided, which may go after the next run has started).
+    #[must_use]
+    pub fn last_slot(&self) -> Option<UnixMillis> {
+        self.tiers.iter().filter_map(|s| s.rolling.as_ref()?.log.last_at()).max()
     }
 
     /// Units used in each tier's current window at `now`, in tier order.
