@@ -183,7 +183,8 @@ pub struct LanesReport {
     /// all (their own tiers together allowed at least as much); `None` when no window did.
     pub shared_utilization: Option<f64>,
     /// Jain's index of each backlogged lane's calls over its max-min fair share (by
-    /// weight, under its own tiers), in 10 s windows: the mean and the lowest.
+    /// weight, under its own tiers and what it had left), in 10 s windows: the mean and
+    /// the lowest.
     pub jain_index_mean: Option<f64>,
     pub jain_index_min: Option<f64>,
     pub fairness_windows: usize,
@@ -685,6 +686,21 @@ fn fair_shares(capacity: f64, caps: &[f64], weights: &[f64]) -> Vec<f64> {
     shares
 }
 
+/// Each lane's max-min fair share of `capacity` over a window, among the lanes with
+/// units `left` when it began, each asking no more than its `own_caps` and its units
+/// left (0 for a lane with none): a lane with 20 jobs left is owed 20, and the rest goes
+/// to the others.
+fn fair_shares_of_what_is_left(capacity: f64, left: &[u64], own_caps: &[f64], weights: &[f64]) -> Vec<f64> {
+    let asking: Vec<usize> = (0..left.len()).filter(|lane| left[*lane] > 0).collect();
+    let asks: Vec<f64> = asking.iter().map(|lane| own_caps[*lane].min(left[*lane] as f64)).collect();
+    let asking_weights: Vec<f64> = asking.iter().map(|lane| weights[*lane]).collect();
+    let mut fair = vec![0.0; left.len()];
+    for (lane, share) in asking.iter().zip(fair_shares(capacity, &asks, &asking_weights)) {
+        fair[*lane] = share;
+    }
+    fair
+}
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -710,7 +726,11 @@ fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: V
     let last_call: Vec<Option<UnixMillis>> = by_lane.iter().map(|lane_calls| lane_calls.last().map(|(at, _)| *at)).collect();
 
     // Window by window: the lanes backlogged throughout (their last call after it), their
-    // fair shares, what they got, and the shared quota's use where they could use it all.
+    // fair shares, what they got, and the shared quota's use where their own tiers let
+    // them use it all. The fair shares are max-min over every lane with units left when
+    // the window began, each asking no more than it could still call: its own tiers'
+    // pace over the window, and those units (a lane with 20 jobs left is owed 20, and a
+    // lane that runs out within the window takes its part of the quota with it).
     let window_ms = u64::try_from(WINDOW.as_millis()).unwrap_or(u64::MAX);
     let windows = usize::try_from(end.since(SIM_START).as_millis() as u64 / window_ms).unwrap_or(0);
     let mut got = vec![vec![0_u64; plan.lanes]; windows];
@@ -721,19 +741,23 @@ fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: V
         }
     }
     let capacity = plan.settings.quota.pace_per_second() * WINDOW.as_secs_f64();
+    let mut left: Vec<u64> = by_lane.iter().map(|lane_calls| lane_calls.iter().map(|(_, cost)| cost).sum()).collect();
     let (mut indexes, mut used, mut usable) = (Vec::new(), 0.0, 0.0);
     for (w, got) in got.iter().enumerate() {
         let window_end = SIM_START.plus(WINDOW * u32::try_from(w + 1).unwrap_or(u32::MAX));
         let backlogged: Vec<usize> = (0..plan.lanes).filter(|lane| last_call[*lane].is_some_and(|last| last >= window_end)).collect();
         let caps: Vec<f64> = backlogged.iter().map(|lane| own_rate(quotas[*lane]) * WINDOW.as_secs_f64()).collect();
+        let own_caps: Vec<f64> = quotas.iter().map(|quota| own_rate(quota) * WINDOW.as_secs_f64()).collect();
+        let fair = fair_shares_of_what_is_left(capacity, &left, &own_caps, &weights);
+        for (lane, units) in got.iter().enumerate() {
+            left[lane] = left[lane].saturating_sub(*units);
+        }
         if caps.iter().sum::<f64>() >= capacity {
             usable += capacity;
             used += got.iter().sum::<u64>() as f64;
         }
         if backlogged.len() >= 2 {
-            let lane_weights: Vec<f64> = backlogged.iter().map(|lane| weights[*lane]).collect();
-            let shares = fair_shares(capacity, &caps, &lane_weights);
-            let ratios: Vec<f64> = backlogged.iter().zip(&shares).map(|(lane, share)| got[*lane] as f64 / share.max(1e-9)).collect();
+            let ratios: Vec<f64> = backlogged.iter().map(|lane| got[*lane] as f64 / fair[*lane].max(1e-9)).collect();
             indexes.push(jain_index(&ratios));
         }
     }
@@ -835,6 +859,16 @@ mod tests {
         assert!((shares[0] - 10.0).abs() < 1e-9 && (shares[1] - 30.0).abs() < 1e-9 && (shares[2] - 60.0).abs() < 1e-9, "{shares:?}");
         let even = fair_shares(90.0, &[1e9; 3], &[1.0; 3]);
         assert!(even.iter().all(|s| (s - 30.0).abs() < 1e-9), "{even:?}");
+    }
+
+    /// Fairness is measured against what a lane could still call: with 20 jobs left it is
+    /// owed its 20 (an even third of 300 before, which counted it as starved when it got
+    /// all it had), a lane with none left is owed nothing, and the rest goes to the others
+    /// by weight, each under its own tiers.
+    #[test]
+    fn a_lane_is_owed_no_more_than_it_has_left_and_the_rest_goes_to_the_others() {
+        let fair = fair_shares_of_what_is_left(300.0, &[20, 1_000, 1_000, 0], &[1_000.0, 1_000.0, 100.0, 1_000.0], &[1.0; 4]);
+        assert_eq!(fair, vec![20.0, 180.0, 100.0, 0.0]);
     }
 
     fn plan(lanes: usize, jobs: usize) -> LanesPlan {
