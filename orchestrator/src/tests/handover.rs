@@ -34,17 +34,6 @@ fn lambda_lane() -> Lane {
     })
 }
 
-fn slots(lane: &Lane) -> Vec<u64> {
-    lane.invoker
-        .accepted()
-        .iter()
-        .filter_map(|(_, p)| match p {
-            WorkerPayload::Job { slot: Some(slot), .. } => Some(slot.not_before.0 - T0.0),
-            _ => None,
-        })
-        .collect()
-}
-
 fn run_until(holder: &str, deadline: UnixMillis) -> RunOptions {
     RunOptions { holder: holder.into(), deadline, drain: false, stop: None }
 }
@@ -58,12 +47,12 @@ async fn a_run_that_starts_within_the_batch_window_of_the_last_one_s_stop_contin
     assert_eq!(lane.orchestrator.settings().dispatch_ahead(), Duration::from_millis(900));
     enqueue(&lane, (0..150).map(|i| job(&format!("j{i}")))).await;
     lane.orchestrator.run(&run_until("run-1", T0.plus(Duration::from_secs(10)))).await.unwrap();
-    let first = slots(&lane);
+    let first = slot_offsets(&lane);
     // Stopped at 9 s with slots decided up to 9 s + 900 ms.
     assert_eq!((first.first(), first.last(), first.len()), (Some(&900), Some(&9_900), 91));
     lane.clock.sleep_until(T0.plus(Duration::from_millis(9_300))).await;
     lane.orchestrator.run(&run_until("run-2", T0.plus(Duration::from_secs(13)))).await.unwrap();
-    let all = slots(&lane);
+    let all = slot_offsets(&lane);
     let second = &all[first.len()..];
     assert_eq!(second.first(), Some(&10_000), "one interval after the last run's last slot");
     assert!(all.windows(2).all(|w| w[1] - w[0] == 100), "no slot skipped across the runs: {all:?}");
@@ -163,7 +152,7 @@ async fn a_reading_of_the_last_run_s_calls_is_not_taken_for_other_clients_use() 
     assert_eq!(lane.orchestrator.settings().dispatch_ahead(), Duration::from_millis(1_100));
     enqueue(&lane, (0..1_500).map(|i| job(&format!("j{i}")))).await;
     lane.orchestrator.run(&run_until("run-1", T0.plus(Duration::from_secs(10)))).await.unwrap();
-    let first = slots(&lane);
+    let first = slot_offsets(&lane);
     assert_eq!(first.last(), Some(&10_100), "stopped at 9 s with slots decided up to 1.1 s later");
     // The last run's calls at 9.11 to 10.1 s fill the provider's window ending at 10.1 s.
     let reading = ProviderReading {
@@ -176,7 +165,7 @@ async fn a_reading_of_the_last_run_s_calls_is_not_taken_for_other_clients_use() 
     lane.store.record_provider_reading(&reading).await.unwrap();
     lane.clock.sleep_until(T0.plus(Duration::from_millis(9_020))).await;
     let report = lane.orchestrator.run(&run_until("run-2", T0.plus(Duration::from_secs(14)))).await.unwrap();
-    let second = &slots(&lane)[first.len()..];
+    let second = &slot_offsets(&lane)[first.len()..];
     let from_11_to_13 = second.iter().filter(|slot| (11_000..13_000).contains(*slot)).count();
     assert!(from_11_to_13 >= 198, "{from_11_to_13} calls in the 2 s from 11 s on; the slowest rate: {:?}", report.slowest_rate);
     assert_eq!(report.slowest_rate, None, "the pace never cut");

@@ -86,6 +86,18 @@ fn offsets(lane: &Lane) -> Vec<u64> {
     lane.invoker.accepted().iter().map(|(t, _)| t.0 - T0.0).collect()
 }
 
+/// The slots of the jobs handed off ahead of them, in ms from `T0`, in hand-off order.
+fn slot_offsets(lane: &Lane) -> Vec<u64> {
+    lane.invoker
+        .accepted()
+        .iter()
+        .filter_map(|(_, p)| match p {
+            WorkerPayload::Job { slot: Some(slot), .. } => Some(slot.not_before.0 - T0.0),
+            _ => None,
+        })
+        .collect()
+}
+
 #[tokio::test(start_paused = true)]
 async fn one_per_second_dispatches_exactly_on_the_second() {
     let lane = lane(&["1/s"], 0);
@@ -249,15 +261,7 @@ async fn a_ramp_s_spacing_holds_for_slots_dispatched_ahead() {
     });
     enqueue(&lane, (0..5).map(|i| job(&format!("j{i}")))).await;
     lane.orchestrator.run(&opts(true, Duration::from_secs(60))).await.unwrap();
-    let slots: Vec<u64> = lane
-        .invoker
-        .accepted()
-        .iter()
-        .filter_map(|(_, p)| match p {
-            WorkerPayload::Job { slot: Some(slot), .. } => Some(slot.not_before.0 - T0.0),
-            _ => None,
-        })
-        .collect();
+    let slots = slot_offsets(&lane);
     // A quarter of the pace, 400 ms apart, for slots in the ramp's first second; then
     // half. A loop that wakes within its 2 ms slack must not take the slack off the
     // spacing (it did: 300, 698, 1096, 1294, 1492).
@@ -476,15 +480,7 @@ async fn a_late_started_job_in_a_backlogged_lane_takes_the_lane_s_next_slot_not_
     let late = r#"{"id":"late","request":{"method":"GET","path":"/b"},"late_start_ms":200}"#.to_owned();
     enqueue(&lane, (0..50).map(|i| job(&format!("a{i}"))).chain([late]).chain((0..50).map(|i| job(&format!("b{i}"))))).await;
     lane.orchestrator.run(&opts(true, Duration::from_secs(30))).await.unwrap();
-    let slots: Vec<u64> = lane
-        .invoker
-        .accepted()
-        .iter()
-        .filter_map(|(_, p)| match p {
-            WorkerPayload::Job { slot: Some(slot), .. } => Some(slot.not_before.0 - T0.0),
-            _ => None,
-        })
-        .collect();
+    let slots = slot_offsets(&lane);
     assert_eq!(slots.len(), 101);
     let gaps: std::collections::BTreeSet<u64> = slots.windows(2).map(|w| w[1] - w[0]).collect();
     assert_eq!(gaps, [10].into(), "every slot 10 ms after the last: {slots:?}");
@@ -522,15 +518,7 @@ async fn a_slot_whose_worker_made_no_call_is_given_back_and_the_report_counts_ca
     let lane = Lane { orchestrator: lane.orchestrator.with_missed_slots(missed.clone()), ..lane };
     enqueue(&lane, ["miss", "j1", "j2", "j3", "j4"].map(job)).await;
     let report = lane.orchestrator.run(&opts(false, Duration::from_secs(5))).await.unwrap();
-    let slots: Vec<u64> = lane
-        .invoker
-        .accepted()
-        .iter()
-        .filter_map(|(_, p)| match p {
-            WorkerPayload::Job { slot: Some(slot), .. } => Some(slot.not_before.0 - T0.0),
-            _ => None,
-        })
-        .collect();
+    let slots = slot_offsets(&lane);
     // Without the give-back, j3 would wait for the first slot to leave the 10 s window.
     assert_eq!(slots, vec![300, 400, 500, 600], "three calls and one slot without a call in the 10 s window");
     assert_eq!(report.slots_given_back, 1);
