@@ -97,6 +97,22 @@ impl Lane {
         }
     }
 
+    /// Runs the lane's orchestrator again, draining, `pause` after the last run and up
+    /// to `runs` times, until its queue is empty: what workers put back after a run (a
+    /// re-queue with a delay, a job whose worker started after its slot on a loaded
+    /// machine) the next scheduled runs take.
+    async fn run_again_until_drained(&self, runs: usize, pause: Duration) {
+        for _ in 0..runs {
+            tokio::time::sleep(pause).await;
+            self.orchestrator().run(&drain_opts("next", Duration::from_secs(30))).await.unwrap();
+            self.lambda.settle(Duration::from_secs(10)).await;
+            let depth = self.queue().depth().await.unwrap();
+            if depth.visible == 0 && depth.not_visible == 0 {
+                break;
+            }
+        }
+    }
+
     fn job_ids(&self) -> Vec<String> {
         self.lambda
             .invocations()
@@ -288,17 +304,8 @@ async fn background_server_errors_retry_their_own_job_through_sqs_delays_and_nev
     lane.lambda.settle(Duration::from_secs(10)).await;
     assert_eq!(report.stop, StopReason::Drained);
     // A worker answered after the drain may have re-queued its job with a delay (or
-    // started after its slot, on a loaded machine, run after run): the next scheduled
-    // runs take it.
-    for _ in 0..6 {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        lane.orchestrator().run(&drain_opts("next", Duration::from_secs(30))).await.unwrap();
-        lane.lambda.settle(Duration::from_secs(10)).await;
-        let depth = lane.queue().depth().await.unwrap();
-        if depth.visible == 0 && depth.not_visible == 0 {
-            break;
-        }
-    }
+    // started after its slot, on a loaded machine, run after run).
+    lane.run_again_until_drained(6, Duration::from_secs(1)).await;
 
     let log = api.log();
     assert!(log.server_errors >= 3, "{log:?}");
@@ -632,16 +639,8 @@ async fn a_cap_on_calls_in_flight_holds_across_workers_through_dynamodb() {
     lane.lambda.settle(Duration::from_secs(10)).await;
     assert_eq!(report.stop, StopReason::Drained);
     // A job turned away by a full cap is re-queued with a short delay (or put back by a
-    // worker that started after its slot, on a loaded machine): the next runs take it.
-    for _ in 0..4 {
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        lane.orchestrator().run(&drain_opts("next", Duration::from_secs(30))).await.unwrap();
-        lane.lambda.settle(Duration::from_secs(10)).await;
-        let depth = lane.queue().depth().await.unwrap();
-        if depth.visible == 0 && depth.not_visible == 0 {
-            break;
-        }
-    }
+    // worker that started after its slot, on a loaded machine).
+    lane.run_again_until_drained(4, Duration::from_secs(2)).await;
 
     let log = api.log();
     assert_eq!((log.concurrency_rejections, log.quota_rejections), (0, 0), "{log:?}");
