@@ -1246,6 +1246,7 @@ impl<'a> LaneMachine<'a> {
         (self.meter.report(&self.quota, &calendar_used), self.meter.paced_for(), self.meter.paced_by().map(|i| self.quota.tiers()[i]))
     }
 }
+
 /// The instant a decision of [`LaneMachine::decide`] is for: its slot, or the slot it
 /// waits for.
 fn decided_for((slot, decision): (UnixMillis, Decision)) -> UnixMillis {
