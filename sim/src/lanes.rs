@@ -182,9 +182,10 @@ pub struct LanesReport {
     /// The shared quota's use in the windows where the backlogged lanes could have used it
     /// all (their own tiers together allowed at least as much); `None` when no window did.
     pub shared_utilization: Option<f64>,
-    /// Jain's index of each backlogged lane's calls over its max-min fair share (by
+    /// Jain's index of each contending lane's calls over its max-min fair share (by
     /// weight, under its own tiers and what it had left), in 10 s windows: the mean and
-    /// the lowest.
+    /// the lowest. Contending: backlogged throughout the window, with more left than
+    /// its share.
     pub jain_index_mean: Option<f64>,
     pub jain_index_min: Option<f64>,
     pub fairness_windows: usize,
@@ -742,13 +743,16 @@ fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: V
     }
     let capacity = plan.settings.quota.pace_per_second() * WINDOW.as_secs_f64();
     let mut left: Vec<u64> = by_lane.iter().map(|lane_calls| lane_calls.iter().map(|(_, cost)| cost).sum()).collect();
+    let own_caps: Vec<f64> = quotas.iter().map(|quota| own_rate(quota) * WINDOW.as_secs_f64()).collect();
     let (mut indexes, mut used, mut usable) = (Vec::new(), 0.0, 0.0);
     for (w, got) in got.iter().enumerate() {
         let window_end = SIM_START.plus(WINDOW * u32::try_from(w + 1).unwrap_or(u32::MAX));
         let backlogged: Vec<usize> = (0..plan.lanes).filter(|lane| last_call[*lane].is_some_and(|last| last >= window_end)).collect();
-        let caps: Vec<f64> = backlogged.iter().map(|lane| own_rate(quotas[*lane]) * WINDOW.as_secs_f64()).collect();
-        let own_caps: Vec<f64> = quotas.iter().map(|quota| own_rate(quota) * WINDOW.as_secs_f64()).collect();
+        let caps: Vec<f64> = backlogged.iter().map(|lane| own_caps[*lane]).collect();
         let fair = fair_shares_of_what_is_left(capacity, &left, &own_caps, &weights);
+        // Contending: backlogged, with more left than its share (a lane owed all it had
+        // left is not short of the quota, whatever the window's edge cut off).
+        let contending: Vec<usize> = backlogged.iter().copied().filter(|lane| left[*lane] as f64 > fair[*lane] + 1e-9).collect();
         for (lane, units) in got.iter().enumerate() {
             left[lane] = left[lane].saturating_sub(*units);
         }
@@ -756,8 +760,8 @@ fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: V
             usable += capacity;
             used += got.iter().sum::<u64>() as f64;
         }
-        if backlogged.len() >= 2 {
-            let ratios: Vec<f64> = backlogged.iter().map(|lane| got[*lane] as f64 / fair[*lane].max(1e-9)).collect();
+        if contending.len() >= 2 {
+            let ratios: Vec<f64> = contending.iter().map(|lane| got[*lane] as f64 / fair[*lane].max(1e-9)).collect();
             indexes.push(jain_index(&ratios));
         }
     }
@@ -862,9 +866,9 @@ mod tests {
     }
 
     /// Fairness is measured against what a lane could still call: with 20 jobs left it is
-    /// owed its 20 (an even third of 300 before, which counted it as starved when it got
-    /// all it had), a lane with none left is owed nothing, and the rest goes to the others
-    /// by weight, each under its own tiers.
+    /// owed its 20 (an even third of 300 before, which counted it as starved when the
+    /// window's edge cut its last jobs off), a lane with none left is owed nothing, and the
+    /// rest goes to the others by weight, each under its own tiers.
     #[test]
     fn a_lane_is_owed_no_more_than_it_has_left_and_the_rest_goes_to_the_others() {
         let fair = fair_shares_of_what_is_left(300.0, &[20, 1_000, 1_000, 0], &[1_000.0, 1_000.0, 100.0, 1_000.0], &[1.0; 4]);
