@@ -790,12 +790,11 @@ impl<'a> LaneMachine<'a> {
         // hand-off's own work never eats the margin its worker has to start.
         let mut extra_lead = if self.lead().is_zero() { Duration::ZERO } else { job.extra_lead() };
         let (mut slot, mut decision) = self.decide(cost, now.plus(extra_lead), not_before);
-        // A worker's late start is made up for in a lane with more jobs in hand only where
-        // that moves no slot: a lane that keeps its slots just ahead would leave its pace
-        // (and the shared quota's, for every lane) unused for that long, for a lateness
-        // Lambda's start seldom repeats. A job alone in its lane takes the lead it needs.
+        // A worker's late start is made up for only where that moves no slot: a lane that
+        // keeps its slots just ahead would leave its pace (and the shared quota's, for
+        // every lane) unused for that long, for a lateness Lambda's start seldom repeats.
         let learned = Duration::from_millis(job.late_start_ms).min(extra_lead);
-        if !learned.is_zero() && self.jobs_in_hand() > 1 {
+        if !learned.is_zero() {
             let without = self.decide(cost, now.plus(extra_lead - learned), not_before);
             if decided_for(without) < decided_for((slot, decision)) {
                 (slot, decision) = without;

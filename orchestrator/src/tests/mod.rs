@@ -486,18 +486,6 @@ async fn a_late_started_job_in_a_backlogged_lane_takes_the_lane_s_next_slot_not_
     assert_eq!(gaps, [10].into(), "every slot 10 ms after the last: {slots:?}");
 }
 
-/// A job whose worker started late before, alone in its lane, still takes its extra
-/// lead: no other job of the lane would use the slots it skips. (Without it, a job whose
-/// worker starts late every time, on a loaded machine, went back uncalled over and over:
-/// the lane-move test on moto made 27 of its 30 calls.)
-#[tokio::test(start_paused = true)]
-async fn a_late_started_job_alone_in_its_lane_is_handed_off_its_lateness_earlier() {
-    let lane = lane_with_settings(&["100/s"], 0, |settings| settings.orchestrator.dispatch_ahead = Some(Duration::from_millis(400)));
-    enqueue(&lane, [r#"{"id":"late","request":{"method":"GET","path":"/b"},"late_start_ms":200}"#.to_owned()]).await;
-    lane.orchestrator.run(&opts(true, Duration::from_secs(30))).await.unwrap();
-    assert_eq!((offsets(&lane), slot_offsets(&lane)), (vec![0], vec![600]), "handed off 400 + 200 ms before its slot");
-}
-
 /// A worker that makes no call for the job `miss` (it started too late), as the
 /// in-process worker reports it.
 struct MissesOne(Arc<paceline_shared::pacer::MissedSlots>);
