@@ -788,19 +788,8 @@ impl<'a> LaneMachine<'a> {
         // A large payload takes a while to hand off (and a worker that started late for
         // this job before shows how long): it is handed off that much earlier, so the
         // hand-off's own work never eats the margin its worker has to start.
-        let mut extra_lead = if self.lead().is_zero() { Duration::ZERO } else { job.extra_lead() };
-        let (mut slot, mut decision) = self.decide(cost, now.plus(extra_lead), not_before);
-        // A worker's late start is made up for only where that moves no slot: a lane that
-        // keeps its slots just ahead would leave its pace (and the shared quota's, for
-        // every lane) unused for that long, for a lateness Lambda's start seldom repeats.
-        let learned = Duration::from_millis(job.late_start_ms).min(extra_lead);
-        if !learned.is_zero() {
-            let without = self.decide(cost, now.plus(extra_lead - learned), not_before);
-            if decided_for(without) < decided_for((slot, decision)) {
-                (slot, decision) = without;
-                extra_lead -= learned;
-            }
-        }
+        let extra_lead = if self.lead().is_zero() { Duration::ZERO } else { job.extra_lead() };
+        let (slot, decision) = self.decide(cost, now.plus(extra_lead), not_before);
         match decision {
             Decision::Never { tier } => {
                 let in_hand = self.pop_in_hand();
@@ -1244,14 +1233,5 @@ impl<'a> LaneMachine<'a> {
     pub fn tier_figures(&self, now: UnixMillis) -> (Vec<TierReport>, Duration, Option<paceline_shared::quota::Tier>) {
         let calendar_used = self.pacer.usage(&self.quota, now);
         (self.meter.report(&self.quota, &calendar_used), self.meter.paced_for(), self.meter.paced_by().map(|i| self.quota.tiers()[i]))
-    }
-}
-
-/// The instant a decision of [`LaneMachine::decide`] is for: its slot, or the slot it
-/// waits for.
-fn decided_for((slot, decision): (UnixMillis, Decision)) -> UnixMillis {
-    match decision {
-        Decision::WaitUntil { at, .. } => at,
-        Decision::Allow | Decision::Never { .. } => slot,
     }
 }

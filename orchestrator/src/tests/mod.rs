@@ -469,23 +469,6 @@ async fn a_large_or_late_job_is_handed_off_earlier_for_the_same_slot() {
     assert_eq!(hand_offs, vec![(0, 300), (1_018 - 100, 1_320), (2_238 - 250, 2_540)]);
 }
 
-/// A job whose worker started late before, in a backlogged lane: asking its extra lead
-/// pushed its slot 200 ms past the lane's next, leaving the pace unused that long (under
-/// a shared quota every lane's: 1,000 lanes evenly under 10,000/s with Lambda workers
-/// used 88.7% of it, not 98.1%). It takes the lane's next slot now; where a lane waits
-/// for its slot anyway it is still handed off earlier (the test above).
-#[tokio::test(start_paused = true)]
-async fn a_late_started_job_in_a_backlogged_lane_takes_the_lane_s_next_slot_not_one_its_lateness_later() {
-    let lane = lane_with_settings(&["100/s"], 0, |settings| settings.orchestrator.dispatch_ahead = Some(Duration::from_millis(400)));
-    let late = r#"{"id":"late","request":{"method":"GET","path":"/b"},"late_start_ms":200}"#.to_owned();
-    enqueue(&lane, (0..50).map(|i| job(&format!("a{i}"))).chain([late]).chain((0..50).map(|i| job(&format!("b{i}"))))).await;
-    lane.orchestrator.run(&opts(true, Duration::from_secs(30))).await.unwrap();
-    let slots = slot_offsets(&lane);
-    assert_eq!(slots.len(), 101);
-    let gaps: std::collections::BTreeSet<u64> = slots.windows(2).map(|w| w[1] - w[0]).collect();
-    assert_eq!(gaps, [10].into(), "every slot 10 ms after the last: {slots:?}");
-}
-
 /// A worker that makes no call for the job `miss` (it started too late), as the
 /// in-process worker reports it.
 struct MissesOne(Arc<paceline_shared::pacer::MissedSlots>);
