@@ -197,6 +197,12 @@ impl Orchestrator {
         }
     }
 
+    /// The store of this shard's share of the shared quota: its pacer snapshot, and in a
+    /// stack of one shard its day and month counters.
+    fn shard_store(&self) -> Arc<dyn StateStore> {
+        self.store_for(&self.settings.shard.scope())
+    }
+
     /// The counters a stack of shards reserves the shared quota's day and month units
     /// from, one for the stack; `None` for a stack of one shard, which counts them in its
     /// own scope as it always has.
@@ -208,7 +214,7 @@ impl Orchestrator {
     async fn shared_calendar_usage(&self, now: UnixMillis) -> PortResult<Vec<u64>> {
         match self.shared_counters() {
             Some(counters) => load_shared_calendar_usage(counters.as_ref(), &self.settings.quota, now).await,
-            None => load_calendar_usage(self.store_for(&self.settings.shard.scope()).as_ref(), &self.settings.quota, now).await,
+            None => load_calendar_usage(self.shard_store().as_ref(), &self.settings.quota, now).await,
         }
     }
 
@@ -216,7 +222,7 @@ impl Orchestrator {
     /// each (in a stack of shards, fewer than asked where the other shards hold the rest).
     async fn reserve_shared(&self, needed: &[Reservation]) -> PortResult<Vec<Granted>> {
         let Some(counters) = self.shared_counters() else {
-            self.store_for(&self.settings.shard.scope()).add_usage(&as_deltas(needed)).await?;
+            self.shard_store().add_usage(&as_deltas(needed)).await?;
             return Ok(needed.iter().map(|reservation| Granted { units: reservation.units, shared_count: None }).collect());
         };
         let mut granted = Vec::with_capacity(needed.len());
@@ -229,7 +235,7 @@ impl Orchestrator {
 
     /// Gives back the shared quota's units reserved and not spent (negative deltas).
     async fn return_shared(&self, unspent: &[(String, i64)]) -> PortResult<()> {
-        let Some(counters) = self.shared_counters() else { return self.store_for(&self.settings.shard.scope()).add_usage(unspent).await };
+        let Some(counters) = self.shared_counters() else { return self.shard_store().add_usage(unspent).await };
         for (key, delta) in unspent {
             counters.return_shared(key, delta.unsigned_abs()).await?;
         }
@@ -387,7 +393,7 @@ impl Executor<'_> {
     async fn hydrate(&mut self) -> Result<(), RunError> {
         let earlier_runs = self.state.lease().epoch > 1;
         if self.o.settings.lanes.is_some() {
-            let stack = self.o.store_for(&self.o.settings.shard.scope());
+            let stack = self.o.shard_store();
             let last_run = LastRun::judge(stack.load_pacer().await, self.o.settings.shared_pacer_quota(), earlier_runs, self.o.clock.now())?;
             let calendar_used = self.o.shared_calendar_usage(self.o.clock.now()).await?;
             self.state.hydrate_shared(last_run, &calendar_used, self.o.clock.now());
