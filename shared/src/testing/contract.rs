@@ -361,6 +361,7 @@ pub async fn shared_counters(documents: Arc<dyn StackDocuments>, stack: Option<A
     let granted: u64 = racing.join_all().await.into_iter().sum();
     assert_eq!(granted, 25, "racing reservations share what was left, no more");
     assert_eq!(documents.shared_counts(std::slice::from_ref(&day)).await.unwrap(), vec![100]);
+    assert_eq!(reserve(&day, 0, 100).await, (0, 100), "asking nothing still says the count");
     if let Some(stack) = stack {
         assert_eq!(stack.load_usage(std::slice::from_ref(&day)).await.unwrap(), vec![100], "shard 0's counter in the stack's scope is the same");
     }

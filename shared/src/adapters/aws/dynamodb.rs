@@ -276,11 +276,12 @@ impl StackDocuments for DynamoStateStore {
     /// shard took units meanwhile, the counter is read and what is left asked for.
     async fn reserve_shared(&self, key: &str, wanted: u64, limit: u64) -> PortResult<SharedReservation> {
         let pk = s(StoreScope::Stack.key(key));
-        let (mut units, mut count) = (wanted.min(limit), 0);
+        let read_count = || async { Ok::<u64, PortError>(self.get_item(pk.clone()).await?.map_or(0, |item| get_n(&item, "used"))) };
+        let mut units = wanted.min(limit);
+        if units == 0 {
+            return Ok(SharedReservation { units, count: read_count().await? });
+        }
         for _ in 0..SHARED_RESERVATION_TRIES {
-            if units == 0 {
-                return Ok(SharedReservation { units, count });
-            }
             let added = self
                 .client
                 .update_item()
@@ -299,8 +300,11 @@ impl StackDocuments for DynamoStateStore {
                     return Ok(SharedReservation { units, count: count.unwrap_or(limit) });
                 }
                 Err(PortError::Conflict(_)) => {
-                    count = self.get_item(pk.clone()).await?.map_or(0, |item| get_n(&item, "used"));
+                    let count = read_count().await?;
                     units = wanted.min(limit.saturating_sub(count));
+                    if units == 0 {
+                        return Ok(SharedReservation { units, count });
+                    }
                 }
                 Err(e) => return Err(e),
             }
