@@ -919,9 +919,10 @@ async fn two_shards_spend_a_shared_day_tier_from_one_counter_and_never_pass_it_t
     lambda.settle(Duration::from_secs(10)).await;
 
     // Shard 1 holds a sixth of the 6/s at first: on a busy machine its run may end before
-    // its fourth job, which shard 0 then spends.
+    // its fourth job (which shard 0 then spends), or hand one off twice (its worker started
+    // after its slot and put it back): the 20 units fall either way, shard 0's past 10.
     let dispatched = (ran_first.dispatched, ran_second.dispatched);
-    assert!(dispatched.0 + dispatched.1 == 20 && dispatched.0 >= 16, "the whole shared day, no more, shard 0 past its even half: {dispatched:?}");
+    assert!(dispatched.0 + dispatched.1 == 20 && dispatched.0 > 10, "the whole shared day, no more, shard 0 past its even half: {dispatched:?}");
     let log = api.log();
     // A worker that starts after its slot (a busy machine) puts its job back uncalled;
     // its unit stays spent.
