@@ -122,9 +122,13 @@ section "deploy the template into moto's CloudFormation"
 # The real-time lanes' end-to-end tests (tests/tests/embedded.rs: 2.5 minutes, one lane at a
 # time, each waiting on its lane's pace) run in a process of their own beside the other test
 # binaries, which run one after another from their package's folder, as `cargo test` runs
-# them. The binaries are listed with the build's own selection (`--workspace
-# --all-features`): a narrower `-p` resolves features anew and compiles the workspace again.
-section "tests (the real-time lanes' beside the others, in a process of their own: target/embedded-tests.log)"
+# them. The moto tests (tests/tests/aws.rs) wait for the real-time ones and run last, alone:
+# their workers run on the fake Invoke endpoint in real time too, and beside the real-time
+# lanes a worker started after its slot often enough (it puts its job back uncalled, by
+# design) that a test counted a call short. The binaries are listed with the build's own
+# selection (`--workspace --all-features`): a narrower `-p` resolves features anew and
+# compiles the workspace again.
+section "tests (the real-time lanes' beside the others, in a process of their own: target/embedded-tests.log; then the moto tests)"
 with_clippy cargo test --quiet --workspace --all-features --no-run --message-format=json | python3 -c '
 import json, os, sys
 for m in map(json.loads, sys.stdin):
@@ -135,16 +139,19 @@ run_test_binary() { # FOLDER NAME EXECUTABLE
     (cd "$1" && "$3" < /dev/null)
 }
 embedded_line=$(grep -P '^[^\t]*/tests\tembedded\t' target/test-binaries.tsv)
+moto_line=$(grep -P '^[^\t]*/tests\taws\t' target/test-binaries.tsv)
 IFS=$'\t' read -r folder name executable <<< "$embedded_line"
 run_test_binary "$folder" "$name" "$executable" > target/embedded-tests.log 2>&1 &
 embedded=$!
 trap 'kill $moto_pid $check $arm64_build $embedded 2>/dev/null || true' EXIT
-grep -vxF "$embedded_line" target/test-binaries.tsv | while IFS=$'\t' read -r folder name executable; do
+grep -vxF -e "$embedded_line" -e "$moto_line" target/test-binaries.tsv | while IFS=$'\t' read -r folder name executable; do
     run_test_binary "$folder" "$name" "$executable"
 done
 with_clippy cargo test --quiet --workspace --all-features --doc
 wait "$embedded" || { cat target/embedded-tests.log; echo "the real-time lanes' tests failed: target/embedded-tests.log above says why"; exit 1; }
 grep '^test result' target/embedded-tests.log
+IFS=$'\t' read -r folder name executable <<< "$moto_line"
+run_test_binary "$folder" "$name" "$executable"
 
 section "the web console in headless chromium, and /metrics through Prometheus's parser"
 PACELINE_BIN=target/debug/paceline .venv/bin/pytest -q tests/console
