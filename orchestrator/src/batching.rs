@@ -48,8 +48,10 @@ pub struct BatchingInvoker(Arc<Batcher>);
 struct Batcher {
     inner: Arc<dyn Invoker>,
     clock: Arc<dyn Clock>,
-    /// A batch goes this long before its first job's slot.
+    /// A batch goes this long before its first job's slot, and this many milliseconds
+    /// more while workers started late lately ([`Invoker::lead_changed`]).
     lead: Duration,
+    late_start_ms: AtomicU64,
     max_calls: usize,
     max_bytes: usize,
     /// Names the batches: `{prefix}#{number}`, the prefix telling this invoker's from
@@ -80,6 +82,7 @@ impl BatchingInvoker {
             inner,
             clock,
             lead,
+            late_start_ms: AtomicU64::new(0),
             max_calls: usize::try_from(max_calls).unwrap_or(usize::MAX).max(1),
             max_bytes: MAX_BATCH_BYTES,
             prefix,
@@ -226,7 +229,9 @@ impl Invoker for BatchingInvoker {
     async fn invoke(&self, payload: &WorkerPayload, from_receipt: Option<&str>) -> PortResult<()> {
         let this = &self.0;
         let send_by = match payload {
-            WorkerPayload::Job { slot: Some(slot), .. } => slot.not_before.minus(this.lead),
+            WorkerPayload::Job { slot: Some(slot), .. } => {
+                slot.not_before.minus(this.lead).minus(Duration::from_millis(this.late_start_ms.load(Ordering::Relaxed)))
+            }
             // At its slot already, or a health check: nothing to gather it with.
             _ => return this.inner.invoke(payload, from_receipt).await,
         };
@@ -246,6 +251,10 @@ impl Invoker for BatchingInvoker {
 
     fn in_flight(&self) -> usize {
         self.0.inner.in_flight()
+    }
+
+    fn lead_changed(&self, extra: Duration) {
+        self.0.late_start_ms.store(u64::try_from(extra.as_millis()).unwrap_or(u64::MAX), Ordering::Relaxed);
     }
 
     /// Puts as many stripes to use as `per_second` needs at `worker_pace` each (a batch
@@ -354,6 +363,18 @@ mod tests {
             .collect();
         assert_eq!(ids.len(), 2);
         assert_ne!(ids[0], ids[1], "two batches of one worker named alike");
+    }
+
+    /// Workers started late lately, and the orchestrator hands jobs off 150 ms earlier:
+    /// a batch goes that much earlier too (it went at the configured lead before, and
+    /// its worker had no more time to start than the one that missed).
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_goes_as_much_earlier_as_late_starts_added_to_the_lead() {
+        let (_, t0, inner, invoker) = rig(100, 1);
+        invoker.lead_changed(Duration::from_millis(150));
+        let calls = vec![slotted(1, t0.plus(Duration::from_millis(1_000))), slotted(2, t0.plus(Duration::from_millis(1_010)))];
+        hand_off(&invoker, calls).await;
+        assert_eq!(sent(&inner), vec![(t0.plus(Duration::from_millis(1_000 - 400 - 150)), vec!["j-1".into(), "j-2".into()])]);
     }
 
     #[tokio::test(start_paused = true)]

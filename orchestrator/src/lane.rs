@@ -297,6 +297,9 @@ pub(crate) struct LaneMachine<'a> {
     call_slots: CallSlotModel,
     /// An ordered lane's gate (`None` for a lane without ordering).
     order: Option<OrderGate>,
+    /// How much earlier than configured its jobs are handed off: what workers that
+    /// started late showed the stack lately (see `late_starts`).
+    late_start_lead: Duration,
     order_read_backoff: Backoff,
     exhausted_logged_until: UnixMillis,
     meter: TierMeter,
@@ -347,6 +350,7 @@ impl<'a> LaneMachine<'a> {
             swapping_circuit: false,
             call_slots: CallSlotModel::default(),
             order,
+            late_start_lead: Duration::ZERO,
             order_read_backoff: PORT_BACKOFF,
             exhausted_logged_until: UnixMillis(0),
             meter: TierMeter::new(quota),
@@ -423,10 +427,29 @@ impl<'a> LaneMachine<'a> {
         // An ordered lane's one job at a time is decided when the one before settles: it
         // waits for no batch to gather.
         if self.order.is_some() {
-            self.settings.hand_off_lead()
+            self.hand_off_lead()
         } else {
-            self.settings.dispatch_ahead()
+            self.with_late_starts(self.settings.dispatch_ahead())
         }
+    }
+
+    /// How far ahead of its slot a job reaches its worker at the least (zero: at the slot).
+    fn hand_off_lead(&self) -> Duration {
+        self.with_late_starts(self.settings.hand_off_lead())
+    }
+
+    /// `lead`, and what late starts added to it where jobs are handed off ahead.
+    fn with_late_starts(&self, lead: Duration) -> Duration {
+        if lead.is_zero() {
+            lead
+        } else {
+            lead + self.late_start_lead
+        }
+    }
+
+    /// Hands its jobs off `lead` earlier than configured, from the next decision on.
+    pub fn set_late_start_lead(&mut self, lead: Duration) {
+        self.late_start_lead = lead;
     }
 
     pub fn circuit(&self) -> &Circuit {
@@ -785,10 +808,9 @@ impl<'a> LaneMachine<'a> {
         }
         let job = self.buffer.front().and_then(|front| front.job.as_ref().ok()).expect("a parsed job in hand");
         let cost = job.cost;
-        // A large payload takes a while to hand off (and a worker that started late for
-        // this job before shows how long): it is handed off that much earlier, so the
-        // hand-off's own work never eats the margin its worker has to start.
-        let extra_lead = if self.lead().is_zero() { Duration::ZERO } else { job.extra_lead() };
+        // A large payload takes a while to hand off: it is handed off that much earlier,
+        // so the hand-off's own work never eats the margin its worker has to start.
+        let extra_lead = if self.lead().is_zero() { Duration::ZERO } else { job.request.hand_off_allowance() };
         let (slot, decision) = self.decide(cost, now.plus(extra_lead), not_before);
         match decision {
             Decision::Never { tier } => {
@@ -980,15 +1002,18 @@ impl<'a> LaneMachine<'a> {
     }
 
     /// Takes received messages into hand at `now`, parsed once; with jobs in hand the
-    /// circuit is re-read as often as their pace needs.
-    pub fn take_in(&mut self, received: Vec<QueuedMessage>, now: UnixMillis) {
+    /// circuit is re-read as often as their pace needs. Returns the longest a worker
+    /// started late for one of them before.
+    pub fn take_in(&mut self, received: Vec<QueuedMessage>, now: UnixMillis) -> Duration {
         let hidden_until = now.plus(self.settings.orchestrator.visibility_timeout);
+        let taken = self.buffer.len();
         self.buffer.extend(received.into_iter().map(|message| InHand {
             job: Job::parse(&message.body).map_err(|e| e.to_string()),
             message,
             since: now,
             hidden_until,
         }));
+        let late_start_ms = self.buffer.range(taken..).filter_map(|in_hand| in_hand.job.as_ref().ok()).map(|job| job.late_start_ms).max();
         let sooner = now.plus(self.refresh_interval());
         if self.refresh_skipped_while_idle {
             // Its state may have changed while it had nothing to send: read it first.
@@ -998,6 +1023,7 @@ impl<'a> LaneMachine<'a> {
         } else if self.timers.get(LaneTimer::Refresh).is_some_and(|due| due > sooner) {
             self.timers.set(LaneTimer::Refresh, sooner);
         }
+        Duration::from_millis(late_start_ms.unwrap_or(0))
     }
 
     /// A re-read came due while the lane had nothing to send (in a stack of many lanes):
@@ -1149,7 +1175,7 @@ impl<'a> LaneMachine<'a> {
         if self.lead().is_zero() {
             return (slot, self.quota.decide(&self.pacer, cost, slot));
         }
-        let earliest = now.plus(self.settings.hand_off_lead()).max(self.spaced_until).max(not_before);
+        let earliest = now.plus(self.hand_off_lead()).max(self.spaced_until).max(not_before);
         let decision = match self.quota.decide(&self.pacer, cost, earliest) {
             Decision::Allow => self.quota.decide(&self.pacer, cost, slot),
             continued => continued,

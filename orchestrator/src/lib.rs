@@ -28,6 +28,7 @@ mod homes;
 #[cfg(feature = "lambda")]
 pub mod lambda;
 mod lane;
+mod late_starts;
 mod many;
 mod order_gate;
 mod report;
@@ -337,7 +338,7 @@ impl Orchestrator {
             (Some(documents), shard) if shard.of > 1 => {
                 let sent_at = self.clock.now();
                 let read = read_document::<LaneHomes>(documents.as_ref(), StackDocument::LaneHomes).await?;
-                Some(HomesRun::new(shard, read.map(|(homes, _)| homes).unwrap_or_default(), sent_at, self.settings.dispatch_ahead()))
+                Some(HomesRun::new(shard, read.map(|(homes, _)| homes).unwrap_or_default(), sent_at, self.settings.furthest_ahead()))
             }
             _ => None,
         };
@@ -357,7 +358,15 @@ impl Orchestrator {
         if let Some(homes) = homes {
             state = state.with_homes(homes, started);
         }
-        let mut run = Executor { o: self, state, background: JoinSet::new(), stop: opts.stop.clone(), handed_off_any: false, share_parts: None };
+        let mut run = Executor {
+            o: self,
+            state,
+            background: JoinSet::new(),
+            stop: opts.stop.clone(),
+            handed_off_any: false,
+            share_parts: None,
+            late_start_lead: Duration::ZERO,
+        };
         let outcome = match run.hydrate().await {
             Ok(()) => run.drive().await,
             Err(e) => Err(e),
@@ -385,6 +394,8 @@ struct Executor<'a> {
     /// In a stack of shards whose shares move: the parts of the shared quota the invoker
     /// was last told the pace of.
     share_parts: Option<u64>,
+    /// What late starts added to the lead, as the invoker was last told.
+    late_start_lead: Duration,
 }
 
 impl Executor<'_> {
@@ -473,7 +484,9 @@ impl Executor<'_> {
                 self.state.on_event(Event::SlotsMissed(missed), self.o.clock.now())?;
             }
             self.follow_share();
-            match self.state.next_action(self.o.clock.now()) {
+            let action = self.state.next_action(self.o.clock.now());
+            self.follow_late_starts();
+            match action {
                 Action::Stop => return Ok(()),
                 Action::Sleep { until, precise } => self.sleep(until, precise).await?,
                 action => self.perform(action).await?,
@@ -492,6 +505,16 @@ impl Executor<'_> {
         self.share_parts = Some(held);
         if let Some(share) = shares.quota() {
             self.o.invoker.pace_changed(share.sustained_per_second());
+        }
+    }
+
+    /// Tells the invoker how much earlier than configured jobs are handed off when that
+    /// moved (a batch goes that much earlier too).
+    fn follow_late_starts(&mut self) {
+        let lead = self.state.late_start_lead();
+        if self.late_start_lead != lead {
+            self.late_start_lead = lead;
+            self.o.invoker.lead_changed(lead);
         }
     }
 

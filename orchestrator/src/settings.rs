@@ -10,6 +10,8 @@ use paceline_shared::order::{JobOrder, LaneOrdering};
 use paceline_shared::ports::PortError;
 use paceline_shared::quota::Quota;
 
+use crate::late_starts::MOST_LATE_START_LEAD;
+
 /// The settings the loop needs.
 #[derive(Clone, Debug)]
 pub struct Settings {
@@ -91,6 +93,20 @@ impl Settings {
     #[must_use]
     pub fn dispatch_ahead(&self) -> Duration {
         self.hand_off_lead() + self.batch_window()
+    }
+
+    /// The furthest before its slot a job may be decided: [`Self::dispatch_ahead`] and the
+    /// most late starts of workers add to it (a second). Shards count on it: a share
+    /// given up, or a lane moved, is another shard's once the calls decided before have
+    /// gone.
+    #[must_use]
+    pub fn furthest_ahead(&self) -> Duration {
+        let ahead = self.dispatch_ahead();
+        if ahead.is_zero() {
+            ahead
+        } else {
+            ahead + MOST_LATE_START_LEAD
+        }
     }
 
     /// How long before its slot a job must reach the invoker at the latest: a batch goes

@@ -62,7 +62,7 @@ impl ShareRun {
             parts,
             shard: settings.shard.index,
             shards: settings.shard.of,
-            timing: ShareTiming { window, ahead: settings.dispatch_ahead(), valid_for: lease_valid_for },
+            timing: ShareTiming { window, ahead: settings.furthest_ahead(), valid_for: lease_valid_for },
             held: 0,
             valid_until: started,
             writing: None,

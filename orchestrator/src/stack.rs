@@ -32,6 +32,7 @@ use crate::handover::{LastRun, RelayRequest, RELAY_LEAD};
 use crate::homes::{HomesRun, READ_EVERY};
 pub(crate) use crate::lane::{CallSlotsRead, HandOff, Retune, SharedState};
 use crate::lane::{LaneMachine, LaneStep};
+use crate::late_starts::LateStartLead;
 use crate::many::{ManyLanes, FAIR_SHARE_STRETCH, RECALL_STRETCH};
 use crate::report::{Fairness, LaneReport, Progress, RunReport, StopReason};
 use crate::reservations::{Granted, Reservation};
@@ -302,6 +303,9 @@ pub(crate) struct StackMachine<'a> {
     /// is to be saved for their new shard.
     homes: Option<HomesRun>,
     to_hand_over: VecDeque<usize>,
+    /// What late starts of workers added to the lead lately, and the lanes' lead as set.
+    late_starts: LateStartLead,
+    late_start_lead: Duration,
     stop: Option<StopReason>,
     pub report: RunReport,
 }
@@ -359,6 +363,8 @@ impl<'a> StackMachine<'a> {
             share_write: None,
             homes: None,
             to_hand_over: VecDeque::new(),
+            late_starts: LateStartLead::default(),
+            late_start_lead: Duration::ZERO,
             stop: None,
             report: RunReport::starting_at(started),
         }
@@ -395,7 +401,29 @@ impl<'a> StackMachine<'a> {
 
     /// How far ahead of its slot a job is handed off.
     fn lead(&self) -> Duration {
-        self.settings.dispatch_ahead()
+        let configured = self.settings.dispatch_ahead();
+        if configured.is_zero() {
+            configured
+        } else {
+            configured + self.late_start_lead
+        }
+    }
+
+    /// How much earlier than configured jobs are handed off, for workers that started
+    /// late lately (a batch goes that much earlier too).
+    pub fn late_start_lead(&self) -> Duration {
+        self.late_start_lead
+    }
+
+    /// Sets every lane's lead to what late starts asked for lately, where that moved.
+    fn follow_late_starts(&mut self, now: UnixMillis) {
+        let lead = self.late_starts.lead(now);
+        if lead != self.late_start_lead {
+            self.late_start_lead = lead;
+            for lane in &mut self.lanes {
+                lane.set_late_start_lead(lead);
+            }
+        }
     }
 
     pub fn lease(&self) -> &Lease {
@@ -503,6 +531,7 @@ impl<'a> StackMachine<'a> {
         if self.stop.is_some() {
             return Action::Stop;
         }
+        self.follow_late_starts(now);
         for hold in [Timer::InvokeHold, Timer::Receive, Timer::Prefetch, Timer::RetryProbe] {
             if self.timers.is_expired(hold, now) {
                 self.timers.stop(hold); // over: nothing to wake for
@@ -1171,7 +1200,9 @@ impl<'a> StackMachine<'a> {
         let many = self.many.as_mut().expect("many lanes");
         let settings = many.config.lane(&id);
         let index = many.add_lane(settings.weight);
-        self.lanes.push(Box::new(LaneMachine::new(self.settings, id.clone(), index, &settings.quota, now)));
+        let mut lane = Box::new(LaneMachine::new(self.settings, id.clone(), index, &settings.quota, now));
+        lane.set_late_start_lead(self.late_start_lead);
+        self.lanes.push(lane);
         self.lane_index.insert(id, index);
         index
     }
@@ -1198,7 +1229,8 @@ impl<'a> StackMachine<'a> {
         let horizon = self.receive_horizon(now);
         let many = self.many.as_mut().expect("many lanes");
         for (index, messages) in &mut by_lane {
-            self.lanes[*index].take_in(std::mem::take(messages), now);
+            let late = self.lanes[*index].take_in(std::mem::take(messages), now);
+            self.late_starts.learn(late, now);
             many.recalling[*index] = false;
             many.settle(*index, &self.lanes[*index]);
         }
@@ -1556,7 +1588,8 @@ impl<'a> StackMachine<'a> {
                     let received = self.keep_own_lanes(received, now);
                     self.route_received(received, now);
                 } else {
-                    self.lanes[0].take_in(received, now);
+                    let late = self.lanes[0].take_in(received, now);
+                    self.late_starts.learn(late, now);
                 }
             }
             Err(e) => self.retry_later(e, Timer::Receive, now, "receive failed")?,

@@ -151,9 +151,10 @@ pub struct Job {
     /// bounds them. Reset with the attempts by a redrive.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub rate_limited: u32,
-    /// How much earlier than its size alone asks this job is handed off, learned from
-    /// workers that started after its slot's last moment (each miss at least doubles
-    /// it, up to [`MAX_LATE_START`]): a job does not miss its slot for ever.
+    /// How late workers started for this job, after its slot's last moment (each miss at
+    /// least doubles it, up to [`MAX_LATE_START`]): the orchestrator that receives it
+    /// hands every job off that much earlier for a while, so a job does not miss its
+    /// slot for ever.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub late_start_ms: u64,
     /// Its lane is ordered (`ordering = "fifo"`), as the orchestrator found it when it
@@ -276,15 +277,9 @@ impl ApiRequest {
 }
 
 impl Job {
-    /// How much earlier than the usual lead this job is handed off: its payload's
-    /// hand-off time, and what workers that started late for it have shown.
-    #[must_use]
-    pub fn extra_lead(&self) -> Duration {
-        self.request.hand_off_allowance() + Duration::from_millis(self.late_start_ms)
-    }
-
-    /// The same job, handed off earlier next time by what a worker that started
-    /// `late` after its slot's last moment shows (at least double the last allowance).
+    /// The same job, carrying what a worker that started `late` after its slot's last
+    /// moment shows (at least double what it carried): the orchestrator that receives it
+    /// hands every job off that much earlier for a while.
     #[must_use]
     pub fn started_late_by(self, late: Duration) -> Self {
         let late_ms = u64::try_from(late.as_millis()).unwrap_or(u64::MAX).max(1);
@@ -664,9 +659,9 @@ mod tests {
     #[test]
     fn a_job_that_missed_its_slot_is_handed_off_earlier_each_time_up_to_a_bound() {
         let job = Job::parse(r#"{"id":"j","request":{"method":"GET","path":"/"}}"#).unwrap();
-        assert_eq!(job.extra_lead(), Duration::ZERO);
+        assert_eq!(job.late_start_ms, 0);
         let once = job.started_late_by(Duration::from_millis(30));
-        assert_eq!(once.extra_lead(), Duration::from_millis(30));
+        assert_eq!(once.late_start_ms, 30);
         let twice = Job::parse(&once.to_json()).unwrap().started_late_by(Duration::from_millis(5));
         assert_eq!(twice.late_start_ms, 60, "kept across the queue, and at least doubled");
         let many = (0..20).fold(twice, |job, _| job.started_late_by(Duration::from_millis(5)));

@@ -935,6 +935,11 @@ pub trait Invoker: Send + Sync {
     /// it. Others ignore it.
     fn pace_changed(&self, _per_second: f64) {}
 
+    /// The orchestrator hands jobs off `extra` earlier than configured from now on
+    /// (workers started after their slots lately): an invoker that holds a job until the
+    /// hand-off's lead before its slot sends it that much earlier. Others ignore it.
+    fn lead_changed(&self, _extra: Duration) {}
+
     /// How many hand-offs the drain loop may have awaiting their answer at once: enough
     /// that an invoke's own latency never delays the next slot (an invoker that gathers
     /// hand-offs into batches holds a batch's worth awaiting).
