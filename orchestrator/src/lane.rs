@@ -417,9 +417,20 @@ impl<'a> LaneMachine<'a> {
         self.slot_at(now)
     }
 
-    /// How far after [`Self::earliest_slot`] a slot may be and still be taken at `now`.
-    pub fn slack(&self) -> Duration {
-        self.taken_early()
+    /// The first slot the job in front may take at `now` (before spacing): sooner than
+    /// [`Self::earliest_slot`] where the stack holds a batch window's worth of jobs
+    /// (`batch_ready`; see [`Self::decide`]).
+    pub fn first_job_slot(&self, now: UnixMillis, batch_ready: bool) -> UnixMillis {
+        if batch_ready {
+            now.plus(self.hand_off_lead())
+        } else {
+            self.slot_at(now)
+        }
+    }
+
+    /// The last slot a hand-off made at `now` may take.
+    pub fn latest_slot(&self, now: UnixMillis) -> UnixMillis {
+        self.slot_at(now).plus(self.taken_early())
     }
 
     /// How far ahead of its slot a job is handed off (zero: at the slot).
@@ -791,8 +802,10 @@ impl<'a> LaneMachine<'a> {
     /// [`Self::take_malformed`]): wait for its spacing, a call slot or its pacer slot,
     /// reserve calendar units, dead-letter it if it can never fit, or hand it off.
     /// `not_before`: no slot before it (what the stack's shared quota allows; 0 with
-    /// none); `shared`: that quota, whose day and month units are reserved too.
-    pub fn next_dispatch(&mut self, now: UnixMillis, not_before: UnixMillis, shared: Option<SharedCalendar<'_>>) -> LaneStep {
+    /// none); `shared`: that quota, whose day and month units are reserved too;
+    /// `start_early`: a schedule that fell behind starts again at the first slot allowed,
+    /// not the whole lead out (see [`Self::decide`]).
+    pub fn next_dispatch(&mut self, now: UnixMillis, not_before: UnixMillis, shared: Option<SharedCalendar<'_>>, start_early: bool) -> LaneStep {
         if self.read_before_dispatch {
             // Woken by the read's answer.
             return LaneStep::WaitUntil(now.plus(self.settings.orchestrator.state_refresh));
@@ -811,7 +824,7 @@ impl<'a> LaneMachine<'a> {
         // A large payload takes a while to hand off: it is handed off that much earlier,
         // so the hand-off's own work never eats the margin its worker has to start.
         let extra_lead = if self.lead().is_zero() { Duration::ZERO } else { job.request.hand_off_allowance() };
-        let (slot, decision) = self.decide(cost, now.plus(extra_lead), not_before);
+        let (slot, decision) = self.decide(cost, now.plus(extra_lead), not_before, start_early);
         match decision {
             Decision::Never { tier } => {
                 let in_hand = self.pop_in_hand();
@@ -970,7 +983,7 @@ impl<'a> LaneMachine<'a> {
     /// no more come in than the pacer can let go before `horizon`; or, when none could
     /// go, until when there is no point in receiving (`None`: nothing to wait for).
     pub fn receive_room(&mut self, now: UnixMillis, horizon: UnixMillis, max: usize) -> Result<usize, Option<UnixMillis>> {
-        let (slot, decision) = self.decide(1, now, UnixMillis(0));
+        let (slot, decision) = self.decide(1, now, UnixMillis(0), false);
         let room = self.quota.capacity_until(&self.pacer, slot, horizon, max);
         if room > 0 {
             return Ok(room);
@@ -1166,9 +1179,13 @@ impl<'a> LaneMachine<'a> {
     /// Dispatching ahead, a schedule decided ahead (this run's, or the last run's, which
     /// a new run continues) whose next slot lies between the hand-off's own lead and
     /// `now + lead` keeps that slot: the slots between are taken, not skipped. A schedule
-    /// that fell behind (nothing to hand off for a while) starts again at `now + lead`,
-    /// so the batch window fills.
-    fn decide(&self, cost: u64, now: UnixMillis, not_before: UnixMillis) -> (UnixMillis, Decision) {
+    /// that fell behind (nothing to hand off for a while) starts again at the first slot
+    /// allowed (the hand-off's own lead, or `not_before`) with `start_early`, else at
+    /// `now + lead`. The stack starts early where it holds a batch window's worth of
+    /// jobs (a backlog that comes to an idle stack goes the window sooner, its first
+    /// batches at once, full), and jobs coming one at a time go the whole lead out,
+    /// gathering in a batch; in a stack of many lanes `not_before` says where.
+    fn decide(&self, cost: u64, now: UnixMillis, not_before: UnixMillis, start_early: bool) -> (UnixMillis, Decision) {
         // Never before the spacing of a share of the pace (the loop woke within the slack).
         let slot = self.slot_at(now).max(self.spaced_until).max(not_before);
         let latest = self.slot_at(now).plus(self.taken_early());
@@ -1177,6 +1194,7 @@ impl<'a> LaneMachine<'a> {
         }
         let earliest = now.plus(self.hand_off_lead()).max(self.spaced_until).max(not_before);
         let decision = match self.quota.decide(&self.pacer, cost, earliest) {
+            Decision::Allow if start_early => return (earliest, Decision::Allow),
             Decision::Allow => self.quota.decide(&self.pacer, cost, slot),
             continued => continued,
         };

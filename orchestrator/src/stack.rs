@@ -409,6 +409,18 @@ impl<'a> StackMachine<'a> {
         }
     }
 
+    /// Whether the jobs in hand fill a batch window at the stack's pace (the shared
+    /// quota's with many lanes): a schedule that fell behind then starts again at the
+    /// hand-off's own lead, its first batches going at once, full.
+    fn holds_a_batch_window(&self) -> bool {
+        let window = self.settings.batch_window();
+        let (jobs, pace) = match &self.many {
+            Some(many) => (many.in_hand_total, many.shared.pace_per_second()),
+            None => (self.lanes[0].jobs_in_hand(), self.lanes[0].pace_per_second()),
+        };
+        !window.is_zero() && jobs as f64 >= pace * window.as_secs_f64()
+    }
+
     /// How much earlier than configured jobs are handed off, for workers that started
     /// late lately (a batch goes that much earlier too).
     pub fn late_start_lead(&self) -> Duration {
@@ -867,7 +879,8 @@ impl<'a> StackMachine<'a> {
         if self.in_flight.hand_offs >= self.pipeline {
             return self.await_event();
         }
-        let step = self.lanes[0].next_dispatch(now, UnixMillis(0), None);
+        let batch_ready = self.holds_a_batch_window();
+        let step = self.lanes[0].next_dispatch(now, UnixMillis(0), None, batch_ready);
         self.act_for_lane(0, step)
     }
 
@@ -1004,6 +1017,7 @@ impl<'a> StackMachine<'a> {
         many.scheduler.wake_due(now);
         let (lanes, scheduler) = (&self.lanes, &many.scheduler);
         many.fairness.tick(now, |index| lanes[index].has_jobs_in_hand() && !scheduler.is_waiting(index));
+        let batch_ready = self.holds_a_batch_window();
         let mut shared_wake = None;
         loop {
             let many = self.many.as_mut().expect("many lanes");
@@ -1021,7 +1035,7 @@ impl<'a> StackMachine<'a> {
                 continue;
             };
             // The lane first in line waits for the shared quota, and so do the others.
-            let not_before = match self.shared_allows(index, cost, now) {
+            let not_before = match self.shared_allows(index, cost, self.shared_start(index, cost, batch_ready, now), now) {
                 Ok(slot) => slot,
                 Err(at) => {
                     if let Some(shares) = &mut self.shares {
@@ -1032,7 +1046,8 @@ impl<'a> StackMachine<'a> {
                 }
             };
             let shared = self.many.as_ref().map(ManyLanes::calendar);
-            match self.lanes[index].next_dispatch(now, not_before, shared) {
+            // Where a schedule that fell behind starts again is the stack's: `not_before`.
+            match self.lanes[index].next_dispatch(now, not_before, shared, true) {
                 LaneStep::WaitUntil(at) => {
                     let many = self.many.as_mut().expect("many lanes");
                     many.fairness.held_by_itself(index);
@@ -1103,21 +1118,33 @@ impl<'a> StackMachine<'a> {
         None
     }
 
-    /// The first slot from `now` at which the shared quota takes `cost` more units for
-    /// lane `index`'s job (a slot a little later than the lane's earliest is taken as
-    /// its own are); or, when that is further off, when to look again.
-    fn shared_allows(&self, index: usize, cost: u64, now: UnixMillis) -> Result<UnixMillis, UnixMillis> {
+    /// Where the shared quota's schedule goes on for lane `index`'s job at `now`: from the
+    /// hand-off's own lead where it continues (its next slot is further), else, fallen
+    /// behind, from where it starts again (see `LaneMachine::first_job_slot`).
+    fn shared_start(&self, index: usize, cost: u64, batch_ready: bool, now: UnixMillis) -> UnixMillis {
+        let many = self.many.as_ref().expect("many lanes");
+        let lane = &self.lanes[index];
+        let continued = lane.first_job_slot(now, true);
+        match many.shared.decide(&many.pacer, cost, continued) {
+            Decision::Allow => lane.first_job_slot(now, batch_ready),
+            Decision::WaitUntil { .. } | Decision::Never { .. } => continued,
+        }
+    }
+
+    /// The first slot from `first` at which the shared quota takes `cost` more units for
+    /// lane `index`'s hand-off at `now` (a slot up to the lane's latest is taken as its
+    /// own are); or, when that is further off, when to look again.
+    fn shared_allows(&self, index: usize, cost: u64, first: UnixMillis, now: UnixMillis) -> Result<UnixMillis, UnixMillis> {
         let many = self.many.as_ref().expect("many lanes");
         if many.no_share {
             return Err(now.plus(REPORT_EVERY));
         }
         let lane = &self.lanes[index];
-        let slot = lane.earliest_slot(now);
-        match many.shared.decide(&many.pacer, cost, slot) {
+        match many.shared.decide(&many.pacer, cost, first) {
             // A cost over a whole shared tier: the lane's own decision dead-letters it
             // where its tiers are the same; otherwise it waits for nothing here.
-            Decision::Allow | Decision::Never { .. } => Ok(slot),
-            Decision::WaitUntil { at, .. } if !self.lead().is_zero() && at <= slot.plus(lane.slack()) => Ok(at),
+            Decision::Allow | Decision::Never { .. } => Ok(first),
+            Decision::WaitUntil { at, .. } if !self.lead().is_zero() && at <= lane.latest_slot(now) => Ok(at),
             Decision::WaitUntil { at, .. } => Err(lane.hand_off_time(at, now)),
         }
     }
@@ -1131,7 +1158,7 @@ impl<'a> StackMachine<'a> {
             if lane.circuit().status != CircuitStatus::Open || lane.health_check_in_flight() || lane.held_until(now).is_some() || self.is_away(index) {
                 continue;
             }
-            if self.shared_allows(index, 1, now).is_err() {
+            if self.shared_allows(index, 1, lane.earliest_slot(now), now).is_err() {
                 continue;
             }
             let shared = self.many.as_ref().map(ManyLanes::calendar);

@@ -445,6 +445,43 @@ async fn dispatching_ahead_one_wake_up_hands_off_several_milliseconds_of_slots()
     assert!(wake_ups <= 11, "60 slots handed off on {wake_ups} wake-ups");
 }
 
+/// Handing off as on Lambda (a 400 ms lead and a 500 ms batch window), a backlog that
+/// came to an idle lane took its first slot 900 ms out, the whole lead, so that a batch
+/// could gather: half a second of the quota unused at every start (at 10,000 calls/s
+/// over 1,000 lanes by a Zipf law, the shared tier binds for ten seconds or so). A lane
+/// that holds a batch window's worth of jobs starts at the hand-off's own lead, its first
+/// batch going at once; jobs that come one at a time still go the whole lead ahead,
+/// gathering in a batch.
+#[tokio::test(start_paused = true)]
+async fn a_backlog_starts_at_the_hand_off_s_own_lead_and_jobs_coming_one_at_a_time_still_gather_in_a_batch() {
+    let as_on_lambda = |settings: &mut Settings| {
+        settings.workers = WorkerHost::Lambda;
+        settings.orchestrator.dispatch_ahead = Some(Duration::from_millis(400));
+        settings.orchestrator.worker_batch = Some(1_000);
+    };
+    let backlog = lane_with_settings(&["10/s"], 0, as_on_lambda);
+    enqueue(&backlog, (0..30).map(|i| job(&format!("j{i}")))).await;
+    backlog.orchestrator.run(&opts(true, Duration::from_secs(10))).await.unwrap();
+    assert_eq!(slot_offsets(&backlog), (0..30).map(|i| 400 + 100 * i).collect::<Vec<u64>>());
+
+    let one_at_a_time = lane_with_settings(&["10/s"], 0, as_on_lambda);
+    let producer = {
+        let store = one_at_a_time.store.clone();
+        tokio::spawn(async move {
+            for i in 0..5 {
+                store.send(&[OutgoingMessage::fresh(job(&format!("k{i}")))]).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(1_000)).await;
+            }
+        })
+    };
+    one_at_a_time.orchestrator.run(&opts(false, Duration::from_secs(7))).await.unwrap();
+    producer.await.unwrap();
+    let accepted = one_at_a_time.invoker.accepted();
+    let leads: Vec<u64> = accepted.iter().zip(slot_offsets(&one_at_a_time)).map(|((t, _), slot)| slot - (t.0 - T0.0)).collect();
+    assert_eq!(leads.len(), 5);
+    assert!(leads.iter().all(|lead| (900..=910).contains(lead)), "each decided the whole lead ahead: {leads:?}");
+}
+
 /// A 10 MB body's hand-off (its payload written to the store) took longer than the lead,
 /// and its worker missed the slot every time: a large job is handed off earlier by that
 /// much, for the same slots.
@@ -828,6 +865,23 @@ async fn late_started_jobs_make_every_lane_hand_off_earlier_and_leave_no_gap_in_
         .collect();
     assert_eq!(late_leads.len(), 12);
     assert!(late_leads.iter().all(|lead| *lead >= 550), "a late-started job's worker gets its lateness more: {late_leads:?}");
+}
+
+/// A backlog over three lanes, handed off as on Lambda: each lane holds a few jobs of
+/// the stack's batch window, the stack all of it, and the first slot is the hand-off's
+/// own 400 ms out, not the whole lead's 900 (the lanes' batches go together).
+#[tokio::test(start_paused = true)]
+async fn a_backlog_over_many_lanes_starts_at_the_hand_off_s_own_lead() {
+    let stack = lanes_stack_adjusted("\"100/s\"", "[lanes]\ntiers = [\"1000/s\"]\n", |settings| {
+        settings.workers = WorkerHost::Lambda;
+        settings.orchestrator.dispatch_ahead = Some(Duration::from_millis(400));
+        settings.orchestrator.worker_batch = Some(1_000);
+    });
+    enqueue(&stack, (0..20).flat_map(|i| ["a", "b", "c"].map(|lane| lane_job(lane, &format!("{lane}{i}"))))).await;
+    stack.orchestrator.run(&opts(true, Duration::from_secs(10))).await.unwrap();
+    let mut slots = slot_offsets(&stack);
+    slots.sort_unstable();
+    assert_eq!(slots, (0..60).map(|i| 400 + 10 * i).collect::<Vec<u64>>());
 }
 
 /// Lanes held by nothing but the shared quota divide it by weight: 2:1:1 weights give
