@@ -601,7 +601,7 @@ impl<'a> LaneMachine<'a> {
             self.pacer.set_hold_until(self.pacer.hold_until().min(now.plus(self.pacer.longest_window(quota))));
         }
         if unclean {
-            self.pacer.hold_after_unclean_stop(quota, now);
+            self.pacer.hold_after_unclean_stop(quota, now.plus(self.settings.unclean_stop_overhang()));
         }
         self.own_hold = self.pacer.hold_until();
         for (index, tier) in quota.tiers().iter().enumerate() {

@@ -109,6 +109,16 @@ impl Settings {
         }
     }
 
+    /// How far past the end of a crashed run's lease its calls may still go: the furthest
+    /// ahead it decided less the fifth of the lease's time-to-live it stops deciding
+    /// before the lease runs out (it counts the lease lost then). The run that takes the
+    /// lease after a crash holds dispatch that much longer than one window (nothing with
+    /// the 30 s default).
+    #[must_use]
+    pub fn unclean_stop_overhang(&self) -> Duration {
+        self.furthest_ahead().saturating_sub(self.orchestrator.lease_ttl / 5)
+    }
+
     /// How long before its slot a job must reach the invoker at the latest: a batch goes
     /// this long before its first job's slot.
     #[must_use]

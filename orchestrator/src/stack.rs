@@ -529,7 +529,7 @@ impl<'a> StackMachine<'a> {
             many.pacer = PacerState::restored(&many.shared, &snapshot.state);
         }
         if unclean {
-            many.pacer.hold_after_unclean_stop(&many.shared, now);
+            many.pacer.hold_after_unclean_stop(&many.shared, now.plus(self.settings.unclean_stop_overhang()));
         }
         for (index, tier) in many.shared.tiers().iter().enumerate() {
             if tier.is_calendar() {

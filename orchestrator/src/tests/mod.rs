@@ -393,6 +393,40 @@ async fn after_a_crashed_run_dispatch_waits_one_window_of_the_longest_tier() {
     assert_eq!(offsets(&lane)[2], second_run.since(T0).as_millis() as u64, "c goes as the run starts");
 }
 
+/// A run killed while it handed off ahead with the lead late starts add (1.9 s in all),
+/// its lease's time-to-live short (1 s): the next run took the lease the moment it ran
+/// out and held one window from there, but the killed run's calls went on past that
+/// window's end, and windows held both runs' calls. The hold now also waits out how far
+/// the killed run's calls may reach past the lease's end: its furthest lead, less the
+/// fifth of the time-to-live it stops deciding before the lease runs out.
+#[tokio::test(start_paused = true)]
+async fn a_crashed_run_s_calls_decided_far_ahead_are_waited_out_whatever_the_lease_s_ttl() {
+    let lane = lane_with_settings(&["100/s"], 0, |settings| {
+        settings.workers = WorkerHost::Lambda;
+        settings.orchestrator.dispatch_ahead = Some(Duration::from_millis(400));
+        settings.orchestrator.worker_batch = Some(1_000);
+        settings.orchestrator.lease_ttl = Duration::from_secs(1);
+    });
+    let late = r#"{"id":"late","request":{"method":"GET","path":"/late"},"late_start_ms":1000}"#.to_owned();
+    enqueue(&lane, std::iter::once(late).chain((0..1_000).map(|i| job(&format!("j{i}"))))).await;
+    // Killed at 3.3 s, just before the renewal due at 3.33 s: its lease runs out at 4 s.
+    let killed = tokio::time::timeout(Duration::from_millis(3_300), lane.orchestrator.run(&opts(false, Duration::from_secs(60)))).await;
+    assert!(killed.is_err(), "the run was meant to be cut off");
+    let killed_run = slot_offsets(&lane);
+    assert!(*killed_run.last().unwrap() > 5_000, "decided 1.9 s ahead: {:?}", killed_run.last());
+    let next = loop {
+        match lane.orchestrator.run(&opts(false, Duration::from_secs(12))).await {
+            Err(RunError::LeaseHeld(_)) => tokio::time::sleep(Duration::from_millis(10)).await,
+            next => break next,
+        }
+    };
+    next.unwrap();
+    let slots = slot_offsets(&lane);
+    assert!(slots.len() > killed_run.len() + 100, "the next run went on: {} slots", slots.len() - killed_run.len());
+    let busiest = slots.iter().map(|end| slots.iter().filter(|slot| **slot + 1_000 > *end && **slot <= *end).count()).max().unwrap();
+    assert!(busiest <= 100, "{busiest} slots in a second across the crash");
+}
+
 #[tokio::test(start_paused = true)]
 async fn slow_invokes_do_not_delay_the_next_slot() {
     // Each hand-off takes 350 ms to be answered; at 10/s the slots still come every 100 ms.
