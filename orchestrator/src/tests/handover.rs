@@ -27,11 +27,7 @@ impl Relay for RecordingRelay {
 /// A lane handing off ahead as on Lambda: a 400 ms lead and a 500 ms batch window (the
 /// full lead 900 ms), 10/s, the stop 1 s before the deadline.
 fn lambda_lane() -> Lane {
-    lane_with_settings(&["10/s"], 0, |settings| {
-        settings.workers = WorkerHost::Lambda;
-        settings.orchestrator.dispatch_ahead = Some(Duration::from_millis(400));
-        settings.orchestrator.worker_batch = Some(1_000);
-    })
+    lane_with_settings(&["10/s"], 0, |settings| as_on_lambda(settings, 400))
 }
 
 fn run_until(holder: &str, deadline: UnixMillis) -> RunOptions {
@@ -145,11 +141,7 @@ async fn a_missing_snapshot_after_earlier_runs_holds_one_window_and_a_first_run_
 /// from others' only in windows after the last run's last slot.
 #[tokio::test(start_paused = true)]
 async fn a_reading_of_the_last_run_s_calls_is_not_taken_for_other_clients_use() {
-    let lane = lane_with_settings(&["100/s"], 0, |settings| {
-        settings.workers = WorkerHost::Lambda;
-        settings.orchestrator.dispatch_ahead = Some(Duration::from_millis(600));
-        settings.orchestrator.worker_batch = Some(1_000);
-    });
+    let lane = lane_with_settings(&["100/s"], 0, |settings| as_on_lambda(settings, 600));
     assert_eq!(lane.orchestrator.settings().dispatch_ahead(), Duration::from_millis(1_100));
     enqueue(&lane, (0..1_500).map(|i| job(&format!("j{i}")))).await;
     lane.orchestrator.run(&run_until("run-1", T0.plus(Duration::from_secs(10)))).await.unwrap();

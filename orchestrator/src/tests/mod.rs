@@ -67,6 +67,14 @@ fn lane(tiers: &[&str], margin_ms: u64) -> Lane {
     lane_with(tiers, margin_ms, |clock| RecordingInvoker::new(clock))
 }
 
+/// Hands off as on Lambda: workers there, batches of up to 1,000 jobs, the hand-off's
+/// lead `lead_ms` (400 ms by default there) and the batch window before it.
+fn as_on_lambda(settings: &mut Settings, lead_ms: u64) {
+    settings.workers = WorkerHost::Lambda;
+    settings.orchestrator.dispatch_ahead = Some(Duration::from_millis(lead_ms));
+    settings.orchestrator.worker_batch = Some(1_000);
+}
+
 fn job(id: &str) -> String {
     format!(r#"{{"id":"{id}","request":{{"method":"GET","path":"/items/{id}"}}}}"#)
 }
@@ -402,9 +410,7 @@ async fn after_a_crashed_run_dispatch_waits_one_window_of_the_longest_tier() {
 #[tokio::test(start_paused = true)]
 async fn a_crashed_run_s_calls_decided_far_ahead_are_waited_out_whatever_the_lease_s_ttl() {
     let lane = lane_with_settings(&["100/s"], 0, |settings| {
-        settings.workers = WorkerHost::Lambda;
-        settings.orchestrator.dispatch_ahead = Some(Duration::from_millis(400));
-        settings.orchestrator.worker_batch = Some(1_000);
+        as_on_lambda(settings, 400);
         settings.orchestrator.lease_ttl = Duration::from_secs(1);
     });
     let late = r#"{"id":"late","request":{"method":"GET","path":"/late"},"late_start_ms":1000}"#.to_owned();
@@ -488,17 +494,12 @@ async fn dispatching_ahead_one_wake_up_hands_off_several_milliseconds_of_slots()
 /// gathering in a batch.
 #[tokio::test(start_paused = true)]
 async fn a_backlog_starts_at_the_hand_off_s_own_lead_and_jobs_coming_one_at_a_time_still_gather_in_a_batch() {
-    let as_on_lambda = |settings: &mut Settings| {
-        settings.workers = WorkerHost::Lambda;
-        settings.orchestrator.dispatch_ahead = Some(Duration::from_millis(400));
-        settings.orchestrator.worker_batch = Some(1_000);
-    };
-    let backlog = lane_with_settings(&["10/s"], 0, as_on_lambda);
+    let backlog = lane_with_settings(&["10/s"], 0, |settings| as_on_lambda(settings, 400));
     enqueue(&backlog, (0..30).map(|i| job(&format!("j{i}")))).await;
     backlog.orchestrator.run(&opts(true, Duration::from_secs(10))).await.unwrap();
     assert_eq!(slot_offsets(&backlog), (0..30).map(|i| 400 + 100 * i).collect::<Vec<u64>>());
 
-    let one_at_a_time = lane_with_settings(&["10/s"], 0, as_on_lambda);
+    let one_at_a_time = lane_with_settings(&["10/s"], 0, |settings| as_on_lambda(settings, 400));
     let producer = {
         let store = one_at_a_time.store.clone();
         tokio::spawn(async move {
@@ -906,11 +907,7 @@ async fn late_started_jobs_make_every_lane_hand_off_earlier_and_leave_no_gap_in_
 /// own 400 ms out, not the whole lead's 900 (the lanes' batches go together).
 #[tokio::test(start_paused = true)]
 async fn a_backlog_over_many_lanes_starts_at_the_hand_off_s_own_lead() {
-    let stack = lanes_stack_adjusted("\"100/s\"", "[lanes]\ntiers = [\"1000/s\"]\n", |settings| {
-        settings.workers = WorkerHost::Lambda;
-        settings.orchestrator.dispatch_ahead = Some(Duration::from_millis(400));
-        settings.orchestrator.worker_batch = Some(1_000);
-    });
+    let stack = lanes_stack_adjusted("\"100/s\"", "[lanes]\ntiers = [\"1000/s\"]\n", |settings| as_on_lambda(settings, 400));
     enqueue(&stack, (0..20).flat_map(|i| ["a", "b", "c"].map(|lane| lane_job(lane, &format!("{lane}{i}"))))).await;
     stack.orchestrator.run(&opts(true, Duration::from_secs(10))).await.unwrap();
     let mut slots = slot_offsets(&stack);
