@@ -10,17 +10,18 @@
 //! for the whole stack instead, the lead grows once and the slots after it keep their
 //! spacing; a lead that no late start has asked for in [`REMEMBERED_FOR`] falls back.
 //! It grows to [`MOST_LATE_START_LEAD`] at the most, which the shards count on
-//! (`Settings::furthest_ahead`).
+//! (`Settings::furthest_ahead`); a job whose workers start later than that goes to the
+//! DLQ (`Job::late_beyond_any_lead`).
 
 use std::time::Duration;
 
+use paceline_shared::job::MAX_LATE_START;
 use paceline_shared::time::UnixMillis;
 
 /// The most late starts add to the lead: a stack's calls are decided no further ahead
 /// than the configured lead and this. Lambda's asynchronous starts are late by
-/// hundreds of milliseconds at their worst; a job whose workers start later still goes
-/// back on the queue uncalled each time, and to the DLQ after its receives.
-pub(crate) const MOST_LATE_START_LEAD: Duration = Duration::from_secs(1);
+/// hundreds of milliseconds at their worst.
+pub(crate) const MOST_LATE_START_LEAD: Duration = MAX_LATE_START;
 
 /// How long a late start is remembered at least (and at most twice that).
 pub(crate) const REMEMBERED_FOR: Duration = Duration::from_secs(60);

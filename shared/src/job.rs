@@ -153,8 +153,7 @@ pub struct Job {
     pub rate_limited: u32,
     /// How late workers started for this job, after its slot's last moment (each miss at
     /// least doubles it, up to [`MAX_LATE_START`]): the orchestrator that receives it
-    /// hands every job off that much earlier for a while, so a job does not miss its
-    /// slot for ever.
+    /// hands every job off that much earlier for a while.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub late_start_ms: u64,
     /// Its lane is ordered (`ordering = "fifo"`), as the orchestrator found it when it
@@ -179,8 +178,12 @@ pub const UPLOAD_BYTES_PER_SECOND: u64 = 10_000_000;
 /// the usual lead, so its worker starts before its slot (10 MB: 500 ms).
 pub const HAND_OFF_BYTES_PER_SECOND: u64 = 20_000_000;
 
-/// The most a job's learned lateness ([`Job::late_start_ms`]) grows to.
-pub const MAX_LATE_START: Duration = Duration::from_secs(10);
+/// The most a job's learned lateness ([`Job::late_start_ms`]) grows to, and the most
+/// late starts add to an orchestrator's lead: its calls are decided no further ahead
+/// than its configured lead and this, which its shards and the run after a crash wait
+/// out. A job whose worker starts late again once it carried this much goes to the DLQ
+/// ([`Job::late_beyond_any_lead`]): its workers start later than any lead it gets.
+pub const MAX_LATE_START: Duration = Duration::from_secs(1);
 
 fn time_to_move(bytes: usize, bytes_per_second: u64) -> Duration {
     Duration::from_millis((bytes as u64).saturating_mul(1_000) / bytes_per_second)
@@ -285,6 +288,14 @@ impl Job {
         let late_ms = u64::try_from(late.as_millis()).unwrap_or(u64::MAX).max(1);
         let cap = u64::try_from(MAX_LATE_START.as_millis()).unwrap_or(u64::MAX);
         Self { late_start_ms: late_ms.max(self.late_start_ms.saturating_mul(2)).min(cap), ..self }
+    }
+
+    /// Whether this job carries the most lateness a job learns ([`MAX_LATE_START`]): a
+    /// worker that starts late for it again dead-letters it instead of putting it back,
+    /// where it would miss its slot for ever.
+    #[must_use]
+    pub fn late_beyond_any_lead(&self) -> bool {
+        Duration::from_millis(self.late_start_ms) >= MAX_LATE_START
     }
 
     /// Parses and validates a job message.
@@ -664,8 +675,10 @@ mod tests {
         assert_eq!(once.late_start_ms, 30);
         let twice = Job::parse(&once.to_json()).unwrap().started_late_by(Duration::from_millis(5));
         assert_eq!(twice.late_start_ms, 60, "kept across the queue, and at least doubled");
+        assert!(!twice.late_beyond_any_lead());
         let many = (0..20).fold(twice, |job, _| job.started_late_by(Duration::from_millis(5)));
         assert_eq!(Duration::from_millis(many.late_start_ms), MAX_LATE_START);
+        assert!(many.late_beyond_any_lead(), "late again, it goes to the DLQ");
     }
 
     #[test]

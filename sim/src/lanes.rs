@@ -16,7 +16,7 @@ use async_trait::async_trait;
 use paceline_orchestrator::{jain_index, BatchingInvoker, Orchestrator, RunOptions, Settings};
 use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::config::LanesConfig;
-use paceline_shared::job::{CallSlot, Job, WorkerPayload};
+use paceline_shared::job::{CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
 use paceline_shared::keys::{Shard, StoreScope};
 use paceline_shared::lane::LaneId;
 use paceline_shared::order::OrderState;
@@ -313,10 +313,16 @@ impl CallLog {
             let now = self.clock.now();
             if now > slot.call_by {
                 // As the worker does: back on the queue uncalled, to be handed off
-                // earlier next time, and an ordered lane told it is coming back.
+                // earlier next time, and an ordered lane told it is coming back; or to
+                // the DLQ, late again after it carried the most lateness a job learns.
                 self.missed_slots.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let job = job.started_late_by(now.since(slot.call_by));
                 let shard = self.shard_of(&job);
+                if job.late_beyond_any_lead() {
+                    let cause = DeadLetterCause::AttemptsExhausted { last_failure: Some("late_start".into()) };
+                    let reason = DeadLetterReason { cause, detail: "workers started after its slot each time".into(), outcome: None };
+                    return shard.queue.dead_letter(job.id.as_str(), &job.to_json(), attempt, &reason).await;
+                }
+                let job = job.started_late_by(now.since(slot.call_by));
                 let message = OutgoingMessage { ahead: job.ordered, ..OutgoingMessage::again(job.to_json(), attempt, Duration::ZERO) };
                 shard.queue.send(&[message]).await?;
                 if job.ordered {

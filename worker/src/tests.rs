@@ -344,6 +344,32 @@ async fn a_slotted_job_calls_at_its_slot_and_a_late_one_is_requeued_without_call
     assert_eq!(api.calls().len(), 2);
 }
 
+/// A job whose workers start late each time it is handed off, though it already carries
+/// the most lateness a job learns (the stack's lead at its longest): put back, it missed
+/// its slot for ever, spending one each time. It goes to the DLQ, saying what to change.
+#[tokio::test(start_paused = true)]
+async fn a_job_late_again_at_the_most_lead_a_stack_takes_is_dead_lettered_not_put_back_for_ever() {
+    let (mut worker, store) = new_worker("http://127.0.0.1:9/v1");
+    let api = Arc::new(InstantApi::new(worker.clock.clone()));
+    worker.api = api.clone();
+    let t0 = worker.clock.now();
+    let late_by = |late_start_ms: u64, attempt: u32| {
+        let WorkerPayload::Job { mut job, .. } = job_to(200) else { unreachable!() };
+        job.late_start_ms = late_start_ms;
+        let not_before = t0.minus(Duration::from_millis(50));
+        let slot = Some(CallSlot { not_before, call_by: not_before.plus(Duration::from_millis(5)) });
+        WorkerPayload::Job { job, attempt, circuit_epoch: 0, dispatched_at: t0, slot, trip: None, report_limits: false }
+    };
+    worker.handle(late_by(500, 1)).await.unwrap();
+    assert_eq!(requeued(&store).await, vec![("job-200".to_string(), 1)], "under the most: put back, to go earlier");
+    worker.handle(late_by(1_000, 1)).await.unwrap();
+    assert!(api.calls().is_empty());
+    let dead = store.dead_letters().unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].reason.cause.label(), "attempts_exhausted:late_start");
+    assert!(dead[0].reason.detail.contains("raise dispatch_ahead"), "{}", dead[0].reason.detail);
+}
+
 #[tokio::test]
 async fn a_request_that_cannot_be_built_is_dead_lettered_as_malformed_and_leaves_the_circuit_closed() {
     let (base, seen) = scripted_api().await;
