@@ -11,7 +11,7 @@
 //! spacing; a lead that no late start has asked for in [`REMEMBERED_FOR`] falls back.
 //! It grows to [`MOST_LATE_START_LEAD`] at the most, which the shards count on
 //! (`Settings::furthest_ahead`); a job whose workers start later than that goes to the
-//! DLQ (`Job::late_beyond_any_lead`).
+//! DLQ (`Job::after_late_start`).
 
 use std::time::Duration;
 

@@ -182,7 +182,7 @@ pub const HAND_OFF_BYTES_PER_SECOND: u64 = 20_000_000;
 /// late starts add to an orchestrator's lead: its calls are decided no further ahead
 /// than its configured lead and this, which its shards and the run after a crash wait
 /// out. A job whose worker starts late again once it carried this much goes to the DLQ
-/// ([`Job::late_beyond_any_lead`]): its workers start later than any lead it gets.
+/// ([`Job::after_late_start`]): its workers start later than any lead it gets.
 pub const MAX_LATE_START: Duration = Duration::from_secs(1);
 
 fn time_to_move(bytes: usize, bytes_per_second: u64) -> Duration {
@@ -290,12 +290,22 @@ impl Job {
         Self { late_start_ms: late_ms.max(self.late_start_ms.saturating_mul(2)).min(cap), ..self }
     }
 
-    /// Whether this job carries the most lateness a job learns ([`MAX_LATE_START`]): a
-    /// worker that starts late for it again dead-letters it instead of putting it back,
-    /// where it would miss its slot for ever.
+    /// The job to put back after a worker started `late` past its slot's last moment,
+    /// carrying what that shows; `None` when it already carried the most lateness a job
+    /// learns ([`MAX_LATE_START`]) and started late again: its workers start later than
+    /// any lead it gets, and put back it would miss its slot for ever (dead-letter it).
+    /// A lateness past that most (an event Lambda ran again after a failure, an invoke
+    /// it held back) teaches nothing, since no lead would have served it: the job goes
+    /// back as it came.
     #[must_use]
-    pub fn late_beyond_any_lead(&self) -> bool {
-        Duration::from_millis(self.late_start_ms) >= MAX_LATE_START
+    pub fn after_late_start(self, late: Duration) -> Option<Self> {
+        if late > MAX_LATE_START {
+            return Some(self);
+        }
+        if Duration::from_millis(self.late_start_ms) >= MAX_LATE_START {
+            return None;
+        }
+        Some(self.started_late_by(late))
     }
 
     /// Parses and validates a job message.
@@ -675,10 +685,14 @@ mod tests {
         assert_eq!(once.late_start_ms, 30);
         let twice = Job::parse(&once.to_json()).unwrap().started_late_by(Duration::from_millis(5));
         assert_eq!(twice.late_start_ms, 60, "kept across the queue, and at least doubled");
-        assert!(!twice.late_beyond_any_lead());
-        let many = (0..20).fold(twice, |job, _| job.started_late_by(Duration::from_millis(5)));
+        let many = (0..20).fold(twice.clone(), |job, _| job.started_late_by(Duration::from_millis(5)));
         assert_eq!(Duration::from_millis(many.late_start_ms), MAX_LATE_START);
-        assert!(many.late_beyond_any_lead(), "late again, it goes to the DLQ");
+        assert_eq!(twice.clone().after_late_start(Duration::from_millis(5)).map(|job| job.late_start_ms), Some(120));
+        assert!(many.clone().after_late_start(Duration::from_millis(5)).is_none(), "late again at the most: to the DLQ");
+        // An event run again a minute later (a failed batch's retry) teaches nothing.
+        let retried = twice.after_late_start(Duration::from_secs(60)).unwrap();
+        assert_eq!(retried.late_start_ms, 60);
+        assert!(many.after_late_start(Duration::from_secs(60)).is_some());
     }
 
     #[test]

@@ -317,12 +317,11 @@ impl CallLog {
                 // the DLQ, late again after it carried the most lateness a job learns.
                 self.missed_slots.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let shard = self.shard_of(&job);
-                if job.late_beyond_any_lead() {
+                let Some(job) = job.clone().after_late_start(now.since(slot.call_by)) else {
                     let cause = DeadLetterCause::AttemptsExhausted { last_failure: Some("late_start".into()) };
                     let reason = DeadLetterReason { cause, detail: "workers started after its slot each time".into(), outcome: None };
                     return shard.queue.dead_letter(job.id.as_str(), &job.to_json(), attempt, &reason).await;
-                }
-                let job = job.started_late_by(now.since(slot.call_by));
+                };
                 let message = OutgoingMessage { ahead: job.ordered, ..OutgoingMessage::again(job.to_json(), attempt, Duration::ZERO) };
                 shard.queue.send(&[message]).await?;
                 if job.ordered {

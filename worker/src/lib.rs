@@ -737,7 +737,7 @@ impl Worker {
             }
             self.release_call_slot(held).await;
             self.release_call(call.record.as_deref(), &holder).await?;
-            if job.late_beyond_any_lead() {
+            let Some(again) = job.clone().after_late_start(late) else {
                 // Its workers start later than the most lead a stack takes: put back, it
                 // would miss its slot for ever.
                 let detail = format!(
@@ -750,9 +750,9 @@ impl Worker {
                 let nothing_called = Attempted { calls: call.attempt.saturating_sub(1), answer: Answer::default(), times };
                 let cause = DeadLetterCause::AttemptsExhausted { last_failure: Some("late_start".into()) };
                 return self.dead_letter(job, call.attempt, cause, detail, &nothing_called).await;
-            }
+            };
             // Handed off earlier next time, and every job with it (see `Job::late_start_ms`).
-            self.requeue_unattempted(&job.clone().started_late_by(late), call.attempt, std::time::Duration::ZERO).await?;
+            self.requeue_unattempted(&again, call.attempt, std::time::Duration::ZERO).await?;
             return Ok(None);
         }
         if end == CallRecordEnd::LeaveClaimed && call.circuit_epoch < self.opened_circuit.load(Ordering::Relaxed) {
