@@ -22,6 +22,7 @@ use paceline_shared::time::{UnixMillis, COARSE_WAKE_SLACK};
 use tracing::{debug, info, warn};
 
 use crate::handover::LastRun;
+use crate::late_starts::with_late_starts;
 use crate::order_gate::{GateStep, OrderGate};
 use crate::report::TierMeter;
 use crate::report::TierReport;
@@ -440,22 +441,13 @@ impl<'a> LaneMachine<'a> {
         if self.order.is_some() {
             self.hand_off_lead()
         } else {
-            self.with_late_starts(self.settings.dispatch_ahead())
+            with_late_starts(self.settings.dispatch_ahead(), self.late_start_lead)
         }
     }
 
     /// How far ahead of its slot a job reaches its worker at the least (zero: at the slot).
     fn hand_off_lead(&self) -> Duration {
-        self.with_late_starts(self.settings.hand_off_lead())
-    }
-
-    /// `lead`, and what late starts added to it where jobs are handed off ahead.
-    fn with_late_starts(&self, lead: Duration) -> Duration {
-        if lead.is_zero() {
-            lead
-        } else {
-            lead + self.late_start_lead
-        }
+        with_late_starts(self.settings.hand_off_lead(), self.late_start_lead)
     }
 
     /// Hands its jobs off `lead` earlier than configured, from the next decision on.

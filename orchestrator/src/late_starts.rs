@@ -23,6 +23,16 @@ use paceline_shared::time::UnixMillis;
 /// hundreds of milliseconds at their worst.
 pub(crate) const MOST_LATE_START_LEAD: Duration = MAX_LATE_START;
 
+/// `lead` and `late_starts` added to it, where jobs are handed off ahead (a job handed
+/// off at its slot has no worker to start late).
+pub(crate) fn with_late_starts(lead: Duration, late_starts: Duration) -> Duration {
+    if lead.is_zero() {
+        lead
+    } else {
+        lead + late_starts
+    }
+}
+
 /// How long a late start is remembered at least (and at most twice that).
 pub(crate) const REMEMBERED_FOR: Duration = Duration::from_secs(60);
 

@@ -10,7 +10,7 @@ use paceline_shared::order::{JobOrder, LaneOrdering};
 use paceline_shared::ports::PortError;
 use paceline_shared::quota::Quota;
 
-use crate::late_starts::MOST_LATE_START_LEAD;
+use crate::late_starts::{with_late_starts, MOST_LATE_START_LEAD};
 
 /// The settings the loop needs.
 #[derive(Clone, Debug)]
@@ -101,12 +101,7 @@ impl Settings {
     /// gone.
     #[must_use]
     pub fn furthest_ahead(&self) -> Duration {
-        let ahead = self.dispatch_ahead();
-        if ahead.is_zero() {
-            ahead
-        } else {
-            ahead + MOST_LATE_START_LEAD
-        }
+        with_late_starts(self.dispatch_ahead(), MOST_LATE_START_LEAD)
     }
 
     /// How far past the end of a crashed run's lease its calls may still go: the furthest

@@ -32,7 +32,7 @@ use crate::handover::{LastRun, RelayRequest, RELAY_LEAD};
 use crate::homes::{HomesRun, READ_EVERY};
 pub(crate) use crate::lane::{CallSlotsRead, HandOff, Retune, SharedState};
 use crate::lane::{LaneMachine, LaneStep};
-use crate::late_starts::LateStartLead;
+use crate::late_starts::{with_late_starts, LateStartLead};
 use crate::many::{ManyLanes, FAIR_SHARE_STRETCH, RECALL_STRETCH};
 use crate::report::{Fairness, LaneReport, Progress, RunReport, StopReason};
 use crate::reservations::{Granted, Reservation};
@@ -401,12 +401,7 @@ impl<'a> StackMachine<'a> {
 
     /// How far ahead of its slot a job is handed off.
     fn lead(&self) -> Duration {
-        let configured = self.settings.dispatch_ahead();
-        if configured.is_zero() {
-            configured
-        } else {
-            configured + self.late_start_lead
-        }
+        with_late_starts(self.settings.dispatch_ahead(), self.late_start_lead)
     }
 
     /// Whether the jobs in hand fill a batch window at the stack's pace (the shared
@@ -1035,7 +1030,7 @@ impl<'a> StackMachine<'a> {
                 continue;
             };
             // The lane first in line waits for the shared quota, and so do the others.
-            let not_before = match self.shared_allows(index, cost, self.shared_start(index, cost, batch_ready, now), now) {
+            let not_before = match self.shared_allows_job(index, cost, batch_ready, now) {
                 Ok(slot) => slot,
                 Err(at) => {
                     if let Some(shares) = &mut self.shares {
@@ -1118,16 +1113,20 @@ impl<'a> StackMachine<'a> {
         None
     }
 
-    /// Where the shared quota's schedule goes on for lane `index`'s job at `now`: from the
-    /// hand-off's own lead where it continues (its next slot is further), else, fallen
-    /// behind, from where it starts again (see `LaneMachine::first_job_slot`).
-    fn shared_start(&self, index: usize, cost: u64, batch_ready: bool, now: UnixMillis) -> UnixMillis {
+    /// [`Self::shared_allows`] for the job in front of lane `index`: the shared quota's
+    /// schedule goes on from the hand-off's own lead where it continues (its next slot is
+    /// further), and where it fell behind, starts again there or the whole lead out as
+    /// `batch_ready` says (see `LaneMachine::first_job_slot`).
+    fn shared_allows_job(&self, index: usize, cost: u64, batch_ready: bool, now: UnixMillis) -> Result<UnixMillis, UnixMillis> {
         let many = self.many.as_ref().expect("many lanes");
+        if many.no_share {
+            return Err(now.plus(REPORT_EVERY));
+        }
         let lane = &self.lanes[index];
         let continued = lane.first_job_slot(now, true);
         match many.shared.decide(&many.pacer, cost, continued) {
-            Decision::Allow => lane.first_job_slot(now, batch_ready),
-            Decision::WaitUntil { .. } | Decision::Never { .. } => continued,
+            Decision::Allow if !batch_ready => self.shared_allows(index, cost, lane.first_job_slot(now, false), now),
+            decision => self.shared_decided(index, continued, decision, now),
         }
     }
 
@@ -1139,8 +1138,14 @@ impl<'a> StackMachine<'a> {
         if many.no_share {
             return Err(now.plus(REPORT_EVERY));
         }
+        self.shared_decided(index, first, many.shared.decide(&many.pacer, cost, first), now)
+    }
+
+    /// What the shared quota's `decision` for a slot from `first` means for lane `index`
+    /// at `now` (see [`Self::shared_allows`]).
+    fn shared_decided(&self, index: usize, first: UnixMillis, decision: Decision, now: UnixMillis) -> Result<UnixMillis, UnixMillis> {
         let lane = &self.lanes[index];
-        match many.shared.decide(&many.pacer, cost, first) {
+        match decision {
             // A cost over a whole shared tier: the lane's own decision dead-letters it
             // where its tiers are the same; otherwise it waits for nothing here.
             Decision::Allow | Decision::Never { .. } => Ok(first),
