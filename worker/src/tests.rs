@@ -49,6 +49,14 @@ async fn scripted_api() -> (String, Arc<Mutex<Vec<String>>>) {
     (format!("http://{addr}/v1"), seen)
 }
 
+/// A worker whose API answers at once (see [`InstantApi`]), with its store and that API.
+fn worker_on_instant_api() -> (Worker, Arc<EmbeddedStore>, Arc<InstantApi>) {
+    let (mut worker, store) = new_worker("http://127.0.0.1:9/v1");
+    let api = Arc::new(InstantApi::new(worker.clock.clone()));
+    worker.api = api.clone();
+    (worker, store, api)
+}
+
 fn new_worker(base: &str) -> (Worker, Arc<EmbeddedStore>) {
     let clock = Arc::new(TokioClock::new());
     let store = Arc::new(EmbeddedStore::in_memory(clock.clone()).unwrap());
@@ -314,22 +322,12 @@ async fn a_healthy_check_half_opens_the_circuit_but_a_stale_one_cannot() {
 
 #[tokio::test(start_paused = true)]
 async fn a_slotted_job_calls_at_its_slot_and_a_late_one_is_requeued_without_calling() {
-    let (mut worker, store) = new_worker("http://127.0.0.1:9/v1");
-    let api = Arc::new(InstantApi::new(worker.clock.clone()));
-    worker.api = api.clone();
+    let (worker, store, api) = worker_on_instant_api();
     let t0 = worker.clock.now();
     // Each payload is another attempt: one attempt calls once at most.
     let slotted = |not_before: UnixMillis, attempt: u32| {
         let WorkerPayload::Job { job, .. } = job_to(200) else { unreachable!() };
-        WorkerPayload::Job {
-            job,
-            attempt,
-            circuit_epoch: 0,
-            dispatched_at: t0,
-            slot: Some(CallSlot { not_before, call_by: not_before.plus(Duration::from_millis(5)) }),
-            trip: None,
-            report_limits: false,
-        }
+        slotted_for(job, attempt, t0, not_before)
     };
     worker.handle(slotted(t0.plus(Duration::from_millis(250)), 1)).await.unwrap();
     assert_eq!(api.calls(), vec![t0.plus(Duration::from_millis(250))], "waits for the slot, then calls");
@@ -349,16 +347,12 @@ async fn a_slotted_job_calls_at_its_slot_and_a_late_one_is_requeued_without_call
 /// its slot for ever, spending one each time. It goes to the DLQ, saying what to change.
 #[tokio::test(start_paused = true)]
 async fn a_job_late_again_at_the_most_lead_a_stack_takes_is_dead_lettered_not_put_back_for_ever() {
-    let (mut worker, store) = new_worker("http://127.0.0.1:9/v1");
-    let api = Arc::new(InstantApi::new(worker.clock.clone()));
-    worker.api = api.clone();
+    let (worker, store, api) = worker_on_instant_api();
     let t0 = worker.clock.now();
     let late_by = |late_start_ms: u64, attempt: u32| {
         let WorkerPayload::Job { mut job, .. } = job_to(200) else { unreachable!() };
         job.late_start_ms = late_start_ms;
-        let not_before = t0.minus(Duration::from_millis(50));
-        let slot = Some(CallSlot { not_before, call_by: not_before.plus(Duration::from_millis(5)) });
-        WorkerPayload::Job { job, attempt, circuit_epoch: 0, dispatched_at: t0, slot, trip: None, report_limits: false }
+        slotted_for(job, attempt, t0, t0.minus(Duration::from_millis(50)))
     };
     worker.handle(late_by(500, 1)).await.unwrap();
     assert_eq!(requeued(&store).await, vec![("job-200".to_string(), 1)], "under the most: put back, to go earlier");
@@ -547,8 +541,14 @@ async fn a_call_whose_follow_up_failed_is_not_done_so_the_retried_event_calls_ag
 /// make it), attempt 0: a batch's call.
 fn in_slot(id: &str, t0: UnixMillis, ms: u64) -> WorkerPayload {
     let job = Job::parse(&format!(r#"{{"id":"{id}","request":{{"method":"GET","path":"/status/200"}}}}"#)).unwrap();
-    let slot = Some(CallSlot { not_before: t0.plus(Duration::from_millis(ms)), call_by: t0.plus(Duration::from_millis(ms + 5)) });
-    WorkerPayload::Job { job, attempt: 0, circuit_epoch: 0, dispatched_at: t0, slot, trip: None, report_limits: false }
+    slotted_for(job, 0, t0, t0.plus(Duration::from_millis(ms)))
+}
+
+/// `job` as `attempt`, handed off at `dispatched_at` for the slot `not_before` (called
+/// by 5 ms after it).
+fn slotted_for(job: Job, attempt: u32, dispatched_at: UnixMillis, not_before: UnixMillis) -> WorkerPayload {
+    let slot = Some(CallSlot { not_before, call_by: not_before.plus(Duration::from_millis(5)) });
+    WorkerPayload::Job { job, attempt, circuit_epoch: 0, dispatched_at, slot, trip: None, report_limits: false }
 }
 
 /// Collects the outcome records sent to it, as the results queue would.
@@ -565,9 +565,7 @@ impl paceline_shared::ports::OutcomeSink for Results {
 
 #[tokio::test(start_paused = true)]
 async fn a_batch_calls_each_job_at_its_slot_in_one_invocation_and_settles_each_alone() {
-    let (mut worker, store) = new_worker("http://127.0.0.1:9/v1");
-    let api = Arc::new(InstantApi::new(worker.clock.clone()));
-    worker.api = api.clone();
+    let (worker, store, api) = worker_on_instant_api();
     let t0 = worker.clock.now();
     let at = |ms: u64| t0.plus(Duration::from_millis(ms));
     let slotted = |n: u64| in_slot(&format!("b-{n}"), t0, 100 * n);
@@ -594,9 +592,7 @@ async fn a_batch_calls_each_job_at_its_slot_in_one_invocation_and_settles_each_a
 
 #[tokio::test(start_paused = true)]
 async fn a_batch_taken_over_after_its_worker_died_calls_no_job_twice_and_loses_none() {
-    let (mut worker, store) = new_worker("http://127.0.0.1:9/v1");
-    let api = Arc::new(InstantApi::new(worker.clock.clone()));
-    worker.api = api.clone();
+    let (worker, store, api) = worker_on_instant_api();
     let t0 = worker.clock.now();
     let at = |ms: u64| t0.plus(Duration::from_millis(ms));
     let slotted = |ms: u64| in_slot(&format!("at-{ms}"), t0, ms);
@@ -632,9 +628,7 @@ async fn a_batch_taken_over_after_its_worker_died_calls_no_job_twice_and_loses_n
 
 #[tokio::test(start_paused = true)]
 async fn a_job_handed_off_in_two_batches_is_called_by_the_first_only() {
-    let (mut worker, _store) = new_worker("http://127.0.0.1:9/v1");
-    let api = Arc::new(InstantApi::new(worker.clock.clone()));
-    worker.api = api.clone();
+    let (worker, _store, api) = worker_on_instant_api();
     let t0 = worker.clock.now();
     // Lambda's 202 for the first batch was lost: the orchestrator handed the job off again.
     worker.handle(WorkerPayload::batch("run-1#1".into(), &[in_slot("twice", t0, 100), in_slot("other-1", t0, 150)])).await.unwrap();
@@ -646,9 +640,7 @@ async fn a_job_handed_off_in_two_batches_is_called_by_the_first_only() {
 #[tokio::test(start_paused = true)]
 async fn a_claim_the_store_refuses_puts_its_job_back_without_a_call_and_the_batch_goes_on() {
     use paceline_shared::testing::faults::{Faulty, Method};
-    let (mut worker, store) = new_worker("http://127.0.0.1:9/v1");
-    let api = Arc::new(InstantApi::new(worker.clock.clone()));
-    worker.api = api.clone();
+    let (mut worker, store, api) = worker_on_instant_api();
     let faulty = Arc::new(Faulty::new(store.clone()));
     faulty.fail_next(Method::ClaimCall, 1, &PortError::Transient("DynamoDB throttled".into()));
     worker.store = faulty;
