@@ -9,7 +9,8 @@
 //! 10,000/s with Lambda workers used 88.7% of the shared tier, 98.1% without). Learned
 //! for the whole stack instead, the lead grows once and the slots after it keep their
 //! spacing; a lead that no late start has asked for in [`REMEMBERED_FOR`] falls back.
-//! It grows to [`MOST_LATE_START_LEAD`] at the most, which the shards count on
+//! It grows to the most a job learns (`MAX_LATE_START`, a second; Lambda's asynchronous
+//! starts are late by hundreds of milliseconds at their worst), which the shards count on
 //! (`Settings::furthest_ahead`); a job whose workers start later than that goes to the
 //! DLQ (`Job::after_late_start`).
 
@@ -17,11 +18,6 @@ use std::time::Duration;
 
 use paceline_shared::job::MAX_LATE_START;
 use paceline_shared::time::UnixMillis;
-
-/// The most late starts add to the lead: a stack's calls are decided no further ahead
-/// than the configured lead and this. Lambda's asynchronous starts are late by
-/// hundreds of milliseconds at their worst.
-pub(crate) const MOST_LATE_START_LEAD: Duration = MAX_LATE_START;
 
 /// `lead` and `late_starts` added to it, where jobs are handed off ahead (a job handed
 /// off at its slot has no worker to start late).
@@ -49,7 +45,7 @@ impl LateStartLead {
     /// A job received at `now` whose worker started `late` after its slot before.
     pub fn learn(&mut self, late: Duration, now: UnixMillis) {
         self.roll(now);
-        self.this_period = self.this_period.max(late.min(MOST_LATE_START_LEAD));
+        self.this_period = self.this_period.max(late.min(MAX_LATE_START));
     }
 
     /// How much earlier than the configured lead every job is handed off at `now`.
@@ -94,7 +90,7 @@ mod tests {
     fn a_quiet_spell_of_two_periods_forgets_everything_and_no_lead_passes_the_most_a_job_learns() {
         let mut lead = LateStartLead::default();
         lead.learn(Duration::from_secs(60), T0);
-        assert_eq!(lead.lead(T0), MOST_LATE_START_LEAD);
+        assert_eq!(lead.lead(T0), MAX_LATE_START);
         assert_eq!(lead.lead(T0.plus(Duration::from_secs(125))), Duration::ZERO);
     }
 }

@@ -4,13 +4,14 @@
 use std::time::Duration;
 
 use paceline_shared::config::{CircuitConfig, Config, LanesConfig, OrchestratorConfig, WorkerHost};
+use paceline_shared::job::MAX_LATE_START;
 use paceline_shared::keys::Shard;
 use paceline_shared::lane::LaneId;
 use paceline_shared::order::{JobOrder, LaneOrdering};
 use paceline_shared::ports::PortError;
 use paceline_shared::quota::Quota;
 
-use crate::late_starts::{with_late_starts, MOST_LATE_START_LEAD};
+use crate::late_starts::with_late_starts;
 
 /// The settings the loop needs.
 #[derive(Clone, Debug)]
@@ -101,7 +102,7 @@ impl Settings {
     /// gone.
     #[must_use]
     pub fn furthest_ahead(&self) -> Duration {
-        with_late_starts(self.dispatch_ahead(), MOST_LATE_START_LEAD)
+        with_late_starts(self.dispatch_ahead(), MAX_LATE_START)
     }
 
     /// How far past the end of a crashed run's lease its calls may still go: the furthest
