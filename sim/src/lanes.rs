@@ -1042,6 +1042,41 @@ mod tests {
         assert!(steady.iter().all(|units| (990..=1_000).contains(units)), "{per_second:?}");
     }
 
+    /// 1,000 lanes at 100/s under a shared 10,000/s, 100,000 jobs by a Zipf law (1.1),
+    /// on a fair queue, called by Lambda workers: from the first full second until the
+    /// lanes still backlogged can no longer fill the shared tier, every second holds at
+    /// least 98% of it. Receives go a few dozen at once at this pace, and the heaviest
+    /// lanes hover at a tenth of the messages in flight, which SQS hands out in turn
+    /// with the others'; four receives in a row that brought only their surplus paused
+    /// every receive for 100 to 400 ms while the rest of the round kept jobs, and the
+    /// lanes ran dry (seconds of 9,400 calls).
+    #[test]
+    fn receives_go_on_while_the_round_under_way_keeps_jobs_of_other_lanes() {
+        let settings = lanes_settings("10000/s", "100/s", WorkerHost::Lambda);
+        let lambda = LambdaWorkers { concurrency: 1_000, max_event_age: crate::aws::DEFAULT_MAX_EVENT_AGE };
+        let plan = LanesPlan {
+            lanes: 1_000,
+            skew: Skew::Zipf(1.1),
+            jobs: 100_000,
+            seed: 1,
+            settings,
+            queue: LanesQueue::SqsFair,
+            lambda: Some(lambda),
+            shards: 1,
+            fixed_shares: false,
+        };
+        let report = simulate_lanes(&plan);
+        assert_eq!((report.calls, report.lane_violations, report.shared_violations), (100_000, 0, 0), "{report:?}");
+        let per_second = units_each_second(&report);
+        let full = |units: &u32| *units >= 9_800;
+        let (first_full, last_full) = (per_second.iter().position(full).unwrap_or(0), per_second.iter().rposition(full).unwrap_or(0));
+        let short: Vec<(usize, u32)> = (first_full..=last_full).map(|second| (second, per_second[second])).filter(|(_, units)| !full(units)).collect();
+        assert!(
+            last_full >= first_full + 2 && short.is_empty(),
+            "seconds under 98% of the shared tier while the lanes could fill it: {short:?} of {per_second:?}"
+        );
+    }
+
     /// 100 lanes over 4 shards, each shard its own fair queue, orchestrator and state,
     /// under a shared 1,000/s that the shards divide (250/s each): every job is called
     /// once on its lane's shard and the shards together never pass a shared or a lane's
