@@ -419,8 +419,8 @@ impl<'a> LaneMachine<'a> {
     }
 
     /// The first slot the job in front may take at `now` (before spacing): sooner than
-    /// [`Self::earliest_slot`] where the stack holds a batch window's worth of jobs
-    /// (`batch_ready`; see [`Self::decide`]).
+    /// [`Self::earliest_slot`] where the stack has a backlog in sight (`batch_ready`: a
+    /// batch window's worth of jobs in hand, or full receives; see [`Self::decide`]).
     pub fn first_job_slot(&self, now: UnixMillis, batch_ready: bool) -> UnixMillis {
         if batch_ready {
             now.plus(self.hand_off_lead())
@@ -1173,9 +1173,10 @@ impl<'a> LaneMachine<'a> {
     /// `now + lead` keeps that slot: the slots between are taken, not skipped. A schedule
     /// that fell behind (nothing to hand off for a while) starts again at the first slot
     /// allowed (the hand-off's own lead, or `not_before`) with `start_early`, else at
-    /// `now + lead`. The stack starts early where it holds a batch window's worth of
-    /// jobs (a backlog that comes to an idle stack goes the window sooner, its first
-    /// batches at once, full), and jobs coming one at a time go the whole lead out,
+    /// `now + lead`. The stack starts early where a backlog is in sight (a batch
+    /// window's worth of jobs in hand, or receives coming back full: a backlog that
+    /// comes to an idle stack goes the window sooner, its first batches at once, full),
+    /// and jobs coming one at a time go the whole lead out,
     /// gathering in a batch; in a stack of many lanes `not_before` says where.
     fn decide(&self, cost: u64, now: UnixMillis, not_before: UnixMillis, start_early: bool) -> (UnixMillis, Decision) {
         // Never before the spacing of a share of the pace (the loop woke within the slack).

@@ -74,6 +74,12 @@ const IDLE_PROBE_MAX: Duration = Duration::from_secs(2);
 /// rest of the round. At 10,000 calls/s over 1,000 lanes, pausing after four left the
 /// lanes dry for 100 to 400 ms at a time: the shared tier was 82% used, 89% now.
 const IDLE_RECEIVES_BEFORE_PAUSE: usize = 4;
+/// Receives in a row that brought the most SQS hands out at once before the stack takes
+/// it that a backlog waits on the queue (see `StackMachine::backlog_in_sight`): at
+/// 10,000 calls/s a batch window is 5,000 jobs, more than a backlog may hold, and the
+/// first slots went the whole lead and window out (900 ms, not 400). One full receive
+/// alone may be a producer's batch of ten.
+const FULL_RECEIVES_FOR_A_BACKLOG: usize = 2;
 /// Receipts deleted in one call at most (SQS batch size).
 pub(crate) const DELETE_BATCH: usize = 10;
 /// Retries of a refused hand-off: quick, since slots are waiting.
@@ -293,6 +299,8 @@ pub(crate) struct StackMachine<'a> {
     receive_latency: Duration,
     /// Draining: the last long poll found the queue empty.
     queue_seen_empty: bool,
+    /// Receives in a row that came back full (see [`Self::backlog_in_sight`]).
+    full_receives_in_a_row: usize,
     /// The queue hands out quiet lanes' jobs first (an SQS fair queue), and how long the
     /// next receive waits after one whose every job went back.
     fair_queue: bool,
@@ -360,6 +368,7 @@ impl<'a> StackMachine<'a> {
             pipeline: paceline_shared::ports::DEFAULT_PIPELINE,
             receive_latency: Duration::ZERO,
             queue_seen_empty: false,
+            full_receives_in_a_row: 0,
             fair_queue: false,
             idle_receives: 0,
             idle_probe: IDLE_PROBE_FIRST,
@@ -409,16 +418,18 @@ impl<'a> StackMachine<'a> {
         with_late_starts(self.settings.dispatch_ahead(), self.late_start_lead)
     }
 
-    /// Whether the jobs in hand fill a batch window at the stack's pace (the shared
-    /// quota's with many lanes): a schedule that fell behind then starts again at the
-    /// hand-off's own lead, its first batches going at once, full.
-    fn holds_a_batch_window(&self) -> bool {
+    /// Whether a backlog is in sight: the jobs in hand fill a batch window at the stack's
+    /// pace (the shared quota's with many lanes), or receives came back full, the most
+    /// SQS hands out, [`FULL_RECEIVES_FOR_A_BACKLOG`] in a row. A schedule that fell
+    /// behind then starts again at the hand-off's own lead, its first batches going at
+    /// once, full; jobs coming a few at a time go the whole lead out, gathering in a batch.
+    fn backlog_in_sight(&self) -> bool {
         let window = self.settings.batch_window();
         let (jobs, pace) = match &self.many {
             Some(many) => (many.in_hand_total, many.shared.pace_per_second()),
             None => (self.lanes[0].jobs_in_hand(), self.lanes[0].pace_per_second()),
         };
-        !window.is_zero() && jobs as f64 >= pace * window.as_secs_f64()
+        !window.is_zero() && (jobs as f64 >= pace * window.as_secs_f64() || self.full_receives_in_a_row >= FULL_RECEIVES_FOR_A_BACKLOG)
     }
 
     /// How much earlier than configured jobs are handed off, for workers that started
@@ -879,7 +890,7 @@ impl<'a> StackMachine<'a> {
         if self.in_flight.hand_offs >= self.pipeline {
             return self.await_event();
         }
-        let batch_ready = self.holds_a_batch_window();
+        let batch_ready = self.backlog_in_sight();
         let step = self.lanes[0].next_dispatch(now, UnixMillis(0), None, batch_ready);
         self.act_for_lane(0, step)
     }
@@ -1017,7 +1028,7 @@ impl<'a> StackMachine<'a> {
         many.scheduler.wake_due(now);
         let (lanes, scheduler) = (&self.lanes, &many.scheduler);
         many.fairness.tick(now, |index| lanes[index].has_jobs_in_hand() && !scheduler.is_waiting(index));
-        let batch_ready = self.holds_a_batch_window();
+        let batch_ready = self.backlog_in_sight();
         let mut shared_wake = None;
         loop {
             let many = self.many.as_mut().expect("many lanes");
@@ -1612,6 +1623,8 @@ impl<'a> StackMachine<'a> {
             // An exponential average (weight 1/8), as TCP smooths round-trip times.
             self.receive_latency = if self.receive_latency.is_zero() { took } else { (self.receive_latency * 7 + took) / 8 };
         }
+        let full = result.as_ref().is_ok_and(|received| received.len() >= RECEIVE_BATCH);
+        self.full_receives_in_a_row = if full { self.full_receives_in_a_row + 1 } else { 0 };
         match result {
             Ok(received) if received.is_empty() => {
                 if long_poll {

@@ -915,6 +915,21 @@ async fn a_backlog_over_many_lanes_starts_at_the_hand_off_s_own_lead() {
     assert_eq!(slots, (0..60).map(|i| 400 + 10 * i).collect::<Vec<u64>>());
 }
 
+/// A backlog of fewer jobs than a batch window takes at the stack's pace (600, where
+/// 10,000/s takes 5,000 in the window) starts at the hand-off's own lead too: receives
+/// that come back full say the queue holds a backlog, not jobs coming one at a time.
+/// Its first slot was the whole lead and the window out (900 ms), half a second of the
+/// shared quota unused.
+#[tokio::test(start_paused = true)]
+async fn a_backlog_smaller_than_a_batch_window_starts_at_the_hand_off_s_own_lead() {
+    let stack = lanes_stack_adjusted("\"10000/s\"", "[lanes]\ntiers = [\"1000/s\"]\n", |settings| as_on_lambda(settings, 400));
+    enqueue(&stack, (0..200).flat_map(|i| ["a", "b", "c"].map(|lane| lane_job(lane, &format!("{lane}{i}"))))).await;
+    stack.orchestrator.run(&opts(true, Duration::from_secs(10))).await.unwrap();
+    let mut slots = slot_offsets(&stack);
+    slots.sort_unstable();
+    assert_eq!((slots.len(), slots[0]), (600, 400), "{slots:?}");
+}
+
 /// Lanes held by nothing but the shared quota divide it by weight: 2:1:1 weights give
 /// 2:1:1 calls within 2%, and Jain's index over them (by weight) is at least 0.99; the
 /// lanes whose jobs are behind gold's on the queue are reached, and the shared quota is
