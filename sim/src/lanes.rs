@@ -61,6 +61,9 @@ pub struct LanesPlan {
     /// reserved from one counter; 1 for one orchestrator.
     pub shards: usize,
     pub fixed_shares: bool,
+    /// The services' latencies (`simulate --latency`): SQS, DynamoDB, a Lambda worker's
+    /// start, the API.
+    pub profile: LatencyProfile,
 }
 
 /// Simulated Lambda workers for a simulation of lanes: the account's concurrent
@@ -386,7 +389,7 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
         let tokio_clock = Arc::new(TokioClock::anchored_at(SIM_START));
         let clock: Arc<dyn Clock> = tokio_clock.clone();
         let lanes: BTreeMap<LaneId, usize> = (0..plan.lanes).map(|i| (plan.lane_id(i), i)).collect();
-        let world = Arc::new(World::new(tokio_clock, Sampler::new(plan.seed, LatencyProfile::default())));
+        let world = Arc::new(World::new(tokio_clock, Sampler::new(plan.seed, plan.profile.clone())));
         // Each lane's jobs on its shard's queue, in queue order.
         let shard_count = plan.shards.max(1);
         let mut bodies: Vec<Vec<String>> = vec![Vec::new(); shard_count];
@@ -884,7 +887,18 @@ mod tests {
         let text =
             "[api]\nbase_url = \"https://api.example.com\"\n[quota]\ntiers = [\"50/s\"]\n[lanes]\ntiers = [\"5/s\"]\n[orchestrator]\ndispatch_ahead = \"0s\"\n";
         let settings = settings_of(text, WorkerHost::InProcess);
-        LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 7, settings, queue: LanesQueue::Embedded, lambda: None, shards: 1, fixed_shares: false }
+        LanesPlan {
+            lanes,
+            skew: Skew::Zipf(1.1),
+            jobs,
+            seed: 7,
+            settings,
+            queue: LanesQueue::Embedded,
+            lambda: None,
+            shards: 1,
+            fixed_shares: false,
+            profile: LatencyProfile::default(),
+        }
     }
 
     /// 40 lanes, a few with most of 3,000 jobs: no call over any tier, the shared tier
@@ -970,6 +984,7 @@ mod tests {
             lambda: None,
             shards: 1,
             fixed_shares: false,
+            profile: LatencyProfile::default(),
         };
         let ordered = simulate_lanes(&plan);
         assert_eq!((ordered.calls, ordered.lane_violations, ordered.shared_violations), (60, 0, 0), "{ordered:?}");
@@ -1001,8 +1016,18 @@ mod tests {
     /// none over any tier.
     fn drained_on_a_fair_queue(shared: &str, lane_tier: &str, lanes: usize, jobs: usize) -> LanesReport {
         let settings = lanes_settings(shared, lane_tier, WorkerHost::InProcess);
-        let plan =
-            LanesPlan { lanes, skew: Skew::Zipf(1.1), jobs, seed: 1, settings, queue: LanesQueue::SqsFair, lambda: None, shards: 1, fixed_shares: false };
+        let plan = LanesPlan {
+            lanes,
+            skew: Skew::Zipf(1.1),
+            jobs,
+            seed: 1,
+            settings,
+            queue: LanesQueue::SqsFair,
+            lambda: None,
+            shards: 1,
+            fixed_shares: false,
+            profile: LatencyProfile::default(),
+        };
         let paceline = simulate_lanes(&plan);
         assert_eq!((paceline.calls, paceline.lane_violations, paceline.shared_violations), (jobs, 0, 0), "{paceline:?}");
         paceline
@@ -1028,6 +1053,7 @@ mod tests {
             lambda: Some(lambda),
             shards: 1,
             fixed_shares: false,
+            profile: LatencyProfile::default(),
         };
         let report = simulate_lanes(&plan);
         assert_eq!((report.lane_violations, report.shared_violations), (0, 0), "{report:?}");
@@ -1064,6 +1090,7 @@ mod tests {
             lambda: Some(lambda),
             shards: 1,
             fixed_shares: false,
+            profile: LatencyProfile::default(),
         };
         let report = simulate_lanes(&plan);
         assert_eq!((report.calls, report.lane_violations, report.shared_violations), (100_000, 0, 0), "{report:?}");
@@ -1094,6 +1121,7 @@ mod tests {
             lambda: None,
             shards: 4,
             fixed_shares: false,
+            profile: LatencyProfile::default(),
         };
         let report = simulate_lanes(&plan);
         assert_eq!((report.calls, report.lane_violations, report.shared_violations), (20_000, 0, 0), "{report:?}");
@@ -1145,6 +1173,7 @@ mod tests {
             lambda: None,
             shards: 1,
             fixed_shares: false,
+            profile: LatencyProfile::default(),
         };
         let paceline = simulate_lanes(&plan);
         assert_eq!((paceline.lane_violations, paceline.shared_violations), (0, 0), "{paceline:?}");

@@ -136,6 +136,9 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// How much simulated time a simulation runs at most unless told (`--time-limit`).
+    pub const DEFAULT_TIME_LIMIT: Duration = Duration::from_secs(400 * 86_400);
+
     /// A plan with the template's Lambda settings and the default profile.
     #[must_use]
     pub fn new(jobs: usize, seed: u64, settings: Settings, retry: RetryConfig) -> Self {
@@ -153,7 +156,7 @@ impl Plan {
             relay: true,
             memory: FunctionMemory::default(),
             table: TableCapacity::OnDemand,
-            time_limit: Duration::from_secs(400 * 86_400),
+            time_limit: Self::DEFAULT_TIME_LIMIT,
             lambda_concurrency: aws::DEFAULT_LAMBDA_CONCURRENCY,
             worker_max_event_age: aws::DEFAULT_MAX_EVENT_AGE,
             progress: None,

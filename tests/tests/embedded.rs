@@ -769,6 +769,42 @@ async fn simulate_of_many_lanes_reports_fairness_beside_its_baselines_and_needs_
     assert!(String::from_utf8_lossy(&bad.stderr).contains("is not zipf:S"), "{}", String::from_utf8_lossy(&bad.stderr));
 }
 
+/// `simulate --lanes`: `--latency` and `--safety-margin` apply to the lanes as to one
+/// lane (a 2 s receive and a 100 ms margin each make the drain longer), and what the
+/// lanes' simulation does not model is refused, named, not ignored: all of these were
+/// taken and had no effect.
+#[tokio::test]
+async fn simulate_of_many_lanes_applies_latencies_and_the_margin_and_refuses_what_it_does_not_model() {
+    let dir = lane_dir("simulate-lanes-options");
+    let config = write_config(&dir, "http://127.0.0.1:9", &["50/s"], "[lanes]\ntiers = [\"5/s\"]\n");
+    let config = config.to_str().unwrap();
+    let drained_in = |extra: &'static [&'static str]| {
+        let mut args = vec!["simulate", "--config", config, "--lanes", "20", "--jobs", "600", "--queue", "sqs", "--json"];
+        args.extend_from_slice(extra);
+        async move { json_of(&paceline(&args, "").await)["seconds"].as_f64().unwrap() }
+    };
+    let plain = drained_in(&[]).await;
+    let slow_receives = drained_in(&["--latency", "sqs=2s"]).await;
+    let wide_margin = drained_in(&["--safety-margin", "100ms"]).await;
+    assert!(slow_receives >= plain + 1.0, "2 s receives: {slow_receives} s, {plain} s without");
+    assert!(wide_margin >= plain + 0.8, "a 100 ms margin: {wide_margin} s, {plain} s with 10 ms");
+    for (extra, named) in [
+        (&["--rate-429", "0.1"][..], "--rate-429"),
+        (&["--outage", "1s+2s"][..], "--outage"),
+        (&["--kill-run-at", "5s"][..], "--kill-run-at"),
+        (&["--provider", "fixed-window"][..], "--provider"),
+        (&["--no-relay"][..], "--no-relay"),
+        (&["--time-limit", "5s"][..], "--time-limit"),
+        (&["--dispatch-ahead", "100ms"][..], "--dispatch-ahead goes with --lambda-workers"),
+    ] {
+        let mut args = vec!["simulate", "--config", config, "--lanes", "20"];
+        args.extend_from_slice(extra);
+        let refused = paceline(&args, "").await;
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(!refused.status.success() && stderr.contains(named), "{extra:?}: {stderr}");
+    }
+}
+
 /// `simulate --lanes --lambda-workers`: the lanes called by simulated Lambda workers on
 /// an SQS queue, the report saying how many executions ran at once; without `--lanes`,
 /// or on the embedded queue, the flag is refused naming what to change.

@@ -12,6 +12,7 @@ use paceline_orchestrator::Settings;
 use paceline_shared::config::{WorkerHost, MAX_DISPATCH_AHEAD};
 use paceline_shared::keys::Shard;
 use paceline_shared::order::JobOrder;
+use paceline_shared::quota::Quota;
 use paceline_shared::time::{system_now, Clock as _, SystemClock};
 use paceline_sim::lanes::{first_come_first_served, render_lanes, round_robin, simulate_lanes, LambdaWorkers, LanesPlan, LanesQueue, Skew};
 use paceline_sim::pricing::TableCapacity;
@@ -121,6 +122,8 @@ pub struct SimulateArgs {
     /// and all under `[quota]`: the backlog's jobs fall on them as `--skew` says.
     /// Reports violations, the shared tier's use, Jain's fairness index and the jobs'
     /// waits; with `--baselines`, first come first served over one queue and round robin.
+    /// `--latency` and `--safety-margin` apply; the faults, the provider's model, relays
+    /// and `--time-limit` are modelled for one lane only and refused with `--lanes`.
     #[arg(long, value_name = "N")]
     pub lanes: Option<usize>,
     /// How the jobs spread over the lanes, with `--lanes`: `zipf:S` (a few lanes with
@@ -173,10 +176,7 @@ impl SimulateArgs {
         }
         orchestrator.check().map_err(|e| anyhow::anyhow!("--{}: {}", e.field.replace('_', "-"), e.problem))?;
         anyhow::ensure!(self.lambda_concurrency > 0, "--lambda-concurrency: need at least one execution");
-        let mut profile = LatencyProfile::default();
-        for assignment in &self.latencies {
-            profile.set(assignment).map_err(|e| anyhow::anyhow!("--latency {e}"))?;
-        }
+        let profile = self.latency_profile()?;
         let failures = Failures {
             outages: self.outages.clone(),
             rate_429: self.rate_429,
@@ -193,11 +193,7 @@ impl SimulateArgs {
             config.lanes.is_none(),
             "simulate paces one lane on AWS (the AWS backend's): leave [lanes] out of this config, or simulate the lanes in one embedded stack with --lanes N"
         );
-        let quota = match self.safety_margin {
-            Some(margin) => paceline_shared::quota::Quota::new(config.quota.tiers().to_vec(), config.quota.zone(), margin)
-                .map_err(|e| anyhow::anyhow!("--safety-margin: {e}"))?,
-            None => config.quota,
-        };
+        let quota = self.with_margin(config.quota)?;
         anyhow::ensure!(
             !config.quota_ordering.is_ordered(),
             "[quota] ordering = \"fifo\": the simulator of one lane on AWS does not model ordered lanes yet (simulate --lanes does, on the embedded queue)"
@@ -224,8 +220,63 @@ impl SimulateArgs {
         Ok(plan)
     }
 
+    /// The services' latencies: the defaults, with `--latency` over them.
+    fn latency_profile(&self) -> anyhow::Result<LatencyProfile> {
+        let mut profile = LatencyProfile::default();
+        for assignment in &self.latencies {
+            profile.set(assignment).map_err(|e| anyhow::anyhow!("--latency {e}"))?;
+        }
+        Ok(profile)
+    }
+
+    /// `quota` with `--safety-margin`'s margin, if given.
+    fn with_margin(&self, quota: Quota) -> anyhow::Result<Quota> {
+        match self.safety_margin {
+            Some(margin) => Quota::new(quota.tiers().to_vec(), quota.zone(), margin).map_err(|e| anyhow::anyhow!("--safety-margin: {e}")),
+            None => Ok(quota),
+        }
+    }
+
+    /// The options given that only the simulation of one lane models (faults, the
+    /// provider's model, relays, a time limit), each as it is spelled.
+    fn options_of_one_lane(&self) -> Vec<&'static str> {
+        let given = [
+            ("--outage", !self.outages.is_empty()),
+            ("--rate-429", self.rate_429 != 0.0),
+            ("--rate-5xx", self.rate_5xx != 0.0),
+            ("--foreign-load", self.foreign_load != 0.0),
+            ("--rate-duplicate-delivery", self.rate_duplicate_delivery != 0.0),
+            ("--rate-worker-crash", self.rate_worker_crash != 0.0),
+            ("--kill-run-at", !self.kill_run_at.is_empty()),
+            ("--fail-release-at", !self.fail_release_at.is_empty()),
+            ("--provider", self.provider != ProviderModel::SlidingWindow),
+            ("--no-rate-limit-headers", self.no_rate_limit_headers),
+            ("--no-relay", self.no_relay),
+            ("--time-limit", self.time_limit != Plan::DEFAULT_TIME_LIMIT),
+        ];
+        given.into_iter().filter(|(_, given)| *given).map(|(option, _)| option).collect()
+    }
+
     /// `--lanes`: the plan of many lanes in one embedded stack.
     fn lanes_plan(&self, lanes: usize) -> anyhow::Result<LanesPlan> {
+        let one_lane_only = self.options_of_one_lane();
+        anyhow::ensure!(
+            one_lane_only.is_empty(),
+            "{}: the simulation of many lanes does not model {}; leave {} out with --lanes",
+            one_lane_only.join(", "),
+            if one_lane_only.len() == 1 { "it" } else { "them" },
+            if one_lane_only.len() == 1 { "it" } else { "them" }
+        );
+        if !self.lambda_workers {
+            let given = [
+                ("--dispatch-ahead", self.dispatch_ahead.is_some()),
+                ("--worker-batch", self.worker_batch.is_some()),
+                ("--lambda-concurrency", self.lambda_concurrency != paceline_sim::aws::DEFAULT_LAMBDA_CONCURRENCY),
+            ];
+            if let Some((option, _)) = given.into_iter().find(|(_, given)| *given) {
+                anyhow::bail!("{option} goes with --lambda-workers: without them, the lanes' workers are in the orchestrator's process and call at their slot");
+            }
+        }
         let config = load_config_for_operations(&self.config.config)?;
         anyhow::ensure!(self.jobs > 0, "--jobs: need at least one job");
         anyhow::ensure!(lanes > 0, "--lanes: need at least one lane");
@@ -257,11 +308,14 @@ impl SimulateArgs {
             anyhow::bail!("--shards {}: the shared [quota] {problem}", self.shards);
         }
         let settings = Settings {
-            quota: config.quota,
+            quota: self.with_margin(config.quota)?,
             orchestrator,
             circuit: config.circuit,
             workers,
-            lanes: config.lanes,
+            lanes: match (config.lanes, self.safety_margin) {
+                (Some(lanes), Some(margin)) => Some(lanes.with_safety_margin(margin).map_err(|e| anyhow::anyhow!("--safety-margin: {e}"))?),
+                (lanes, _) => lanes,
+            },
             ordering: config.quota_ordering,
             shard: Shard::WHOLE,
             share_most: None,
@@ -276,6 +330,7 @@ impl SimulateArgs {
             lambda,
             shards: self.shards,
             fixed_shares: self.fixed_shares,
+            profile: self.latency_profile()?,
         })
     }
 

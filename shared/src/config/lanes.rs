@@ -6,6 +6,7 @@
 //! from `KEY_{lane}` like the others.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use secrecy::SecretString;
 use serde::Deserialize;
@@ -13,7 +14,7 @@ use serde::Deserialize;
 use super::{resolve_headers, ApiConfig, ConfigProblem, HeaderSource};
 use crate::lane::{LaneId, RESERVED};
 use crate::order::{JobOrder, LaneOrdering};
-use crate::quota::{Quota, Tier};
+use crate::quota::{Quota, QuotaError, Tier};
 
 /// What `{lane}` stands for in a header's value or environment variable name.
 pub const LANE_PLACEHOLDER: &str = "{lane}";
@@ -109,6 +110,19 @@ impl LanesConfig {
     #[must_use]
     pub fn lane(&self, lane: &LaneId) -> &LaneSettings {
         self.named.get(lane).unwrap_or(&self.defaults)
+    }
+
+    /// Every lane's tiers widened by `margin` against the network's jitter, as `[quota]
+    /// safety_margin` widens them (`simulate --safety-margin`).
+    ///
+    /// # Errors
+    /// The [`QuotaError`] of a lane's tiers that `margin` does not fit.
+    pub fn with_safety_margin(mut self, margin: Duration) -> Result<Self, QuotaError> {
+        for settings in std::iter::once(&mut self.defaults).chain(self.named.values_mut()) {
+            let quota = &settings.quota;
+            settings.quota = Quota::new(quota.tiers().to_vec(), quota.zone(), margin)?.with_max_in_flight(quota.max_in_flight());
+        }
+        Ok(self)
     }
 
     /// `lane`'s settings with an operator's change (`paceline lanes set`) over them.
