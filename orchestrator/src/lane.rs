@@ -688,10 +688,12 @@ impl<'a> LaneMachine<'a> {
     /// How long until the circuit is re-read: `state_refresh`, or, while jobs are in
     /// hand at a pace that would send more than the breaker's `minimum_calls` in that
     /// time, the time those calls take (at least [`FASTEST_REFRESH`]): a circuit a worker
-    /// opened stops dispatch before many more calls go.
+    /// opened stops dispatch before many more calls go. The pace is the lane's share of
+    /// a shared quota where that is less than its own: a thousand lanes of 100/s under a
+    /// shared 10,000/s were each read five times a second, going at 10/s.
     fn refresh_interval(&self) -> Duration {
         let base = self.settings.orchestrator.state_refresh;
-        let pace = self.quota.pace_per_second() * self.pace_share(self.last_dispatch.unwrap_or_default());
+        let pace = self.dispatch_pace(self.last_dispatch.unwrap_or_default());
         if self.buffer.is_empty() || self.circuit.status == CircuitStatus::Open || !pace.is_finite() || pace <= 0.0 {
             return base;
         }
@@ -929,8 +931,13 @@ impl<'a> LaneMachine<'a> {
 
     /// When failures open the circuit, at the pace jobs go at `slot`.
     fn trip_rule(&self, slot: UnixMillis) -> TripRule {
-        let pace = (self.quota.pace_per_second() * self.pace_share(slot)).min(self.shared_pace);
-        TripRule::at_pace(&self.settings.circuit.trip_settings(), pace)
+        TripRule::at_pace(&self.settings.circuit.trip_settings(), self.dispatch_pace(slot))
+    }
+
+    /// The pace jobs go at `at`: the lane's own (in a ramp, or cut to the provider's
+    /// budget), or its share of the stack's shared quota where that is less.
+    fn dispatch_pace(&self, at: UnixMillis) -> f64 {
+        (self.quota.pace_per_second() * self.pace_share(at)).min(self.shared_pace)
     }
 
     /// The pace the lane's share of the stack's shared quota allows: the circuit's

@@ -1157,6 +1157,17 @@ mod tests {
         assert!(paceline.dynamodb_requests_per_job.unwrap() <= 0.6, "{paceline:?}");
     }
 
+    /// 200 lanes of 100/s under a shared 1,000/s on SQS, their state in DynamoDB: each
+    /// lane goes at its share (5/s while all are backlogged) and is re-read as often as
+    /// the breaker needs at that pace, not at its own tier's (every 200 ms): 0.167
+    /// DynamoDB requests a job before, 0.115 now.
+    #[test]
+    fn lanes_held_to_their_share_of_the_shared_quota_are_re_read_at_that_pace() {
+        let paceline = drained_on_a_fair_queue("1000/s", "100/s", 200, 20_000);
+        assert!(paceline.dynamodb_requests_per_job.unwrap() <= 0.13, "{paceline:?}");
+        assert!(paceline.shared_utilization.unwrap() >= 0.98, "{paceline:?}");
+    }
+
     /// Lanes with nothing in common (`[quota]` left out): each goes at its own pace,
     /// none waits for the others: 10 lanes of 50 jobs at 5/s drain in 10 s.
     #[test]
