@@ -647,6 +647,21 @@ pub struct DeadLetterReason {
     pub outcome: Option<Box<crate::outcome::OutcomeRecord>>,
 }
 
+impl DeadLetterReason {
+    /// Its workers started after its slot each time it was handed off, the last time
+    /// with the most lead a stack takes (see [`Job::after_late_start`]), `late` after it:
+    /// the reason the worker and the simulated worker give.
+    #[must_use]
+    pub fn late_start(job: &Job, late: Duration) -> Self {
+        let detail = format!(
+            "workers started after its slot each time it was handed off, the last {} ms late, though the stack handed it off {} ms earlier than configured: raise dispatch_ahead (DispatchAheadMilliseconds) above how late workers start",
+            late.as_millis(),
+            job.late_start_ms
+        );
+        Self { cause: DeadLetterCause::AttemptsExhausted { last_failure: Some("late_start".into()) }, detail, outcome: None }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,7 +16,7 @@ use async_trait::async_trait;
 use paceline_orchestrator::{jain_index, BatchingInvoker, Orchestrator, RunOptions, Settings};
 use paceline_shared::adapters::embedded::EmbeddedStore;
 use paceline_shared::config::LanesConfig;
-use paceline_shared::job::{CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
+use paceline_shared::job::{CallSlot, DeadLetterReason, Job, WorkerPayload};
 use paceline_shared::keys::{Shard, StoreScope};
 use paceline_shared::lane::LaneId;
 use paceline_shared::order::OrderState;
@@ -320,9 +320,9 @@ impl CallLog {
                 // the DLQ, late again after it carried the most lateness a job learns.
                 self.missed_slots.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let shard = self.shard_of(&job);
-                let Some(job) = job.clone().after_late_start(now.since(slot.call_by)) else {
-                    let cause = DeadLetterCause::AttemptsExhausted { last_failure: Some("late_start".into()) };
-                    let reason = DeadLetterReason { cause, detail: "workers started after its slot each time".into(), outcome: None };
+                let late = now.since(slot.call_by);
+                let Some(job) = job.clone().after_late_start(late) else {
+                    let reason = DeadLetterReason::late_start(&job, late);
                     return shard.queue.dead_letter(job.id.as_str(), &job.to_json(), attempt, &reason).await;
                 };
                 let message = OutgoingMessage { ahead: job.ordered, ..OutgoingMessage::again(job.to_json(), attempt, Duration::ZERO) };

@@ -740,15 +740,10 @@ impl Worker {
             let Some(again) = job.clone().after_late_start(late) else {
                 // Its workers start later than the most lead a stack takes: put back, it
                 // would miss its slot for ever.
-                let detail = format!(
-                    "workers started after its slot each time it was handed off, the last {} ms late, though the stack handed it off {} ms earlier than configured: raise dispatch_ahead (DispatchAheadMilliseconds) above how late workers start",
-                    late.as_millis(),
-                    job.late_start_ms
-                );
+                let DeadLetterReason { cause, detail, .. } = DeadLetterReason::late_start(job, late);
                 let times =
                     OutcomeTimes { enqueued: job.enqueued_at, dispatched: Some(call.dispatched_at), slotted: Some(call.slotted), called: None, answered: None };
                 let nothing_called = Attempted { calls: call.attempt.saturating_sub(1), answer: Answer::default(), times };
-                let cause = DeadLetterCause::AttemptsExhausted { last_failure: Some("late_start".into()) };
                 return self.dead_letter(job, call.attempt, cause, detail, &nothing_called).await;
             };
             // Handed off earlier next time, and every job with it (see `Job::late_start_ms`).
