@@ -52,10 +52,21 @@ const MANY_LANES_SNAPSHOT_EVERY: Duration = Duration::from_secs(30);
 /// on a [`FASTEST_REFRESH`] grid, so that the lanes due about together are read
 /// together, in a request or a few (`ScopedStores::lanes_signals`).
 fn on_refresh_grid(settings: &Settings, at: UnixMillis) -> UnixMillis {
+    on_grid(settings, at, FASTEST_REFRESH)
+}
+
+/// A lane of many that comes back from idle is read before it dispatches at the next
+/// instant on a grid this fine: the lanes that come back about together are read in a
+/// request, where each was read alone (at 10,000 calls/s over 1,000 lanes, 140 reads a
+/// second of two lanes each).
+const READ_BEFORE_DISPATCH_GRID: Duration = Duration::from_millis(50);
+
+/// `at`, or in a stack of many lanes the next instant on a `grid` from the epoch.
+fn on_grid(settings: &Settings, at: UnixMillis, grid: Duration) -> UnixMillis {
     if settings.lanes.is_none() {
         return at;
     }
-    let grid = u64::try_from(FASTEST_REFRESH.as_millis()).unwrap_or(u64::MAX);
+    let grid = u64::try_from(grid.as_millis()).unwrap_or(u64::MAX);
     UnixMillis(at.0.div_ceil(grid) * grid)
 }
 /// The orchestrator asks one call's worker this often to record the provider's
@@ -1026,12 +1037,12 @@ impl<'a> LaneMachine<'a> {
             hidden_until,
         }));
         let late_start_ms = self.buffer.range(taken..).filter_map(|in_hand| in_hand.job.as_ref().ok()).map(|job| job.late_start_ms).max();
-        let sooner = now.plus(self.refresh_interval());
+        let sooner = on_refresh_grid(self.settings, now.plus(self.refresh_interval()));
         if self.refresh_skipped_while_idle {
             // Its state may have changed while it had nothing to send: read it first.
             self.refresh_skipped_while_idle = false;
             self.read_before_dispatch = true;
-            self.timers.set(LaneTimer::Refresh, now);
+            self.timers.set(LaneTimer::Refresh, on_grid(self.settings, now, READ_BEFORE_DISPATCH_GRID));
         } else if self.timers.get(LaneTimer::Refresh).is_some_and(|due| due > sooner) {
             self.timers.set(LaneTimer::Refresh, sooner);
         }
