@@ -1033,6 +1033,24 @@ mod tests {
         paceline
     }
 
+    /// `jobs` spread over `lanes` lanes as `skew` says (seed `seed`), on a fair queue, the
+    /// calls made by simulated Lambda workers, `concurrency` executions at most.
+    fn called_by_lambda_workers(settings: Settings, lanes: usize, skew: Skew, jobs: usize, seed: u64, concurrency: u64) -> LanesPlan {
+        let lambda = LambdaWorkers { concurrency, max_event_age: crate::aws::DEFAULT_MAX_EVENT_AGE };
+        LanesPlan {
+            lanes,
+            skew,
+            jobs,
+            seed,
+            settings,
+            queue: LanesQueue::SqsFair,
+            lambda: Some(lambda),
+            shards: 1,
+            fixed_shares: false,
+            profile: LatencyProfile::default(),
+        }
+    }
+
     /// 100 lanes at 20/s under a shared 1,000/s (the jobs spread evenly, so the shared
     /// tier binds throughout), on a fair queue, the calls made by
     /// simulated Lambda workers as deployed: handed off 400 ms ahead in batches, each
@@ -1042,20 +1060,7 @@ mod tests {
     #[test]
     fn lanes_called_by_lambda_workers_keep_every_tier_within_the_account_s_concurrency() {
         let settings = lanes_settings("1000/s", "20/s", WorkerHost::Lambda);
-        let lambda = LambdaWorkers { concurrency: 50, max_event_age: crate::aws::DEFAULT_MAX_EVENT_AGE };
-        let plan = LanesPlan {
-            lanes: 100,
-            skew: Skew::Zipf(0.0),
-            jobs: 30_000,
-            seed: 3,
-            settings,
-            queue: LanesQueue::SqsFair,
-            lambda: Some(lambda),
-            shards: 1,
-            fixed_shares: false,
-            profile: LatencyProfile::default(),
-        };
-        let report = simulate_lanes(&plan);
+        let report = simulate_lanes(&called_by_lambda_workers(settings, 100, Skew::Zipf(0.0), 30_000, 3, 50));
         assert_eq!((report.lane_violations, report.shared_violations), (0, 0), "{report:?}");
         assert_eq!(report.calls, 30_000, "every job called once: {report:?}");
         assert!(report.lambda_peak_executions.is_some_and(|peak| (1..=50).contains(&peak)), "{report:?}");
@@ -1079,20 +1084,7 @@ mod tests {
     #[test]
     fn receives_go_on_while_the_round_under_way_keeps_jobs_of_other_lanes() {
         let settings = lanes_settings("10000/s", "100/s", WorkerHost::Lambda);
-        let lambda = LambdaWorkers { concurrency: 1_000, max_event_age: crate::aws::DEFAULT_MAX_EVENT_AGE };
-        let plan = LanesPlan {
-            lanes: 1_000,
-            skew: Skew::Zipf(1.1),
-            jobs: 100_000,
-            seed: 1,
-            settings,
-            queue: LanesQueue::SqsFair,
-            lambda: Some(lambda),
-            shards: 1,
-            fixed_shares: false,
-            profile: LatencyProfile::default(),
-        };
-        let report = simulate_lanes(&plan);
+        let report = simulate_lanes(&called_by_lambda_workers(settings, 1_000, Skew::Zipf(1.1), 100_000, 1, 1_000));
         assert_eq!((report.calls, report.lane_violations, report.shared_violations), (100_000, 0, 0), "{report:?}");
         let per_second = units_each_second(&report);
         let full = |units: &u32| *units >= 9_800;
@@ -1176,18 +1168,7 @@ mod tests {
     fn lanes_without_a_shared_quota_each_go_at_their_own_pace() {
         let text = "[api]\nbase_url = \"https://api.example.com\"\n[lanes]\ntiers = [\"5/s\"]\n[orchestrator]\ndispatch_ahead = \"0s\"\n";
         let settings = settings_of(text, WorkerHost::InProcess);
-        let plan = LanesPlan {
-            lanes: 10,
-            skew: Skew::Zipf(0.0),
-            jobs: 500,
-            seed: 7,
-            settings,
-            queue: LanesQueue::Embedded,
-            lambda: None,
-            shards: 1,
-            fixed_shares: false,
-            profile: LatencyProfile::default(),
-        };
+        let plan = LanesPlan { skew: Skew::Zipf(0.0), settings, ..plan(10, 500) };
         let paceline = simulate_lanes(&plan);
         assert_eq!((paceline.lane_violations, paceline.shared_violations), (0, 0), "{paceline:?}");
         assert!(paceline.seconds <= 11.0, "{paceline:?}");
