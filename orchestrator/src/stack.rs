@@ -1921,6 +1921,24 @@ mod tests {
         }
     }
 
+    /// A lane of many that had nothing to send when its re-read came due is read before
+    /// its next jobs go, at the next instant on a 10 ms grid, so that the lanes back
+    /// about together are read in one request, and no later: on a 50 ms grid the lanes
+    /// back from idle on a standard queue waited for it, and at 10,000 calls/s over
+    /// 1,000 lanes the shared tier was 96.1% used, not 97.6%.
+    #[test]
+    fn a_lane_back_from_idle_is_read_within_ten_milliseconds_before_its_jobs_go() {
+        let config = LanesConfig::parse_text("tiers = [\"100/s\"]", &settings().quota).unwrap();
+        let settings = Settings { lanes: Some(config), ..settings() };
+        let id: LaneId = "a".parse().unwrap();
+        let mut lane = LaneMachine::new(&settings, id.clone(), 0, &settings.quota, T0);
+        lane.skip_refresh_while_idle();
+        let back = T0.plus(Duration::from_millis(2_003));
+        lane.take_in(vec![message(&id, 1)], back);
+        assert!(!lane.refresh_due(T0.plus(Duration::from_millis(2_009))));
+        assert!(lane.refresh_due(T0.plus(Duration::from_millis(2_010))));
+    }
+
     /// Shard 0 of two learns that a lane it paces moved to shard 1: the jobs it holds go
     /// on to shard 1's queue, the lane's pace is saved for shard 1 as of a clean stop
     /// (and saved here no more), and a job of that lane received later goes on too.
