@@ -1328,10 +1328,9 @@ impl<'a> StackMachine<'a> {
     /// noisy, found no other lane's job (the queue hands out quiet lanes' jobs first):
     /// after [`IDLE_RECEIVES_BEFORE_PAUSE`] of them, or a whole round where more go at
     /// once, the next waits (see [`IDLE_PROBE_FIRST`]); one that kept a job resets the
-    /// count and the wait. A job
-    /// of a quiet lane that went back says nothing of what else is on the queue: at
-    /// 10,000 calls/s over 1,000 lanes, each keeping its share, pausing then left the
-    /// shared tier 59% used.
+    /// count and the wait. A job of a quiet lane that went back says nothing of what
+    /// else is on the queue: at 10,000 calls/s over 1,000 lanes, each keeping its share,
+    /// pausing then left the shared tier 59% used.
     fn pause_probing_if_idle(&mut self, idle: bool, now: UnixMillis) {
         if !self.fair_queue {
             return;

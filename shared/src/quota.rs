@@ -369,6 +369,16 @@ impl Quota {
         Self { max_in_flight, ..self }
     }
 
+    /// The same quota with its windows widened by `safety_margin` instead
+    /// (`simulate --safety-margin`), its cap of calls in flight kept.
+    ///
+    /// # Errors
+    /// The [`QuotaError`] of a margin its tiers do not fit.
+    pub fn with_safety_margin(&self, safety_margin: Duration) -> Result<Self, QuotaError> {
+        let quota = if self.tiers.is_empty() { Self::unlimited(self.zone, safety_margin) } else { Self::new(self.tiers.clone(), self.zone, safety_margin)? };
+        Ok(quota.with_max_in_flight(self.max_in_flight))
+    }
+
     /// The most calls in flight at the API at once, if capped.
     #[must_use]
     pub fn max_in_flight(&self) -> Option<u32> {
@@ -475,6 +485,19 @@ mod tests {
 
     fn tier(s: &str) -> Tier {
         s.parse().unwrap()
+    }
+
+    /// Another margin keeps the quota's tiers, zone and cap of calls in flight
+    /// (`simulate --safety-margin` rebuilt the quota from its tiers and dropped the cap),
+    /// and an unlimited quota stays unlimited.
+    #[test]
+    fn a_quota_given_another_margin_keeps_its_tiers_and_its_cap_of_calls_in_flight() {
+        let quota = Quota::new(vec![tier("10/s"), tier("1000/day")], chrono_tz::Europe::Paris, Duration::from_millis(10)).unwrap().with_max_in_flight(Some(5));
+        let wider = quota.with_safety_margin(Duration::from_millis(100)).unwrap();
+        assert_eq!((wider.tiers(), wider.zone(), wider.max_in_flight()), (quota.tiers(), quota.zone(), Some(5)));
+        assert_eq!(wider.safety_margin(), Duration::from_millis(100));
+        let unlimited = Quota::unlimited(chrono_tz::UTC, Duration::ZERO).with_safety_margin(Duration::from_millis(20)).unwrap();
+        assert!(unlimited.tiers().is_empty() && unlimited.safety_margin() == Duration::from_millis(20));
     }
 
     /// Shards' shares of a rolling tier add up to its whole limit (and bucket), none

@@ -232,7 +232,7 @@ impl SimulateArgs {
     /// `quota` with `--safety-margin`'s margin, if given.
     fn with_margin(&self, quota: Quota) -> anyhow::Result<Quota> {
         match self.safety_margin {
-            Some(margin) => Quota::new(quota.tiers().to_vec(), quota.zone(), margin).map_err(|e| anyhow::anyhow!("--safety-margin: {e}")),
+            Some(margin) => quota.with_safety_margin(margin).map_err(|e| anyhow::anyhow!("--safety-margin: {e}")),
             None => Ok(quota),
         }
     }
@@ -260,12 +260,11 @@ impl SimulateArgs {
     /// `--lanes`: the plan of many lanes in one embedded stack.
     fn lanes_plan(&self, lanes: usize) -> anyhow::Result<LanesPlan> {
         let one_lane_only = self.options_of_one_lane();
+        let them = if one_lane_only.len() == 1 { "it" } else { "them" };
         anyhow::ensure!(
             one_lane_only.is_empty(),
-            "{}: the simulation of many lanes does not model {}; leave {} out with --lanes",
-            one_lane_only.join(", "),
-            if one_lane_only.len() == 1 { "it" } else { "them" },
-            if one_lane_only.len() == 1 { "it" } else { "them" }
+            "{}: the simulation of many lanes does not model {them}; leave {them} out with --lanes",
+            one_lane_only.join(", ")
         );
         if !self.lambda_workers {
             let given = [

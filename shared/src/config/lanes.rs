@@ -119,8 +119,7 @@ impl LanesConfig {
     /// The [`QuotaError`] of a lane's tiers that `margin` does not fit.
     pub fn with_safety_margin(mut self, margin: Duration) -> Result<Self, QuotaError> {
         for settings in std::iter::once(&mut self.defaults).chain(self.named.values_mut()) {
-            let quota = &settings.quota;
-            settings.quota = Quota::new(quota.tiers().to_vec(), quota.zone(), margin)?.with_max_in_flight(quota.max_in_flight());
+            settings.quota = settings.quota.with_safety_margin(margin)?;
         }
         Ok(self)
     }
