@@ -907,12 +907,19 @@ async fn late_started_jobs_make_every_lane_hand_off_earlier_and_leave_no_gap_in_
 /// own 400 ms out, not the whole lead's 900 (the lanes' batches go together).
 #[tokio::test(start_paused = true)]
 async fn a_backlog_over_many_lanes_starts_at_the_hand_off_s_own_lead() {
-    let stack = lanes_stack_adjusted("\"100/s\"", "[lanes]\ntiers = [\"1000/s\"]\n", |settings| as_on_lambda(settings, 400));
-    enqueue(&stack, (0..20).flat_map(|i| ["a", "b", "c"].map(|lane| lane_job(lane, &format!("{lane}{i}"))))).await;
+    let slots = slots_of_a_backlog_over_three_lanes("\"100/s\"", 20).await;
+    assert_eq!(slots, (0..60).map(|i| 400 + 10 * i).collect::<Vec<u64>>());
+}
+
+/// The slots, in order, of `per_lane` jobs in each of three lanes of 1,000/s under the
+/// shared `tiers`, handed off as on Lambda (a 400 ms lead) and drained.
+async fn slots_of_a_backlog_over_three_lanes(tiers: &str, per_lane: usize) -> Vec<u64> {
+    let stack = lanes_stack_adjusted(tiers, "[lanes]\ntiers = [\"1000/s\"]\n", |settings| as_on_lambda(settings, 400));
+    enqueue(&stack, (0..per_lane).flat_map(|i| ["a", "b", "c"].map(|lane| lane_job(lane, &format!("{lane}{i}"))))).await;
     stack.orchestrator.run(&opts(true, Duration::from_secs(10))).await.unwrap();
     let mut slots = slot_offsets(&stack);
     slots.sort_unstable();
-    assert_eq!(slots, (0..60).map(|i| 400 + 10 * i).collect::<Vec<u64>>());
+    slots
 }
 
 /// A backlog of fewer jobs than a batch window takes at the stack's pace (600, where
@@ -922,11 +929,7 @@ async fn a_backlog_over_many_lanes_starts_at_the_hand_off_s_own_lead() {
 /// shared quota unused.
 #[tokio::test(start_paused = true)]
 async fn a_backlog_smaller_than_a_batch_window_starts_at_the_hand_off_s_own_lead() {
-    let stack = lanes_stack_adjusted("\"10000/s\"", "[lanes]\ntiers = [\"1000/s\"]\n", |settings| as_on_lambda(settings, 400));
-    enqueue(&stack, (0..200).flat_map(|i| ["a", "b", "c"].map(|lane| lane_job(lane, &format!("{lane}{i}"))))).await;
-    stack.orchestrator.run(&opts(true, Duration::from_secs(10))).await.unwrap();
-    let mut slots = slot_offsets(&stack);
-    slots.sort_unstable();
+    let slots = slots_of_a_backlog_over_three_lanes("\"10000/s\"", 200).await;
     assert_eq!((slots.len(), slots[0]), (600, 400), "{slots:?}");
 }
 
