@@ -28,8 +28,19 @@ fn end_quietly_on_a_broken_pipe() {
     }));
 }
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+fn main() -> std::process::ExitCode {
+    // Before the runtime: its threads inherit the lanes' short time slice.
+    paceline_shared::priority::wake_lanes_promptly();
+    match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime.block_on(run()),
+        Err(e) => {
+            eprintln!("error: starting the runtime: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> std::process::ExitCode {
     end_quietly_on_a_broken_pipe();
     let cli = <Cli as clap::Parser>::parse();
     let logs = tracing_subscriber::fmt()

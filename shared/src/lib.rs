@@ -18,6 +18,7 @@ pub mod order;
 pub mod outcome;
 pub mod pacer;
 pub mod ports;
+pub mod priority;
 pub mod quota;
 pub mod retry;
 pub mod shares;

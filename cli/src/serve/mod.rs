@@ -171,20 +171,6 @@ pub struct Serving {
 /// event streams) never queue ahead of the lanes' timers on the run's threads.
 const SERVER_THREADS: usize = 2;
 
-/// The nice value of the server's threads (the run's stay at 0): on a busy core the
-/// scheduler runs a lane whose slot has come before a request, rather than after the
-/// request's time slice (milliseconds).
-const SERVER_NICE: i32 = 10;
-
-/// Lowers the calling thread's priority to [`SERVER_NICE`] (Linux keeps a nice value per
-/// thread). Where it cannot, the thread keeps its priority: serving still works.
-#[expect(unsafe_code, reason = "setpriority(2) is C's: the one way to lower a thread's priority")]
-fn yield_to_the_lanes() {
-    // SAFETY: setpriority takes plain integers and touches no memory of ours; `who` 0 is
-    // the calling thread.
-    let _ = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, SERVER_NICE) };
-}
-
 impl Serving {
     /// Serves `stack` on `listen`, on a runtime of its own, with the tokens of its
     /// config's `[serve]` (or generated ones, printed once; new ones with `new_tokens`).
@@ -211,7 +197,7 @@ impl Serving {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(SERVER_THREADS)
             .thread_name("paceline-serve")
-            .on_thread_start(yield_to_the_lanes)
+            .on_thread_start(paceline_shared::priority::yield_to_the_lanes)
             .enable_all()
             .build()?;
         let (stop, stopping) = watch::channel(false);
@@ -220,7 +206,7 @@ impl Serving {
         let seen = events::Seen::as_of_now(&served);
         std::thread::Builder::new().name("paceline-serve".into()).spawn(move || {
             // This thread polls the accept loop; the runtime's own threads the rest.
-            yield_to_the_lanes();
+            paceline_shared::priority::yield_to_the_lanes();
             let served = runtime.block_on(async move {
                 let watcher = tokio::spawn(events::watch(served.clone(), seen));
                 let mut until_stopped = stopping;

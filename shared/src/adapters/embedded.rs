@@ -367,6 +367,8 @@ impl EmbeddedStore {
         std::thread::Builder::new()
             .name("paceline-checkpoint".into())
             .spawn(move || {
+                // Copying the WAL takes milliseconds of the core: a lane that wakes for its slot goes first.
+                crate::priority::yield_to_the_lanes();
                 while !stopped.load(Ordering::Relaxed) {
                     // A checkpoint a reader keeps from finishing is finished by a later one.
                     let _ = checkpoints.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
