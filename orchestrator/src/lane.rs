@@ -116,6 +116,23 @@ pub(crate) struct HandOff {
     pub cost: u64,
 }
 
+/// While other lanes are being read, how much further than the hand-off's own lead a
+/// lane's slot may be: room for the hand-off itself to go out late.
+const READING_LANES_SLACK: Duration = Duration::from_millis(100);
+
+/// How far out the slot of a hand-off decided now may be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reach {
+    /// The lane's whole lead, its batch window's included ([`Lane::latest_slot`]).
+    WholeLead,
+    /// The hand-off's own lead (and [`READING_LANES_SLACK`]), near the first slot a lane
+    /// read now could take: while other lanes with jobs are still being read, a lane read
+    /// first would otherwise take its slots to its whole lead, and the shared quota's
+    /// schedule, which goes in order, would start the others after them. A slot the
+    /// shared quota puts further out (`not_before`) is still taken.
+    HandOffLead,
+}
+
 /// What a lane would do next.
 pub(crate) enum LaneStep {
     /// Nothing before this instant (its slot, its spacing, a call slot, a health check).
@@ -810,8 +827,8 @@ impl<'a> LaneMachine<'a> {
     /// `not_before`: no slot before it (what the stack's shared quota allows; 0 with
     /// none); `shared`: that quota, whose day and month units are reserved too;
     /// `start_early`: a schedule that fell behind starts again at the first slot allowed,
-    /// not the whole lead out (see [`Self::decide`]).
-    pub fn next_dispatch(&mut self, now: UnixMillis, not_before: UnixMillis, shared: Option<SharedCalendar<'_>>, start_early: bool) -> LaneStep {
+    /// not the whole lead out (see [`Self::decide`]); `reach`: how far out its slot may be.
+    pub fn next_dispatch(&mut self, now: UnixMillis, not_before: UnixMillis, shared: Option<SharedCalendar<'_>>, start_early: bool, reach: Reach) -> LaneStep {
         if self.read_before_dispatch {
             // Woken by the read's answer.
             return LaneStep::WaitUntil(now.plus(self.settings.orchestrator.state_refresh));
@@ -831,6 +848,13 @@ impl<'a> LaneMachine<'a> {
         // so the hand-off's own work never eats the margin its worker has to start.
         let extra_lead = if self.lead().is_zero() { Duration::ZERO } else { job.request.hand_off_allowance() };
         let (slot, decision) = self.decide(cost, now.plus(extra_lead), not_before, start_early);
+        if reach == Reach::HandOffLead && matches!(decision, Decision::Allow) && !self.lead().is_zero() {
+            let reach_ahead = extra_lead + self.hand_off_lead() + READING_LANES_SLACK;
+            if slot > now.plus(reach_ahead).max(not_before) {
+                // Taken once it is that near, beside the lanes being read.
+                return LaneStep::WaitUntil(slot.minus(reach_ahead).max(now.plus(Duration::from_millis(1))));
+            }
+        }
         match decision {
             Decision::Never { tier } => {
                 let in_hand = self.pop_in_hand();

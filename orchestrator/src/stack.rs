@@ -31,7 +31,7 @@ use tracing::{debug, info, warn};
 use crate::handover::{LastRun, RelayRequest, RELAY_LEAD};
 use crate::homes::{HomesRun, READ_EVERY};
 pub(crate) use crate::lane::{CallSlotsRead, HandOff, Retune, SharedState};
-use crate::lane::{LaneMachine, LaneStep};
+use crate::lane::{LaneMachine, LaneStep, Reach};
 use crate::late_starts::{with_late_starts, LateStartLead};
 use crate::many::{ManyLanes, FAIR_SHARE_STRETCH, RECALL_STRETCH};
 use crate::report::{Fairness, LaneReport, Progress, RunReport, StopReason};
@@ -891,7 +891,7 @@ impl<'a> StackMachine<'a> {
             return self.await_event();
         }
         let batch_ready = self.backlog_in_sight();
-        let step = self.lanes[0].next_dispatch(now, UnixMillis(0), None, batch_ready);
+        let step = self.lanes[0].next_dispatch(now, UnixMillis(0), None, batch_ready, Reach::WholeLead);
         self.act_for_lane(0, step)
     }
 
@@ -1029,6 +1029,9 @@ impl<'a> StackMachine<'a> {
         let (lanes, scheduler) = (&self.lanes, &many.scheduler);
         many.fairness.tick(now, |index| lanes[index].has_jobs_in_hand() && !scheduler.is_waiting(index));
         let batch_ready = self.backlog_in_sight();
+        let many = self.many.as_ref().expect("many lanes");
+        let reading_lanes = !many.to_hydrate.is_empty() || self.in_flight.hydrations > 0;
+        let reach = if reading_lanes { Reach::HandOffLead } else { Reach::WholeLead };
         let mut shared_wake = None;
         loop {
             let many = self.many.as_mut().expect("many lanes");
@@ -1058,7 +1061,7 @@ impl<'a> StackMachine<'a> {
             };
             let shared = self.many.as_ref().map(ManyLanes::calendar);
             // Where a schedule that fell behind starts again is the stack's: `not_before`.
-            match self.lanes[index].next_dispatch(now, not_before, shared, true) {
+            match self.lanes[index].next_dispatch(now, not_before, shared, true, reach) {
                 LaneStep::WaitUntil(at) => {
                     let many = self.many.as_mut().expect("many lanes");
                     many.fairness.held_by_itself(index);

@@ -1073,6 +1073,25 @@ mod tests {
         assert!(steady.iter().all(|units| (990..=1_000).contains(units)), "{per_second:?}");
     }
 
+    /// Each lane's state is read before its first job goes, and at the start a hundred
+    /// lanes are read one after another. The first lane read took its slots to its whole
+    /// lead, the batch window's included (900 ms), while the others were still being
+    /// read; the shared quota's schedule goes in order, so the others started after it,
+    /// and the shared tier's first second held a few dozen calls. While lanes with jobs
+    /// are being read, a lane now takes its slots no further than the hand-off's own
+    /// lead, and 100 ms of slack, out: the others start nearer it.
+    #[test]
+    fn lanes_still_being_read_at_the_start_find_the_shared_quota_not_taken_ahead_of_them() {
+        let settings = lanes_settings("1000/s", "20/s", WorkerHost::Lambda);
+        let report = simulate_lanes(&called_by_lambda_workers(settings, 100, Skew::Zipf(0.0), 5_000, 3, 50));
+        assert_eq!((report.lane_violations, report.shared_violations, report.calls), (0, 0, 5_000), "{report:?}");
+        let per_second = units_each_second(&report);
+        // 118 before; a first second full from the lead (400 ms) and a Lambda start on
+        // would hold about 500: the lanes' first receives, whose jobs go the whole lead
+        // out, still push the schedule out.
+        assert!(per_second[0] >= 250, "the first second: {per_second:?}");
+    }
+
     /// 1,000 lanes at 100/s under a shared 10,000/s, 100,000 jobs by a Zipf law (1.1),
     /// on a fair queue, called by Lambda workers: from the first full second until the
     /// lanes still backlogged can no longer fill the shared tier, every second holds at
