@@ -50,3 +50,12 @@ pub enum Command {
         shell: clap_complete::Shell,
     },
 }
+
+impl Command {
+    /// Whether the command runs lanes in this process (and their threads should wake
+    /// onto a busy core at once: see `paceline_shared::priority`).
+    #[must_use]
+    pub fn paces_calls(&self) -> bool {
+        matches!(self, Self::Demo(_) | Self::Run(_) | Self::Serve(_))
+    }
+}

@@ -29,10 +29,14 @@ fn end_quietly_on_a_broken_pipe() {
 }
 
 fn main() -> std::process::ExitCode {
-    // Before the runtime: its threads inherit the lanes' short time slice.
-    paceline_shared::priority::wake_lanes_promptly();
+    end_quietly_on_a_broken_pipe();
+    let cli = <Cli as clap::Parser>::parse();
+    if cli.command.paces_calls() {
+        // Before the runtime: its threads inherit the lanes' short time slice.
+        paceline_shared::priority::wake_lanes_promptly();
+    }
     match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(runtime) => runtime.block_on(run()),
+        Ok(runtime) => runtime.block_on(run(cli)),
         Err(e) => {
             eprintln!("error: starting the runtime: {e}");
             std::process::ExitCode::FAILURE
@@ -40,9 +44,7 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-async fn run() -> std::process::ExitCode {
-    end_quietly_on_a_broken_pipe();
-    let cli = <Cli as clap::Parser>::parse();
+async fn run(cli: Cli) -> std::process::ExitCode {
     let logs = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "error".into()))
         .with_writer(std::io::stderr)
