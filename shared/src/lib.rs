@@ -4,6 +4,7 @@
 pub mod adapters;
 pub mod adaptive;
 pub mod breaker;
+pub mod calls_coming;
 pub mod check;
 pub mod config;
 pub mod dlq;

@@ -39,6 +39,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use paceline_shared::breaker::{retry_delay, Circuit, Refusal, TripRule};
+use paceline_shared::calls_coming::calls_coming;
 use paceline_shared::config::RetryConfig;
 use paceline_shared::job::{ApiRequest, CallSlot, DeadLetterCause, DeadLetterReason, Job, WorkerPayload};
 use paceline_shared::order::OrderState;
@@ -769,7 +770,9 @@ impl Worker {
     /// by `late`.
     async fn wait_for_slot(&self, slot: Option<CallSlot>) -> Result<(), std::time::Duration> {
         let Some(slot) = slot else { return Ok(()) };
+        let coming = calls_coming().waiting_for(slot.not_before);
         self.clock.sleep_until(slot.not_before).await;
+        drop(coming);
         let now = self.clock.now();
         if now > slot.call_by {
             WorkerStats::bump(&self.stats.missed_slots);

@@ -6,10 +6,12 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
+use paceline_shared::calls_coming::{calls_coming, SEND_ROOM, SEND_WAIT};
 use paceline_shared::config::{Config, RequestLimits};
 use paceline_shared::job::Job;
 use paceline_shared::lane::LaneId;
 use paceline_shared::ports::{JobQueue, OutgoingMessage};
+use paceline_shared::time::SystemClock;
 
 use crate::access::{OperatorStack, StackArgs};
 
@@ -87,6 +89,8 @@ pub async fn send_jobs(queue: &dyn JobQueue, jobs: &[Job], mut sent: impl FnMut(
     for (index, batch) in jobs.chunks(per_send).enumerate() {
         let messages: Vec<OutgoingMessage> =
             batch.iter().map(|job| OutgoingMessage { dedup_id: Some(job.id.to_string()), ..OutgoingMessage::fresh(job.to_json()) }).collect();
+        // In a process that runs lanes (`serve`), between their calls.
+        calls_coming().wait_for_room(&SystemClock, SEND_ROOM, SEND_WAIT).await;
         queue.send(&messages).await.with_context(|| format!("after {} job(s) were enqueued", index * per_send))?;
         sent(batch.len());
     }

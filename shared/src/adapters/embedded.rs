@@ -21,6 +21,7 @@ use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 
 use crate::adaptive::ProviderReading;
 use crate::breaker::{failure_bucket_end, Circuit, FAILURE_BUCKET_PREFIX, FAILURE_BUCKET_TTL};
+use crate::calls_coming::{calls_coming, CHECKPOINT_ROOM, CHECKPOINT_WAIT};
 use crate::config::LaneChange;
 use crate::dlq::{jobs_record, DeadLetterRecord, DlqSource};
 use crate::job::{DeadLetterReason, WorkerPayload};
@@ -370,6 +371,8 @@ impl EmbeddedStore {
                 // Copying the WAL takes milliseconds of the core: a lane that wakes for its slot goes first.
                 crate::priority::yield_to_the_lanes();
                 while !stopped.load(Ordering::Relaxed) {
+                    // Its `fsync` holds the core: between the lanes' calls.
+                    calls_coming().wait_for_room_blocking(CHECKPOINT_ROOM, CHECKPOINT_WAIT);
                     // A checkpoint a reader keeps from finishing is finished by a later one.
                     let _ = checkpoints.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
                     std::thread::sleep(CHECKPOINT_EVERY);
