@@ -1051,6 +1051,23 @@ mod tests {
         }
     }
 
+    /// The report of `jobs` over `lanes` lanes (tiers `shared` and each lane's) called by
+    /// Lambda workers as [`called_by_lambda_workers`] plans, having checked that each
+    /// job was called once and none over any tier.
+    fn every_job_called_once_by_lambda_workers(
+        (shared, lane_tier): (&str, &str),
+        lanes: usize,
+        skew: Skew,
+        jobs: usize,
+        seed: u64,
+        concurrency: u64,
+    ) -> LanesReport {
+        let settings = lanes_settings(shared, lane_tier, WorkerHost::Lambda);
+        let report = simulate_lanes(&called_by_lambda_workers(settings, lanes, skew, jobs, seed, concurrency));
+        assert_eq!((report.calls, report.lane_violations, report.shared_violations), (jobs, 0, 0), "{report:?}");
+        report
+    }
+
     /// 100 lanes at 20/s under a shared 1,000/s (the jobs spread evenly, so the shared
     /// tier binds throughout), on a fair queue, the calls made by
     /// simulated Lambda workers as deployed: handed off 400 ms ahead in batches, each
@@ -1082,9 +1099,7 @@ mod tests {
     /// lead, and 100 ms of slack, out: the others start nearer it.
     #[test]
     fn lanes_still_being_read_at_the_start_find_the_shared_quota_not_taken_ahead_of_them() {
-        let settings = lanes_settings("1000/s", "20/s", WorkerHost::Lambda);
-        let report = simulate_lanes(&called_by_lambda_workers(settings, 100, Skew::Zipf(0.0), 5_000, 3, 50));
-        assert_eq!((report.lane_violations, report.shared_violations, report.calls), (0, 0, 5_000), "{report:?}");
+        let report = every_job_called_once_by_lambda_workers(("1000/s", "20/s"), 100, Skew::Zipf(0.0), 5_000, 3, 50);
         let per_second = units_each_second(&report);
         // 118 before; a first second full from the lead (400 ms) and a Lambda start on
         // would hold about 500: the lanes' first receives, whose jobs go the whole lead
@@ -1102,9 +1117,7 @@ mod tests {
     /// lanes ran dry (seconds of 9,400 calls).
     #[test]
     fn receives_go_on_while_the_round_under_way_keeps_jobs_of_other_lanes() {
-        let settings = lanes_settings("10000/s", "100/s", WorkerHost::Lambda);
-        let report = simulate_lanes(&called_by_lambda_workers(settings, 1_000, Skew::Zipf(1.1), 100_000, 1, 1_000));
-        assert_eq!((report.calls, report.lane_violations, report.shared_violations), (100_000, 0, 0), "{report:?}");
+        let report = every_job_called_once_by_lambda_workers(("10000/s", "100/s"), 1_000, Skew::Zipf(1.1), 100_000, 1, 1_000);
         let per_second = units_each_second(&report);
         let full = |units: &u32| *units >= 9_800;
         let (first_full, last_full) = (per_second.iter().position(full).unwrap_or(0), per_second.iter().rposition(full).unwrap_or(0));
