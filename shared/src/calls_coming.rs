@@ -76,26 +76,28 @@ impl CallsComing {
         (*first < now.plus(room)).then(|| first.plus(Duration::from_millis(1)))
     }
 
+    /// At `now`, until when work needing `room`, which gives up waiting at `give_up`,
+    /// waits before it looks again; `None`: it goes now.
+    fn wait_until(&self, now: UnixMillis, room: Duration, give_up: UnixMillis) -> Option<UnixMillis> {
+        if now >= give_up {
+            return None;
+        }
+        self.in_the_way(now, room).map(|after| after.min(give_up))
+    }
+
     /// Blocks the calling thread until `room` is clear of coming calls, at most `most`.
     pub fn wait_for_room_blocking(&self, room: Duration, most: Duration) {
         let give_up = system_now().plus(most);
-        while let Some(after) = self.in_the_way(system_now(), room) {
-            let now = system_now();
-            if now >= give_up {
-                return;
-            }
-            std::thread::sleep(after.min(give_up).since(now));
+        while let Some(until) = self.wait_until(system_now(), room, give_up) {
+            std::thread::sleep(until.since(system_now()));
         }
     }
 
     /// Waits on `clock` until `room` is clear of coming calls, at most `most`.
     pub async fn wait_for_room(&self, clock: &dyn Clock, room: Duration, most: Duration) {
         let give_up = clock.now().plus(most);
-        while let Some(after) = self.in_the_way(clock.now(), room) {
-            if clock.now() >= give_up {
-                return;
-            }
-            clock.sleep_until(after.min(give_up)).await;
+        while let Some(until) = self.wait_until(clock.now(), room, give_up) {
+            clock.sleep_until(until).await;
         }
     }
 }
