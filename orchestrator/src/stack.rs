@@ -2082,8 +2082,8 @@ mod tests {
         assert_eq!(paused_until(&plain), None);
     }
 
-    /// A stack of many lanes under `shared` (each lane under `lane`), its receives
-    /// answered in 20 ms, on a fair queue.
+    /// A stack of many lanes with `settings`, its receives answered in 20 ms, on a fair
+    /// queue, its run ten minutes long.
     fn many_lanes_stack<'a>(settings: &'a Settings, progress: &'a Progress) -> StackMachine<'a> {
         let lease = Lease { holder: "test".into(), epoch: 1, expires_at: T0.plus(Duration::from_secs(30)) };
         let mut state = StackMachine::new(settings, progress, lease, T0, T0.plus(Duration::from_secs(600)), false).on_fair_queue(true);
@@ -2091,6 +2091,7 @@ mod tests {
         state
     }
 
+    /// Many lanes, each under `lane`, all under `shared`.
     fn many_lanes_settings(shared: &str, lane: &str) -> Settings {
         let quota = Quota::new(vec![shared.parse().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
         let config = LanesConfig::parse_text(&format!("tiers = [\"{lane}\"]"), &quota).unwrap();
@@ -2200,13 +2201,8 @@ mod tests {
     /// left the lanes dry for 100 to 400 ms at a time).
     #[test]
     fn on_a_fair_queue_receives_pause_only_after_a_whole_round_under_way_at_once_found_nothing_to_keep() {
-        let quota = Quota::new(vec!["10000/s".parse().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
-        let config = LanesConfig::parse_text("tiers = [\"100/s\"]", &quota).unwrap();
-        let settings = Settings { quota, lanes: Some(config), ..settings() };
-        let progress = Progress::default();
-        let lease = Lease { holder: "test".into(), epoch: 1, expires_at: T0.plus(Duration::from_secs(30)) };
-        let mut state = StackMachine::new(&settings, &progress, lease, T0, T0.plus(Duration::from_secs(60)), false).on_fair_queue(true);
-        state.receive_latency = Duration::from_millis(20);
+        let (settings, progress) = (many_lanes_settings("10000/s", "100/s"), Progress::default());
+        let mut state = many_lanes_stack(&settings, &progress);
         assert_eq!(state.receives_allowed(10_000.0), 40);
         for _ in 0..39 {
             state.pause_probing_if_idle(true, T0);
