@@ -1319,10 +1319,11 @@ impl<'a> StackMachine<'a> {
         let weights = many.weights_in_hand;
         let shared_pace = many.shared.pace_per_second();
         // Room to keep more than a lane's part: the stack holds no more than it may, and
-        // that is far from what the shared quota uses before the horizon (near a run's
-        // end, the jobs a lane keeps past what its share then sends would hold other
-        // lanes' jobs on the queue: no receive has room for them).
-        let has_room = many.in_hand_total <= in_hand_most && many.shared_room(now.plus(lead), horizon, 2 * in_hand_most) >= 2 * in_hand_most;
+        // its share sends more than that before the horizon (near a run's end, the jobs
+        // a lane keeps past what its share then sends would hold other lanes' jobs on
+        // the queue: no receive has room for them).
+        let beyond_parts = KEEP_WITH_ROOM * shared_room as usize;
+        let has_room = many.in_hand_total <= in_hand_most && many.shared_room(now.plus(lead), horizon, beyond_parts) >= beyond_parts;
         let (mut given_back, mut a_quiet_lane_gave_back) = (0, false);
         for (index, _) in by_lane {
             let share = many.scheduler.weight(index) / weights;
@@ -2168,8 +2169,11 @@ mod tests {
     /// evenly over 1,000 lanes, keeping its part alone, half the lanes gave jobs back at
     /// every receive (0.09 requests a job to hide them, 0.08 to receive them again).
     /// Once the stack holds more than it may, the lane keeps its 50; near the run's end
-    /// (the quota uses less than twice that before it), its part of what the quota uses
-    /// by then, 40.
+    /// (the quota uses less than twice the lanes' parts before it), its part of what the
+    /// quota uses by then, 40. Under a shared 200/s, twice the parts go before the
+    /// horizon too: 8 of 4 (asked to use twice the 5,000 the stack may hold before it,
+    /// the lane kept its 4: at 200/s over 1,000 lanes, 0.84 SQS requests a job, 0.60
+    /// kept twice its part).
     #[test]
     fn a_lane_of_a_stack_with_room_keeps_twice_its_part_and_only_its_part_once_full_or_near_the_run_s_end() {
         let (settings, progress) = (many_lanes_settings("10000/s", "100/s"), Progress::default());
@@ -2192,6 +2196,11 @@ mod tests {
         let lease = Lease { holder: "test".into(), epoch: 1, expires_at: T0.plus(Duration::from_secs(30)) };
         let mut ending = StackMachine::new(&settings, &progress, lease, T0, T0.plus(Duration::from_secs(9)), false).on_fair_queue(true);
         assert_eq!(given_back(&mut ending, one_each()), 80, "the run stops in 4 s: the lane keeps its part of what the quota uses by then");
+
+        // Under a shared 200/s (its 20 s stretch, 4,000 jobs, is what the stack may hold
+        // then, 4 a lane), twice that goes before the horizon: the lane keeps 8.
+        let slow = many_lanes_settings("200/s", "5/s");
+        assert_eq!(given_back(&mut many_lanes_stack(&slow, &progress), one_each()), 112);
     }
 
     /// A stack of many lanes whose receives go many at once (a shared 10,000/s, receives
