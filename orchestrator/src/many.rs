@@ -487,9 +487,9 @@ pub(crate) struct LanePace {
 /// them), and is due at `position / pace`. At the lane's own pace it comes back half a
 /// visibility timeout before it is due, when the lane has less before it than it keeps:
 /// once, not given back again. At a share of the shared quota it comes back halfway to
-/// when it is due, the lane may go faster by then. At least a second and at most [`MAX_RELEASE_DELAY`] later (or
-/// `visibility` when the pace is unknown), and not before the lane may call again
-/// (`held_for`: its day spent, a cool-down). A job is so looked at a few times at most
+/// when it is due, the lane may go faster by then. At least a second and at most
+/// [`MAX_RELEASE_DELAY`] later (or `visibility` when the pace is unknown), and not
+/// before the lane may call again (`held_for`: its day spent, a cool-down). A job is so looked at a few times at most
 /// before it goes, not once a second, and the lane's order holds. Jobs due within the
 /// same second come back together, ten at most.
 pub(crate) fn surplus_returns(
@@ -507,10 +507,13 @@ pub(crate) fn surplus_returns(
             let per_second = pace.per_second;
             let after = if !per_second.is_finite() || per_second <= 0.0 {
                 visibility
-            } else if pace.own {
-                Duration::from_secs_f64((position as f64 / per_second).min(MAX_RELEASE_DELAY.as_secs_f64())).saturating_sub(visibility / 2)
             } else {
-                Duration::from_secs_f64((position as f64 / per_second).min(MAX_RELEASE_DELAY.as_secs_f64())).mul_f64(RETURN_EARLY)
+                let due = Duration::from_secs_f64((position as f64 / per_second).min(MAX_RELEASE_DELAY.as_secs_f64()));
+                if pace.own {
+                    due.saturating_sub(visibility / 2)
+                } else {
+                    due.mul_f64(RETURN_EARLY)
+                }
             };
             let after = after.max(held_for);
             (after.clamp(Duration::from_secs(1), MAX_RELEASE_DELAY), message.receipt)

@@ -1348,8 +1348,8 @@ impl<'a> StackMachine<'a> {
                 // On a standard queue a job visible again may wait behind the whole
                 // line: it comes back halfway to when it is due at any pace (coming
                 // back later there, the heaviest lanes ran dry, 547 s drains took 604).
-                let own = self.fair_queue && lane.pace_per_second() <= shared_pace * share;
-                let pace = LanePace { per_second: lane.pace_per_second().min(shared_pace * share), own };
+                let (own_pace, share_pace) = (lane.pace_per_second(), shared_pace * share);
+                let pace = LanePace { per_second: own_pace.min(share_pace), own: self.fair_queue && own_pace <= share_pace };
                 let visibility = self.settings.orchestrator.visibility_timeout;
                 let held_for = lane.held_for(now).max(many.shared_held_for(now.plus(lead)));
                 let returns = many.give_back(index, surplus, keep, pace, visibility, held_for);
