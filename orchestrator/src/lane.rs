@@ -128,8 +128,9 @@ pub(crate) enum Reach {
     /// The hand-off's own lead (and [`READING_LANES_SLACK`]), near the first slot a lane
     /// read now could take: while other lanes with jobs are still being read, a lane read
     /// first would otherwise take its slots to its whole lead, and the shared quota's
-    /// schedule, which goes in order, would start the others after them. A slot the
-    /// shared quota puts further out (`not_before`) is still taken.
+    /// schedule, which goes in order, would start the others after them. So too while
+    /// the lanes in hand could use more than the shared quota. A slot the shared quota
+    /// puts further out (`not_before`) is still taken.
     HandOffLead,
 }
 

@@ -17,7 +17,7 @@ use paceline_shared::quota::Quota;
 use paceline_shared::time::UnixMillis;
 
 use crate::fairness::FairnessMeter;
-use crate::lane::{LaneMachine, SharedCalendar};
+use crate::lane::{LaneMachine, Reach, SharedCalendar};
 use crate::report::TierMeter;
 use crate::reservations::{Reservation, Reservations};
 use crate::schedule::Scheduler;
@@ -90,6 +90,12 @@ pub(crate) struct ManyLanes<'a> {
     pub weights_in_hand: f64,
     pub starved: usize,
     is_starved: Vec<bool>,
+    /// The lanes with jobs in hand, summed: their own tiers' paces (each as of when it
+    /// last came to hold jobs), and that pace per lane.
+    pub own_pace_in_hand: f64,
+    own_pace_of: Vec<f64>,
+    /// How far out the last decision let a lane's slot be.
+    pub last_reach: Option<Reach>,
 }
 
 impl<'a> ManyLanes<'a> {
@@ -128,6 +134,9 @@ impl<'a> ManyLanes<'a> {
             weights_in_hand: 0.0,
             starved: 0,
             is_starved: Vec::new(),
+            own_pace_in_hand: 0.0,
+            own_pace_of: Vec::new(),
+            last_reach: None,
         }
     }
 
@@ -145,6 +154,7 @@ impl<'a> ManyLanes<'a> {
         self.recalled_at.push(UnixMillis(0));
         self.is_touched.push(false);
         self.in_hand.push(0);
+        self.own_pace_of.push(0.0);
         self.is_starved.push(false);
         self.away.push(false);
         index
@@ -200,12 +210,20 @@ impl<'a> ManyLanes<'a> {
         let had = std::mem::replace(&mut self.in_hand[index], jobs);
         self.in_hand_total = self.in_hand_total + jobs - had;
         match (had > 0, jobs > 0) {
-            (false, true) => self.weights_in_hand += self.scheduler.weight(index),
-            (true, false) => self.weights_in_hand -= self.scheduler.weight(index),
+            (false, true) => {
+                self.weights_in_hand += self.scheduler.weight(index);
+                self.own_pace_of[index] = lane.pace_per_second().min(UNBOUNDED_PACE);
+                self.own_pace_in_hand += self.own_pace_of[index];
+            }
+            (true, false) => {
+                self.weights_in_hand -= self.scheduler.weight(index);
+                self.own_pace_in_hand -= self.own_pace_of[index];
+            }
             _ => {}
         }
         if self.in_hand_total == 0 {
             self.weights_in_hand = 0.0; // no rounding left over
+            self.own_pace_in_hand = 0.0;
         }
         let status = lane.circuit().status;
         if status == CircuitStatus::Closed {
@@ -403,6 +421,10 @@ const MANY_LANES_IN_HAND: usize = 5_000;
 /// The most, whatever the pace: well inside the 120,000 messages a standard SQS queue
 /// lets be in flight.
 const MOST_IN_HAND_EVER: usize = 60_000;
+
+/// The pace a lane without tiers of its own counts for among the lanes in hand: more
+/// than any shared quota, and small enough that their sum comes back to zero exactly.
+const UNBOUNDED_PACE: f64 = 1e9;
 
 /// How many seconds of the shared quota's pace a stack of many lanes holds in hand.
 const SECONDS_IN_HAND: f64 = 5.0;

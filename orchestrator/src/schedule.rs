@@ -104,6 +104,12 @@ impl Scheduler {
         }
     }
 
+    /// Every waiting lane joins the line now: the waits were counted from a reach that
+    /// has since widened.
+    pub fn wake_all(&mut self) {
+        self.wake_due(UnixMillis(u64::MAX));
+    }
+
     /// The lane first in line: the lowest start tag, then the lowest index.
     pub fn first(&self) -> Option<usize> {
         self.ready.first().map(|(_, lane)| *lane)
