@@ -96,6 +96,8 @@ pub(crate) struct ManyLanes<'a> {
     own_pace_of: Vec<f64>,
     /// How far out the last decision let a lane's slot be.
     pub last_reach: Option<Reach>,
+    /// Until when the shared quota counts as binding (`SHARED_BINDS_FOR` in `stack.rs`).
+    pub binds_until: UnixMillis,
 }
 
 impl<'a> ManyLanes<'a> {
@@ -137,6 +139,7 @@ impl<'a> ManyLanes<'a> {
             own_pace_in_hand: 0.0,
             own_pace_of: Vec::new(),
             last_reach: None,
+            binds_until: UnixMillis(0),
         }
     }
 

@@ -262,8 +262,17 @@ impl InFlight {
     }
 }
 
-/// Lanes' first reads under way at once at most (each a few requests to the store).
-const HYDRATIONS_IN_FLIGHT: usize = 32;
+/// Lanes' first reads under way at once at most (each a few requests to the store). At
+/// 32, the first reads of 1,000 lanes took most of a second, and the first second at
+/// 10,000 calls/s held 3,740 calls.
+const HYDRATIONS_IN_FLIGHT: usize = 128;
+
+/// Once the lanes in hand could use more than the shared quota, it counts as binding this
+/// long after (see `Reach::HandOffLead`): their sum dips while lanes run dry between
+/// receives, and a decision taking the whole lead in such a dip let the heaviest lanes
+/// take the shared schedule out to its end (at 10,000 calls/s over 1,000 lanes by a Zipf
+/// law, 486 calls in the 100 ms after 2.3 s).
+const SHARED_BINDS_FOR: Duration = Duration::from_secs(1);
 
 /// Retries of each kind, backing off independently.
 struct Backoffs {
@@ -1051,16 +1060,19 @@ impl<'a> StackMachine<'a> {
         let batch_ready = self.backlog_in_sight();
         let many = self.many.as_ref().expect("many lanes");
         let reading_lanes = !many.to_hydrate.is_empty() || self.in_flight.hydrations > 0;
-        // While the lanes in hand could use more than the shared quota, its schedule
-        // (which goes in order) is filled slot after slot: a lane its own tiers hold past
-        // the next slot takes it once it is near, as beside lanes being read, not the
-        // whole lead out. Taken at once, the heaviest lanes' slots, 10 ms apart each,
-        // pulled the schedule out to the lead's end past slots that the lanes received
-        // or woken next would have taken (at 10,000 calls/s over 1,000 lanes by a Zipf
-        // law, 1,600 calls fewer in the second after the start).
-        let shared_binds = many.own_pace_in_hand >= many.shared.pace_per_second();
-        let reach = if reading_lanes || shared_binds { Reach::HandOffLead } else { Reach::WholeLead };
+        // While the lanes in hand could use more than the shared quota (and a second
+        // after), its schedule (which goes in order) is filled slot after slot: a lane
+        // its own tiers hold past the next slot takes it once it is near, as beside lanes
+        // being read, not the whole lead out. Taken at once, the heaviest lanes' slots,
+        // 10 ms apart each, pulled the schedule out to the lead's end past slots that the
+        // lanes received or woken next would have taken (at 10,000 calls/s over 1,000
+        // lanes by a Zipf law, 1,600 calls fewer in the second after the start).
         let many = self.many.as_mut().expect("many lanes");
+        if many.own_pace_in_hand >= many.shared.pace_per_second() {
+            many.binds_until = now.plus(SHARED_BINDS_FOR);
+        }
+        let shared_binds = now < many.binds_until;
+        let reach = if reading_lanes || shared_binds { Reach::HandOffLead } else { Reach::WholeLead };
         // The lanes waiting for their slots to come near are looked at again once the
         // whole lead is open: left waiting, they found the lanes looked at first had
         // taken the shared quota's schedule out to the lead's end.
@@ -2285,6 +2297,36 @@ mod tests {
         answer_receive(&mut heavy_alone, jobs_of_named_lanes("heavy", 3, 100, 0), T0);
         let ahead = ahead_after_the_first(&mut heavy_alone);
         assert!(!ahead.is_empty() && ahead.iter().all(|ahead| *ahead >= Duration::from_millis(850)), "alone, the heavy lanes' next slots went {ahead:?} ahead");
+    }
+
+    /// With Lambda workers under a shared 1,000/s, three lanes of 400 jobs each and
+    /// eight with one job each that the provider told to wait 1.5 s: the lanes in hand
+    /// could use more than the shared quota until the eight hand their jobs off, 1 s in.
+    /// For a second after, the three lanes' slots are still taken only once near; then
+    /// the whole lead out again. The lanes in hand run dry between receives at 10,000
+    /// calls/s, and a decision taking the whole lead in such a dip let the heaviest
+    /// lanes take the shared schedule out to its end (486 calls in a 100 ms).
+    #[test]
+    fn the_shared_quota_counts_as_binding_for_a_second_after_the_lanes_in_hand_could_last_use_more_than_it() {
+        let (settings, progress) = (lambda_lanes_settings(), Progress::default());
+        let mut state = many_lanes_stack(&settings, &progress).with_pipeline(100_000);
+        answer_receive(&mut state, jobs_of_named_lanes("heavy", 3, 400, 0).into_iter().chain(jobs_of_named_lanes("cool", 8, 1, 2_000)).collect(), T0);
+        let script = Script { cool_until: Some(T0.plus(Duration::from_millis(1_500))), ..Script::default() };
+        let hand_offs = drive(&mut state, T0, T0.plus(Duration::from_millis(2_600)), script);
+        let cool_last = hand_offs.iter().filter(|(lane, ..)| state.lanes[*lane].id().as_str().starts_with("cool")).map(|(_, at, _)| *at).max().unwrap();
+        assert!(cool_last <= T0.plus(Duration::from_millis(1_100)), "the eight lanes' jobs went at {:?}", cool_last.since(T0));
+        let heavy_ahead = |from: u64, to: u64| -> Vec<Duration> {
+            let (from, to) = (cool_last.plus(Duration::from_millis(from)), cool_last.plus(Duration::from_millis(to)));
+            hand_offs
+                .iter()
+                .filter(|(lane, at, _)| state.lanes[*lane].id().as_str().starts_with("heavy") && *at > from && *at < to)
+                .map(|(_, at, slot)| slot.since(*at))
+                .collect()
+        };
+        let within = heavy_ahead(1, 990);
+        assert!(!within.is_empty() && within.iter().all(|ahead| *ahead <= Duration::from_millis(550)), "within the second: {within:?}");
+        let after = heavy_ahead(1_010, 1_500);
+        assert!(!after.is_empty() && after.iter().all(|ahead| *ahead >= Duration::from_millis(850)), "after it: {after:?}");
     }
 
     /// With Lambda workers under a shared 1,000/s: two lanes of 100 jobs each, read at
