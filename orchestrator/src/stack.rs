@@ -1058,7 +1058,7 @@ impl<'a> StackMachine<'a> {
         let (lanes, scheduler) = (&self.lanes, &many.scheduler);
         many.fairness.tick(now, |index| lanes[index].has_jobs_in_hand() && !scheduler.is_waiting(index));
         let batch_ready = self.backlog_in_sight();
-        let many = self.many.as_ref().expect("many lanes");
+        let many = self.many.as_mut().expect("many lanes");
         let reading_lanes = !many.to_hydrate.is_empty() || self.in_flight.hydrations > 0;
         // While the lanes in hand could use more than the shared quota (and a second
         // after), its schedule (which goes in order) is filled slot after slot: a lane
@@ -1067,7 +1067,6 @@ impl<'a> StackMachine<'a> {
         // 10 ms apart each, pulled the schedule out to the lead's end past slots that the
         // lanes received or woken next would have taken (at 10,000 calls/s over 1,000
         // lanes by a Zipf law, 1,600 calls fewer in the second after the start).
-        let many = self.many.as_mut().expect("many lanes");
         if many.own_pace_in_hand >= many.shared.pace_per_second() {
             many.binds_until = now.plus(SHARED_BINDS_FOR);
         }
