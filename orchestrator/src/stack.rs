@@ -2203,6 +2203,19 @@ mod tests {
         Settings { workers: WorkerHost::Lambda, orchestrator, ..lanes }
     }
 
+    /// A stack of many lanes with `settings` holding `jobs`, received at `T0`, its
+    /// hand-offs never held for their answers.
+    fn stack_holding<'a>(settings: &'a Settings, progress: &'a Progress, jobs: Vec<QueuedMessage>) -> StackMachine<'a> {
+        let mut state = many_lanes_stack(settings, progress).with_pipeline(100_000);
+        answer_receive(&mut state, jobs, T0);
+        state
+    }
+
+    /// Whether lane `index` of `state` is named `prefix...`.
+    fn named(state: &StackMachine<'_>, index: usize, prefix: &str) -> bool {
+        state.lanes[index].id().as_str().starts_with(prefix)
+    }
+
     /// What happens around a stack of many lanes driven by [`drive`]: the lanes named
     /// `cool...` were told by the provider to wait until `cool_until`; the lanes named
     /// `slow...` are read only from `slow_reads_at`; `arriving` is received at its time.
@@ -2218,11 +2231,10 @@ mod tests {
     /// decided and its slot.
     fn drive(state: &mut StackMachine<'_>, from: UnixMillis, until: UnixMillis, mut script: Script) -> Vec<(usize, UnixMillis, UnixMillis)> {
         let read = |state: &StackMachine<'_>, index: usize| {
-            let cool = state.lanes[index].id().as_str().starts_with("cool");
+            let cool = named(state, index, "cool");
             let cool_down = script.cool_until.filter(|_| cool).unwrap_or(UnixMillis(0));
             SharedState { circuit: Circuit::default(), cool_down, provider_reading: None, call_slots: None, retune: None }
         };
-        let is_slow = |state: &StackMachine<'_>, index: usize| state.lanes[index].id().as_str().starts_with("slow");
         let (mut now, mut hand_offs, mut slow_pending) = (from, Vec::new(), Vec::new());
         loop {
             if script.slow_reads_at.is_some_and(|at| at <= now) {
@@ -2235,7 +2247,7 @@ mod tests {
                 answer_receive(state, script.arriving.take().unwrap().1, now);
             }
             let event = match next(state, now) {
-                Action::HydrateLane(index) if is_slow(state, index) && script.slow_reads_at.is_some_and(|at| at > now) => {
+                Action::HydrateLane(index) if named(state, index, "slow") && script.slow_reads_at.is_some_and(|at| at > now) => {
                     slow_pending.push(index);
                     continue;
                 }
@@ -2287,13 +2299,12 @@ mod tests {
             drive(state, later, until, cool()).into_iter().map(|(_, at, slot)| slot.since(at)).collect::<Vec<_>>()
         };
 
-        let mut state = many_lanes_stack(&settings, &progress).with_pipeline(100_000);
-        answer_receive(&mut state, jobs_of_named_lanes("heavy", 3, 100, 0).into_iter().chain(jobs_of_named_lanes("cool", 8, 20, 1_000)).collect(), T0);
+        let mut state =
+            stack_holding(&settings, &progress, jobs_of_named_lanes("heavy", 3, 100, 0).into_iter().chain(jobs_of_named_lanes("cool", 8, 20, 1_000)).collect());
         let ahead = ahead_after_the_first(&mut state);
         assert!(!ahead.is_empty() && ahead.iter().all(|ahead| *ahead <= Duration::from_millis(500)), "the heavy lanes' next slots went {ahead:?} ahead");
 
-        let mut heavy_alone = many_lanes_stack(&settings, &progress).with_pipeline(100_000);
-        answer_receive(&mut heavy_alone, jobs_of_named_lanes("heavy", 3, 100, 0), T0);
+        let mut heavy_alone = stack_holding(&settings, &progress, jobs_of_named_lanes("heavy", 3, 100, 0));
         let ahead = ahead_after_the_first(&mut heavy_alone);
         assert!(!ahead.is_empty() && ahead.iter().all(|ahead| *ahead >= Duration::from_millis(850)), "alone, the heavy lanes' next slots went {ahead:?} ahead");
     }
@@ -2308,19 +2319,15 @@ mod tests {
     #[test]
     fn the_shared_quota_counts_as_binding_for_a_second_after_the_lanes_in_hand_could_last_use_more_than_it() {
         let (settings, progress) = (lambda_lanes_settings(), Progress::default());
-        let mut state = many_lanes_stack(&settings, &progress).with_pipeline(100_000);
-        answer_receive(&mut state, jobs_of_named_lanes("heavy", 3, 400, 0).into_iter().chain(jobs_of_named_lanes("cool", 8, 1, 2_000)).collect(), T0);
+        let mut state =
+            stack_holding(&settings, &progress, jobs_of_named_lanes("heavy", 3, 400, 0).into_iter().chain(jobs_of_named_lanes("cool", 8, 1, 2_000)).collect());
         let script = Script { cool_until: Some(T0.plus(Duration::from_millis(1_500))), ..Script::default() };
         let hand_offs = drive(&mut state, T0, T0.plus(Duration::from_millis(2_600)), script);
-        let cool_last = hand_offs.iter().filter(|(lane, ..)| state.lanes[*lane].id().as_str().starts_with("cool")).map(|(_, at, _)| *at).max().unwrap();
+        let cool_last = hand_offs.iter().filter(|(lane, ..)| named(&state, *lane, "cool")).map(|(_, at, _)| *at).max().unwrap();
         assert!(cool_last <= T0.plus(Duration::from_millis(1_100)), "the eight lanes' jobs went at {:?}", cool_last.since(T0));
         let heavy_ahead = |from: u64, to: u64| -> Vec<Duration> {
             let (from, to) = (cool_last.plus(Duration::from_millis(from)), cool_last.plus(Duration::from_millis(to)));
-            hand_offs
-                .iter()
-                .filter(|(lane, at, _)| state.lanes[*lane].id().as_str().starts_with("heavy") && *at > from && *at < to)
-                .map(|(_, at, slot)| slot.since(*at))
-                .collect()
+            hand_offs.iter().filter(|(lane, at, _)| named(&state, *lane, "heavy") && *at > from && *at < to).map(|(_, at, slot)| slot.since(*at)).collect()
         };
         let within = heavy_ahead(1, 990);
         assert!(!within.is_empty() && within.iter().all(|ahead| *ahead <= Duration::from_millis(550)), "within the second: {within:?}");
@@ -2339,8 +2346,8 @@ mod tests {
     #[test]
     fn lanes_that_waited_while_others_were_read_are_looked_at_again_once_the_reads_are_done() {
         let (settings, progress) = (lambda_lanes_settings(), Progress::default());
-        let mut state = many_lanes_stack(&settings, &progress).with_pipeline(100_000);
-        answer_receive(&mut state, jobs_of_named_lanes("heavy", 2, 100, 0).into_iter().chain(jobs_of_named_lanes("slow", 1, 1, 1_000)).collect(), T0);
+        let mut state =
+            stack_holding(&settings, &progress, jobs_of_named_lanes("heavy", 2, 100, 0).into_iter().chain(jobs_of_named_lanes("slow", 1, 1, 1_000)).collect());
         let read_at = T0.plus(Duration::from_millis(50));
         let script = Script { slow_reads_at: Some(read_at), arriving: Some((read_at, jobs_of_named_lanes("other", 1, 20, 2_000))), ..Script::default() };
         let hand_offs = drive(&mut state, T0, T0.plus(Duration::from_millis(600)), script);
