@@ -80,6 +80,9 @@ pub(crate) struct ManyLanes<'a> {
     pub malformed: BTreeSet<usize>,
     /// The lanes low on jobs with some given back still hidden on the queue.
     pub may_recall: BTreeSet<usize>,
+    /// Lanes passed over for a recall because they made one within the last
+    /// [`RECALL_STRETCH`], by when it is over: they may recall again then.
+    recall_again: BTreeSet<(UnixMillis, usize)>,
     /// Per lane, as of its last settling: jobs in hand.
     in_hand: Vec<usize>,
     /// Jobs in hand in every lane, the summed weights of the lanes holding any, and
@@ -130,6 +133,7 @@ impl<'a> ManyLanes<'a> {
             not_closed: BTreeSet::new(),
             malformed: BTreeSet::new(),
             may_recall: BTreeSet::new(),
+            recall_again: BTreeSet::new(),
             in_hand: Vec::new(),
             in_hand_total: 0,
             in_hand_most: in_hand_most(shared),
@@ -172,6 +176,27 @@ impl<'a> ManyLanes<'a> {
         self.returning[index].clear();
         self.recalling[index] = false;
         self.may_recall.remove(&index);
+        self.recall_again.remove(&(self.recalled_at[index].plus(RECALL_STRETCH), index));
+    }
+
+    /// Lane `index` recalled lately: it may again once the stretch of its last recall
+    /// is over, whether or not anything else happens to it by then.
+    pub fn recall_once_the_stretch_is_over(&mut self, index: usize) {
+        self.recall_again.insert((self.recalled_at[index].plus(RECALL_STRETCH), index));
+    }
+
+    /// The lanes whose last recall's stretch is over by `now` may recall again.
+    pub fn recall_stretches_over(&mut self, now: UnixMillis) {
+        while self.recall_again.first().is_some_and(|(at, _)| *at <= now) {
+            if let Some((_, index)) = self.recall_again.pop_first() {
+                self.may_recall.insert(index);
+            }
+        }
+    }
+
+    /// When the next lane's recall stretch is over.
+    pub fn next_recall_stretch_over(&self) -> Option<UnixMillis> {
+        self.recall_again.first().map(|(at, _)| *at)
     }
 
     /// Lane `index` was moved back to this shard: it is read from the store again (the
