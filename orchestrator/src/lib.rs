@@ -580,8 +580,8 @@ impl Executor<'_> {
             // Many lanes' snapshots are saved in the background: a thousand writes must
             // not hold the loop (the run's last ones wait for it, see `finish`).
             Action::Flush(lease, snapshots) => {
-                let writes = snapshots.into_iter().map(|(scope, snapshot)| (o.store_for(&scope), snapshot)).collect();
-                self.background.spawn(async move { Event::Flushed(save_each(&lease, writes).await) });
+                let stores = o.scoped_stores.clone().expect("a stack of many lanes has its scoped stores");
+                self.background.spawn(async move { Event::Flushed(stores.save_pacers(&lease, &snapshots).await) });
                 return Ok(());
             }
             Action::Reserve(lane, needed) => {
@@ -811,15 +811,14 @@ where
 /// Tries again of the final snapshot and the lease release after a passing fault.
 const HAND_OVER_RETRIES: usize = 3;
 
-/// Saves each scope's pacer snapshot while `lease` is held, stopping at the first error.
-async fn save_snapshots(o: &Orchestrator, lease: &Lease, snapshots: &[(StoreScope, paceline_shared::ports::PacerSnapshot)]) -> PortResult<()> {
-    save_each(lease, snapshots.iter().map(|(scope, snapshot)| (o.store_for(scope), snapshot.clone())).collect()).await
-}
-
-/// Saves each snapshot in its store while `lease` is held, stopping at the first error.
-async fn save_each(lease: &Lease, writes: Vec<(Arc<dyn StateStore>, PacerSnapshot)>) -> PortResult<()> {
-    for (store, snapshot) in writes {
-        store.save_pacer(lease, &snapshot).await?;
+/// Saves each scope's pacer snapshot while `lease` is held (a stack of many lanes, in as
+/// few requests as its stores allow), stopping at the first error.
+async fn save_snapshots(o: &Orchestrator, lease: &Lease, snapshots: &[(StoreScope, PacerSnapshot)]) -> PortResult<()> {
+    if let (Some(stores), Some(_)) = (&o.scoped_stores, &o.settings.lanes) {
+        return stores.save_pacers(lease, snapshots).await;
+    }
+    for (scope, snapshot) in snapshots {
+        o.store_for(scope).save_pacer(lease, snapshot).await?;
     }
     Ok(())
 }

@@ -847,6 +847,19 @@ pub trait ScopedStores: Send + Sync {
         }
         Ok(read)
     }
+
+    /// Saves each scope's pacer snapshot while `lease` is held, in as few requests as
+    /// the backend allows (a stack of 1,000 lanes saves 1,000 at a run's end, and the
+    /// next run trusts them only if they are fresh), stopping at the first error.
+    ///
+    /// # Errors
+    /// As [`StateStore::save_pacer`].
+    async fn save_pacers(&self, lease: &Lease, snapshots: &[(StoreScope, PacerSnapshot)]) -> PortResult<()> {
+        for (scope, snapshot) in snapshots {
+            self.scoped(scope).save_pacer(lease, snapshot).await?;
+        }
+        Ok(())
+    }
 }
 
 /// Forgets the call records of attempts 0 to `up_to` of job `job_id`, before a redrive

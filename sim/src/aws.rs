@@ -321,6 +321,19 @@ impl SimStore {
     }
 
     /// Whether `lease` is the one held (in the stack's items, for a lane's).
+    /// Keeps `snapshot` as this store's pacer state while `lease` is held (the request,
+    /// its latency and units counted by the caller).
+    fn keep_pacer(&self, lease: &Lease, snapshot: &PacerSnapshot) -> PortResult<()> {
+        if snapshot.at_exit && self.fail_release.load(Ordering::Relaxed) {
+            return Err(PortError::Transient("injected: the final snapshot write failed".into()));
+        }
+        if !self.holds(lease) {
+            return Err(PortError::Conflict("the lease was lost".into()));
+        }
+        self.state().pacer = Some(snapshot.clone());
+        Ok(())
+    }
+
     fn holds(&self, lease: &Lease) -> bool {
         match &self.stack {
             Some(stack) => stack.holds(lease),
@@ -417,6 +430,26 @@ impl ScopedStores for SimStores {
     }
 
     fn scoped(&self, scope: &StoreScope) -> Arc<dyn StateStore> {
+        self.store_of(scope)
+    }
+
+    /// As the DynamoDB adapter saves them: 99 snapshots a transaction, beside the
+    /// lease's condition check.
+    async fn save_pacers(&self, lease: &Lease, snapshots: &[(StoreScope, PacerSnapshot)]) -> PortResult<()> {
+        for transaction in snapshots.chunks(99) {
+            let kib: u64 = transaction.iter().map(|(_, snapshot)| snapshot_kib(snapshot)).sum();
+            self.stack.write("dynamodb:TransactWriteItems", 1, 2 * (transaction.len() as u64 + kib)).await;
+            for (scope, snapshot) in transaction {
+                self.store_of(scope).keep_pacer(lease, snapshot)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl SimStores {
+    /// The store of `scope`'s items.
+    fn store_of(&self, scope: &StoreScope) -> Arc<SimStore> {
         match scope {
             // Each simulated shard has a table of its own: its share is its stack's.
             StoreScope::Stack | StoreScope::Shard(_) => self.stack.clone(),
@@ -426,6 +459,11 @@ impl ScopedStores for SimStores {
                 .clone(),
         }
     }
+}
+
+/// A snapshot's size in KiB, at least one: what its write costs in units.
+fn snapshot_kib(snapshot: &PacerSnapshot) -> u64 {
+    serde_json::to_string(snapshot).map_or(1, |json| (json.len() as u64).div_ceil(1024).max(1))
 }
 
 /// A stack's documents, one item each: a consistent read, and a conditional put.
@@ -533,16 +571,8 @@ impl StateStore for SimStore {
 
     async fn save_pacer(&self, lease: &Lease, snapshot: &PacerSnapshot) -> PortResult<()> {
         // A transaction of a condition check and a put: two units per item per KiB.
-        let kib = serde_json::to_string(snapshot).map_or(1, |json| (json.len() as u64).div_ceil(1024).max(1));
-        self.write("dynamodb:TransactWriteItems", 1, 2 * (1 + kib)).await;
-        if snapshot.at_exit && self.fail_release.load(Ordering::Relaxed) {
-            return Err(PortError::Transient("injected: the final snapshot write failed".into()));
-        }
-        if !self.holds(lease) {
-            return Err(PortError::Conflict("the lease was lost".into()));
-        }
-        self.state().pacer = Some(snapshot.clone());
-        Ok(())
+        self.write("dynamodb:TransactWriteItems", 1, 2 * (1 + snapshot_kib(snapshot))).await;
+        self.keep_pacer(lease, snapshot)
     }
 
     async fn circuit(&self) -> PortResult<Circuit> {

@@ -611,6 +611,7 @@ async fn each_lane_s_items_in_dynamodb_are_its_own() {
     let lane = lane("5/s").await;
     let store = lane.store();
     contract::lanes_apart(&store, system_now()).await;
+    contract::pacers_saved_together(&store, system_now()).await;
     // A lane's item keys carry the lane: 1,000 lanes are 1,000 partition keys.
     let item = aws_sdk_dynamodb::Client::new(&lane.sdk).get_item().table_name(&lane.names.table).key("pk", AttributeValue::S("lane#acme#circuit".into()));
     assert!(item.send().await.unwrap().item().is_some(), "acme's circuit is under its lane's key");

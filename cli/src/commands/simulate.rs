@@ -154,6 +154,12 @@ pub struct SimulateArgs {
     /// shares moved (to compare).
     #[arg(long, requires = "shards")]
     pub fixed_shares: bool,
+    /// With `--lanes --lambda-workers`: each orchestrator's runs as deployed on AWS, kicked
+    /// every minute and each relaying to the next (its lanes' pace handed over with the
+    /// lease, its jobs in hand given back to the queue as it stops), not one run that
+    /// drains the whole backlog.
+    #[arg(long)]
+    pub runs: bool,
     /// Draw each tier's use over time against its limit to this file (.png or .svg),
     /// with outages, refused calls and, with `--baselines`, the other dispatchers.
     #[arg(long, value_name = "FILE")]
@@ -287,6 +293,7 @@ impl SimulateArgs {
             !self.lambda_workers || self.queue != LanesQueue::Embedded,
             "--lambda-workers: Lambda workers run on AWS, with an SQS jobs queue: add --queue sqs, sqs-fair or sqs-fifo"
         );
+        anyhow::ensure!(self.lambda_workers || !self.runs, "--runs: the orchestrator's runs are modelled as deployed on AWS: add --lambda-workers");
         anyhow::ensure!(config.lanes.is_some(), "--lanes needs a [lanes] table in {} (each lane's own tiers and weight)", self.config.config.display());
         if self.plot.is_some() {
             anyhow::ensure!(!config.quota.tiers().is_empty(), "--plot: the lanes share no quota ([quota] left out), so there is no shared tier to draw");
@@ -330,6 +337,7 @@ impl SimulateArgs {
             shards: self.shards,
             fixed_shares: self.fixed_shares,
             profile: self.latency_profile()?,
+            runs: self.runs,
         })
     }
 

@@ -1869,6 +1869,7 @@ mod tests {
             let (clock, store) = paused_store();
             let now = clock.now();
             contract::lanes_apart(store.as_ref(), now).await;
+            contract::pacers_saved_together(store.as_ref(), now).await;
             let lane = |id: &str| store.scoped(&StoreScope::Lane(crate::lane::LaneId::parse(id).unwrap()));
             let (default, acme) = (lane("default"), lane("acme"));
             // The default lane's keys are a stack-without-lanes' keys.

@@ -17,7 +17,7 @@ use crate::lane::LaneId;
 use crate::order::{OrderMark, OrderState};
 use crate::pacer::PacerState;
 use crate::ports::{
-    BatchClaim, BatchProgress, CallClaim, DeadLetterQueues, Invoker, JobQueue, LaneSignals, OutgoingMessage, PacerSnapshot, PortError, ScopedStores,
+    BatchClaim, BatchProgress, CallClaim, DeadLetterQueues, Invoker, JobQueue, LaneSignals, Lease, OutgoingMessage, PacerSnapshot, PortError, ScopedStores,
     StackDocuments, StateStore, VisibleAgain,
 };
 use crate::quota::Quota;
@@ -365,6 +365,32 @@ pub async fn shared_counters(documents: Arc<dyn StackDocuments>, stack: Option<A
     if let Some(stack) = stack {
         assert_eq!(stack.load_usage(std::slice::from_ref(&day)).await.unwrap(), vec![100], "shard 0's counter in the stack's scope is the same");
     }
+}
+
+/// Many lanes' pacer snapshots saved together (250: more than one request holds) are
+/// each its own lane's, and none is saved without the lease.
+///
+/// # Panics
+/// When the stores break the contract.
+pub async fn pacers_saved_together(stores: &dyn ScopedStores, now: UnixMillis) {
+    let quota = Quota::new(vec!["5/s".parse().unwrap()], crate::quota::chrono_tz::UTC, Duration::ZERO).unwrap();
+    let stack = stores.scoped(&StoreScope::Stack);
+    let lease = stack.acquire_lease("saver", Duration::from_secs(30), now).await.unwrap();
+    let snapshots: Vec<(StoreScope, PacerSnapshot)> = (0..250_u64)
+        .map(|n| {
+            let snapshot =
+                PacerSnapshot { state: PacerState::new(&quota), at_exit: true, effective_rate: None, saved_at: Some(now.plus(Duration::from_millis(n))) };
+            (StoreScope::Lane(LaneId::parse(&format!("tenant{n}")).unwrap()), snapshot)
+        })
+        .collect();
+    let stale = Lease { epoch: lease.epoch + 1, ..lease.clone() };
+    assert!(matches!(stores.save_pacers(&stale, &snapshots).await, Err(PortError::Conflict(_))), "saved without the lease");
+    assert_eq!(stores.scoped(&snapshots[0].0).load_pacer().await.unwrap(), None, "nothing saved without the lease");
+    stores.save_pacers(&lease, &snapshots).await.unwrap();
+    for (scope, snapshot) in &snapshots {
+        assert_eq!(stores.scoped(scope).load_pacer().await.unwrap().as_ref(), Some(snapshot), "{scope:?}");
+    }
+    stack.release_lease(&lease).await.unwrap();
 }
 
 /// Lanes keep apart: each lane's circuit, cool-down, counters, call records, call

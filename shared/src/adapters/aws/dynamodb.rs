@@ -163,6 +163,18 @@ impl DynamoStateStore {
         s(self.scope.key(name))
     }
 
+    /// A transaction's check that `lease` is still held.
+    fn lease_check(&self, lease: &Lease) -> PortResult<ConditionCheck> {
+        ConditionCheck::builder()
+            .table_name(&self.table)
+            .key("pk", s(&self.lease_key))
+            .condition_expression("epoch = :epoch AND holder = :h")
+            .expression_attribute_values(":epoch", n(lease.epoch))
+            .expression_attribute_values(":h", s(&lease.holder))
+            .build()
+            .map_err(build_error)
+    }
+
     /// The items of these names (in this scope) that exist, read consistently, 100 a
     /// request.
     async fn batch_get(&self, names: &[String], what: &str) -> PortResult<Vec<Item>> {
@@ -342,6 +354,47 @@ impl ScopedStores for DynamoStateStore {
             })
             .collect()
     }
+
+    /// Up to 99 snapshots a transaction, each with the lease's condition check: 11
+    /// requests for 1,000 lanes, where one each took 1,000 one after the other (they
+    /// cannot go at once: transactions on the same lease item conflict).
+    async fn save_pacers(&self, lease: &Lease, snapshots: &[(StoreScope, PacerSnapshot)]) -> PortResult<()> {
+        let mut puts = Vec::with_capacity(snapshots.len());
+        for (scope, snapshot) in snapshots {
+            let json = serde_json::to_string(snapshot).map_err(|e| PortError::Fatal(e.to_string()))?;
+            let put = Put::builder().table_name(&self.table).item("pk", self.scoped(scope).pk(PACER)).item("snapshot", s(json.clone())).build();
+            puts.push((json.len(), put.map_err(build_error)?));
+        }
+        for transaction in transactions_of(puts) {
+            let check = self.lease_check(lease)?;
+            let items = std::iter::once(TransactWriteItem::builder().condition_check(check).build())
+                .chain(transaction.into_iter().map(|put| TransactWriteItem::builder().put(put).build()));
+            let request = self.client.transact_write_items().set_transact_items(Some(items.collect()));
+            request.send().await.map_err(|e| map_sdk_error("dynamodb TransactWriteItems (pacers)", &e))?;
+        }
+        Ok(())
+    }
+}
+
+/// The most puts in one transaction beside its condition check (DynamoDB takes 100
+/// items), and the most bytes of them (it takes 4 MB).
+const PUTS_A_TRANSACTION: usize = 99;
+const BYTES_A_TRANSACTION: usize = 3_000_000;
+
+/// `puts` (each with its size) in transactions of at most [`PUTS_A_TRANSACTION`] and
+/// [`BYTES_A_TRANSACTION`], in their order.
+fn transactions_of(puts: Vec<(usize, Put)>) -> Vec<Vec<Put>> {
+    let mut transactions: Vec<(usize, Vec<Put>)> = Vec::new();
+    for (bytes, put) in puts {
+        match transactions.last_mut() {
+            Some((size, open)) if open.len() < PUTS_A_TRANSACTION && *size + bytes <= BYTES_A_TRANSACTION => {
+                *size += bytes;
+                open.push(put);
+            }
+            _ => transactions.push((bytes, vec![put])),
+        }
+    }
+    transactions.into_iter().map(|(_, puts)| puts).collect()
 }
 
 #[async_trait]
@@ -446,14 +499,7 @@ impl StateStore for DynamoStateStore {
 
     async fn save_pacer(&self, lease: &Lease, snapshot: &PacerSnapshot) -> PortResult<()> {
         let json = serde_json::to_string(snapshot).map_err(|e| PortError::Fatal(e.to_string()))?;
-        let check = ConditionCheck::builder()
-            .table_name(&self.table)
-            .key("pk", s(&self.lease_key))
-            .condition_expression("epoch = :epoch AND holder = :h")
-            .expression_attribute_values(":epoch", n(lease.epoch))
-            .expression_attribute_values(":h", s(&lease.holder))
-            .build()
-            .map_err(build_error)?;
+        let check = self.lease_check(lease)?;
         let put = Put::builder().table_name(&self.table).item("pk", self.pk(PACER)).item("snapshot", s(json)).build().map_err(build_error)?;
         self.client
             .transact_write_items()
