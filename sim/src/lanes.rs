@@ -36,7 +36,7 @@ use crate::profile::{LatencyProfile, Sampler, Stream};
 use crate::runs::{FunctionTiming, OrchestratorRuns, SimRelay};
 use crate::SIM_START;
 
-/// The windows fairness and the shared quota's use are measured over.
+/// The windows fairness and the shared quota's use are measured over, from the first call.
 const WINDOW: Duration = Duration::from_secs(10);
 
 /// One simulation of many lanes.
@@ -183,6 +183,10 @@ pub struct LanesReport {
     pub calls: usize,
     /// From the start to the last call.
     pub seconds: f64,
+    /// From the start to the first call (a Lambda worker's hand-off ahead of its slot,
+    /// the kick of the first run): the windows below count from the first call, as a
+    /// single lane's use of its tiers does.
+    pub first_call_seconds: f64,
     /// Calls over a tier of their own lane (a strict provider refuses them).
     pub lane_violations: u64,
     /// Calls over a shared tier.
@@ -798,7 +802,7 @@ fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: V
     let lane_violations = by_lane.iter().zip(&quotas).map(|(lane_calls, quota)| calls_over(quota, lane_calls)).sum();
     let all: Vec<(UnixMillis, u64)> = calls.iter().map(|call| (call.at, call.cost)).collect();
     let shared_violations = calls_over(&plan.settings.quota, &all);
-    let end = calls.last().map_or(SIM_START, |call| call.at);
+    let (start, end) = (calls.first().map_or(SIM_START, |call| call.at), calls.last().map_or(SIM_START, |call| call.at));
     let last_call: Vec<Option<UnixMillis>> = by_lane.iter().map(|lane_calls| lane_calls.last().map(|(at, _)| *at)).collect();
 
     // Window by window: the lanes backlogged throughout (their last call after it), their
@@ -808,10 +812,10 @@ fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: V
     // pace over the window, and those units (a lane with 20 jobs left is owed 20, and a
     // lane that runs out within the window takes its part of the quota with it).
     let window_ms = u64::try_from(WINDOW.as_millis()).unwrap_or(u64::MAX);
-    let windows = usize::try_from(end.since(SIM_START).as_millis() as u64 / window_ms).unwrap_or(0);
+    let windows = usize::try_from(end.since(start).as_millis() as u64 / window_ms).unwrap_or(0);
     let mut got = vec![vec![0_u64; plan.lanes]; windows];
     for call in calls.iter().filter(|call| call.lane < plan.lanes) {
-        let w = usize::try_from(call.at.since(SIM_START).as_millis() as u64 / window_ms).unwrap_or(usize::MAX);
+        let w = usize::try_from(call.at.since(start).as_millis() as u64 / window_ms).unwrap_or(usize::MAX);
         if w < windows {
             got[w][call.lane] += call.cost;
         }
@@ -821,7 +825,7 @@ fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: V
     let own_caps: Vec<f64> = quotas.iter().map(|quota| own_rate(quota) * WINDOW.as_secs_f64()).collect();
     let (mut indexes, mut used, mut usable) = (Vec::new(), 0.0, 0.0);
     for (w, got) in got.iter().enumerate() {
-        let window_end = SIM_START.plus(WINDOW * u32::try_from(w + 1).unwrap_or(u32::MAX));
+        let window_end = start.plus(WINDOW * u32::try_from(w + 1).unwrap_or(u32::MAX));
         let backlogged: Vec<usize> = (0..plan.lanes).filter(|lane| last_call[*lane].is_some_and(|last| last >= window_end)).collect();
         let caps: Vec<f64> = backlogged.iter().map(|lane| own_caps[*lane]).collect();
         let fair = fair_shares_of_what_is_left(capacity, &left, &own_caps, &weights);
@@ -860,6 +864,7 @@ fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: V
         lanes_with_jobs,
         calls: calls.len(),
         seconds: end.since(SIM_START).as_secs_f64(),
+        first_call_seconds: start.since(SIM_START).as_secs_f64(),
         lane_violations,
         shared_violations,
         shared_utilization: (usable > 0.0).then(|| used / usable),
@@ -898,8 +903,9 @@ pub fn render_lanes(reports: &[LanesReport]) -> String {
     let mut header = vec!["".to_owned()];
     header.extend(reports.iter().map(|r| r.dispatcher.clone()));
     let mut table = paceline_shared::table::text_table(&header.iter().map(String::as_str).collect::<Vec<_>>(), &(1..=reports.len()).collect::<Vec<_>>());
-    let rows: [(&str, ReportCell); 15] = [
+    let rows: [(&str, ReportCell); 16] = [
         ("drained in", |r| format!("{:.1} s", r.seconds)),
+        ("first call, from the start", |r| format!("{:.2} s", r.first_call_seconds)),
         ("calls over a lane's tier", |r| r.lane_violations.to_string()),
         ("calls over a shared tier", |r| r.shared_violations.to_string()),
         ("shared tier used (while the lanes could)", |r| optional(r.shared_utilization.map(|u| u * 100.0), 2) + " %"),
@@ -1320,6 +1326,20 @@ mod tests {
         let paceline = simulate_lanes(&plan);
         assert_eq!((paceline.lane_violations, paceline.shared_violations), (0, 0), "{paceline:?}");
         assert!(paceline.seconds <= 11.0, "{paceline:?}");
+    }
+
+    /// Two lanes of 10/s under a shared 20/s, called at the shared limit from 400 ms on
+    /// for 30 s: the shared tier is all used from the first call, which came 0.4 s after
+    /// the start (counted from the start, the first window was 96% used).
+    #[test]
+    fn the_shared_tier_s_use_counts_from_the_first_call() {
+        let plan = LanesPlan { settings: lanes_settings("20/s", "10/s", WorkerHost::InProcess), ..plan(2, 600) };
+        let calls: Vec<Call> =
+            (0..600_u64).map(|n| Call { at: SIM_START.plus(Duration::from_millis(400 + n * 50)), lane: (n % 2) as usize, cost: 1 }).collect();
+        let job_lanes: Vec<usize> = calls.iter().map(|call| call.lane).collect();
+        let report = analyse(&plan, "test", &job_lanes, calls, Duration::ZERO);
+        assert!((report.first_call_seconds - 0.4).abs() < 1e-9, "{}", report.first_call_seconds);
+        assert_eq!(report.shared_utilization, Some(1.0));
     }
 
     #[test]
