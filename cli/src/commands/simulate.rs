@@ -122,8 +122,9 @@ pub struct SimulateArgs {
     /// and all under `[quota]`: the backlog's jobs fall on them as `--skew` says.
     /// Reports violations, the shared tier's use, Jain's fairness index and the jobs'
     /// waits; with `--baselines`, first come first served over one queue and round robin.
-    /// `--latency` and `--safety-margin` apply; the faults, the provider's model, relays
-    /// and `--time-limit` are modelled for one lane only and refused with `--lanes`.
+    /// `--latency` and `--safety-margin` apply; the faults, the provider's model,
+    /// `--no-relay` and `--time-limit` are modelled for one lane only and refused with
+    /// `--lanes` (`--runs` models the runs and their relays).
     #[arg(long, value_name = "N")]
     pub lanes: Option<usize>,
     /// How the jobs spread over the lanes, with `--lanes`: `zipf:S` (a few lanes with
