@@ -320,7 +320,6 @@ impl SimStore {
         Self { world, state: Mutex::default(), fail_release: std::sync::atomic::AtomicBool::new(false), stack: None, documents: MemoryDocuments::default() }
     }
 
-    /// Whether `lease` is the one held (in the stack's items, for a lane's).
     /// Keeps `snapshot` as this store's pacer state while `lease` is held (the request,
     /// its latency and units counted by the caller).
     fn keep_pacer(&self, lease: &Lease, snapshot: &PacerSnapshot) -> PortResult<()> {
@@ -334,6 +333,7 @@ impl SimStore {
         Ok(())
     }
 
+    /// Whether `lease` is the one held (in the stack's items, for a lane's).
     fn holds(&self, lease: &Lease) -> bool {
         match &self.stack {
             Some(stack) => stack.holds(lease),
@@ -434,11 +434,11 @@ impl ScopedStores for SimStores {
     }
 
     /// As the DynamoDB adapter saves them: 99 snapshots a transaction, beside the
-    /// lease's condition check.
+    /// lease's condition check (two units for it, and two per KiB of each put).
     async fn save_pacers(&self, lease: &Lease, snapshots: &[(StoreScope, PacerSnapshot)]) -> PortResult<()> {
         for transaction in snapshots.chunks(99) {
             let kib: u64 = transaction.iter().map(|(_, snapshot)| snapshot_kib(snapshot)).sum();
-            self.stack.write("dynamodb:TransactWriteItems", 1, 2 * (transaction.len() as u64 + kib)).await;
+            self.stack.write("dynamodb:TransactWriteItems", 1, 2 * (1 + kib)).await;
             for (scope, snapshot) in transaction {
                 self.store_of(scope).keep_pacer(lease, snapshot)?;
             }
