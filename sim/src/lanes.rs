@@ -33,7 +33,7 @@ use serde::Serialize;
 
 use crate::aws::{SimLambda, SimQueue, SimStore, SimStores, World};
 use crate::profile::{LatencyProfile, Sampler, Stream};
-use crate::runs::{FunctionTiming, OrchestratorRuns, SimRelay};
+use crate::runs::{FunctionTiming, OrchestratorRuns, SimRelay, ORCHESTRATOR_TIMEOUT, SCHEDULE};
 use crate::SIM_START;
 
 /// The windows fairness and the shared quota's use are measured over, from the first call.
@@ -583,11 +583,6 @@ async fn all_called(shards: &[ShardPorts], lambda: Option<&SimLambda>) -> bool {
     }
     true
 }
-
-/// The orchestrator function's timeout and schedule in the template (as the
-/// single-lane simulation has them).
-const ORCHESTRATOR_TIMEOUT: Duration = Duration::from_secs(70);
-const SCHEDULE: Duration = Duration::from_secs(60);
 
 /// What simulated Lambda workers did in a simulation of lanes.
 struct LambdaFigures {

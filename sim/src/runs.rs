@@ -22,6 +22,10 @@ use crate::THROTTLE_RETRY;
 /// relay waiting for its lease.
 pub const ORCHESTRATOR_CONCURRENCY: u64 = 2;
 
+/// The orchestrator function's timeout and the schedule's period in the template.
+pub const ORCHESTRATOR_TIMEOUT: Duration = Duration::from_secs(70);
+pub const SCHEDULE: Duration = Duration::from_secs(60);
+
 /// How long Lambda keeps retrying a throttled orchestrator event (the template's
 /// maximum event age).
 const EVENT_MAX_AGE: Duration = Duration::from_secs(60);

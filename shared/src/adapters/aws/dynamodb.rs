@@ -362,8 +362,9 @@ impl ScopedStores for DynamoStateStore {
         let mut puts = Vec::with_capacity(snapshots.len());
         for (scope, snapshot) in snapshots {
             let json = serde_json::to_string(snapshot).map_err(|e| PortError::Fatal(e.to_string()))?;
-            let put = Put::builder().table_name(&self.table).item("pk", self.scoped(scope).pk(PACER)).item("snapshot", s(json.clone())).build();
-            puts.push((json.len(), put.map_err(build_error)?));
+            let bytes = json.len();
+            let put = Put::builder().table_name(&self.table).item("pk", self.scoped(scope).pk(PACER)).item("snapshot", s(json)).build();
+            puts.push((bytes, put.map_err(build_error)?));
         }
         for transaction in transactions_of(puts) {
             let check = self.lease_check(lease)?;
