@@ -116,22 +116,34 @@ pub(crate) struct HandOff {
     pub cost: u64,
 }
 
-/// While other lanes are being read, how much further than the hand-off's own lead a
-/// lane's slot may be: room for the hand-off itself to go out late.
-const READING_LANES_SLACK: Duration = Duration::from_millis(100);
+/// How much further than the hand-off's own lead a lane's slot may be while the shared
+/// quota binds or other lanes are being read: room for the hand-off itself to go out
+/// late, and for the batch it joins to gather 100 ms of calls.
+const HAND_OFF_SLACK: Duration = Duration::from_millis(100);
+/// The same at a run's start, while many lanes are still being read: the lanes read
+/// first take the shared quota's schedule, which goes in order, no further out than
+/// this, since the lanes read a few milliseconds later start where they left it. With
+/// 100 ms, the few lanes read first had the shared tier's first 100 ms to themselves (at
+/// 10,000 calls/s over 1,000 lanes, 1.1% of its first 10 s). Batches gather 25 ms of
+/// calls meanwhile; at 10 ms, on a standard queue, which hands the light lanes' first
+/// jobs out late, they took up to 860 of Lambda's 1,000 executions at once.
+const READING_LANES_SLACK: Duration = Duration::from_millis(25);
 
 /// How far out the slot of a hand-off decided now may be.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Reach {
     /// The lane's whole lead, its batch window's included ([`Lane::latest_slot`]).
     WholeLead,
-    /// The hand-off's own lead (and [`READING_LANES_SLACK`]), near the first slot a lane
+    /// The hand-off's own lead (and [`HAND_OFF_SLACK`]), near the first slot a lane
     /// read now could take: while other lanes with jobs are still being read, a lane read
     /// first would otherwise take its slots to its whole lead, and the shared quota's
     /// schedule, which goes in order, would start the others after them. So too while
     /// the lanes in hand could use more than the shared quota. A slot the shared quota
     /// puts further out (`not_before`) is still taken.
     HandOffLead,
+    /// The same with [`READING_LANES_SLACK`], at a run's start while many lanes are
+    /// still being read (see `StackMachine::for_many_lanes`).
+    BesideLanesBeingRead,
 }
 
 /// What a lane would do next.
@@ -849,10 +861,15 @@ impl<'a> LaneMachine<'a> {
         // so the hand-off's own work never eats the margin its worker has to start.
         let extra_lead = if self.lead().is_zero() { Duration::ZERO } else { job.request.hand_off_allowance() };
         let (slot, decision) = self.decide(cost, now.plus(extra_lead), not_before, start_early);
-        if reach == Reach::HandOffLead && matches!(decision, Decision::Allow) && !self.lead().is_zero() {
-            let reach_ahead = extra_lead + self.hand_off_lead() + READING_LANES_SLACK;
+        let slack = match reach {
+            Reach::WholeLead => None,
+            Reach::HandOffLead => Some(HAND_OFF_SLACK),
+            Reach::BesideLanesBeingRead => Some(READING_LANES_SLACK),
+        };
+        if let Some(slack) = slack.filter(|_| matches!(decision, Decision::Allow) && !self.lead().is_zero()) {
+            let reach_ahead = extra_lead + self.hand_off_lead() + slack;
             if slot > now.plus(reach_ahead).max(not_before) {
-                // Taken once it is that near, beside the lanes being read.
+                // Taken once it is that near.
                 return LaneStep::WaitUntil(slot.minus(reach_ahead).max(now.plus(Duration::from_millis(1))));
             }
         }

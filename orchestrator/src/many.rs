@@ -97,6 +97,14 @@ pub(crate) struct ManyLanes<'a> {
     /// last came to hold jobs), and that pace per lane.
     pub own_pace_in_hand: f64,
     own_pace_of: Vec<f64>,
+    /// The same of the lanes the scheduler may pick now (read, their circuit not open,
+    /// jobs in hand), which those are, and how many.
+    pub own_pace_ready: f64,
+    is_ready: Vec<bool>,
+    ready_lanes: usize,
+    /// Whether the lanes ready could use twice the shared quota at some point this run
+    /// (see `Reach::BesideLanesBeingRead`).
+    pub ready_filled_shared: bool,
     /// How far out the last decision let a lane's slot be.
     pub last_reach: Option<Reach>,
     /// Until when the shared quota counts as binding (`SHARED_BINDS_FOR` in `stack.rs`).
@@ -142,6 +150,10 @@ impl<'a> ManyLanes<'a> {
             is_starved: Vec::new(),
             own_pace_in_hand: 0.0,
             own_pace_of: Vec::new(),
+            own_pace_ready: 0.0,
+            is_ready: Vec::new(),
+            ready_lanes: 0,
+            ready_filled_shared: false,
             last_reach: None,
             binds_until: UnixMillis(0),
         }
@@ -162,6 +174,7 @@ impl<'a> ManyLanes<'a> {
         self.is_touched.push(false);
         self.in_hand.push(0);
         self.own_pace_of.push(0.0);
+        self.is_ready.push(false);
         self.is_starved.push(false);
         self.away.push(false);
         index
@@ -260,10 +273,24 @@ impl<'a> ManyLanes<'a> {
             self.not_closed.insert(index);
         }
         let flows = self.hydrated[index] && status != CircuitStatus::Open;
-        if flows && jobs > 0 {
+        let ready = flows && jobs > 0;
+        if ready {
             self.scheduler.ready(index);
         } else {
             self.scheduler.idle(index);
+        }
+        if ready != std::mem::replace(&mut self.is_ready[index], ready) {
+            // Its pace as of when it came to hold jobs, which it has held since.
+            if ready {
+                self.ready_lanes += 1;
+                self.own_pace_ready += self.own_pace_of[index];
+            } else {
+                self.ready_lanes -= 1;
+                self.own_pace_ready -= self.own_pace_of[index];
+            }
+            if self.ready_lanes == 0 {
+                self.own_pace_ready = 0.0; // no rounding left over
+            }
         }
         if flows && lane.front_is_malformed() {
             self.malformed.insert(index);

@@ -1060,6 +1060,7 @@ impl<'a> StackMachine<'a> {
         let batch_ready = self.backlog_in_sight();
         let many = self.many.as_mut().expect("many lanes");
         let reading_lanes = !many.to_hydrate.is_empty() || self.in_flight.hydrations > 0;
+        let shared_pace = many.shared.pace_per_second();
         // While the lanes in hand could use more than the shared quota (and a second
         // after), its schedule (which goes in order) is filled slot after slot: a lane
         // its own tiers hold past the next slot takes it once it is near, as beside lanes
@@ -1067,15 +1068,29 @@ impl<'a> StackMachine<'a> {
         // 10 ms apart each, pulled the schedule out to the lead's end past slots that the
         // lanes received or woken next would have taken (at 10,000 calls/s over 1,000
         // lanes by a Zipf law, 1,600 calls fewer in the second after the start).
-        if many.own_pace_in_hand >= many.shared.pace_per_second() {
+        if many.own_pace_in_hand >= shared_pace {
             many.binds_until = now.plus(SHARED_BINDS_FOR);
         }
         let shared_binds = now < many.binds_until;
-        let reach = if reading_lanes || shared_binds { Reach::HandOffLead } else { Reach::WholeLead };
+        // At a run's start, while a tenth of the shared quota's pace or more waits for
+        // its lanes' reads, those read take the shared quota's schedule only a little
+        // further out than the lanes read next could start (`Reach::BesideLanesBeingRead`),
+        // until the lanes read could use twice the shared quota: they then fill the
+        // schedule out to the hand-off's room at once. Ended as soon as they could use it
+        // all, the room's jump left 60 ms of the schedule a tenth full.
+        many.ready_filled_shared |= many.own_pace_ready >= 2.0 * shared_pace;
+        let awaiting_reads = many.own_pace_in_hand - many.own_pace_ready;
+        let reach = if reading_lanes && !many.ready_filled_shared && awaiting_reads >= shared_pace / 10.0 {
+            Reach::BesideLanesBeingRead
+        } else if reading_lanes || shared_binds {
+            Reach::HandOffLead
+        } else {
+            Reach::WholeLead
+        };
         // The lanes waiting for their slots to come near are looked at again once the
         // whole lead is open: left waiting, they found the lanes looked at first had
         // taken the shared quota's schedule out to the lead's end.
-        if reach == Reach::WholeLead && many.last_reach == Some(Reach::HandOffLead) {
+        if reach == Reach::WholeLead && many.last_reach.is_some_and(|last| last != Reach::WholeLead) {
             many.scheduler.wake_all();
         }
         many.last_reach = Some(reach);
@@ -2399,6 +2414,34 @@ mod tests {
             let widest = slots.windows(2).map(|pair| pair[1].since(pair[0])).max().unwrap_or_default();
             assert!(slots.len() >= 20 && widest <= Duration::from_millis(20), "{heavy}: {} slots, {widest:?} apart at most", slots.len());
         }
+    }
+
+    /// With Lambda workers under a shared 1,000/s: two lanes of 300 jobs each (a backlog
+    /// in sight), read at once, and ten lanes of 20 whose reads take 20 ms. While those
+    /// are read, the two take their slots no further than the hand-off's lead and 25 ms
+    /// out, and the ten, once read, start 42 ms after the first slot. With the 100 ms of
+    /// room a hand-off has while the shared quota binds, the two took the shared quota's
+    /// schedule (which goes in order) 100 ms out and the ten started 112 ms after it: at
+    /// 10,000 calls/s over 1,000 lanes, the few lanes read first had the shared tier's
+    /// first 100 ms to themselves, 1.1% of its first 10 s.
+    #[test]
+    fn lanes_read_first_leave_the_shared_schedule_to_the_lanes_read_a_few_milliseconds_after_them() {
+        let (settings, progress) = (lambda_lanes_settings(), Progress::default());
+        let mut state = stack_holding(
+            &settings,
+            &progress,
+            jobs_of_named_lanes("first", 2, 300, 0).into_iter().chain(jobs_of_named_lanes("slow", 10, 20, 1_000)).collect(),
+        );
+        let read_at = T0.plus(Duration::from_millis(20));
+        let script = Script { slow_reads_at: Some(read_at), ..Script::default() };
+        let hand_offs = drive(&mut state, T0, T0.plus(Duration::from_millis(600)), script);
+        let first_slot = hand_offs.iter().map(|(_, _, slot)| *slot).min().expect("hand-offs");
+        let slow_starts: Vec<Duration> = (0..state.lanes.len())
+            .filter(|lane| named(&state, *lane, "slow"))
+            .filter_map(|lane| hand_offs.iter().filter(|(of, ..)| *of == lane).map(|(_, _, slot)| slot.since(first_slot)).min())
+            .collect();
+        assert_eq!(slow_starts.len(), 10, "every slow lane handed off");
+        assert!(slow_starts.iter().all(|after| *after <= Duration::from_millis(60)), "the slow lanes' first slots after the first: {slow_starts:?}");
     }
 
     /// 3,000 jobs of lane `heavy0`, then five each of 199 lanes `light...`.
