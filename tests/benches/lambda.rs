@@ -9,12 +9,15 @@
 //!   it runs out); from them the dispatch rate each Lambda memory size can sustain
 //!   (Lambda gives a function CPU in proportion to its memory: a whole vCPU at 1,769 MB).
 //!
+//! - 1,000 lanes against one under the same shared quota (10,000/s): CPU per job and the
+//!   process's peak memory.
+//!
 //! `BENCH_RATES=1000,5000` picks the quotas; `BENCH_SKIP_COLD=1` skips the cold starts
-//! and the hand-overs.
+//! and the hand-overs, `BENCH_SKIP_LANES=1` the lanes.
 //!
 //! Run with `cargo build --release -p paceline-orchestrator && cargo bench -p
-//! paceline-e2e --bench lambda`; it starts `.venv/bin/moto_server` unless
-//! `PACELINE_TEST_MOTO_URL` names one (`./scripts/test.sh` installs it).
+//! paceline-e2e --bench lambda`; it starts moto from `.venv` (on one thread) unless
+//! `PACELINE_TEST_MOTO_URL` names a server (`./scripts/test.sh` installs moto).
 #![expect(clippy::disallowed_methods, reason = "a benchmark: it measures and waits on this machine's clock")]
 
 use std::collections::BTreeMap;
@@ -38,16 +41,25 @@ fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The moto server to use: `PACELINE_TEST_MOTO_URL`, or one started here.
+/// moto's server answering one request at a time: threaded, it copies a table for a
+/// transaction while another thread writes it, and fails the transaction (a Python
+/// `RuntimeError`, an unknown error to the SDK), which the run of 1,000 lanes met.
+const MOTO_ON_ONE_THREAD: &str = "import sys
+from werkzeug.serving import run_simple
+from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+run_simple(sys.argv[1], int(sys.argv[2]), DomainDispatcherApplication(create_backend_app), threaded=False)";
+
+/// The moto server to use: `PACELINE_TEST_MOTO_URL`, or one started here (on one
+/// thread).
 fn moto() -> Option<std::process::Child> {
     if std::env::var_os("PACELINE_TEST_MOTO_URL").is_some() {
         return None;
     }
-    let server = workspace().join(".venv/bin/moto_server");
-    assert!(server.exists(), "{} not found: run ./scripts/test.sh once (it installs moto), or set PACELINE_TEST_MOTO_URL", server.display());
+    let python = workspace().join(".venv/bin/python");
+    assert!(python.exists(), "{} not found: run ./scripts/test.sh once (it installs moto), or set PACELINE_TEST_MOTO_URL", python.display());
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let child = std::process::Command::new(server)
-        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+    let child = std::process::Command::new(python)
+        .args(["-c", MOTO_ON_ONE_THREAD, "127.0.0.1", &port.to_string()])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -198,18 +210,45 @@ async fn hand_overs(binary: &Path) {
     println!("| release to the relay's first hand-off | {:.0} ms | {:.0} ms |\n", median(gaps.clone()), gaps.iter().copied().fold(0.0, f64::max));
 }
 
-/// One run at `rate` jobs/s for `seconds` of dispatch: (jobs handed off, CPU seconds,
-/// wall seconds of the run).
-async fn saturated_run(binary: &Path, rate: u32, seconds: u64) -> (u64, f64, f64) {
+/// What a saturated run dispatches: the shared quota's tiers, and with lanes the
+/// template's `Lanes` parameter and how many lanes the jobs are spread over, evenly.
+struct Workload {
+    tiers: String,
+    lanes: Option<(&'static str, usize)>,
+}
+
+/// What a saturated run measured.
+struct Measured {
+    jobs: u64,
+    cpu_seconds: f64,
+    wall_seconds: f64,
+    peak_rss_mb: f64,
+}
+
+/// The most memory the process `pid` has had resident (`VmHWM`), in MB.
+fn peak_rss_mb(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/PID/status");
+    let line = status.lines().find(|line| line.starts_with("VmHWM:")).expect("VmHWM");
+    line.split_whitespace().nth(1).and_then(|kb| kb.parse::<f64>().ok()).expect("VmHWM in kB") / 1024.0
+}
+
+/// One run of `workload` at `rate` jobs/s for `seconds` of dispatch.
+async fn saturated_run(binary: &Path, workload: &Workload, rate: u32, seconds: u64) -> Measured {
     let sdk = moto_sdk_config().await;
     let lambda = FakeLambda::start().await;
     // The jobs queue on the fast fake (moto's receives would cap the lane near 20 jobs/s);
     // the state table on moto.
-    let jobs = (0..rate as usize * (seconds as usize + 2)).map(|n| format!(r#"{{"id":"bench-{n}","request":{{"method":"GET","path":"/items/{n}"}}}}"#));
+    let lane_of = |n: usize| workload.lanes.map_or(String::new(), |(_, lanes)| format!(r#","lane":"tenant-{}""#, n % lanes));
+    let jobs =
+        (0..rate as usize * (seconds as usize + 2)).map(|n| format!(r#"{{"id":"bench-{n}"{},"request":{{"method":"GET","path":"/items/{n}"}}}}"#, lane_of(n)));
     let sqs = FakeSqs::start(jobs).await;
     let mut names = create_lane(&sdk, "bench-worker").await;
     (names.queue_url, names.dlq_url) = (sqs.queue_url(), format!("{}-dlq", sqs.queue_url()));
-    let mut env = orchestrator_env(&names, &format!("{rate}/s"), &lambda);
+    let mut env = orchestrator_env(&names, &workload.tiers, &lambda);
+    if let Some((lanes, _)) = workload.lanes {
+        // As the template's `Lanes` parameter sets it.
+        env.insert("PACELINE_LANES".into(), lanes.to_owned());
+    }
     env.insert("AWS_ENDPOINT_URL_SQS".into(), sqs.url.clone());
     let runtime = RuntimeApi::start().await;
     let function = start_function(binary, &runtime, &env);
@@ -221,13 +260,13 @@ async fn saturated_run(binary: &Path, rate: u32, seconds: u64) -> (u64, f64, f64
     // The run stops the template's 5 s deadline margin before the deadline.
     let request = runtime.invoke(&scheduled_event(), Duration::from_secs(seconds + 5));
     let reported = runtime.reported(&request, Duration::from_secs(seconds + 30)).await;
-    let (cpu, wall) = (cpu_seconds(pid) - cpu_before, started.elapsed().as_secs_f64());
+    let (cpu_seconds, wall_seconds, peak_rss_mb) = (cpu_seconds(pid) - cpu_before, started.elapsed().as_secs_f64(), peak_rss_mb(pid));
     let output = function.stop().await;
     if let Ok(path) = std::env::var("BENCH_OUTPUT") {
         std::fs::write(path, output).unwrap();
     }
     let Some(Reported::Response(report)) = reported else { panic!("the run failed: {reported:?}") };
-    (report["dispatched"].as_u64().unwrap_or(0), cpu, wall)
+    Measured { jobs: report["dispatched"].as_u64().unwrap_or(0), cpu_seconds, wall_seconds, peak_rss_mb }
 }
 
 /// A measured run: its quota, the rate it achieved and the share of a core it used.
@@ -285,7 +324,8 @@ async fn main() {
     );
     let mut loads = Vec::new();
     for rate in rates() {
-        let (jobs, cpu, wall) = saturated_run(&binary, rate, 10).await;
+        let Measured { jobs, cpu_seconds: cpu, wall_seconds: wall, .. } =
+            saturated_run(&binary, &Workload { tiers: format!("{rate}/s"), lanes: None }, rate, 10).await;
         let load = Load { quota: f64::from(rate), jobs_per_second: jobs as f64 / wall, cores: cpu / wall };
         println!(
             "| {rate}/s | {jobs} | {wall:.1} s | {:.0}/s | {cpu:.2} s | {:.0}% | {:.0} us |",
@@ -301,5 +341,39 @@ async fn main() {
     for memory in [128_u32, 256, 512, 1_024, 1_769] {
         let share = (f64::from(memory) * VCPU_PER_MB).min(1.0);
         println!("| {memory} MB | {:.0}% | {} |", share * 100.0, sustainable_rate(&loads, share));
+    }
+    if std::env::var_os("BENCH_SKIP_LANES").is_none() {
+        many_lanes(&binary).await;
+    }
+}
+
+/// Lanes the stack of many lanes spreads its jobs over, and the shared quota's pace.
+const MANY_LANES: usize = 1_000;
+const MANY_LANES_RATE: u32 = 10_000;
+/// Each lane's own tier: the lanes together could use ten times the shared quota.
+const MANY_LANES_CONFIG: &str = r#"{"tiers": ["100/s"]}"#;
+/// A run of many lanes: long enough that reading every lane's state on moto at the
+/// start (one request at a time) is a small part of it.
+const MANY_LANES_SECONDS: u64 = 30;
+
+/// One lane against 1,000 lanes, each of its own 100/s, evenly under the same shared
+/// quota: CPU per job and the process's peak memory.
+async fn many_lanes(binary: &Path) {
+    println!("\n### {MANY_LANES} lanes through one orchestrator (a shared {MANY_LANES_RATE}/s, each lane 100/s, jobs spread evenly; {MANY_LANES_SECONDS} s)\n");
+    println!("| lanes | jobs handed off | run | achieved | CPU (user + system) | share of a core | CPU per job | peak memory (RSS) |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let tiers = format!("{MANY_LANES_RATE}/s");
+    for lanes in [None, Some((MANY_LANES_CONFIG, MANY_LANES))] {
+        let run = saturated_run(binary, &Workload { tiers: tiers.clone(), lanes }, MANY_LANES_RATE, MANY_LANES_SECONDS).await;
+        println!(
+            "| {} | {} | {:.1} s | {:.0}/s | {:.2} s | {:.0}% | {:.0} us | {:.1} MB |",
+            lanes.map_or(1, |(_, n)| n),
+            run.jobs,
+            run.wall_seconds,
+            run.jobs as f64 / run.wall_seconds,
+            run.cpu_seconds,
+            run.cpu_seconds / run.wall_seconds * 100.0,
+            run.cpu_seconds / run.jobs.max(1) as f64 * 1e6,
+            run.peak_rss_mb
+        );
     }
 }
