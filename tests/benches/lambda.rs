@@ -7,8 +7,7 @@
 //! - CPU per job (user + system time of the process over the jobs it handed off) at
 //!   100, 1,000 and 5,000 jobs/s, and at a quota above what one core hands off (where
 //!   it runs out); from them the dispatch rate each Lambda memory size can sustain
-//!   (Lambda gives a function CPU in proportion to its memory: a whole vCPU at 1,769 MB).
-//!
+//!   (Lambda gives a function CPU in proportion to its memory: a whole vCPU at 1,769 MB);
 //! - 1,000 lanes against one under the same shared quota (10,000/s): CPU per job and the
 //!   process's peak memory.
 //!
