@@ -862,6 +862,10 @@ pub trait ScopedStores: Send + Sync {
     }
 }
 
+/// The most pacer snapshots one DynamoDB transaction saves beside the lease's condition
+/// check (a transaction takes 100 items): the adapter's batches, and the simulator's.
+pub const PACERS_A_TRANSACTION: usize = 99;
+
 /// Forgets the call records of attempts 0 to `up_to` of job `job_id`, before a redrive
 /// puts it back on the queue: its attempts count from 0 again (or go on from `up_to`),
 /// and their records would make the worker skip its calls.

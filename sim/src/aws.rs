@@ -18,6 +18,7 @@ use paceline_shared::order::{OrderMark, OrderState};
 use paceline_shared::ports::{
     slot_probe_start, BatchClaim, BatchProgress, CallClaim, Invoker, JobQueue, LaneSignals, Lease, MemoryDocuments, OutgoingMessage, PacerSnapshot, PortError,
     PortResult, QueueDepth, QueuedMessage, ScopedStores, SharedReservation, StackDocument, StackDocuments, StateStore, VisibleAgain, WorkerHandler,
+    PACERS_A_TRANSACTION,
 };
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 
@@ -433,10 +434,10 @@ impl ScopedStores for SimStores {
         self.store_of(scope)
     }
 
-    /// As the DynamoDB adapter saves them: 99 snapshots a transaction, beside the
+    /// As the DynamoDB adapter saves them: [`PACERS_A_TRANSACTION`] a transaction, beside the
     /// lease's condition check (two units for it, and two per KiB of each put).
     async fn save_pacers(&self, lease: &Lease, snapshots: &[(StoreScope, PacerSnapshot)]) -> PortResult<()> {
-        for transaction in snapshots.chunks(99) {
+        for transaction in snapshots.chunks(PACERS_A_TRANSACTION) {
             let kib: u64 = transaction.iter().map(|(_, snapshot)| snapshot_kib(snapshot)).sum();
             self.stack.write("dynamodb:TransactWriteItems", 1, 2 * (1 + kib)).await;
             for (scope, snapshot) in transaction {

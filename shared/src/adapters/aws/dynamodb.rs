@@ -23,7 +23,7 @@ use crate::lane::LaneId;
 use crate::order::{OrderMark, OrderState, ORDER_MARK};
 use crate::ports::{
     slot_probe_start, BatchClaim, BatchProgress, CallClaim, LaneSignals, Lease, PacerSnapshot, PortError, PortResult, ScopedStores, SharedReservation,
-    StackDocument, StackDocuments, StateStore,
+    StackDocument, StackDocuments, StateStore, PACERS_A_TRANSACTION,
 };
 use crate::time::UnixMillis;
 
@@ -377,18 +377,16 @@ impl ScopedStores for DynamoStateStore {
     }
 }
 
-/// The most puts in one transaction beside its condition check (DynamoDB takes 100
-/// items), and the most bytes of them (it takes 4 MB).
-const PUTS_A_TRANSACTION: usize = 99;
+/// The most bytes of puts in one transaction (DynamoDB takes 4 MB).
 const BYTES_A_TRANSACTION: usize = 3_000_000;
 
-/// `puts` (each with its size) in transactions of at most [`PUTS_A_TRANSACTION`] and
+/// `puts` (each with its size) in transactions of at most [`PACERS_A_TRANSACTION`] and
 /// [`BYTES_A_TRANSACTION`], in their order.
 fn transactions_of(puts: Vec<(usize, Put)>) -> Vec<Vec<Put>> {
     let mut transactions: Vec<(usize, Vec<Put>)> = Vec::new();
     for (bytes, put) in puts {
         match transactions.last_mut() {
-            Some((size, open)) if open.len() < PUTS_A_TRANSACTION && *size + bytes <= BYTES_A_TRANSACTION => {
+            Some((size, open)) if open.len() < PACERS_A_TRANSACTION && *size + bytes <= BYTES_A_TRANSACTION => {
                 *size += bytes;
                 open.push(put);
             }
