@@ -175,6 +175,23 @@ impl DynamoStateStore {
             .map_err(build_error)
     }
 
+    /// The put of `scope`'s pacer snapshot, and its size in bytes.
+    fn pacer_put(&self, scope: &StoreScope, snapshot: &PacerSnapshot) -> PortResult<(usize, Put)> {
+        let json = serde_json::to_string(snapshot).map_err(|e| PortError::Fatal(e.to_string()))?;
+        let bytes = json.len();
+        let put = Put::builder().table_name(&self.table).item("pk", s(scope.key(PACER))).item("snapshot", s(json)).build().map_err(build_error)?;
+        Ok((bytes, put))
+    }
+
+    /// `puts` in one transaction with the check that `lease` is still held.
+    async fn save_while_held(&self, lease: &Lease, puts: Vec<Put>, what: &str) -> PortResult<()> {
+        let items = std::iter::once(TransactWriteItem::builder().condition_check(self.lease_check(lease)?).build())
+            .chain(puts.into_iter().map(|put| TransactWriteItem::builder().put(put).build()));
+        let request = self.client.transact_write_items().set_transact_items(Some(items.collect()));
+        request.send().await.map_err(|e| map_sdk_error(what, &e))?;
+        Ok(())
+    }
+
     /// The items of these names (in this scope) that exist, read consistently, 100 a
     /// request.
     async fn batch_get(&self, names: &[String], what: &str) -> PortResult<Vec<Item>> {
@@ -359,19 +376,9 @@ impl ScopedStores for DynamoStateStore {
     /// requests for 1,000 lanes, where one each took 1,000 one after the other (they
     /// cannot go at once: transactions on the same lease item conflict).
     async fn save_pacers(&self, lease: &Lease, snapshots: &[(StoreScope, PacerSnapshot)]) -> PortResult<()> {
-        let mut puts = Vec::with_capacity(snapshots.len());
-        for (scope, snapshot) in snapshots {
-            let json = serde_json::to_string(snapshot).map_err(|e| PortError::Fatal(e.to_string()))?;
-            let bytes = json.len();
-            let put = Put::builder().table_name(&self.table).item("pk", self.scoped(scope).pk(PACER)).item("snapshot", s(json)).build();
-            puts.push((bytes, put.map_err(build_error)?));
-        }
+        let puts = snapshots.iter().map(|(scope, snapshot)| self.pacer_put(scope, snapshot)).collect::<PortResult<Vec<_>>>()?;
         for transaction in transactions_of(puts) {
-            let check = self.lease_check(lease)?;
-            let items = std::iter::once(TransactWriteItem::builder().condition_check(check).build())
-                .chain(transaction.into_iter().map(|put| TransactWriteItem::builder().put(put).build()));
-            let request = self.client.transact_write_items().set_transact_items(Some(items.collect()));
-            request.send().await.map_err(|e| map_sdk_error("dynamodb TransactWriteItems (pacers)", &e))?;
+            self.save_while_held(lease, transaction, "dynamodb TransactWriteItems (pacers)").await?;
         }
         Ok(())
     }
@@ -497,17 +504,8 @@ impl StateStore for DynamoStateStore {
     }
 
     async fn save_pacer(&self, lease: &Lease, snapshot: &PacerSnapshot) -> PortResult<()> {
-        let json = serde_json::to_string(snapshot).map_err(|e| PortError::Fatal(e.to_string()))?;
-        let check = self.lease_check(lease)?;
-        let put = Put::builder().table_name(&self.table).item("pk", self.pk(PACER)).item("snapshot", s(json)).build().map_err(build_error)?;
-        self.client
-            .transact_write_items()
-            .transact_items(TransactWriteItem::builder().condition_check(check).build())
-            .transact_items(TransactWriteItem::builder().put(put).build())
-            .send()
-            .await
-            .map_err(|e| map_sdk_error("dynamodb TransactWriteItems (pacer)", &e))?;
-        Ok(())
+        let (_, put) = self.pacer_put(&self.scope, snapshot)?;
+        self.save_while_held(lease, vec![put], "dynamodb TransactWriteItems (pacer)").await
     }
 
     async fn circuit(&self) -> PortResult<Circuit> {
