@@ -1,6 +1,6 @@
 //! Dispatch benchmark: prints figures, asserts nothing (run: `cargo bench -p
 //! paceline-orchestrator --bench dispatch`). The lane is set up as a Lambda one is: jobs
-//! go 400 ms ahead of their slots (`dispatch_ahead`'s default there).
+//! go ahead of their slots by `dispatch_ahead`'s default there (500 ms).
 //!
 //! 1. AWS requests per dispatched job, by operation, at saturation of a few quotas. The
 //!    ports are wrapped in counters that map each call to the AWS requests its adapter

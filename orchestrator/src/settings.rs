@@ -223,7 +223,7 @@ mod tests {
         assert_eq!(fast_workers.batch_window().as_millis(), 100, "a batch of 1,000 at 10,000/s");
         assert_eq!((window("4/s"), window("3/s")), (500, 0), "a window must hold two jobs");
         let settings = lambda_settings("100/s");
-        assert_eq!((settings.hand_off_lead().as_millis(), settings.dispatch_ahead().as_millis()), (400, 900));
+        assert_eq!((settings.hand_off_lead().as_millis(), settings.dispatch_ahead().as_millis()), (500, 1_000));
         let in_process = Settings { workers: WorkerHost::InProcess, ..lambda_settings("100/s") };
         assert_eq!((in_process.batch_window(), in_process.worker_batch()), (Duration::ZERO, 1), "no batches in one process");
         let capped = Settings { quota: lambda_settings("100/s").quota.with_max_in_flight(Some(5)), ..lambda_settings("100/s") };

@@ -407,7 +407,7 @@ async fn an_orchestrator_killed_mid_run_never_lets_the_day_counter_fall_under_th
     let report = lane.orchestrator().run(&drain_opts("second", Duration::from_secs(60))).await.unwrap();
     assert_eq!(report.stop, StopReason::Drained);
     // Lambda workers get their job ahead of its slot (PACELINE_DISPATCH_AHEAD defaults
-    // to 400 ms): the last ones call a moment after the run is drained.
+    // to 500 ms): the last ones call a moment after the run is drained.
     let settled_by = system_now().plus(Duration::from_secs(5));
     while api.log().ok_by_path.len() < 30 && system_now() < settled_by {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -1112,7 +1112,7 @@ async fn an_ordered_lane_on_a_fifo_queue_calls_its_jobs_in_enqueue_order_and_eac
         // Scattered failures never open the circuit.
         ("PACELINE_MINIMUM_CALLS", "1000"),
         // Workers behind the fake Lambda start within a few store calls: no need to hand
-        // off 400 ms early.
+        // off 500 ms early.
         ("PACELINE_DISPATCH_AHEAD", "50ms"),
     ];
     lane.env.extend(settings.iter().map(|(name, value)| ((*name).to_owned(), (*value).to_owned())));

@@ -33,7 +33,7 @@ pub const EXIT_OVER_QUOTA: u8 = 3;
 #[derive(Debug, thiserror::Error)]
 #[error(
     "{violations} calls were refused as over quota (exit code {EXIT_OVER_QUOTA}). hint: hand jobs off ahead of their slot \
-     (`orchestrator.dispatch_ahead`, 400ms where workers are Lambda functions) and keep `quota.safety_margin` above the \
+     (`orchestrator.dispatch_ahead`, 500ms where workers are Lambda functions) and keep `quota.safety_margin` above the \
      network's jitter; `--baselines` shows the difference"
 )]
 pub struct OverQuota {

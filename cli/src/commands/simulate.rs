@@ -81,7 +81,7 @@ pub struct SimulateArgs {
     /// learns of other clients only from 429s.
     #[arg(long)]
     pub no_rate_limit_headers: bool,
-    /// Override the config's `orchestrator.dispatch_ahead` (0s for none; unset, 400ms as
+    /// Override the config's `orchestrator.dispatch_ahead` (0s for none; unset, 500ms as
     /// for Lambda workers).
     #[arg(long, value_parser = humantime::parse_duration)]
     pub dispatch_ahead: Option<Duration>,

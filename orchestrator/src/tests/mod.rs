@@ -68,7 +68,7 @@ fn lane(tiers: &[&str], margin_ms: u64) -> Lane {
 }
 
 /// Hands off as on Lambda: workers there, batches of up to 1,000 jobs, the hand-off's
-/// lead `lead_ms` (400 ms by default there) and the batch window before it.
+/// lead `lead_ms` (500 ms by default there) and the batch window before it.
 fn as_on_lambda(settings: &mut Settings, lead_ms: u64) {
     settings.workers = WorkerHost::Lambda;
     settings.orchestrator.dispatch_ahead = Some(Duration::from_millis(lead_ms));
