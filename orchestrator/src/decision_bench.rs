@@ -148,10 +148,13 @@ pub fn drain(
                 let granted = needed.iter().map(|reservation| crate::reservations::Granted { units: reservation.units, shared_count: None }).collect();
                 Event::SharedReserved(needed, Ok(granted))
             }
-            Action::HydrateLane(lane) => {
+            Action::HydrateLanes(lanes) => {
                 // A fresh store: nothing used in any tier.
-                let calendar_used = vec![0; machine.lane_scope(lane).1.tiers().len()];
-                Event::LaneHydrated(lane, Ok(LaneStart { last_run: crate::handover::LastRun::None, calendar_used, shared: shared() }))
+                let start = |lane: usize| {
+                    let calendar_used = vec![0; machine.lane_scope(lane).1.tiers().len()];
+                    LaneStart { last_run: crate::handover::LastRun::None, calendar_used, shared: shared() }
+                };
+                Event::LanesHydrated(lanes.into_iter().map(|lane| (lane, Ok(start(lane)))).collect())
             }
             Action::Forward(..) | Action::ReadShares | Action::WriteShares(..) | Action::ReadHomes | Action::HandOver(..) => {
                 unreachable!("the benchmarked stack is one shard")
@@ -188,7 +191,7 @@ pub fn drain(
                 if let WorkerPayload::Job { job, .. } = &payload {
                     on_call(hand_off.slot, job);
                 }
-                Event::HandedOff(hand_off, payload, Ok(()))
+                Event::HandedOff(hand_off, Box::new(payload), Ok(()))
             }
             Action::HealthCheck(lane, _) => Event::HealthChecked(lane, Ok(())),
             Action::CheckDrained => Event::DrainChecked(Ok(queue.by_time.is_empty())),

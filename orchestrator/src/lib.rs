@@ -51,8 +51,9 @@ use paceline_shared::order::OrderMark;
 use paceline_shared::outcome::{Answer, Ending, OutcomeRecord, OutcomeSettings, OutcomeTimes};
 use paceline_shared::pacer::MissedSlots;
 use paceline_shared::ports::{
-    load_calendar_usage, load_shared_calendar_usage, read_document, write_document, Invoker, JobQueue, LaneSignals, Lease, OutcomeSink, OutgoingMessage,
-    PacerSnapshot, PortError, PortResult, QueuedMessage, ScopedStores, StackDocument, StackDocuments, StateStore, VisibleAgain, CALL_SLOTS_FULL_KEY,
+    load_calendar_usage, load_shared_calendar_usage, read_document, write_document, Invoker, JobQueue, LaneFirstRead, LaneSignals, Lease, OutcomeSink,
+    OutgoingMessage, PacerSnapshot, PortError, PortResult, QueuedMessage, ScopedStores, StackDocument, StackDocuments, StateStore, VisibleAgain,
+    CALL_SLOTS_FULL_KEY,
 };
 use paceline_shared::quota::Quota;
 use paceline_shared::time::{Clock, UnixMillis};
@@ -555,15 +556,12 @@ impl Executor<'_> {
                 return Ok(());
             }
             // In the background: a thousand lanes' first reads must not hold the loop.
-            Action::HydrateLane(index) => {
-                let lane = self.lane_to_read(index);
-                let (lanes, lease, stack, clock) = (o.lanes.clone(), self.state.lease().clone(), self.stack_cooling(), o.clock.clone());
+            Action::HydrateLanes(indices) => {
+                let stores = o.scoped_stores.clone().expect("a stack of many lanes has its scoped stores");
+                let lanes: Vec<(usize, LaneToRead)> = indices.into_iter().map(|index| (index, self.lane_to_read(index))).collect();
+                let (config, lease, stack, clock) = (o.lanes.clone(), self.state.lease().clone(), self.stack_cooling(), o.clock.clone());
                 self.background.spawn(async move {
-                    let start = match cool_down_in(stack.as_deref()).await {
-                        Ok(stack_cool_down) => hydrate_lane(&lane, lanes.as_deref(), &lease, stack_cool_down, clock.as_ref()).await,
-                        Err(e) => Err(e),
-                    };
-                    Event::LaneHydrated(index, start)
+                    Event::LanesHydrated(hydrate_lanes(stores.as_ref(), lanes, config.as_deref(), &lease, stack.as_deref(), clock.as_ref()).await)
                 });
                 return Ok(());
             }
@@ -665,7 +663,7 @@ impl Executor<'_> {
                         Ok(()) => invoker.invoke(&payload, Some(&hand_off.message.receipt)).await,
                         Err(e) => Err(e),
                     };
-                    Event::HandedOff(hand_off, payload, result)
+                    Event::HandedOff(hand_off, Box::new(payload), result)
                 });
                 return Ok(());
             }
@@ -853,25 +851,73 @@ async fn lane_start(store: &dyn StateStore, quota: &Quota, earlier_runs: bool, s
     Ok(LaneStart { last_run, calendar_used, shared })
 }
 
-/// A lane's first read in a stack of many lanes (`lanes`): what it starts from, an
-/// operator's change of its settings, and its snapshot marked as under way.
-async fn hydrate_lane(lane: &LaneToRead, lanes: Option<&LanesConfig>, lease: &Lease, stack_cool_down: UnixMillis, clock: &dyn Clock) -> PortResult<LaneStart> {
-    let store = lane.store.as_ref();
-    // A lane with no snapshot never dispatched: its first run writes one first.
-    let mut start = lane_start(store, &lane.quota, false, stack_cool_down, clock).await?;
-    if let Some(lanes) = lanes {
-        start.shared.retune = retune_of(lanes, lane, store.lane_change().await?, clock).await?;
-    }
-    let now = Some(clock.now());
-    let marker = match &start.last_run {
-        LastRun::Clean(last) | LastRun::Unclean { snapshot: Some(last), .. } => PacerSnapshot { at_exit: false, saved_at: now, ..last.clone() },
-        LastRun::None | LastRun::Unclean { snapshot: None, .. } => {
-            PacerSnapshot { state: paceline_shared::pacer::PacerState::new(&lane.quota), at_exit: false, effective_rate: None, saved_at: now }
-        }
-    };
-    match store.save_pacer(lease, &marker).await {
-        Ok(()) | Err(PortError::Conflict(_)) => Ok(start),
+/// The first reads of `lanes` in a stack of many lanes (`config`): what each starts
+/// from, an operator's change of its settings, and its snapshot marked as under way, in
+/// a few requests for them all (their items read together, their marks saved together)
+/// where each lane's own took four. A lane whose read failed is read again later; a
+/// read or a save that failed for all fails each.
+async fn hydrate_lanes(
+    stores: &dyn ScopedStores,
+    lanes: Vec<(usize, LaneToRead)>,
+    config: Option<&LanesConfig>,
+    lease: &Lease,
+    stack: Option<&dyn StateStore>,
+    clock: &dyn Clock,
+) -> Vec<(usize, PortResult<LaneStart>)> {
+    let ids: Vec<LaneId> = lanes.iter().map(|(_, lane)| lane.id.clone()).collect();
+    let read = match cool_down_in(stack).await {
+        Ok(stack_cool_down) => stores.lanes_first_reads(&ids).await.map(|reads| (reads, stack_cool_down)),
         Err(e) => Err(e),
+    };
+    let (reads, stack_cool_down) = match read {
+        Ok(read) => read,
+        Err(e) => return lanes.into_iter().map(|(index, _)| (index, Err(e.clone()))).collect(),
+    };
+    // What is left to read is each lane's own (calendar counters, call slots, a changed
+    // lane's settings), for most lanes nothing: read for all at once.
+    let started =
+        futures_util::future::join_all(lanes.iter().zip(reads).map(|((_, lane), read)| first_start(lane, read, config, stack_cool_down, clock))).await;
+    let (mut starts, mut marks) = (Vec::with_capacity(lanes.len()), Vec::with_capacity(lanes.len()));
+    for ((index, lane), start) in lanes.into_iter().zip(started) {
+        if let Ok(start) = &start {
+            marks.push((StoreScope::Lane(lane.id.clone()), under_way_mark(&start.last_run, &lane.quota, clock.now())));
+        }
+        starts.push((index, start));
+    }
+    match stores.save_pacers(lease, &marks).await {
+        // Lost already: the first renewal says so and the run stops.
+        Ok(()) | Err(PortError::Conflict(_)) => starts,
+        Err(e) => starts.into_iter().map(|(index, _)| (index, Err(e.clone()))).collect(),
+    }
+}
+
+/// What `lane` starts from, as its first read found it (`config`: the stack's lanes).
+async fn first_start(
+    lane: &LaneToRead,
+    read: LaneFirstRead,
+    config: Option<&LanesConfig>,
+    stack_cool_down: UnixMillis,
+    clock: &dyn Clock,
+) -> PortResult<LaneStart> {
+    let store = lane.store.as_ref();
+    let last_run = LastRun::judge(read.pacer, &lane.quota, false, clock.now())?;
+    let calendar_used = load_calendar_usage(store, &lane.quota, clock.now()).await?;
+    let mut shared = shared_state_of(read.signals, stack_cool_down, store, &lane.quota, clock).await?;
+    if let Some(config) = config {
+        shared.retune = retune_of(config, lane, read.change, clock).await?;
+    }
+    Ok(LaneStart { last_run, calendar_used, shared })
+}
+
+/// The snapshot that marks a lane's state as under way in this run: its last run's, or
+/// a new pacer's (a lane with no snapshot never dispatched: its first run writes one
+/// before its first call).
+fn under_way_mark(last_run: &LastRun, quota: &Quota, now: UnixMillis) -> PacerSnapshot {
+    match last_run {
+        LastRun::Clean(last) | LastRun::Unclean { snapshot: Some(last), .. } => PacerSnapshot { at_exit: false, saved_at: Some(now), ..last.clone() },
+        LastRun::None | LastRun::Unclean { snapshot: None, .. } => {
+            PacerSnapshot { state: paceline_shared::pacer::PacerState::new(quota), at_exit: false, effective_rate: None, saved_at: Some(now) }
+        }
     }
 }
 

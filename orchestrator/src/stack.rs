@@ -130,9 +130,9 @@ pub(crate) enum Action {
     /// Reserve these calendar units from the shared quota's counters before they are
     /// spent (await it): in a stack of shards, the counters all its shards reserve from.
     ReserveShared(Vec<Reservation>),
-    /// Read a lane's last snapshot, calendar usage and circuit, the first time it has
-    /// jobs in this run (await it).
-    HydrateLane(usize),
+    /// Read these lanes' last snapshots, calendar usage and circuits, the first time
+    /// they have jobs in this run (await it).
+    HydrateLanes(Vec<usize>),
     /// Move a message to the jobs DLQ with its reason (await it); its job where it parsed
     /// (for the job's outcome record).
     DeadLetter(QueuedMessage, DeadLetterReason, Option<Box<Job>>),
@@ -186,7 +186,7 @@ pub(crate) enum Event {
     Reserved(usize, Vec<Reservation>, PortResult<()>),
     /// The shared quota's units asked, and what was granted of each.
     SharedReserved(Vec<Reservation>, PortResult<Vec<Granted>>),
-    LaneHydrated(usize, PortResult<LaneStart>),
+    LanesHydrated(Vec<(usize, PortResult<LaneStart>)>),
     DeadLettered(QueuedMessage, PortResult<()>),
     Forwarded(Vec<QueuedMessage>, PortResult<()>),
     Released(usize, PortResult<()>),
@@ -199,7 +199,7 @@ pub(crate) enum Event {
         long_poll: bool,
     },
     Deleted(Vec<String>, PortResult<()>),
-    HandedOff(HandOff, WorkerPayload, PortResult<()>),
+    HandedOff(HandOff, Box<WorkerPayload>, PortResult<()>),
     HealthChecked(usize, PortResult<()>),
     RelayStarted(PortResult<()>),
     SharesRead(PortResult<Option<(ShareBook, u64)>>),
@@ -262,10 +262,15 @@ impl InFlight {
     }
 }
 
-/// Lanes' first reads under way at once at most (each a few requests to the store). At
-/// 32, the first reads of 1,000 lanes took most of a second, and the first second at
-/// 10,000 calls/s held 3,740 calls.
+/// Lanes whose first reads are under way at once at most. At 32, the first reads of
+/// 1,000 lanes took most of a second, and the first second at 10,000 calls/s held 3,740
+/// calls.
 const HYDRATIONS_IN_FLIGHT: usize = 128;
+
+/// The most lanes read together the first time (their items in one DynamoDB
+/// BatchGetItem, five a lane, and their marks in one transaction): each lane read
+/// alone took four requests, most of a stack of 1,000 lanes' DynamoDB requests.
+const LANES_A_FIRST_READ: usize = 20;
 
 /// Once the lanes in hand could use more than the shared quota, it counts as binding this
 /// long after (see `Reach::HandOffLead`): their sum dips while lanes run dry between
@@ -1007,22 +1012,23 @@ impl<'a> StackMachine<'a> {
         if self.in_flight.hydrations < HYDRATIONS_IN_FLIGHT {
             // A lane moved here is read once the shard it left has handed its pace over.
             let arriving = |index: usize| self.homes.as_ref().is_some_and(|homes| homes.arriving_until(self.lanes[index].id(), now).is_some());
-            let (mut waiting, mut hydrate) = (Vec::new(), None);
-            while let Some(index) = many.to_hydrate.pop_front() {
-                if many.hydrated[index] {
+            let room = (HYDRATIONS_IN_FLIGHT - self.in_flight.hydrations).min(LANES_A_FIRST_READ);
+            let (mut waiting, mut hydrate) = (Vec::new(), Vec::new());
+            while hydrate.len() < room {
+                let Some(index) = many.to_hydrate.pop_front() else { break };
+                if many.hydrated[index] || hydrate.contains(&index) {
                     continue;
                 }
                 if arriving(index) {
                     waiting.push(index);
                     continue;
                 }
-                hydrate = Some(index);
-                break;
+                hydrate.push(index);
             }
             many.to_hydrate.extend(waiting);
-            if let Some(index) = hydrate {
-                self.in_flight.hydrations += 1;
-                return Action::HydrateLane(index);
+            if !hydrate.is_empty() {
+                self.in_flight.hydrations += hydrate.len();
+                return Action::HydrateLanes(hydrate);
             }
         }
         if let Some(recall) = self.recall_for_a_dry_lane(now) {
@@ -1444,23 +1450,29 @@ impl<'a> StackMachine<'a> {
         }
     }
 
-    /// A lane's first read came back.
-    fn on_lane_hydrated(&mut self, index: usize, result: PortResult<LaneStart>, now: UnixMillis) -> Result<(), RunError> {
-        self.in_flight.hydrations -= 1;
-        let many = self.many.as_mut().expect("many lanes");
-        many.touch(index);
-        match result {
-            Ok(start) => {
-                many.hydrated[index] = true;
-                self.lanes[index].hydrate(start.last_run, &start.calendar_used, now);
-                self.apply_shared_state(index, start.shared, now);
-                Ok(())
+    /// Lanes' first reads came back.
+    fn on_lanes_hydrated(&mut self, results: Vec<(usize, PortResult<LaneStart>)>, now: UnixMillis) -> Result<(), RunError> {
+        self.in_flight.hydrations -= results.len();
+        let mut failed = None;
+        for (index, result) in results {
+            let many = self.many.as_mut().expect("many lanes");
+            many.touch(index);
+            match result {
+                Ok(start) => {
+                    many.hydrated[index] = true;
+                    self.lanes[index].hydrate(start.last_run, &start.calendar_used, now);
+                    self.apply_shared_state(index, start.shared, now);
+                }
+                // Read again at the next decision after the hand-off back-off.
+                Err(e) => {
+                    many.to_hydrate.push_back(index);
+                    failed = Some(e);
+                }
             }
-            // Read again at the next decision after the hand-off back-off.
-            Err(e) => {
-                many.to_hydrate.push_back(index);
-                self.retry_later(e, Timer::InvokeHold, now, "could not read a lane's state")
-            }
+        }
+        match failed {
+            Some(e) => self.retry_later(e, Timer::InvokeHold, now, "could not read a lane's state"),
+            None => Ok(()),
         }
     }
 
@@ -1516,7 +1528,7 @@ impl<'a> StackMachine<'a> {
                 self.touch(lane);
                 self.lanes[lane].on_order_read(result, now)
             }
-            Event::LaneHydrated(lane, result) => self.on_lane_hydrated(lane, result, now),
+            Event::LanesHydrated(results) => self.on_lanes_hydrated(results, now),
             Event::Flushed(Ok(()) | Err(PortError::Conflict(_))) => {
                 // A lost lease: the next renewal says so; the new holder's snapshot wins.
                 self.backoffs.flush.succeeded();
@@ -1572,7 +1584,7 @@ impl<'a> StackMachine<'a> {
                 }
                 Ok(())
             }
-            Event::HandedOff(in_hand, payload, result) => self.on_handed_off(in_hand, payload, result, now),
+            Event::HandedOff(in_hand, payload, result) => self.on_handed_off(in_hand, *payload, result, now),
             Event::RelayStarted(result) => {
                 // Without a relay the next kick starts the next run, as before relays.
                 if let Err(e) = result {
@@ -2008,10 +2020,11 @@ mod tests {
     fn next_past_reads(state: &mut StackMachine<'_>, now: UnixMillis) -> Action {
         loop {
             match next(state, now) {
-                Action::HydrateLane(index) => {
-                    let shared = SharedState { circuit: Circuit::default(), cool_down: UnixMillis(0), provider_reading: None, call_slots: None, retune: None };
-                    let start = LaneStart { last_run: LastRun::None, calendar_used: Vec::new(), shared };
-                    state.on_event(Event::LaneHydrated(index, Ok(start)), now).unwrap();
+                Action::HydrateLanes(indices) => {
+                    let shared =
+                        || SharedState { circuit: Circuit::default(), cool_down: UnixMillis(0), provider_reading: None, call_slots: None, retune: None };
+                    let start = || LaneStart { last_run: LastRun::None, calendar_used: Vec::new(), shared: shared() };
+                    state.on_event(Event::LanesHydrated(indices.into_iter().map(|index| (index, Ok(start()))).collect()), now).unwrap();
                 }
                 Action::Flush(..) => state.on_event(Event::Flushed(Ok(())), now).unwrap(),
                 Action::Receive { .. } => state.on_event(Event::Received { result: Ok(Vec::new()), took: Duration::ZERO, long_poll: false }, now).unwrap(),
@@ -2276,19 +2289,19 @@ mod tests {
             if script.slow_reads_at.is_some_and(|at| at <= now) {
                 for index in std::mem::take(&mut slow_pending) {
                     let start = LaneStart { last_run: LastRun::None, calendar_used: Vec::new(), shared: read(state, index) };
-                    state.on_event(Event::LaneHydrated(index, Ok(start)), now).unwrap();
+                    state.on_event(Event::LanesHydrated(vec![(index, Ok(start))]), now).unwrap();
                 }
             }
             if script.arriving.as_ref().is_some_and(|(at, _)| *at <= now) {
                 answer_receive(state, script.arriving.take().unwrap().1, now);
             }
             let event = match next(state, now) {
-                Action::HydrateLane(index) if named(state, index, "slow") && script.slow_reads_at.is_some_and(|at| at > now) => {
-                    slow_pending.push(index);
-                    continue;
-                }
-                Action::HydrateLane(index) => {
-                    Event::LaneHydrated(index, Ok(LaneStart { last_run: LastRun::None, calendar_used: Vec::new(), shared: read(state, index) }))
+                Action::HydrateLanes(indices) => {
+                    let slow_now = |index: &usize| named(state, *index, "slow") && script.slow_reads_at.is_some_and(|at| at > now);
+                    let (slow, read_now): (Vec<usize>, Vec<usize>) = indices.into_iter().partition(slow_now);
+                    slow_pending.extend(slow);
+                    let start = |index: usize| LaneStart { last_run: LastRun::None, calendar_used: Vec::new(), shared: read(state, index) };
+                    Event::LanesHydrated(read_now.into_iter().map(|index| (index, Ok(start(index)))).collect())
                 }
                 Action::RefreshLanes(lanes) => Event::LanesRefreshed(lanes.into_iter().map(|index| (index, Ok((read(state, index), None)))).collect()),
                 Action::Receive { max, wait, long_poll } => {

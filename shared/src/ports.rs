@@ -360,6 +360,16 @@ pub struct LaneSignals {
     pub provider_reading: Option<ProviderReading>,
 }
 
+/// What a stack reads of a lane before the lane's first job goes: its last pacer
+/// snapshot (an unreadable one is the lane's own error, judged as a missing one is), its
+/// signals and an operator's change of its settings.
+#[derive(Debug)]
+pub struct LaneFirstRead {
+    pub pacer: PortResult<Option<PacerSnapshot>>,
+    pub signals: LaneSignals,
+    pub change: Option<LaneChange>,
+}
+
 /// What a worker found when it claimed the call of one attempt of a job
 /// ([`StateStore::claim_call`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -844,6 +854,23 @@ pub trait ScopedStores: Send + Sync {
         for lane in lanes {
             let store = self.scoped(&StoreScope::Lane(lane.clone()));
             read.push((store.shared_state().await?, store.lane_change().await?));
+        }
+        Ok(read)
+    }
+
+    /// What a stack reads of each of `lanes` before its first job goes, in their order,
+    /// in as few requests as the backend allows: a run of a stack of 1,000 lanes reads
+    /// each lane that has jobs once, as they come.
+    ///
+    /// # Errors
+    /// As [`StateStore::shared_state`] and [`StateStore::lane_change`], for all of them
+    /// (a pacer snapshot that cannot be read is its lane's, in [`LaneFirstRead::pacer`]).
+    async fn lanes_first_reads(&self, lanes: &[LaneId]) -> PortResult<Vec<LaneFirstRead>> {
+        let mut read = Vec::with_capacity(lanes.len());
+        for lane in lanes {
+            let store = self.scoped(&StoreScope::Lane(lane.clone()));
+            let pacer = store.load_pacer().await;
+            read.push(LaneFirstRead { pacer, signals: store.shared_state().await?, change: store.lane_change().await? });
         }
         Ok(read)
     }

@@ -16,9 +16,9 @@ use paceline_shared::keys::StoreScope;
 use paceline_shared::lane::LaneId;
 use paceline_shared::order::{OrderMark, OrderState};
 use paceline_shared::ports::{
-    slot_probe_start, BatchClaim, BatchProgress, CallClaim, Invoker, JobQueue, LaneSignals, Lease, MemoryDocuments, OutgoingMessage, PacerSnapshot, PortError,
-    PortResult, QueueDepth, QueuedMessage, ScopedStores, SharedReservation, StackDocument, StackDocuments, StateStore, VisibleAgain, WorkerHandler,
-    PACERS_A_TRANSACTION,
+    slot_probe_start, BatchClaim, BatchProgress, CallClaim, Invoker, JobQueue, LaneFirstRead, LaneSignals, Lease, MemoryDocuments, OutgoingMessage,
+    PacerSnapshot, PortError, PortResult, QueueDepth, QueuedMessage, ScopedStores, SharedReservation, StackDocument, StackDocuments, StateStore, VisibleAgain,
+    WorkerHandler, PACERS_A_TRANSACTION,
 };
 use paceline_shared::time::{Clock, TokioClock, UnixMillis};
 
@@ -428,6 +428,27 @@ impl ScopedStores for SimStores {
         self.world.ledger.dynamodb_read_units.fetch_add(items, Ordering::Relaxed);
         let store = |lane: &LaneId| lock(&self.lanes).get(lane).cloned();
         Ok(lanes.iter().map(|lane| (store(lane).map_or_else(LaneSignals::default, |store| store.state().signals()), None)).collect())
+    }
+
+    /// As the DynamoDB adapter reads them: five items a lane, 100 a BatchGetItem.
+    async fn lanes_first_reads(&self, lanes: &[LaneId]) -> PortResult<Vec<LaneFirstRead>> {
+        let items = 5 * lanes.len() as u64;
+        for _ in 0..items.div_ceil(100) {
+            self.world.ledger.count("dynamodb:BatchGetItem", 1);
+            self.world.call(Stream::DynamoDb).await;
+        }
+        self.world.ledger.dynamodb_read_units.fetch_add(items, Ordering::Relaxed);
+        let store = |lane: &LaneId| lock(&self.lanes).get(lane).cloned();
+        Ok(lanes
+            .iter()
+            .map(|lane| match store(lane) {
+                Some(store) => {
+                    let state = store.state();
+                    LaneFirstRead { pacer: Ok(state.pacer.clone()), signals: state.signals(), change: None }
+                }
+                None => LaneFirstRead { pacer: Ok(None), signals: LaneSignals::default(), change: None },
+            })
+            .collect())
     }
 
     fn scoped(&self, scope: &StoreScope) -> Arc<dyn StateStore> {

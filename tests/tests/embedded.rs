@@ -408,7 +408,11 @@ async fn simulate_of_a_minimal_config_stays_in_quota_and_exits_non_zero_with_a_h
     let minimal = simulate(None).await;
     let report: serde_json::Value = serde_json::from_slice(&minimal.stdout).unwrap();
     let default_lead = u64::try_from(paceline_shared::config::LAMBDA_DISPATCH_AHEAD.as_millis()).unwrap();
-    assert_eq!((report["violations"].as_u64(), report["dispatch_ahead_ms"].as_u64(), minimal.status.code()), (Some(0), Some(default_lead), Some(0)), "{report}");
+    assert_eq!(
+        (report["violations"].as_u64(), report["dispatch_ahead_ms"].as_u64(), minimal.status.code()),
+        (Some(0), Some(default_lead), Some(0)),
+        "{report}"
+    );
     assert_eq!(report["baselines"], serde_json::json!([]), "one shape with or without baselines: {report}");
 }
 

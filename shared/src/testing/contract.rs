@@ -368,7 +368,7 @@ pub async fn shared_counters(documents: Arc<dyn StackDocuments>, stack: Option<A
 }
 
 /// Many lanes' pacer snapshots saved together (250: more than one request holds) are
-/// each its own lane's, and none is saved without the lease.
+/// each its own lane's, read alone or together, and none is saved without the lease.
 ///
 /// # Panics
 /// When the stores break the contract.
@@ -390,6 +390,15 @@ pub async fn pacers_saved_together(stores: &dyn ScopedStores, now: UnixMillis) {
     for (scope, snapshot) in &snapshots {
         assert_eq!(stores.scoped(scope).load_pacer().await.unwrap().as_ref(), Some(snapshot), "{scope:?}");
     }
+    // Read together the first time (more than one request holds them), and one lane
+    // never saved.
+    let lanes: Vec<LaneId> = (0..=250_u64).map(|n| LaneId::parse(&format!("tenant{n}")).unwrap()).collect();
+    let reads = stores.lanes_first_reads(&lanes).await.unwrap();
+    assert_eq!(reads.len(), lanes.len());
+    for ((scope, snapshot), read) in snapshots.iter().zip(&reads) {
+        assert_eq!(read.pacer, Ok(Some(snapshot.clone())), "{scope:?} read with the others");
+    }
+    assert_eq!(reads[250].pacer, Ok(None), "a lane never saved has no snapshot");
     stack.release_lease(&lease).await.unwrap();
 }
 
@@ -428,7 +437,11 @@ pub async fn lanes_apart(stores: &dyn ScopedStores, now: UnixMillis) {
     let ids: Vec<LaneId> = ["acme", "default", "gold:eu"].iter().map(|id| LaneId::parse(id).unwrap()).collect();
     let together = stores.lanes_signals(&ids).await.unwrap();
     let alone = [(acme.shared_state().await.unwrap(), None), (default.shared_state().await.unwrap(), None), (gold.shared_state().await.unwrap(), Some(change))];
+    let first_reads = stores.lanes_first_reads(&ids).await.unwrap();
     assert_eq!(together, alone, "many lanes read together are each read as alone");
+    for (first, (signals, change)) in first_reads.iter().zip(&alone) {
+        assert_eq!((&first.pacer, &first.signals, &first.change), (&Ok(None), signals, change), "a lane's first read, with the others, is as alone");
+    }
     let listed: Vec<String> = stores.scoped(&StoreScope::Stack).lanes_with_state().await.unwrap().iter().map(ToString::to_string).collect();
     assert!(listed.contains(&"gold:eu".to_owned()), "a changed lane is listed: {listed:?}");
     gold.set_lane_change(None).await.unwrap();
