@@ -864,14 +864,10 @@ async fn hydrate_lanes(
     stack: Option<&dyn StateStore>,
     clock: &dyn Clock,
 ) -> Vec<(usize, PortResult<LaneStart>)> {
-    let ids: Vec<LaneId> = lanes.iter().map(|(_, lane)| lane.id.clone()).collect();
-    let read = match cool_down_in(stack).await {
-        Ok(stack_cool_down) => stores.lanes_first_reads(&ids).await.map(|reads| (reads, stack_cool_down)),
-        Err(e) => Err(e),
-    };
-    let (reads, stack_cool_down) = match read {
+    let ids = lane_ids(&lanes);
+    let (reads, stack_cool_down) = match beside_stack_cool_down(stack, stores.lanes_first_reads(&ids)).await {
         Ok(read) => read,
-        Err(e) => return lanes.into_iter().map(|(index, _)| (index, Err(e.clone()))).collect(),
+        Err(e) => return failed_each(lanes, &e),
     };
     // What is left to read is each lane's own (calendar counters, call slots, a changed
     // lane's settings), for most lanes nothing: read for all at once.
@@ -887,8 +883,25 @@ async fn hydrate_lanes(
     match stores.save_pacers(lease, &marks).await {
         // Lost already: the first renewal says so and the run stops.
         Ok(()) | Err(PortError::Conflict(_)) => starts,
-        Err(e) => starts.into_iter().map(|(index, _)| (index, Err(e.clone()))).collect(),
+        Err(e) => failed_each(starts, &e),
     }
+}
+
+/// The ids of lanes read in the background.
+fn lane_ids(lanes: &[(usize, LaneToRead)]) -> Vec<LaneId> {
+    lanes.iter().map(|(_, lane)| lane.id.clone()).collect()
+}
+
+/// What `read` finds, and the stack's cool-down in `stack` (read first).
+async fn beside_stack_cool_down<T>(stack: Option<&dyn StateStore>, read: impl std::future::Future<Output = PortResult<T>>) -> PortResult<(T, UnixMillis)> {
+    let stack_cool_down = cool_down_in(stack).await?;
+    Ok((read.await?, stack_cool_down))
+}
+
+/// `e` for each of `lanes` (by their index in the stack), where their read failed
+/// together.
+fn failed_each<L, T>(lanes: Vec<(usize, L)>, e: &PortError) -> Vec<(usize, PortResult<T>)> {
+    lanes.into_iter().map(|(index, _)| (index, Err(e.clone()))).collect()
 }
 
 /// What `lane` starts from, as its first read found it (`config`: the stack's lanes).
@@ -976,14 +989,10 @@ async fn refresh_lanes(
     stack: Option<&dyn StateStore>,
     clock: &dyn Clock,
 ) -> Vec<(usize, LaneRead)> {
-    let ids: Vec<LaneId> = lanes.iter().map(|(_, lane)| lane.id.clone()).collect();
-    let read = match cool_down_in(stack).await {
-        Ok(stack_cool_down) => stores.lanes_signals(&ids).await.map(|signals| (signals, stack_cool_down)),
-        Err(e) => Err(e),
-    };
-    let (signals, stack_cool_down) = match read {
+    let ids = lane_ids(&lanes);
+    let (signals, stack_cool_down) = match beside_stack_cool_down(stack, stores.lanes_signals(&ids)).await {
         Ok(read) => read,
-        Err(e) => return lanes.into_iter().map(|(index, _)| (index, Err(e.clone()))).collect(),
+        Err(e) => return failed_each(lanes, &e),
     };
     let mut read = Vec::with_capacity(lanes.len());
     for ((index, lane), (signals, change)) in lanes.into_iter().zip(signals) {

@@ -420,24 +420,14 @@ impl SimStores {
 impl ScopedStores for SimStores {
     /// As the DynamoDB adapter reads them: four items a lane, 100 a BatchGetItem.
     async fn lanes_signals(&self, lanes: &[LaneId]) -> PortResult<Vec<(LaneSignals, Option<LaneChange>)>> {
-        let items = 4 * lanes.len() as u64;
-        for _ in 0..items.div_ceil(100) {
-            self.world.ledger.count("dynamodb:BatchGetItem", 1);
-            self.world.call(Stream::DynamoDb).await;
-        }
-        self.world.ledger.dynamodb_read_units.fetch_add(items, Ordering::Relaxed);
+        self.batch_read(4 * lanes.len() as u64).await;
         let store = |lane: &LaneId| lock(&self.lanes).get(lane).cloned();
         Ok(lanes.iter().map(|lane| (store(lane).map_or_else(LaneSignals::default, |store| store.state().signals()), None)).collect())
     }
 
     /// As the DynamoDB adapter reads them: five items a lane, 100 a BatchGetItem.
     async fn lanes_first_reads(&self, lanes: &[LaneId]) -> PortResult<Vec<LaneFirstRead>> {
-        let items = 5 * lanes.len() as u64;
-        for _ in 0..items.div_ceil(100) {
-            self.world.ledger.count("dynamodb:BatchGetItem", 1);
-            self.world.call(Stream::DynamoDb).await;
-        }
-        self.world.ledger.dynamodb_read_units.fetch_add(items, Ordering::Relaxed);
+        self.batch_read(5 * lanes.len() as u64).await;
         let store = |lane: &LaneId| lock(&self.lanes).get(lane).cloned();
         Ok(lanes
             .iter()
@@ -470,6 +460,16 @@ impl ScopedStores for SimStores {
 }
 
 impl SimStores {
+    /// A read of `items` items together, as the DynamoDB adapter reads them: 100 a
+    /// BatchGetItem, one after the other.
+    async fn batch_read(&self, items: u64) {
+        for _ in 0..items.div_ceil(100) {
+            self.world.ledger.count("dynamodb:BatchGetItem", 1);
+            self.world.call(Stream::DynamoDb).await;
+        }
+        self.world.ledger.dynamodb_read_units.fetch_add(items, Ordering::Relaxed);
+    }
+
     /// The store of `scope`'s items.
     fn store_of(&self, scope: &StoreScope) -> Arc<SimStore> {
         match scope {

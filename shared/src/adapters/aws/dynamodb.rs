@@ -226,6 +226,22 @@ impl DynamoStateStore {
         Ok(found)
     }
 
+    /// The items `names` of each of `lanes`, read together ([`Self::batch_get_keys`]),
+    /// each lane's made into what `each` makes of them (its scope, and its item of a name).
+    async fn lanes_items<T>(
+        &self,
+        lanes: &[LaneId],
+        names: &[&str],
+        what: &str,
+        each: impl for<'i> Fn(&StoreScope, &dyn Fn(&str) -> Option<&'i Item>) -> PortResult<T>,
+    ) -> PortResult<Vec<T>> {
+        let scopes: Vec<StoreScope> = lanes.iter().map(|lane| StoreScope::Lane(lane.clone())).collect();
+        let keys: Vec<String> = scopes.iter().flat_map(|scope| names.iter().map(|name| scope.key(name))).collect();
+        let items = self.batch_get_keys(&keys, what).await?;
+        let by_key: HashMap<&str, &Item> = items.iter().map(|item| (get_s(item, "pk"), item)).collect();
+        scopes.iter().map(|scope| each(scope, &|name: &str| by_key.get(scope.key(name).as_str()).copied())).collect()
+    }
+
     /// Claims record `key` (a call's or a batch's) for `holder` until `expires_at`: taken
     /// when there is none, or a claim that expired.
     fn claim(
@@ -364,35 +380,22 @@ impl ScopedStores for DynamoStateStore {
 
     /// Four items a lane, 25 lanes a BatchGetItem: 40 requests for 1,000 lanes.
     async fn lanes_signals(&self, lanes: &[LaneId]) -> PortResult<Vec<(LaneSignals, Option<LaneChange>)>> {
-        let scopes: Vec<StoreScope> = lanes.iter().map(|lane| StoreScope::Lane(lane.clone())).collect();
-        let keys: Vec<String> = scopes.iter().flat_map(|scope| [CIRCUIT, COOL_DOWN, PROVIDER_READING, LANE_CHANGE].map(|name| scope.key(name))).collect();
-        let items = self.batch_get_keys(&keys, "lanes' circuits, cool-downs, readings and settings").await?;
-        let by_key: HashMap<&str, &Item> = items.iter().map(|item| (get_s(item, "pk"), item)).collect();
-        scopes
-            .iter()
-            .map(|scope| {
-                let item = |name: &str| by_key.get(scope.key(name).as_str()).copied();
-                Ok((signals_of(item)?, item(LANE_CHANGE).map(|item| lane_change_of(item, scope)).transpose()?))
-            })
-            .collect()
+        let names = [CIRCUIT, COOL_DOWN, PROVIDER_READING, LANE_CHANGE];
+        self.lanes_items(lanes, &names, "lanes' circuits, cool-downs, readings and settings", |scope, item| {
+            Ok((signals_of(item)?, item(LANE_CHANGE).map(|item| lane_change_of(item, scope)).transpose()?))
+        })
+        .await
     }
 
     /// Five items a lane, 20 lanes a BatchGetItem: 50 requests for 1,000 lanes, where
     /// each lane's own reads took four.
     async fn lanes_first_reads(&self, lanes: &[LaneId]) -> PortResult<Vec<LaneFirstRead>> {
-        let scopes: Vec<StoreScope> = lanes.iter().map(|lane| StoreScope::Lane(lane.clone())).collect();
-        let keys: Vec<String> =
-            scopes.iter().flat_map(|scope| [PACER, CIRCUIT, COOL_DOWN, PROVIDER_READING, LANE_CHANGE].map(|name| scope.key(name))).collect();
-        let items = self.batch_get_keys(&keys, "lanes' pacers, circuits, cool-downs, readings and settings").await?;
-        let by_key: HashMap<&str, &Item> = items.iter().map(|item| (get_s(item, "pk"), item)).collect();
-        scopes
-            .iter()
-            .map(|scope| {
-                let item = |name: &str| by_key.get(scope.key(name).as_str()).copied();
-                let change = item(LANE_CHANGE).map(|item| lane_change_of(item, scope)).transpose()?;
-                Ok(LaneFirstRead { pacer: item(PACER).map(pacer_of).transpose(), signals: signals_of(item)?, change })
-            })
-            .collect()
+        let names = [PACER, CIRCUIT, COOL_DOWN, PROVIDER_READING, LANE_CHANGE];
+        self.lanes_items(lanes, &names, "lanes' pacers, circuits, cool-downs, readings and settings", |scope, item| {
+            let change = item(LANE_CHANGE).map(|item| lane_change_of(item, scope)).transpose()?;
+            Ok(LaneFirstRead { pacer: item(PACER).map(pacer_of).transpose(), signals: signals_of(item)?, change })
+        })
+        .await
     }
 
     /// Up to 99 snapshots a transaction, each with the lease's condition check: 11
