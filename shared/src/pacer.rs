@@ -221,7 +221,42 @@ pub struct RollingState {
     /// it, so a strict leaky bucket at the provider's rate never sees two calls too close.
     #[serde(default)]
     spaced_until_scaled: u128,
+    /// The limit the two instants above are scaled by: the limit they were last kept
+    /// under, which is not the tier's own where a shard's share of a shared quota moved
+    /// (0 in a snapshot from before: the tier's own).
+    #[serde(default)]
+    scaled_by: u64,
     log: SlidingWindowLog,
+}
+
+impl RollingState {
+    /// The limit `tat_scaled` and `spaced_until_scaled` are scaled by, for the state of
+    /// `tier`.
+    fn scale(&self, tier: &Tier) -> u64 {
+        if self.scaled_by == 0 {
+            tier.limit
+        } else {
+            self.scaled_by
+        }
+    }
+
+    /// `tat_scaled` and `spaced_until_scaled` scaled by `limit` (rounded up: never an
+    /// earlier instant), for the state of `tier`: the same instants under whichever
+    /// limit a share of the tier moved to.
+    fn instants_scaled_by(&self, tier: &Tier, limit: u64) -> (u128, u128) {
+        let scale = self.scale(tier);
+        if scale == limit || scale == 0 {
+            return (self.tat_scaled, self.spaced_until_scaled);
+        }
+        let rescale = |scaled: u128| (scaled * u128::from(limit)).div_ceil(u128::from(scale));
+        (rescale(self.tat_scaled), rescale(self.spaced_until_scaled))
+    }
+
+    /// Keeps the instants scaled by `limit` from now on (see [`Self::instants_scaled_by`]).
+    fn rescale_to(&mut self, tier: &Tier, limit: u64) {
+        (self.tat_scaled, self.spaced_until_scaled) = self.instants_scaled_by(tier, limit);
+        self.scaled_by = limit;
+    }
 }
 
 /// State of one calendar tier: units used in the window starting at `window_start`.
@@ -296,13 +331,14 @@ impl Quota {
             let tier_ready = match &tier_state.rolling {
                 Some(rolling) => {
                     let rules = self.rules(index, tier);
+                    let (tat_scaled, spaced_until_scaled) = rolling.instants_scaled_by(&tier_state.tier, tier.limit);
                     let gcra = rules.gcra_tolerance.map_or(now, |tolerance| {
                         // A bucket of `tolerance + 1` units: a job may start while the
                         // bucket has room for it (for a heavy job, room for all of it
                         // up to the bucket's size).
                         let room = u128::from(tolerance + 1 - cost.min(tolerance + 1));
-                        let ready_scaled = rolling.tat_scaled.saturating_sub(room * u128::from(state.window_ms(self, tier)));
-                        let ready_scaled = if tolerance == 0 && self.strict_gaps() { ready_scaled.max(rolling.spaced_until_scaled) } else { ready_scaled };
+                        let ready_scaled = tat_scaled.saturating_sub(room * u128::from(state.window_ms(self, tier)));
+                        let ready_scaled = if tolerance == 0 && self.strict_gaps() { ready_scaled.max(spaced_until_scaled) } else { ready_scaled };
                         UnixMillis(u64::try_from(ready_scaled.div_ceil(u128::from(tier.limit))).unwrap_or(u64::MAX))
                     });
                     let window = if rules.window { rolling.log.ready_at(now, cost, tier.limit).unwrap_or(UnixMillis(u64::MAX)) } else { now };
@@ -409,6 +445,7 @@ impl PacerState {
                     Period::Rolling(_) => Some(RollingState {
                         tat_scaled: 0,
                         spaced_until_scaled: 0,
+                        scaled_by: tier.limit,
                         log: SlidingWindowLog::new(Duration::from_millis(quota.effective_window_ms(tier)), tier.limit),
                     }),
                     Period::Day | Period::Month => None,
@@ -526,6 +563,7 @@ impl PacerState {
         for (index, (tier, tier_state)) in quota.tiers().iter().zip(&mut self.tiers).enumerate() {
             match &mut tier_state.rolling {
                 Some(rolling) => {
+                    rolling.rescale_to(&tier_state.tier, tier.limit);
                     let limit = u128::from(tier.limit);
                     let step = u128::from(quota.effective_window_ms(tier) + learned_margin_ms) * u128::from(cost);
                     let now_scaled = u128::from(now.0) * limit;
@@ -574,6 +612,9 @@ impl PacerState {
         for (tier, tier_state) in quota.tiers().iter().zip(&mut self.tiers) {
             match &mut tier_state.rolling {
                 Some(rolling) => {
+                    // A slot kept under a larger share moves the schedule back by the
+                    // smaller one's interval: no further than the window log allows.
+                    rolling.rescale_to(&tier_state.tier, tier.limit);
                     let step = u128::from(quota.effective_window_ms(tier) + learned_margin_ms) * u128::from(cost);
                     rolling.tat_scaled = rolling.tat_scaled.saturating_sub(step);
                     rolling.log.remove(at, cost);
@@ -844,6 +885,46 @@ mod tests {
         state.hold_until = UnixMillis(5_000);
         assert_eq!(q.decide(&state, 1, UnixMillis(1_000)), Decision::WaitUntil { at: UnixMillis(5_000), by: Hold::CoolDown });
         assert_eq!(q.decide(&state, 1, UnixMillis(5_000)), Decision::Allow);
+    }
+
+    /// Calls at the first instant `q` allows, from `from` until `until`, committed to
+    /// `state`; their instants.
+    fn greedy(q: &Quota, state: &mut PacerState, from: UnixMillis, until: UnixMillis) -> Vec<UnixMillis> {
+        let (mut now, mut calls) = (from, Vec::new());
+        while now < until {
+            match q.decide(state, 1, now) {
+                Decision::Allow => {
+                    state.commit(q, 1, now);
+                    calls.push(now);
+                }
+                Decision::WaitUntil { at, .. } => now = at,
+                Decision::Never { .. } => break,
+            }
+        }
+        calls
+    }
+
+    /// A shard paces under its share of a shared quota, which moves: the same state is
+    /// committed under one limit and asked under another. Its schedule was kept in units
+    /// of the limit it was committed under and read in units of the one asked, so under
+    /// half the limit the next slot lay twice as far from 1970: the shard never called
+    /// again. Under twice the limit, it may go at once (the window log still holds it).
+    #[test]
+    fn a_schedule_kept_under_one_share_of_a_tier_is_read_at_the_same_instants_under_another() {
+        let (whole, half) = (quota(&["100/s"], 0), quota(&["50/s"], 0));
+        let start = UnixMillis(1_800_000_000_000);
+        let mut state = PacerState::new(&whole);
+        let busy = greedy(&whole, &mut state, start, start.plus(Duration::from_secs(5)));
+        assert!(busy.len() >= 500, "{} calls in 5 s at 100/s", busy.len());
+        let after = start.plus(Duration::from_secs(5));
+        let at_half = greedy(&half, &mut state, after, after.plus(Duration::from_secs(3)));
+        assert!(at_half.first().is_some_and(|first| *first < after.plus(Duration::from_secs(1))), "the first call under half the limit: {:?}", at_half.first());
+        let last_second = at_half.iter().filter(|t| **t >= after.plus(Duration::from_secs(2))).count();
+        assert!((49..=51).contains(&last_second), "{last_second} calls in a second at 50/s");
+        let back = after.plus(Duration::from_secs(3));
+        let at_whole = greedy(&whole, &mut state, back, back.plus(Duration::from_secs(2)));
+        let last_second = at_whole.iter().filter(|t| **t >= back.plus(Duration::from_secs(1))).count();
+        assert!((99..=101).contains(&last_second), "{last_second} calls in a second at 100/s again");
     }
 
     #[test]

@@ -91,6 +91,36 @@ async fn a_busy_shard_takes_the_share_an_idle_shard_does_not_use_and_together_th
     assert!(fixed.len() <= 50 * 29 + 1 && busy.len() >= 2_600, "moving {} calls, fixed {}", busy.len(), fixed.len());
 }
 
+/// Shard 0 runs alone for 10 s and takes nearly all of the shared 100/s; then shard 1's
+/// jobs come and the book moves half back to it. Shard 0 goes on at its half. It stopped
+/// for good before: its pacer's schedule of the shared quota was kept in units of the
+/// share it was committed under (ninety-odd a second) and read in units of the smaller
+/// one, as if its next slot were twice as far from 1970; its jobs sat on its queue, and
+/// an idle shard left at its floor never received again (`paceline simulate` of 12
+/// lanes over 4 shards ran on for days of simulated time).
+#[tokio::test(start_paused = true)]
+async fn a_shard_whose_share_falls_goes_on_at_the_smaller_share() {
+    let (first, second) = two_shards(true, (4_000, 0)).await;
+    let run = opts(false, Duration::from_secs(30));
+    let second_lane = lane_on(1);
+    let later_jobs = async {
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        enqueue(&second, (0..1_000).map(|i| lane_job(&second_lane, &format!("b{i}")))).await;
+    };
+    let (a, b, ()) = tokio::join!(first.orchestrator.run(&run), second.orchestrator.run(&run), later_jobs);
+    a.unwrap();
+    b.unwrap();
+    let (calls, others) = (offsets(&first), offsets(&second));
+    let in_second = |calls: &[u64], n: u64| calls.iter().filter(|t| **t >= n * 1_000 && **t < (n + 1) * 1_000).count();
+    assert!(in_second(&calls, 8) >= 90, "shard 0 alone held {} calls of its second 8", in_second(&calls, 8));
+    let shard_0: Vec<usize> = (16..28).map(|n| in_second(&calls, n)).collect();
+    let shard_1: Vec<usize> = (16..28).map(|n| in_second(&others, n)).collect();
+    assert!(shard_0.iter().all(|n| *n >= 40) && shard_1.iter().all(|n| *n >= 40), "seconds 16 to 27: shard 0 {shard_0:?}, shard 1 {shard_1:?}");
+    let mut both: Vec<u64> = calls.iter().chain(&others).copied().collect();
+    both.sort_unstable();
+    assert!(busiest_second(&both) <= 100, "a second held {} calls of the shared 100/s", busiest_second(&both));
+}
+
 /// A shard whose run drained leaves the book: the other takes its parts once its calls
 /// have left the window, not when it would be taken for silent (the lease's 24 s later).
 #[tokio::test(start_paused = true)]
