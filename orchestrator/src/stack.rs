@@ -272,8 +272,9 @@ const HYDRATIONS_IN_FLIGHT: usize = 128;
 /// alone took four requests, most of a stack of 1,000 lanes' DynamoDB requests.
 const LANES_A_FIRST_READ: usize = 20;
 
-/// Once the lanes in hand could use more than the shared quota, it counts as binding this
-/// long after (see `Reach::HandOffLead`): their sum dips while lanes run dry between
+/// Once the lanes in hand could use more than the shared quota (but less than
+/// [`LANES_FILL_THE_SHARED_SCHEDULE`] times it), it counts as binding this long after
+/// (see `Reach::HandOffLead`): their sum dips while lanes run dry between
 /// receives, and a decision taking the whole lead in such a dip let the heaviest lanes
 /// take the shared schedule out to its end (at 10,000 calls/s over 1,000 lanes by a Zipf
 /// law, 486 calls in the 100 ms after 2.3 s).
