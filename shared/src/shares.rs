@@ -76,18 +76,6 @@ pub struct Holding {
     pub demand: u64,
     /// When its last report landed.
     pub seen: UnixMillis,
-    /// The weight of the lanes it holds jobs of, in thousandths of a lane of weight 1
-    /// (at least 1): the parts that do not cover every demand go by it. A book written
-    /// before weights: each shard one lane's.
-    #[serde(default = "unit_weight")]
-    pub weight: u64,
-}
-
-/// A shard's weight in the book when it says none: one lane of weight 1.
-pub const UNIT_WEIGHT: u64 = 1_000;
-
-fn unit_weight() -> u64 {
-    UNIT_WEIGHT
 }
 
 /// Parts given up, usable by any shard from `usable_at`.
@@ -132,8 +120,7 @@ impl ShareBook {
     #[must_use]
     pub fn even(parts: u64, shards: usize, now: UnixMillis) -> Self {
         let count = shards.max(1) as u64;
-        let held =
-            (0..count).map(|index| Holding { parts: parts / count + u64::from(index < parts % count), demand: 0, seen: now, weight: UNIT_WEIGHT }).collect();
+        let held = (0..count).map(|index| Holding { parts: parts / count + u64::from(index < parts % count), demand: 0, seen: now }).collect();
         Self { parts, held, free: Vec::new() }
     }
 
@@ -142,7 +129,7 @@ impl ShareBook {
     /// of them until a moment ago).
     #[must_use]
     pub fn after_new_layout(parts: u64, shards: usize, now: UnixMillis, timing: &ShareTiming) -> Self {
-        let held = (0..shards.max(1)).map(|_| Holding { parts: 0, demand: 0, seen: now, weight: UNIT_WEIGHT }).collect();
+        let held = (0..shards.max(1)).map(|_| Holding { parts: 0, demand: 0, seen: now }).collect();
         Self { parts, held, free: vec![Freed { parts, usable_at: now.plus(timing.wait_before_reuse()) }] }
     }
 
@@ -191,7 +178,7 @@ impl ShareBook {
         if holding.parts > 0 {
             self.free.push(Freed { parts: holding.parts, usable_at: now.plus(timing.wait_before_reuse()) });
         }
-        *holding = Holding { parts: 0, demand: 0, seen: UnixMillis(0), weight: UNIT_WEIGHT };
+        *holding = Holding { parts: 0, demand: 0, seen: UnixMillis(0) };
     }
 
     /// Free parts usable at `now`.
@@ -247,28 +234,16 @@ impl ShareBook {
         let mut targets: Vec<u64> = self.held.iter().map(|h| h.parts).collect();
         let silent: u64 = (0..self.held.len()).filter(|k| !running.contains(k)).map(|k| self.held[k].parts).sum();
         let mut pool = self.parts - silent;
-        // Water-filling by weight: the shards that want least for their weight are
-        // served first, each at most its weight's part of what is left.
-        let weight = |k: usize| u128::from(self.held[k].weight.max(1));
-        let mut by_need: Vec<(u64, usize)> = running.iter().map(|k| (self.held[*k].demand.max(floor), *k)).collect();
-        by_need.sort_unstable_by(|(a, j), (b, k)| (u128::from(*a) * weight(*k)).cmp(&(u128::from(*b) * weight(*j))).then(j.cmp(k)));
-        let mut weight_left: u128 = by_need.iter().map(|(_, k)| weight(*k)).sum();
-        for (demand, shard) in by_need {
-            let fair = u64::try_from(u128::from(pool) * weight(shard) / weight_left).unwrap_or(pool);
+        let mut by_demand: Vec<(u64, usize)> = running.iter().map(|k| (self.held[*k].demand.max(floor), *k)).collect();
+        by_demand.sort_unstable();
+        let mut left = by_demand.len() as u64;
+        for (demand, shard) in by_demand {
+            let fair = pool / left;
             targets[shard] = demand.min(fair);
             pool -= targets[shard];
-            weight_left -= weight(shard);
+            left -= 1;
         }
         targets
-    }
-
-    /// Shard `shard` holds jobs of lanes weighing `weight` in all (thousandths of a lane
-    /// of weight 1): its next report is weighed by it.
-    ///
-    /// # Panics
-    /// A shard index outside the book.
-    pub fn weigh(&mut self, shard: usize, weight: u64) {
-        self.held[shard].weight = weight.max(1);
     }
 }
 
