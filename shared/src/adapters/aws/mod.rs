@@ -32,6 +32,9 @@ const THROTTLING: &[&str] = &[
     "RequestLimitExceeded",
     "LimitExceededException",
     "EC2ThrottledException",
+    // SQS refusing a short-poll receive while the queue holds its most messages in
+    // flight (about 120,000 on a standard queue): some are deleted or visible soon.
+    "OverLimit",
 ];
 
 /// Error codes of passing faults on the service's side.

@@ -149,3 +149,19 @@ fn error_codes_map_by_what_the_caller_can_do() {
     assert!(matches!(classify_code("x", "RequestTooLargeException", "payload over 262144 bytes"), PortError::TooLarge(_)));
     assert!(matches!(classify_code("x", "InvalidParameterValue", "Message must be shorter than 262144 bytes."), PortError::TooLarge(_)));
 }
+
+/// A receive while the queue holds its most messages in flight (about 120,000 on a
+/// standard queue) is refused with `OverLimit` until some are deleted or visible again:
+/// the run waits and receives again, it does not end.
+#[tokio::test]
+async fn a_receive_over_the_queues_messages_in_flight_waits_and_does_not_end_the_run() {
+    use aws_sdk_sqs::operation::receive_message::ReceiveMessageError;
+    use aws_sdk_sqs::types::error::OverLimit;
+    let over = mock!(aws_sdk_sqs::Client::receive_message).then_error(|| {
+        let meta = aws_sdk_sqs::error::ErrorMetadata::builder().code("OverLimit").message("too many messages in flight").build();
+        ReceiveMessageError::OverLimit(OverLimit::builder().message("too many messages in flight").meta(meta).build())
+    });
+    let queue = SqsQueue::new(mock_client!(aws_sdk_sqs, [&over]), "https://q", "https://dlq");
+    let refused = queue.receive(10, Duration::ZERO, Duration::from_secs(60)).await;
+    assert!(matches!(refused, Err(PortError::Throttled(_))), "{refused:?}");
+}
