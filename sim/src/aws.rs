@@ -157,6 +157,19 @@ impl SimQueue {
         lock(&self.state).dead.len() as u64
     }
 
+    /// Whether the queue holds the most messages in flight it lets be, now.
+    fn refuses_receives(&self) -> bool {
+        let mut state = lock(&self.state);
+        state.reveal_due(self.world.clock.now());
+        state.in_flight_at_most()
+    }
+
+    /// The most messages in flight at once so far.
+    #[must_use]
+    pub fn in_flight_peak(&self) -> u64 {
+        lock(&self.state).in_flight_peak
+    }
+
     fn take(&self, max: usize, visibility: Duration) -> Vec<QueuedMessage> {
         let now = self.world.clock.now();
         let mut state = lock(&self.state);
@@ -195,6 +208,9 @@ impl JobQueue for SimQueue {
         self.world.ledger.count("sqs:ReceiveMessage", 1);
         self.world.call(Stream::Sqs).await;
         let deadline = self.world.clock.now().plus(wait);
+        if wait.is_zero() && self.refuses_receives() {
+            return Err(PortError::Throttled("sqs ReceiveMessage: OverLimit: the queue's most messages in flight".into()));
+        }
         loop {
             let arrived = self.arrived.notified();
             tokio::pin!(arrived);

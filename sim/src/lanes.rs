@@ -213,6 +213,9 @@ pub struct LanesReport {
     /// DynamoDB requests per job (the orchestrator's: lease, lanes' reads and
     /// snapshots, reservations), on an SQS queue, whose stack keeps its state there.
     pub dynamodb_requests_per_job: Option<f64>,
+    /// The most messages in flight at once on a shard's SQS queue (received or given
+    /// back for later, not yet deleted), which SQS holds to about 120,000.
+    pub sqs_most_in_flight: Option<u64>,
     /// What SQS (the producers' sends too) and DynamoDB cost per million jobs at list
     /// prices (`sim/src/pricing.rs`), on an SQS queue: the orchestrator's requests, and
     /// with Lambda workers their call records too (in-process workers' are apart).
@@ -262,6 +265,8 @@ struct ShardPorts {
     state: Arc<dyn StateStore>,
     scoped: Arc<dyn ScopedStores>,
     table: Option<Arc<SimStore>>,
+    /// On SQS, the queue itself: what it held in flight.
+    sqs: Option<Arc<SimQueue>>,
 }
 
 impl ShardPorts {
@@ -275,7 +280,7 @@ impl ShardPorts {
                 for batch in messages.chunks(10) {
                     store.send(batch).await.expect("enqueue");
                 }
-                Self { queue: store.clone(), state: store.clone(), scoped: store, table: None }
+                Self { queue: store.clone(), state: store.clone(), scoped: store, table: None, sqs: None }
             }
             LanesQueue::Sqs | LanesQueue::SqsFair | LanesQueue::SqsFifo => {
                 let queue = match plan.queue {
@@ -284,8 +289,9 @@ impl ShardPorts {
                     _ => SimQueue::new(world.clone()),
                 };
                 queue.preload(bodies);
+                let queue = Arc::new(queue);
                 let tables = Arc::new(SimStores::new(world.clone()));
-                Self { queue: Arc::new(queue), state: tables.stack(), scoped: tables.clone(), table: Some(tables.stack()) }
+                Self { queue: queue.clone(), state: tables.stack(), scoped: tables.clone(), table: Some(tables.stack()), sqs: Some(queue) }
             }
         }
     }
@@ -487,7 +493,8 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
                 all_in_usd_per_million: cost.per_million_jobs_usd,
             }
         });
-        (calls, (orchestrators("sqs:"), orchestrators("dynamodb:"), queue_and_state), lambda_figures)
+        let most_in_flight = shards.iter().filter_map(|shard| shard.sqs.as_ref()).map(|queue| queue.in_flight_peak()).max();
+        (calls, (orchestrators("sqs:"), orchestrators("dynamodb:"), queue_and_state, most_in_flight), lambda_figures)
     });
     let dispatcher = match plan.queue {
         LanesQueue::Embedded => "paceline (weighted fair lanes)",
@@ -499,6 +506,7 @@ pub fn simulate_lanes(plan: &LanesPlan) -> LanesReport {
     let per_job = |requests: u64| (plan.queue != LanesQueue::Embedded).then(|| requests as f64 / plan.jobs.max(1) as f64);
     (report.sqs_requests_per_job, report.dynamodb_requests_per_job) = (per_job(requests.0), per_job(requests.1));
     report.queue_and_state_usd_per_million = (plan.queue != LanesQueue::Embedded).then_some(requests.2);
+    report.sqs_most_in_flight = requests.3;
     if plan.shards > 1 {
         report.dispatcher.push_str(&format!(", {} shards", plan.shards));
     }
@@ -872,6 +880,7 @@ fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: V
         light_wait_p99_seconds: percentile(&light, 0.99),
         sqs_requests_per_job: None,
         dynamodb_requests_per_job: None,
+        sqs_most_in_flight: None,
         queue_and_state_usd_per_million: None,
         lambda_peak_executions: None,
         lambda_aged_out_jobs: None,
@@ -898,7 +907,7 @@ pub fn render_lanes(reports: &[LanesReport]) -> String {
     let mut header = vec!["".to_owned()];
     header.extend(reports.iter().map(|r| r.dispatcher.clone()));
     let mut table = paceline_shared::table::text_table(&header.iter().map(String::as_str).collect::<Vec<_>>(), &(1..=reports.len()).collect::<Vec<_>>());
-    let rows: [(&str, ReportCell); 16] = [
+    let rows: [(&str, ReportCell); 17] = [
         ("drained in", |r| format!("{:.1} s", r.seconds)),
         ("first call, from the start", |r| format!("{:.2} s", r.first_call_seconds)),
         ("calls over a lane's tier", |r| r.lane_violations.to_string()),
@@ -910,6 +919,7 @@ pub fn render_lanes(reports: &[LanesReport]) -> String {
         ("light lanes' job wait p50 / p99", |r| format!("{:.1} / {:.1} s", r.light_wait_p50_seconds, r.light_wait_p99_seconds)),
         ("SQS requests per job", |r| optional(r.sqs_requests_per_job, 3)),
         ("DynamoDB requests per job", |r| optional(r.dynamodb_requests_per_job, 3)),
+        ("SQS messages in flight, most (a shard)", |r| r.sqs_most_in_flight.map_or_else(|| "-".to_owned(), |n| n.to_string())),
         ("SQS and DynamoDB per million jobs", |r| r.queue_and_state_usd_per_million.map_or_else(|| "-".to_owned(), |usd| format!("${usd:.3}"))),
         ("Lambda executions at once, most", |r| r.lambda_peak_executions.map_or_else(|| "-".to_owned(), |n| n.to_string())),
         ("jobs aged out / slots missed", |r| match (r.lambda_aged_out_jobs, r.missed_slots) {

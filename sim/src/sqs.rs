@@ -8,7 +8,9 @@
 //! is not modelled: Paceline's receives are what it would measure). A FIFO queue hands
 //! out no message of a group while one of it is in flight, up to ten of a group in a
 //! receive, each group in the order its messages were sent (a message visible again
-//! goes back to its place), and delays no message.
+//! goes back to its place), and delays no message. No queue lets more than
+//! [`MOST_IN_FLIGHT`] messages be in flight: a receive then gets none (AWS's short poll
+//! is refused with `OverLimit`, its long poll returns none).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -18,6 +20,10 @@ use paceline_shared::time::UnixMillis;
 
 /// A group with fewer messages in flight than this is never noisy.
 pub const NOISY_IN_FLIGHT: u64 = 30;
+
+/// The most messages a queue lets be in flight: "approximately 120,000" for most
+/// standard queues in AWS's quotas (and FIFO queues since 2024).
+pub const MOST_IN_FLIGHT: u64 = 120_000;
 
 /// A group's share of the queue's messages in flight above which it is noisy.
 const NOISY_SHARE: f64 = 0.1;
@@ -64,6 +70,9 @@ pub(crate) struct QueueState {
     /// Each group's messages in flight (received, neither deleted nor visible again).
     in_flight: Vec<u64>,
     in_flight_total: u64,
+    /// The most messages in flight at once so far, and the most the queue lets be.
+    pub in_flight_peak: u64,
+    most_in_flight: u64,
     next_receipt: u64,
     pub next_id: u64,
     pub dead: Vec<(u64, String)>,
@@ -72,17 +81,17 @@ pub(crate) struct QueueState {
 impl QueueState {
     /// A fair queue: the quiet groups' messages first.
     pub fn fair() -> Self {
-        Self { fair: true, front: -1, ..Self::default() }
+        Self { fair: true, front: -1, most_in_flight: MOST_IN_FLIGHT, ..Self::default() }
     }
 
     /// A standard queue: messages in line, whatever their group.
     pub fn standard() -> Self {
-        Self { front: -1, ..Self::default() }
+        Self { front: -1, most_in_flight: MOST_IN_FLIGHT, ..Self::default() }
     }
 
     /// A FIFO queue: each group in order, none while one of it is in flight.
     pub fn fifo() -> Self {
-        Self { fifo: true, front: -1, ..Self::default() }
+        Self { fifo: true, front: -1, most_in_flight: MOST_IN_FLIGHT, ..Self::default() }
     }
 
     /// The group of a message with `body`: the lane its job names, or its retries'
@@ -170,16 +179,26 @@ impl QueueState {
         Some(message)
     }
 
-    /// Hands out up to `max` messages, each hidden until `until` under a new receipt.
+    /// Whether as many messages are in flight as the queue lets be: a receive gets none.
+    pub fn in_flight_at_most(&self) -> bool {
+        self.in_flight_total >= self.most_in_flight
+    }
+
+    /// Hands out up to `max` messages, each hidden until `until` under a new receipt,
+    /// none past the most the queue lets be in flight.
     pub fn receive(&mut self, max: usize, until: UnixMillis) -> Vec<(u64, Stored)> {
         let mut received: Vec<(u64, Stored)> = Vec::new();
-        while received.len() < max {
+        while received.len() < max && !self.in_flight_at_most() {
             let receiving = received.last().map(|(_, message)| message.group);
             let Some(message) = self.pop(receiving) else { break };
             let receipt = self.next_receipt;
             self.next_receipt += 1;
             self.in_flight[message.group] += 1;
             self.in_flight_total += 1;
+            if self.in_flight_total > self.in_flight_peak && self.in_flight_total % 10_000 == 0 && std::env::var("DBG_PEAK").is_ok() {
+                eprintln!("DBG peak in flight {}", self.in_flight_total);
+            }
+            self.in_flight_peak = self.in_flight_peak.max(self.in_flight_total);
             received.push((receipt, message.clone()));
             self.hide(receipt, Hidden { message, until, received: true });
         }
@@ -325,6 +344,22 @@ mod tests {
         assert_eq!(ids(&state.receive(1, UnixMillis(1_000))), [30], "one in flight of heavy's: quiet");
         state.reveal_due(UnixMillis(5_000));
         assert_eq!((state.visible_len(), state.hidden_len()), (103 - 29, 0), "all but the 29 deleted");
+    }
+
+    #[test]
+    fn a_queue_hands_out_no_message_past_the_most_it_lets_be_in_flight() {
+        let mut state = QueueState::fair();
+        state.most_in_flight = 5;
+        backlog(&mut state);
+        let received = state.receive(10, UnixMillis(1_000));
+        assert_eq!(received.len(), 5);
+        assert!(state.in_flight_at_most() && state.receive(10, UnixMillis(1_000)).is_empty());
+        state.release(received[0].0, Some(UnixMillis(5_000)));
+        assert!(state.receive(10, UnixMillis(1_000)).is_empty(), "hidden for later: still in flight");
+        state.delete(received[1].0);
+        state.release(received[2].0, None);
+        assert_eq!(state.receive(10, UnixMillis(1_000)).len(), 2, "one deleted, one visible again");
+        assert_eq!(state.in_flight_peak, 5);
     }
 
     #[test]
