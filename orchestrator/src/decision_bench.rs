@@ -63,6 +63,17 @@ impl MemoryQueue {
         }
     }
 
+    /// The job of `message` sent again, visible at `at` (after the jobs first sent then);
+    /// the received one deleted.
+    fn send_again(&mut self, message: &QueuedMessage, at: UnixMillis) {
+        self.delete(std::slice::from_ref(&message.receipt));
+        self.received += 1;
+        let key = (at, (1 << 40) + self.received);
+        let sent = QueuedMessage { receipt: format!("s{}", self.received), ..message.clone() };
+        self.by_receipt.insert(sent.receipt.clone(), key);
+        self.by_time.insert(key, sent);
+    }
+
     fn delete(&mut self, receipts: &[String]) {
         for receipt in receipts {
             if let Some(key) = self.by_receipt.remove(receipt) {
@@ -168,6 +179,12 @@ pub fn drain(
                     queue.release(std::slice::from_ref(&message.receipt), now.plus(message.after));
                 }
                 Event::Released(messages.len(), Ok(()))
+            }
+            Action::SendAgain(jobs) => {
+                for (message, delay) in &jobs {
+                    queue.send_again(message, now.plus(*delay));
+                }
+                Event::SentAgain(jobs.into_iter().map(|(message, _)| message).collect(), Ok(()))
             }
             Action::ExtendHidden(receipts) => {
                 queue.release(&receipts, now.plus(settings.orchestrator.visibility_timeout));

@@ -460,6 +460,7 @@ mod tests {
             dead_lettered: 2,
             forwarded: 0,
             released: 0,
+            sent_again: 0,
             paced_ms: 60_000,
             paced_by: Some("10/s".parse().unwrap()),
             slowest_rate: None,

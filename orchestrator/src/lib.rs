@@ -24,6 +24,7 @@ mod batching;
 pub mod decision_bench;
 mod fairness;
 pub mod handover;
+mod hidden;
 mod homes;
 #[cfg(feature = "lambda")]
 pub mod lambda;
@@ -619,6 +620,16 @@ impl Executor<'_> {
             Action::Release(messages) => {
                 let queue = o.queue.clone();
                 self.background.spawn(async move { Event::Released(messages.len(), in_batches(&messages, |batch| queue.release(batch)).await) });
+                return Ok(());
+            }
+            Action::SendAgain(jobs) => {
+                let queue = o.queue.clone();
+                self.background.spawn(async move {
+                    let sent: Vec<OutgoingMessage> =
+                        jobs.iter().map(|(message, delay)| OutgoingMessage::again(message.body.clone(), message.attempt, *delay)).collect();
+                    let result = queue.send(&sent).await;
+                    Event::SentAgain(jobs.into_iter().map(|(message, _)| message).collect(), result)
+                });
                 return Ok(());
             }
             Action::ExtendHidden(receipts) => {

@@ -17,6 +17,7 @@ use paceline_shared::quota::Quota;
 use paceline_shared::time::UnixMillis;
 
 use crate::fairness::FairnessMeter;
+use crate::hidden::{most_hidden, HiddenOnQueue, MOST_IN_FLIGHT};
 use crate::lane::{LaneMachine, Reach, SharedCalendar};
 use crate::report::TierMeter;
 use crate::reservations::{Reservation, Reservations};
@@ -64,6 +65,8 @@ pub(crate) struct ManyLanes<'a> {
     /// Per lane: the receipts of what it gave back, by when each batch comes back; a
     /// lane that runs dry sooner (its share grew) brings the first back at once.
     pub returning: Vec<Vec<(UnixMillis, Vec<String>)>>,
+    /// How many of the jobs given back are hidden on the queue for later, by when.
+    pub hidden_on_queue: HiddenOnQueue,
     /// Per lane: it asked for a batch back and has not received it yet; and when it
     /// last did (a lane brings jobs back at most once a [`RECALL_STRETCH`]).
     pub recalling: Vec<bool>,
@@ -132,6 +135,7 @@ impl<'a> ManyLanes<'a> {
             hidden: Vec::new(),
             hidden_total: 0,
             returning: Vec::new(),
+            hidden_on_queue: HiddenOnQueue::default(),
             recalling: Vec::new(),
             recalled_at: Vec::new(),
             fairness: FairnessMeter::default(),
@@ -402,22 +406,44 @@ impl<'a> ManyLanes<'a> {
         PacerSnapshot { state: self.pacer.clone(), at_exit, effective_rate: None, saved_at: Some(now) }
     }
 
-    /// Lane `index` gives `surplus` back to the queue, keeping `kept`: when each batch
-    /// comes back (see [`surplus_returns`]).
-    pub fn give_back(
-        &mut self,
-        index: usize,
-        surplus: Vec<QueuedMessage>,
-        kept: usize,
-        pace: LanePace,
-        visibility: Duration,
-        held_for: Duration,
-    ) -> Vec<(Vec<String>, Duration)> {
+    /// Lane `index` gives `surplus` back to the queue, keeping `timing.kept`: when each
+    /// batch comes back (see [`surplus_timed`]), hidden on the queue up to `room` jobs
+    /// (see [`Self::room_to_hide`]), the jobs due last sent again past that.
+    pub fn give_back(&mut self, index: usize, surplus: Vec<QueuedMessage>, timing: SurplusTiming, room: usize, now: UnixMillis) -> GivenBack {
         let hidden = &mut self.hidden[index];
         let before = hidden.len();
-        let returns = surplus_returns(surplus, hidden, kept, pace, visibility, held_for);
-        self.hidden_total += hidden.len() - before;
-        returns
+        let SurplusTiming { kept, pace, visibility, held_for } = timing;
+        let mut timed = surplus_timed(surplus, hidden, kept, pace, visibility, held_for);
+        let sent_again: Vec<(QueuedMessage, Duration)> =
+            if timed.len() <= room { Vec::new() } else { timed.split_off(room).into_iter().map(|(after, message)| (message, after)).collect() };
+        for (message, _) in &sent_again {
+            hidden.remove(&message.message_id);
+        }
+        self.hidden_total = self.hidden_total + hidden.len() - before;
+        let batches = in_batches(timed);
+        for (receipts, after) in &batches {
+            self.hidden_on_queue.hide(now.plus(*after), receipts.len());
+        }
+        GivenBack { hidden: batches, sent_again }
+    }
+
+    /// How many more jobs a lane may hide on the queue for later at `now`: SQS counts
+    /// them as in flight, with those in hand. On a fair queue, up to what
+    /// [`MOST_IN_FLIGHT`] leaves: the busy lanes' jobs left on the queue are passed over
+    /// for the quiet lanes'. On a standard queue nothing passes them over, and reaching
+    /// the jobs behind them takes receives: a run hides no more than leaves room for all
+    /// it may hold in hand ([`most_hidden`]). Past the room, jobs are sent again.
+    pub fn room_to_hide(&mut self, fair_queue: bool, now: UnixMillis) -> usize {
+        let in_flight_room = self.in_flight_room(now);
+        if fair_queue {
+            return in_flight_room;
+        }
+        in_flight_room.min(most_hidden(self.in_hand_most).saturating_sub(self.hidden_on_queue.at(now)))
+    }
+
+    /// How many more jobs this run may hold in flight at `now`.
+    pub fn in_flight_room(&mut self, now: UnixMillis) -> usize {
+        MOST_IN_FLIGHT.saturating_sub(self.in_hand_total + self.hidden_on_queue.at(now))
     }
 
     /// Lane `index` dispatched `message_id`: not hidden on the queue any more.
@@ -558,17 +584,10 @@ pub(crate) struct LanePace {
     pub own: bool,
 }
 
-/// When each batch of a lane's surplus comes back on the queue. The lane keeps `kept`
-/// jobs and goes at `pace`; each job comes behind what the lane keeps and the jobs it
-/// gave back before this one and still hides (`hidden`, in the order the lane first saw
-/// them), and is due at `position / pace`. At the lane's own pace it comes back half a
-/// visibility timeout before it is due, when the lane has less before it than it keeps:
-/// once, not given back again. At a share of the shared quota it comes back halfway to
-/// when it is due, the lane may go faster by then. At least a second and at most
-/// [`MAX_RELEASE_DELAY`] later (or `visibility` when the pace is unknown), and not
-/// before the lane may call again (`held_for`: its day spent, a cool-down). A job is so looked at a few times at most
-/// before it goes, not once a second, and the lane's order holds. Jobs due within the
-/// same second come back together, ten at most.
+/// When each batch of a lane's surplus comes back on the queue: [`surplus_timed`] in
+/// batches of jobs due within the same second, ten at most (a batch comes back with its
+/// first).
+#[cfg(test)]
 pub(crate) fn surplus_returns(
     surplus: Vec<QueuedMessage>,
     hidden: &mut HiddenJobs,
@@ -577,7 +596,29 @@ pub(crate) fn surplus_returns(
     visibility: Duration,
     held_for: Duration,
 ) -> Vec<(Vec<String>, Duration)> {
-    let mut timed: Vec<(Duration, String)> = surplus
+    in_batches(surplus_timed(surplus, hidden, kept, pace, visibility, held_for))
+}
+
+/// When each job of a lane's surplus comes back on the queue, soonest first. The lane
+/// keeps `kept` jobs and goes at `pace`; each job comes behind what the lane keeps and
+/// the jobs it gave back before this one and still hides (`hidden`, in the order the
+/// lane first saw them), and is due at `position / pace`. At the lane's own pace it
+/// comes back half a visibility timeout before it is due, when the lane has less before
+/// it than it keeps: once, not given back again. At a share of the shared quota it
+/// comes back halfway to when it is due, the lane may go faster by then. At least a
+/// second and at most [`MAX_RELEASE_DELAY`] later (or `visibility` when the pace is
+/// unknown), and not before the lane may call again (`held_for`: its day spent, a
+/// cool-down). A job is so looked at a few times at most before it goes, not once a
+/// second, and the lane's order holds.
+fn surplus_timed(
+    surplus: Vec<QueuedMessage>,
+    hidden: &mut HiddenJobs,
+    kept: usize,
+    pace: LanePace,
+    visibility: Duration,
+    held_for: Duration,
+) -> Vec<(Duration, QueuedMessage)> {
+    let mut timed: Vec<(Duration, QueuedMessage)> = surplus
         .into_iter()
         .map(|message| {
             let position = kept + hidden.place_of(&message.message_id) + 1;
@@ -593,19 +634,41 @@ pub(crate) fn surplus_returns(
                 }
             };
             let after = after.max(held_for);
-            (after.clamp(Duration::from_secs(1), MAX_RELEASE_DELAY), message.receipt)
+            (after.clamp(Duration::from_secs(1), MAX_RELEASE_DELAY), message)
         })
         .collect();
     timed.sort_by_key(|(after, _)| *after);
-    // In batches of jobs due within the same second (a batch comes back with its first).
+    timed
+}
+
+/// Jobs timed soonest first, in batches of those due within the same second, ten at most.
+fn in_batches(timed: Vec<(Duration, QueuedMessage)>) -> Vec<(Vec<String>, Duration)> {
     let mut returns: Vec<(Vec<String>, Duration)> = Vec::new();
-    for (after, receipt) in timed {
+    for (after, message) in timed {
         match returns.last_mut() {
-            Some((receipts, first)) if receipts.len() < RECEIVE_BATCH && after.as_secs() == first.as_secs() => receipts.push(receipt),
-            _ => returns.push((vec![receipt], after)),
+            Some((receipts, first)) if receipts.len() < RECEIVE_BATCH && after.as_secs() == first.as_secs() => receipts.push(message.receipt),
+            _ => returns.push((vec![message.receipt], after)),
         }
     }
     returns
+}
+
+/// When a lane's surplus comes back (see [`surplus_timed`]): the jobs it keeps, its
+/// pace, the visibility timeout, and how long it may not call.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SurplusTiming {
+    pub kept: usize,
+    pub pace: LanePace,
+    pub visibility: Duration,
+    pub held_for: Duration,
+}
+
+/// What a lane gives back: batches of receipts hidden on the queue, each until that much
+/// later, and the jobs sent again with that delay (there was no room to hide them).
+#[derive(Default)]
+pub(crate) struct GivenBack {
+    pub hidden: Vec<(Vec<String>, Duration)>,
+    pub sent_again: Vec<(QueuedMessage, Duration)>,
 }
 
 /// What a lane that runs dry brings back of what it gave back: this long at its own pace.
@@ -634,6 +697,27 @@ mod tests {
         let surplus = (0..n).map(|i| queued(&format!("{prefix}{i}"))).collect();
         surplus_returns(surplus, &mut hidden, 0, at_share(10.0), Duration::from_secs(30), Duration::ZERO);
         hidden
+    }
+
+    /// A run at 10,000 calls/s may hold 50,000 jobs in hand. With 30,000 in hand, a fair
+    /// queue lets it hide 80,000 for later: the busy lanes' jobs left on the queue are
+    /// passed over for the quiet lanes'. A standard queue hands them out in line, and its
+    /// receives need room to reach the jobs behind them: 60,000, what holding all 50,000
+    /// in hand leaves. Hidden jobs count until they are due.
+    #[test]
+    fn a_run_hides_up_to_what_sqs_lets_be_in_flight_and_on_a_standard_queue_leaves_room_to_receive() {
+        let quota = Quota::new(vec!["10000/s".parse().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
+        let config = LanesConfig::parse_text("tiers = [\"100/s\"]", &quota).unwrap();
+        let mut many = ManyLanes::new(&config, &quota);
+        let t0 = UnixMillis(1_795_824_000_000);
+        assert_eq!(many.in_hand_most, 50_000);
+        many.in_hand_total = 30_000;
+        assert_eq!((many.room_to_hide(true, t0), many.room_to_hide(false, t0)), (80_000, 60_000));
+        many.hidden_on_queue.hide(t0.plus(Duration::from_secs(30)), 55_000);
+        assert_eq!((many.room_to_hide(true, t0), many.room_to_hide(false, t0)), (25_000, 5_000));
+        assert_eq!(many.in_flight_room(t0), 25_000, "what receives may bring");
+        let due = t0.plus(Duration::from_secs(30));
+        assert_eq!((many.room_to_hide(true, due), many.room_to_hide(false, due)), (80_000, 60_000), "visible again: no longer in flight");
     }
 
     /// A shard whose reservation of the shared day tier came back short spends what it

@@ -74,6 +74,9 @@ pub struct RunReport {
     /// Messages received but not dispatched, made visible again: a lane's surplus for
     /// later, what was in hand at the end.
     pub released: u64,
+    /// A lane's surplus sent again with a delay (and the received messages deleted):
+    /// the queue had no room to hide it in flight.
+    pub sent_again: u64,
     /// The paced stretch: from the first dispatch that waited for the pacer to the last.
     pub paced_ms: u64,
     /// The tier that held jobs back longest: the one that set the pace (none when
@@ -130,6 +133,7 @@ impl RunReport {
             dead_lettered: 0,
             forwarded: 0,
             released: 0,
+            sent_again: 0,
             paced_ms: 0,
             paced_by: None,
             slowest_rate: None,

@@ -33,7 +33,7 @@ use crate::homes::{HomesRun, READ_EVERY};
 pub(crate) use crate::lane::{CallSlotsRead, HandOff, Retune, SharedState};
 use crate::lane::{LaneMachine, LaneStep, Reach};
 use crate::late_starts::{with_late_starts, LateStartLead};
-use crate::many::{LanePace, ManyLanes, FAIR_SHARE_STRETCH, RECALL_STRETCH};
+use crate::many::{LanePace, ManyLanes, SurplusTiming, FAIR_SHARE_STRETCH, RECALL_STRETCH};
 use crate::report::{Fairness, LaneReport, Progress, RunReport, StopReason};
 use crate::reservations::{Granted, Reservation};
 use crate::settings::{RunError, Settings};
@@ -95,6 +95,8 @@ const BATCH_ROOM_WAIT: Duration = Duration::from_millis(20);
 const KEEP_WITH_ROOM: usize = 2;
 /// Receipts deleted in one call at most (SQS batch size).
 pub(crate) const DELETE_BATCH: usize = 10;
+/// Jobs sent again at once (SQS's `SendMessageBatch` takes ten).
+const SEND_BATCH: usize = 10;
 /// Retries of a refused hand-off: quick, since slots are waiting.
 const INVOKE_BACKOFF: Backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(5));
 /// Lease renewals retry at most a second apart: the lease runs out otherwise.
@@ -144,6 +146,10 @@ pub(crate) enum Action {
     Release(Vec<VisibleAgain>),
     /// Keep these messages in hand hidden for another visibility timeout (background).
     ExtendHidden(Vec<String>),
+    /// Send these received messages' jobs again, each visible after its delay, and
+    /// delete the received ones once sent (background): a lane's surplus the queue had
+    /// no room to hide (a delayed message is not in flight).
+    SendAgain(Vec<(QueuedMessage, Duration)>),
     /// Receive up to `max` messages, waiting up to `wait` for the first (background):
     /// a long poll when the loop ran dry, a prefetch (no wait) while jobs are in hand.
     Receive { max: usize, wait: Duration, long_poll: bool },
@@ -190,6 +196,8 @@ pub(crate) enum Event {
     DeadLettered(QueuedMessage, PortResult<()>),
     Forwarded(Vec<QueuedMessage>, PortResult<()>),
     Released(usize, PortResult<()>),
+    /// The received messages whose jobs [`Action::SendAgain`] sent, or the error.
+    SentAgain(Vec<QueuedMessage>, PortResult<()>),
     /// This many messages in hand stay hidden longer, or the error.
     ExtendedHidden(usize, PortResult<()>),
     /// A receive returned, after `took`; `long_poll` when it was allowed to wait.
@@ -254,11 +262,13 @@ struct InFlight {
     deletes: usize,
     /// Lanes' first reads.
     hydrations: usize,
+    /// Sends of jobs given back again with a delay, deleted once sent.
+    sends_again: usize,
 }
 
 impl InFlight {
     fn any(&self) -> bool {
-        self.hand_offs > 0 || self.receives > 0 || self.deletes > 0 || self.hydrations > 0
+        self.hand_offs > 0 || self.receives > 0 || self.deletes > 0 || self.hydrations > 0 || self.sends_again > 0
     }
 }
 
@@ -313,6 +323,8 @@ pub(crate) struct StackMachine<'a> {
     many: Option<ManyLanes<'a>>,
     /// Messages to make visible again later (a held lane's surplus), with the delay.
     to_release: Vec<VisibleAgain>,
+    /// Received jobs to send again with a delay, and delete (see [`Action::SendAgain`]).
+    to_send_again: VecDeque<(QueuedMessage, Duration)>,
     pending_deletes: Vec<String>,
     /// Messages to dead-letter whose reason came back from a hand-off.
     to_dead_letter: VecDeque<(QueuedMessage, DeadLetterReason, Option<Box<Job>>)>,
@@ -396,6 +408,7 @@ impl<'a> StackMachine<'a> {
             lane_index: HashMap::new(),
             many,
             to_release: Vec::new(),
+            to_send_again: VecDeque::new(),
             pending_deletes: Vec::new(),
             to_dead_letter: VecDeque::new(),
             to_forward: VecDeque::new(),
@@ -652,6 +665,11 @@ impl<'a> StackMachine<'a> {
         }
         if !self.to_release.is_empty() {
             return Action::Release(std::mem::take(&mut self.to_release));
+        }
+        if !self.to_send_again.is_empty() {
+            self.in_flight.sends_again += 1;
+            let batch = self.to_send_again.len().min(SEND_BATCH);
+            return Action::SendAgain(self.to_send_again.drain(..batch).collect());
         }
         if self.timers.is_expired(Timer::Extend, now) {
             if let Some(extend) = self.extend_hidden_in_hand(now) {
@@ -1209,7 +1227,8 @@ impl<'a> StackMachine<'a> {
             returning.sort_by_key(|(at, _)| std::cmp::Reverse(*at));
             let mut receipts = Vec::new();
             while receipts.len() < wanted.max(RECEIVE_BATCH) {
-                let Some((_, batch)) = returning.pop() else { break };
+                let Some((until, batch)) = returning.pop() else { break };
+                many.hidden_on_queue.shown(until, batch.len());
                 receipts.extend(batch);
             }
             many.recalling[index] = true;
@@ -1323,10 +1342,11 @@ impl<'a> StackMachine<'a> {
         if self.in_flight.receives >= allowed || self.timers.is_pending(Timer::Receive, now) || self.timers.is_pending(Timer::Prefetch, now) {
             return None;
         }
-        let many = self.many.as_ref().expect("many lanes");
+        let (horizon, lead) = (self.receive_horizon(now), self.lead());
+        let many = self.many.as_mut().expect("many lanes");
         let coming = many.in_hand_total + RECEIVE_BATCH * self.in_flight.receives;
-        let horizon = self.receive_horizon(now);
-        let room = many.shared_room(now.plus(self.lead()), horizon, many.in_hand_most).saturating_sub(coming);
+        let in_flight_room = many.in_flight_room(now).saturating_sub(RECEIVE_BATCH * self.in_flight.receives);
+        let room = many.shared_room(now.plus(lead), horizon, many.in_hand_most).saturating_sub(coming).min(in_flight_room);
         // A lane with none in hand whose jobs are back on the queue gets them, though
         // others hold all the shared quota can use before the horizon (near a run's end).
         let room = if many.starved > 0 { room.max(RECEIVE_BATCH) } else { room };
@@ -1426,12 +1446,18 @@ impl<'a> StackMachine<'a> {
                 let pace = LanePace { per_second: own_pace.min(share_pace), own: self.fair_queue && own_pace <= share_pace };
                 let visibility = self.settings.orchestrator.visibility_timeout;
                 let held_for = lane.held_for(now).max(many.shared_held_for(now.plus(lead)));
-                let returns = many.give_back(index, surplus, keep, pace, visibility, held_for);
+                // An ordered lane's jobs are never sent again: its queue is FIFO, which
+                // keeps a lane's order by when each message was sent.
+                let ordered = self.settings.ordering_of(lane.id()).is_ordered();
+                many.settle(index, lane);
+                let room = if ordered { usize::MAX } else { many.room_to_hide(self.fair_queue, now) };
+                let timing = SurplusTiming { kept: keep, pace, visibility, held_for };
+                let given = many.give_back(index, surplus, timing, room, now);
                 // Batches back on the queue by now are forgotten, not kept by idle lanes.
                 many.returning[index].retain(|(at, _)| *at > now);
-                many.returning[index].extend(returns.iter().map(|(receipts, after)| (now.plus(*after), receipts.clone())));
-                self.to_release.extend(returns.into_iter().flat_map(|(receipts, after)| VisibleAgain::all(receipts, after)));
-                many.settle(index, lane);
+                many.returning[index].extend(given.hidden.iter().map(|(receipts, after)| (now.plus(*after), receipts.clone())));
+                self.to_release.extend(given.hidden.into_iter().flat_map(|(receipts, after)| VisibleAgain::all(receipts, after)));
+                self.to_send_again.extend(given.sent_again);
                 a_quiet_lane_gave_back |= !many.looks_noisy(index);
             }
         }
@@ -1571,6 +1597,17 @@ impl<'a> StackMachine<'a> {
             Event::Forwarded(messages, result) => self.on_forwarded(messages, result),
             Event::Released(count, Ok(())) => {
                 self.report.released += count as u64;
+                Ok(())
+            }
+            Event::SentAgain(messages, result) => {
+                self.in_flight.sends_again -= 1;
+                match result {
+                    Ok(()) => {
+                        self.report.sent_again += messages.len() as u64;
+                        self.pending_deletes.extend(messages.into_iter().map(|message| message.receipt));
+                    }
+                    Err(e) => passing(e, "could not send jobs again for later; they come back after their visibility timeout")?,
+                }
                 Ok(())
             }
             Event::Released(_, Err(e)) => {
@@ -1897,6 +1934,7 @@ impl<'a> StackMachine<'a> {
     pub fn leftovers(&mut self) -> Leftovers {
         let deletes = std::mem::take(&mut self.pending_deletes);
         let mut in_hand: Vec<String> = self.to_release.drain(..).map(|message| message.receipt).collect();
+        in_hand.extend(self.to_send_again.drain(..).map(|(message, _)| message.receipt));
         let mut unspent = Vec::new();
         let shared_unspent = self.many.as_mut().map(|many| many.reserved.take_unspent()).unwrap_or_default();
         for lane in &mut self.lanes {
@@ -2590,6 +2628,45 @@ mod tests {
         // then, 4 a lane), twice that goes before the horizon: the lane keeps 8.
         let slow = many_lanes_settings("200/s", "5/s");
         assert_eq!(given_back(&mut many_lanes_stack(&slow, &progress), one_each()), 112);
+    }
+
+    /// Twelve lanes at 100/s each under a shared 10,000/s, 12,000 jobs each received
+    /// from a fair queue: what each lane cannot send soon goes back to the queue, and
+    /// SQS counts what is hidden there for later as in flight, with the jobs in hand. A
+    /// run hides no more than leaves its in flight within [`MOST_IN_FLIGHT`]; the jobs due last are sent
+    /// again with their delay (not in flight) and the received ones deleted once sent,
+    /// none lost (hiding them all, 1,000 lanes by a Zipf law held 150,000 in flight:
+    /// past SQS's 120,000, its receives were refused).
+    #[test]
+    fn a_run_hides_for_later_no_more_than_sqs_lets_be_in_flight_and_sends_the_rest_again_with_a_delay() {
+        use crate::hidden::MOST_IN_FLIGHT;
+        let (settings, progress) = (many_lanes_settings("10000/s", "100/s"), Progress::default());
+        let mut state = many_lanes_stack(&settings, &progress);
+        let lanes: Vec<LaneId> = (0..12).map(|n| LaneId::parse(&format!("heavy{n}")).unwrap()).collect();
+        let on_queue: Vec<QueuedMessage> = (0..144_000).map(|n| message(&lanes[n / 1_000 % 12], n)).collect();
+        // Receives answered together (as over the first seconds: the stack dispatches
+        // meanwhile, which this leaves out, and keeps about as many in hand).
+        for batch in on_queue.chunks(1_000) {
+            answer_receive(&mut state, batch.to_vec(), T0);
+        }
+        let in_hand = state.many.as_ref().unwrap().in_hand_total;
+        let hidden = state.to_release.len();
+        assert!(state.to_release.iter().all(|job| !job.after.is_zero()), "given back for later");
+        let mut sent_again = Vec::new();
+        while let Some((message, delay)) = state.to_send_again.pop_front() {
+            assert!(delay >= Duration::from_secs(1), "each with its delay: {delay:?}");
+            sent_again.push(message);
+        }
+        assert_eq!(in_hand + hidden + sent_again.len(), 144_000, "every job in hand or given back");
+        assert!(in_hand + hidden <= MOST_IN_FLIGHT, "{in_hand} in hand and {hidden} hidden for later");
+        assert!(hidden >= 50_000 && !sent_again.is_empty(), "hidden up to the room ({hidden}), the rest sent again");
+        // Deleted once sent, not before.
+        let receipts: Vec<String> = sent_again.iter().map(|message| message.receipt.clone()).collect();
+        assert!(!state.pending_deletes.iter().any(|receipt| receipts.contains(receipt)));
+        state.in_flight.sends_again += 1;
+        state.on_event(Event::SentAgain(sent_again, Ok(())), T0).unwrap();
+        assert!(receipts.iter().all(|receipt| state.pending_deletes.contains(receipt)));
+        assert_eq!(state.report.sent_again, receipts.len() as u64);
     }
 
     /// A stack of many lanes whose receives go many at once (a shared 10,000/s, receives

@@ -195,9 +195,6 @@ impl QueueState {
             self.next_receipt += 1;
             self.in_flight[message.group] += 1;
             self.in_flight_total += 1;
-            if self.in_flight_total > self.in_flight_peak && self.in_flight_total % 10_000 == 0 && std::env::var("DBG_PEAK").is_ok() {
-                eprintln!("DBG peak in flight {}", self.in_flight_total);
-            }
             self.in_flight_peak = self.in_flight_peak.max(self.in_flight_total);
             received.push((receipt, message.clone()));
             self.hide(receipt, Hidden { message, until, received: true });

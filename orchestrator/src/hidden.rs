@@ -1,0 +1,83 @@
+//! The jobs a run gave back to the queue for later and that are still hidden there:
+//! SQS counts them as in flight, with those in hand, and lets about 120,000 be (a
+//! receive past that is refused). A run keeps what it holds in hand and hides within
+//! [`MOST_IN_FLIGHT`] (on a standard queue, within [`most_hidden`]: see
+//! `ManyLanes::room_to_hide`); a lane's surplus past that is sent again with a delay (a
+//! delayed message is not in flight) and the received one deleted.
+
+use std::collections::BTreeMap;
+
+use paceline_shared::time::UnixMillis;
+
+/// The most messages a run holds in flight on its jobs queue, in hand and hidden for
+/// later: SQS lets "approximately 120,000" be on a standard queue, and the rest is for
+/// the hand-offs whose delete has not gone yet and what a run before hid.
+pub(crate) const MOST_IN_FLIGHT: usize = 110_000;
+
+/// The most a run hides for later when it may hold `in_hand_most` jobs in hand: what
+/// [`MOST_IN_FLIGHT`] leaves, so that its receives always have room.
+pub(crate) fn most_hidden(in_hand_most: usize) -> usize {
+    MOST_IN_FLIGHT.saturating_sub(in_hand_most)
+}
+
+/// How many of the jobs given back come back when: each is hidden until then.
+#[derive(Default)]
+pub(crate) struct HiddenOnQueue {
+    by_due: BTreeMap<UnixMillis, usize>,
+    total: usize,
+}
+
+impl HiddenOnQueue {
+    /// `count` jobs hidden until `until`.
+    pub fn hide(&mut self, until: UnixMillis, count: usize) {
+        *self.by_due.entry(until).or_default() += count;
+        self.total += count;
+    }
+
+    /// `count` of the jobs hidden until `until` made visible at once (brought back).
+    pub fn shown(&mut self, until: UnixMillis, count: usize) {
+        let Some(hidden) = self.by_due.get_mut(&until) else { return };
+        let shown = count.min(*hidden);
+        *hidden -= shown;
+        self.total -= shown;
+        if *hidden == 0 {
+            self.by_due.remove(&until);
+        }
+    }
+
+    /// How many are still hidden at `now` (those due by then are visible again).
+    pub fn at(&mut self, now: UnixMillis) -> usize {
+        while let Some(entry) = self.by_due.first_entry() {
+            if *entry.key() > now {
+                break;
+            }
+            self.total -= entry.remove();
+        }
+        self.total
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jobs_hidden_count_until_they_are_due_or_shown() {
+        let mut hidden = HiddenOnQueue::default();
+        hidden.hide(UnixMillis(2_000), 10);
+        hidden.hide(UnixMillis(5_000), 7);
+        hidden.hide(UnixMillis(2_000), 3);
+        assert_eq!(hidden.at(UnixMillis(1_999)), 20);
+        hidden.shown(UnixMillis(5_000), 4);
+        assert_eq!(hidden.at(UnixMillis(2_000)), 3, "13 due at 2 s, 4 shown");
+        hidden.shown(UnixMillis(2_000), 5);
+        assert_eq!(hidden.at(UnixMillis(2_000)), 3, "those due already are not counted twice");
+        assert_eq!(hidden.at(UnixMillis(5_000)), 0);
+    }
+
+    #[test]
+    fn a_run_hides_what_the_queues_most_in_flight_leaves_past_its_jobs_in_hand() {
+        assert_eq!(most_hidden(50_000), 60_000);
+        assert_eq!(most_hidden(60_000), 50_000);
+    }
+}
