@@ -7,6 +7,8 @@
 
 use std::collections::BTreeMap;
 
+use paceline_shared::job::Job;
+use paceline_shared::ports::QueuedMessage;
 use paceline_shared::time::UnixMillis;
 
 /// The most messages a run holds in flight on its jobs queue, in hand and hidden for
@@ -18,6 +20,20 @@ pub(crate) const MOST_IN_FLIGHT: usize = 110_000;
 /// [`MOST_IN_FLIGHT`] leaves, so that its receives always have room.
 pub(crate) fn most_hidden(in_hand_most: usize) -> usize {
     MOST_IN_FLIGHT.saturating_sub(in_hand_most)
+}
+
+/// The body a received job is sent again with: its job stamped with when it was first
+/// put on the queue (its outcome's `enqueued` and its wait count from then, not from
+/// the send again), as a re-queue's is; the body as it came where it does not parse
+/// (it is dead-lettered with its reason when received again).
+pub(crate) fn body_sent_again(message: &QueuedMessage) -> String {
+    match Job::parse(&message.body) {
+        Ok(mut job) => {
+            job.enqueued_at.get_or_insert(message.enqueued_at);
+            job.to_json()
+        }
+        Err(_) => message.body.clone(),
+    }
 }
 
 /// How many of the jobs given back come back when: each is hidden until then.
@@ -73,6 +89,24 @@ mod tests {
         hidden.shown(UnixMillis(2_000), 5);
         assert_eq!(hidden.at(UnixMillis(2_000)), 3, "those due already are not counted twice");
         assert_eq!(hidden.at(UnixMillis(5_000)), 0);
+    }
+
+    #[test]
+    fn a_job_sent_again_keeps_when_it_was_first_put_on_the_queue() {
+        let received = |body: &str, at: u64| QueuedMessage {
+            message_id: "m".into(),
+            receipt: "r".into(),
+            body: body.into(),
+            attempt: 2,
+            enqueued_at: UnixMillis(at),
+            group: None,
+        };
+        let first = received(r#"{"id":"j1","lane":"acme","request":{"method":"GET","path":"/x"}}"#, 1_795_824_000_000);
+        let again = Job::parse(&body_sent_again(&first)).unwrap();
+        assert_eq!((again.id.as_str(), again.lane.as_str(), again.enqueued_at), ("j1", "acme", Some(UnixMillis(1_795_824_000_000))));
+        let later = received(&body_sent_again(&first), 1_795_824_060_000);
+        assert_eq!(Job::parse(&body_sent_again(&later)).unwrap().enqueued_at, Some(UnixMillis(1_795_824_000_000)), "sent again twice: still the first");
+        assert_eq!(body_sent_again(&received("not a job", 0)), "not a job");
     }
 
     #[test]

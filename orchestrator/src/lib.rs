@@ -626,7 +626,7 @@ impl Executor<'_> {
                 let queue = o.queue.clone();
                 self.background.spawn(async move {
                     let sent: Vec<OutgoingMessage> =
-                        jobs.iter().map(|(message, delay)| OutgoingMessage::again(message.body.clone(), message.attempt, *delay)).collect();
+                        jobs.iter().map(|(message, delay)| OutgoingMessage::again(hidden::body_sent_again(message), message.attempt, *delay)).collect();
                     let result = queue.send(&sent).await;
                     Event::SentAgain(jobs.into_iter().map(|(message, _)| message).collect(), result)
                 });
