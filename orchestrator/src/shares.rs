@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use paceline_shared::quota::Quota;
-use paceline_shared::shares::{parts_of, quota_of_parts, Grant, ShareBook, ShareTiming, REPORT_EVERY};
+use paceline_shared::shares::{parts_of, quota_of_parts, Grant, ShareBook, ShareTiming, REPORT_EVERY, UNIT_WEIGHT};
 use paceline_shared::time::UnixMillis;
 use tracing::{debug, info};
 
@@ -48,6 +48,8 @@ pub(crate) struct ShareRun {
     /// Whether a report of the run landed yet: until one does, the run asks for what the
     /// shard's last run said it could use (it has no pace of its own yet).
     reported: bool,
+    /// The weight of the lanes the shard holds jobs of, in the book's thousandths.
+    weight: u64,
 }
 
 impl ShareRun {
@@ -69,6 +71,7 @@ impl ShareRun {
             last_report: (started, 0),
             held_back: false,
             reported: false,
+            weight: UNIT_WEIGHT,
         })
     }
 
@@ -113,6 +116,14 @@ impl ShareRun {
         ((pace * HEADROOM / whole) * self.parts as f64).ceil().min(self.parts as f64) as u64
     }
 
+    /// The shard holds jobs of lanes of `lanes_weight` in all (their `weight`s): its next
+    /// reports are weighed by it (one lane's at least), so that the parts no demand
+    /// leaves go to the shards by their lanes, not evenly by shard.
+    pub fn weigh(&mut self, lanes_weight: f64) {
+        let thousandths = (lanes_weight * UNIT_WEIGHT as f64).round();
+        self.weight = if thousandths.is_finite() && thousandths >= UNIT_WEIGHT as f64 { thousandths as u64 } else { UNIT_WEIGHT };
+    }
+
     /// The book read at `now` (`None`: none yet; or one of another layout): reports to it
     /// and gives the book to write over the version read. The parts paced under are
     /// lowered to the grant at once, before the write.
@@ -131,6 +142,8 @@ impl ShareRun {
             // asking for its own pace so far (none) would give it up for a window.
             demand = demand.max(book.held.get(self.shard).map_or(0, |holding| holding.demand));
         }
+        book.weigh(self.shard, self.weight);
+
         let grant = book.report(self.shard, demand, now, &self.timing);
         self.held = self.held.min(grant.parts);
         self.writing = Some((grant, now, spent, std::mem::take(&mut self.held_back)));

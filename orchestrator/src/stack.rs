@@ -785,6 +785,7 @@ impl<'a> StackMachine<'a> {
         match result {
             Ok(read) => {
                 let spent = self.many.as_ref().map_or(0, ManyLanes::spent);
+                shares.weigh(self.many.as_ref().map_or(0.0, |many| many.weights_in_hand));
                 self.share_write = Some(shares.report(read, spent, now));
                 self.apply_share();
             }

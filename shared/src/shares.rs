@@ -46,6 +46,11 @@ const LEAST_MOVE_OF_WHOLE: u64 = 200;
 /// the shard asks for more.
 const FLOOR_OF_EVEN_SHARE: u64 = 100;
 
+/// The running shards' weights count as even while the heaviest is at most this many
+/// times the lightest: their lanes' paces then differ by a fifth at most (Jain's index
+/// among them 0.99 or more).
+const WEIGHTS_EVEN_WITHIN: f64 = 1.2;
+
 /// The times the book's rules are measured in, from the quota and the lease.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ShareTiming {
@@ -76,6 +81,18 @@ pub struct Holding {
     pub demand: u64,
     /// When its last report landed.
     pub seen: UnixMillis,
+    /// The weight of the lanes it holds jobs of, in thousandths of a lane of weight 1
+    /// (at least 1): the parts that do not cover every demand go by it. A book written
+    /// before weights: each shard one lane's.
+    #[serde(default = "unit_weight")]
+    pub weight: u64,
+}
+
+/// A shard's weight in the book when it says none: one lane of weight 1.
+pub const UNIT_WEIGHT: u64 = 1_000;
+
+fn unit_weight() -> u64 {
+    UNIT_WEIGHT
 }
 
 /// Parts given up, usable by any shard from `usable_at`.
@@ -120,7 +137,8 @@ impl ShareBook {
     #[must_use]
     pub fn even(parts: u64, shards: usize, now: UnixMillis) -> Self {
         let count = shards.max(1) as u64;
-        let held = (0..count).map(|index| Holding { parts: parts / count + u64::from(index < parts % count), demand: 0, seen: now }).collect();
+        let held =
+            (0..count).map(|index| Holding { parts: parts / count + u64::from(index < parts % count), demand: 0, seen: now, weight: UNIT_WEIGHT }).collect();
         Self { parts, held, free: Vec::new() }
     }
 
@@ -129,7 +147,7 @@ impl ShareBook {
     /// of them until a moment ago).
     #[must_use]
     pub fn after_new_layout(parts: u64, shards: usize, now: UnixMillis, timing: &ShareTiming) -> Self {
-        let held = (0..shards.max(1)).map(|_| Holding { parts: 0, demand: 0, seen: now }).collect();
+        let held = (0..shards.max(1)).map(|_| Holding { parts: 0, demand: 0, seen: now, weight: UNIT_WEIGHT }).collect();
         Self { parts, held, free: vec![Freed { parts, usable_at: now.plus(timing.wait_before_reuse()) }] }
     }
 
@@ -178,7 +196,7 @@ impl ShareBook {
         if holding.parts > 0 {
             self.free.push(Freed { parts: holding.parts, usable_at: now.plus(timing.wait_before_reuse()) });
         }
-        *holding = Holding { parts: 0, demand: 0, seen: UnixMillis(0) };
+        *holding = Holding { parts: 0, demand: 0, seen: UnixMillis(0), weight: UNIT_WEIGHT };
     }
 
     /// Free parts usable at `now`.
@@ -234,16 +252,33 @@ impl ShareBook {
         let mut targets: Vec<u64> = self.held.iter().map(|h| h.parts).collect();
         let silent: u64 = (0..self.held.len()).filter(|k| !running.contains(k)).map(|k| self.held[k].parts).sum();
         let mut pool = self.parts - silent;
-        let mut by_demand: Vec<(u64, usize)> = running.iter().map(|k| (self.held[*k].demand.max(floor), *k)).collect();
-        by_demand.sort_unstable();
-        let mut left = by_demand.len() as u64;
-        for (demand, shard) in by_demand {
-            let fair = pool / left;
+        // Water-filling by weight: the shards that want least for their weight are
+        // served first, each at most its weight's part of what is left. Weights close
+        // to even count as even: moving parts costs the gaining shard a window's wait
+        // for them, more than the fairness it buys there.
+        let weights = running.iter().map(|k| self.held[*k].weight.max(1));
+        let (lightest, heaviest) = (weights.clone().min().unwrap_or(1), weights.max().unwrap_or(1));
+        let by_weight = heaviest as f64 > lightest as f64 * WEIGHTS_EVEN_WITHIN;
+        let weight = |k: usize| if by_weight { u128::from(self.held[k].weight.max(1)) } else { 1 };
+        let mut by_need: Vec<(u64, usize)> = running.iter().map(|k| (self.held[*k].demand.max(floor), *k)).collect();
+        by_need.sort_unstable_by(|(a, j), (b, k)| (u128::from(*a) * weight(*k)).cmp(&(u128::from(*b) * weight(*j))).then(j.cmp(k)));
+        let mut weight_left: u128 = by_need.iter().map(|(_, k)| weight(*k)).sum();
+        for (demand, shard) in by_need {
+            let fair = u64::try_from(u128::from(pool) * weight(shard) / weight_left).unwrap_or(pool);
             targets[shard] = demand.min(fair);
             pool -= targets[shard];
-            left -= 1;
+            weight_left -= weight(shard);
         }
         targets
+    }
+
+    /// Shard `shard` holds jobs of lanes weighing `weight` in all (thousandths of a lane
+    /// of weight 1): its next report is weighed by it.
+    ///
+    /// # Panics
+    /// A shard index outside the book.
+    pub fn weigh(&mut self, shard: usize, weight: u64) {
+        self.held[shard].weight = weight.max(1);
     }
 }
 
@@ -364,6 +399,28 @@ mod tests {
         }
         assert_eq!(held(&book), vec![400, 400, 100]);
         assert_whole(&book);
+    }
+
+    /// Four busy shards holding jobs of 4, 3, 3 and 2 lanes end with the parts by their
+    /// lanes (a lane on the shard of two went twice as fast as one on the shard of four
+    /// when they were divided evenly: Jain's index 0.96 among the twelve); 26, 24, 25
+    /// and 25 lanes (within a fifth of each other) keep even shares, which costs no wait
+    /// for parts moving.
+    #[test]
+    fn busy_shards_divide_the_parts_by_the_weight_of_their_lanes_unless_it_is_close_to_even() {
+        let settle = |weights: [u64; 4]| {
+            let mut book = ShareBook::even(1_200, 4, at(0));
+            for second in 1..10 {
+                for (shard, weight) in weights.iter().enumerate() {
+                    book.weigh(shard, weight * UNIT_WEIGHT);
+                    book.report(shard, 1_200, at(second * 1_000 + shard as u64 * 10), &TIMING);
+                }
+            }
+            assert_whole(&book);
+            held(&book)
+        };
+        assert_eq!(settle([4, 3, 3, 2]), vec![400, 300, 300, 200]);
+        assert_eq!(settle([26, 24, 25, 25]), vec![300, 300, 300, 300]);
     }
 
     #[test]

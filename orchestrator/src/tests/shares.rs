@@ -11,7 +11,12 @@ use super::*;
 
 /// A lane id that lives on shard `index` of two.
 fn lane_on(index: usize) -> String {
-    (0..).map(|n| format!("tenant{n}")).find(|id| id.parse::<LaneId>().unwrap().shard(2) == index).unwrap()
+    lanes_on(index, 1).remove(0)
+}
+
+/// The first `count` lane ids that live on shard `index` of two.
+fn lanes_on(index: usize, count: usize) -> Vec<String> {
+    (0..).map(|n| format!("tenant{n}")).filter(|id| id.parse::<LaneId>().unwrap().shard(2) == index).take(count).collect()
 }
 
 /// Shard `index` of two under the shared `tiers`, its share moving through `book` (or
@@ -116,6 +121,29 @@ async fn a_shard_whose_share_falls_goes_on_at_the_smaller_share() {
     let shard_0: Vec<usize> = (16..28).map(|n| in_second(&calls, n)).collect();
     let shard_1: Vec<usize> = (16..28).map(|n| in_second(&others, n)).collect();
     assert!(shard_0.iter().all(|n| *n >= 40) && shard_1.iter().all(|n| *n >= 40), "seconds 16 to 27: shard 0 {shard_0:?}, shard 1 {shard_1:?}");
+    let mut both: Vec<u64> = calls.iter().chain(&others).copied().collect();
+    both.sort_unstable();
+    assert!(busiest_second(&both) <= 100, "a second held {} calls of the shared 100/s", busiest_second(&both));
+}
+
+/// Shard 0 holds jobs of three lanes and shard 1 of one, all four busy under the shared
+/// 100/s: the book divides the tier by their lanes (75/s and 25/s), so every lane goes
+/// at 25/s. It divided it evenly by shard before: 50/s each, shard 0's lanes at 17/s
+/// and shard 1's at 50/s (twelve lanes over four shards, 4, 3, 3 and 2 to a shard, had
+/// Jain's index 0.96).
+#[tokio::test(start_paused = true)]
+async fn busy_shards_divide_the_shared_quota_by_their_lanes_not_evenly_by_shard() {
+    let (first, second, _) = two_shards_under(r#"["100/s"]"#, true, (0, 2_000)).await;
+    let lanes = lanes_on(0, 3);
+    enqueue(&first, (0..6_000).map(|i| lane_job(&lanes[i % 3], &format!("a{i}")))).await;
+    let run = opts(false, Duration::from_secs(20));
+    let (a, b) = tokio::join!(first.orchestrator.run(&run), second.orchestrator.run(&run));
+    a.unwrap();
+    b.unwrap();
+    let (calls, others) = (offsets(&first), offsets(&second));
+    let in_seconds = |calls: &[u64], from: u64, to: u64| calls.iter().filter(|t| **t >= from * 1_000 && **t < to * 1_000).count();
+    let (shard_0, shard_1) = (in_seconds(&calls, 10, 18), in_seconds(&others, 10, 18));
+    assert!((560..=640).contains(&shard_0) && (160..=240).contains(&shard_1), "seconds 10 to 17: shard 0 made {shard_0} calls, shard 1 {shard_1}");
     let mut both: Vec<u64> = calls.iter().chain(&others).copied().collect();
     both.sort_unstable();
     assert!(busiest_second(&both) <= 100, "a second held {} calls of the shared 100/s", busiest_second(&both));
