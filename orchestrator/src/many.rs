@@ -412,8 +412,7 @@ impl<'a> ManyLanes<'a> {
     pub fn give_back(&mut self, index: usize, surplus: Vec<QueuedMessage>, timing: SurplusTiming, room: usize, now: UnixMillis) -> GivenBack {
         let hidden = &mut self.hidden[index];
         let before = hidden.len();
-        let SurplusTiming { kept, pace, visibility, held_for } = timing;
-        let mut timed = surplus_timed(surplus, hidden, kept, pace, visibility, held_for);
+        let mut timed = surplus_timed(surplus, hidden, timing);
         let sent_again: Vec<(QueuedMessage, Duration)> =
             if timed.len() <= room { Vec::new() } else { timed.split_off(room).into_iter().map(|(after, message)| (message, after)).collect() };
         for (message, _) in &sent_again {
@@ -596,11 +595,11 @@ pub(crate) fn surplus_returns(
     visibility: Duration,
     held_for: Duration,
 ) -> Vec<(Vec<String>, Duration)> {
-    in_batches(surplus_timed(surplus, hidden, kept, pace, visibility, held_for))
+    in_batches(surplus_timed(surplus, hidden, SurplusTiming { kept, pace, visibility, held_for }))
 }
 
 /// When each job of a lane's surplus comes back on the queue, soonest first. The lane
-/// keeps `kept` jobs and goes at `pace`; each job comes behind what the lane keeps and
+/// keeps `timing.kept` jobs and goes at `timing.pace`; each job comes behind what the lane keeps and
 /// the jobs it gave back before this one and still hides (`hidden`, in the order the
 /// lane first saw them), and is due at `position / pace`. At the lane's own pace it
 /// comes back half a visibility timeout before it is due, when the lane has less before
@@ -610,14 +609,8 @@ pub(crate) fn surplus_returns(
 /// unknown), and not before the lane may call again (`held_for`: its day spent, a
 /// cool-down). A job is so looked at a few times at most before it goes, not once a
 /// second, and the lane's order holds.
-fn surplus_timed(
-    surplus: Vec<QueuedMessage>,
-    hidden: &mut HiddenJobs,
-    kept: usize,
-    pace: LanePace,
-    visibility: Duration,
-    held_for: Duration,
-) -> Vec<(Duration, QueuedMessage)> {
+fn surplus_timed(surplus: Vec<QueuedMessage>, hidden: &mut HiddenJobs, timing: SurplusTiming) -> Vec<(Duration, QueuedMessage)> {
+    let SurplusTiming { kept, pace, visibility, held_for } = timing;
     let mut timed: Vec<(Duration, QueuedMessage)> = surplus
         .into_iter()
         .map(|message| {

@@ -1595,21 +1595,16 @@ impl<'a> StackMachine<'a> {
                 self.retry_later(e, Timer::InvokeHold, now, "could not reserve the shared quota's calendar units; nothing is dispatched meanwhile")
             }
             Event::DeadLettered(message, result) => self.on_dead_lettered(message, result),
-            Event::Forwarded(messages, result) => self.on_forwarded(messages, result),
+            Event::Forwarded(messages, result) => {
+                self.on_sent_on(messages, result, |report| &mut report.forwarded, "could not send jobs on to their shard's queue")
+            }
             Event::Released(count, Ok(())) => {
                 self.report.released += count as u64;
                 Ok(())
             }
             Event::SentAgain(messages, result) => {
                 self.in_flight.sends_again -= 1;
-                match result {
-                    Ok(()) => {
-                        self.report.sent_again += messages.len() as u64;
-                        self.pending_deletes.extend(messages.into_iter().map(|message| message.receipt));
-                    }
-                    Err(e) => passing(e, "could not send jobs again for later; they come back after their visibility timeout")?,
-                }
-                Ok(())
+                self.on_sent_on(messages, result, |report| &mut report.sent_again, "could not send jobs again for later")
             }
             Event::Released(_, Err(e)) => {
                 passing(e, "could not release messages; they come back after their visibility timeout")?;
@@ -1724,14 +1719,22 @@ impl<'a> StackMachine<'a> {
         Ok(())
     }
 
-    fn on_forwarded(&mut self, messages: Vec<QueuedMessage>, result: PortResult<()>) -> Result<(), RunError> {
+    /// Received messages whose jobs were sent on (to their shard's queue, or again for
+    /// later): counted by `count` and deleted here. Where the send failed they are left
+    /// hidden: they come back after their visibility timeout and go again.
+    fn on_sent_on(
+        &mut self,
+        messages: Vec<QueuedMessage>,
+        result: PortResult<()>,
+        count: fn(&mut RunReport) -> &mut u64,
+        failed: &str,
+    ) -> Result<(), RunError> {
         match result {
             Ok(()) => {
-                self.report.forwarded += messages.len() as u64;
+                *count(&mut self.report) += messages.len() as u64;
                 self.pending_deletes.extend(messages.into_iter().map(|message| message.receipt));
             }
-            // Left hidden: they come back after their visibility timeout and go again.
-            Err(e) => passing(e, "could not send jobs on to their shard's queue; they go again when they are visible again")?,
+            Err(e) => passing(e, &format!("{failed}; they go again when they are visible again"))?,
         }
         Ok(())
     }
