@@ -1428,7 +1428,10 @@ impl<'a> StackMachine<'a> {
             // With room, a lane keeps up to twice its part: a job given back costs a
             // request to hide it and another to receive it again, and jobs come in by
             // chance, not by part.
-            let fair = if has_room { fair * KEEP_WITH_ROOM } else { fair };
+            // No further than the stack may hold: a lane alone (its share the whole
+            // quota) kept twice its part, up to its horizon at its own pace, and every
+            // receive that refilled it gave back the next ten.
+            let fair = if has_room && fair * KEEP_WITH_ROOM <= in_hand_most { fair * KEEP_WITH_ROOM } else { fair };
             // In units (a job may cost more than one), so that what the lane keeps goes
             // before its visibility timeout: nothing while it is held past it. Counted
             // slot by slot (a longer tier spent early holds the lane past the horizon),
@@ -2671,6 +2674,27 @@ mod tests {
         state.on_event(Event::SentAgain(sent_again, Ok(())), T0).unwrap();
         assert!(receipts.iter().all(|receipt| state.pending_deletes.contains(receipt)));
         assert_eq!(state.report.sent_again, receipts.len() as u64);
+    }
+
+    /// A lane alone (its share the whole shared 200/s) with a backlog keeps its part of
+    /// the shared quota's 20 s stretch (4,000 jobs), not twice it: twice is more than the
+    /// stack may hold (5,000), and its own 100/s then set what it kept, the jobs up to
+    /// its horizon; the receives that refill it brought ten more at a time and gave them
+    /// back (a lane of 200,000 jobs alone: 0.86 SQS requests a job, 0.30 keeping its part).
+    #[test]
+    fn a_lane_alone_keeps_its_part_where_twice_it_is_more_than_the_stack_may_hold() {
+        let mut settings = many_lanes_settings("200/s", "100/s");
+        settings.orchestrator.visibility_timeout = Duration::from_secs(120);
+        let progress = Progress::default();
+        let mut state = many_lanes_stack(&settings, &progress);
+        let heavy = LaneId::parse("heavy").unwrap();
+        for batch in jobs_of_lanes(0, 6_000, Some(&heavy)).chunks(RECEIVE_BATCH) {
+            answer_receive(&mut state, batch.to_vec(), T0);
+        }
+        let many = state.many.as_ref().unwrap();
+        assert_eq!(many.in_hand_most, 5_000);
+        let kept = many.in_hand_total;
+        assert!((3_900..=4_000).contains(&kept), "kept {kept}, gave back {}", state.to_release.len());
     }
 
     /// A stack of many lanes whose receives go many at once (a shared 10,000/s, receives
