@@ -2640,10 +2640,10 @@ mod tests {
     /// Twelve lanes at 100/s each under a shared 10,000/s, 12,000 jobs each received
     /// from a fair queue: what each lane cannot send soon goes back to the queue, and
     /// SQS counts what is hidden there for later as in flight, with the jobs in hand. A
-    /// run hides no more than leaves its in flight within [`MOST_IN_FLIGHT`]; the jobs due last are sent
-    /// again with their delay (not in flight) and the received ones deleted once sent,
-    /// none lost (hiding them all, 1,000 lanes by a Zipf law held 150,000 in flight:
-    /// past SQS's 120,000, its receives were refused).
+    /// run hides no more than leaves its in flight within [`MOST_IN_FLIGHT`]; the jobs
+    /// due last are sent again with their delay (not in flight) and the received ones
+    /// deleted once sent, none lost (hiding them all, 1,000 lanes by a Zipf law held
+    /// 150,000 in flight: past SQS's 120,000, its receives were refused).
     #[test]
     fn a_run_hides_for_later_no_more_than_sqs_lets_be_in_flight_and_sends_the_rest_again_with_a_delay() {
         use crate::hidden::MOST_IN_FLIGHT;
