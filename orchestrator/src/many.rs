@@ -599,15 +599,15 @@ pub(crate) fn surplus_returns(
 }
 
 /// When each job of a lane's surplus comes back on the queue, soonest first. The lane
-/// keeps `timing.kept` jobs and goes at `timing.pace`; each job comes behind what the lane keeps and
-/// the jobs it gave back before this one and still hides (`hidden`, in the order the
-/// lane first saw them), and is due at `position / pace`. At the lane's own pace it
-/// comes back half a visibility timeout before it is due, when the lane has less before
-/// it than it keeps: once, not given back again. At a share of the shared quota it
-/// comes back halfway to when it is due, the lane may go faster by then. At least a
-/// second and at most [`MAX_RELEASE_DELAY`] later (or `visibility` when the pace is
-/// unknown), and not before the lane may call again (`held_for`: its day spent, a
-/// cool-down). A job is so looked at a few times at most before it goes, not once a
+/// keeps `timing.kept` jobs and goes at `timing.pace`; each job comes behind what the
+/// lane keeps and the jobs it gave back before this one and still hides (`hidden`, in
+/// the order the lane first saw them), and is due at `position / pace`. At the lane's
+/// own pace it comes back half a visibility timeout before it is due, when the lane has
+/// less before it than it keeps: once, not given back again. At a share of the shared
+/// quota it comes back halfway to when it is due, the lane may go faster by then. At
+/// least a second and at most [`MAX_RELEASE_DELAY`] later (or `visibility` when the
+/// pace is unknown), and not before the lane may call again (`held_for`: its day spent,
+/// a cool-down). A job is so looked at a few times at most before it goes, not once a
 /// second, and the lane's order holds.
 fn surplus_timed(surplus: Vec<QueuedMessage>, hidden: &mut HiddenJobs, timing: SurplusTiming) -> Vec<(Duration, QueuedMessage)> {
     let SurplusTiming { kept, pace, visibility, held_for } = timing;
