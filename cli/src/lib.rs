@@ -10,3 +10,4 @@ pub mod fake_api;
 pub mod serve;
 pub mod stack;
 pub mod summary;
+pub mod tasks;

@@ -171,7 +171,7 @@ impl EmbeddedStack {
     pub async fn run(&self, drain: bool, for_at_most: Option<Duration>, show_progress: bool) -> anyhow::Result<LaneOutcome> {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("listening for SIGTERM")?;
-        tokio::spawn(async move {
+        let listener = tokio::spawn(async move {
             tokio::select! {
                 result = tokio::signal::ctrl_c() => if result.is_err() { return },
                 _ = terminate.recv() => {}
@@ -186,18 +186,15 @@ impl EmbeddedStack {
         let watcher = tokio::spawn(watch_circuit(self.store.clone(), self.orchestrator.clock().clone(), changes_tx));
         let report = self.orchestrator.run(&opts).await;
         if let Some((bar, ticker)) = bar {
-            ticker.abort();
+            crate::tasks::end_all([ticker]).await;
             bar.finish_and_clear();
         }
+        let interrupted = self.settle_in_flight().await;
+        crate::tasks::end_all([listener, watcher]).await;
         let report = match report {
             Ok(report) => report,
-            Err(failed) => {
-                let interrupted = self.settle_in_flight().await;
-                return Err(anyhow::Error::from(failed).context(self.what_a_failed_run_did(interrupted)));
-            }
+            Err(failed) => return Err(anyhow::Error::from(failed).context(self.what_a_failed_run_did(interrupted))),
         };
-        let interrupted = self.settle_in_flight().await;
-        watcher.abort();
         let circuit_changes = changes_rx.borrow().clone();
         let dead_letters_total = self.store.depth().await?.dead;
         Ok(LaneOutcome { report, worker: self.worker_stats.clone(), dead_letters_total, interrupted, circuit_changes })
@@ -510,6 +507,28 @@ mod tests {
         let Err(failed) = lane.run(true, Some(Duration::from_secs(5)), false).await else { panic!("ran under another's lease") };
         let text = format!("{failed:#}");
         assert!(text.starts_with("the run stopped on an error after 0 hand-off(s): 0 call(s) made"), "{text}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A run aborted its circuit watcher without waiting for it, and left its signal
+    /// listener running. `paceline run` then returned, the runtime shut down, and a
+    /// watcher still in its poll slept on the stopped timer: "A Tokio 1.x context was
+    /// found, but it is being shutdown" on stderr, amid `--log-format json`'s lines.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_run_returns_only_once_the_tasks_it_started_have_ended() {
+        let dir = std::env::temp_dir().join(format!("paceline-run-tasks-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let text = "[api]\nbase_url = \"http://127.0.0.1:9\"\n[quota]\ntiers = [\"10/s\"]\n[backend]\nkind = \"embedded\"\npath = \"lane.db\"\n";
+        let config = Config::parse(text, &dir, &|_| None).unwrap();
+        let lane = EmbeddedStack::open(&config).unwrap();
+        let tasks = || tokio::runtime::Handle::current().metrics().num_alive_tasks();
+        let before = tasks();
+
+        lane.run(true, Some(Duration::from_secs(5)), false).await.unwrap();
+        assert_eq!(tasks(), before, "a drained run left tasks running");
+        lane.store.acquire_lease("someone-else", Duration::from_secs(60), SystemClock.now()).await.unwrap();
+        assert!(lane.run(true, Some(Duration::from_secs(5)), false).await.is_err());
+        assert_eq!(tasks(), before, "a failed run left tasks running");
         std::fs::remove_dir_all(dir).unwrap();
     }
 

@@ -522,7 +522,9 @@ async fn run_logs_one_json_object_a_line_with_log_format_json() {
     let config = write_config(&dir, "http://127.0.0.1:1", &["5/s"], "");
     let out = paceline(&["--log", "info", "--log-format", "json", "run", "--config", config.to_str().unwrap(), "--drain"], "").await;
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stderr).lines().map(|l| serde_json::from_str(l).expect("a JSON log line")).collect();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<serde_json::Value> =
+        stderr.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON log line ({e}): {l:?}\nall of it:\n{stderr}"))).collect();
     assert!(lines.iter().any(|l| l["fields"]["message"] == "run ended" && l["level"] == "INFO"), "{lines:?}");
 }
 

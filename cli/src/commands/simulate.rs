@@ -396,7 +396,7 @@ impl SimulateArgs {
         let progress = Progress::start(settled, plan.jobs as u64 * simulations.len() as u64);
         // The simulations run their own paused runtime, on a thread of their own.
         let reports = tokio::task::spawn_blocking(move || simulations.iter().map(|(plan, dispatcher)| simulate(plan, dispatcher)).collect::<Vec<_>>()).await;
-        progress.finish();
+        progress.finish().await;
         let reports = reports.context("the simulation failed")?;
         let (main, others) = reports.split_first().context("the simulation made no report")?;
         if let Some(path) = &self.plot {
@@ -468,8 +468,8 @@ impl Progress {
         Self { bar, ticker }
     }
 
-    fn finish(self) {
-        self.ticker.abort();
+    async fn finish(self) {
+        crate::tasks::end_all([self.ticker]).await;
         self.bar.finish_and_clear();
     }
 }

@@ -219,7 +219,7 @@ impl Serving {
                         .await
                 };
                 let result = serving.await;
-                watcher.abort();
+                crate::tasks::end_all([watcher]).await;
                 result
             });
             let _ = said_stopped.send(served);
