@@ -1108,15 +1108,17 @@ impl<'a> StackMachine<'a> {
             many.binds_until = now.plus(SHARED_BINDS_FOR);
         }
         let shared_binds = now < many.binds_until;
-        // At a run's start, while a tenth of the shared quota's pace or more waits for
+        // At a run's start, once a tenth of the shared quota's pace or more waits for
         // its lanes' reads, those read take the shared quota's schedule only a little
         // further out than the lanes read next could start (`Reach::BesideLanesBeingRead`),
-        // until the lanes read could use twice the shared quota: they then fill the
-        // schedule out to the hand-off's room at once. Ended as soon as they could use it
-        // all, the room's jump left 60 ms of the schedule a tenth full.
+        // until the lanes read could use twice the shared quota (they then fill the
+        // schedule out to the hand-off's room at once) or no lane is being read. Ended as
+        // soon as they could use it all, the room's jump left 60 ms of the schedule a
+        // tenth full; ended whenever what waited for reads dipped under a tenth, 40 ms.
         many.ready_filled_shared |= many.own_pace_ready >= LANES_FILL_THE_SHARED_SCHEDULE * shared_pace;
         let awaiting_reads = many.own_pace_in_hand - many.own_pace_ready;
-        let reach = if reading_lanes && !many.ready_filled_shared && awaiting_reads >= shared_pace / 10.0 {
+        let beside_reads_already = many.last_reach == Some(Reach::BesideLanesBeingRead);
+        let reach = if reading_lanes && !many.ready_filled_shared && (awaiting_reads >= shared_pace / 10.0 || beside_reads_already) {
             Reach::BesideLanesBeingRead
         } else if reading_lanes || shared_binds {
             Reach::HandOffLead
