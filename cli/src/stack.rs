@@ -493,15 +493,22 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
-    /// A run that ended on an error (a damaged database, a lost lease) printed the error
-    /// alone, not what it had done.
-    #[tokio::test(flavor = "multi_thread")]
-    async fn a_run_that_fails_says_what_it_did_before_the_error() {
-        let dir = std::env::temp_dir().join(format!("paceline-failed-run-{}", std::process::id()));
+    /// An embedded lane of 10/s in a folder of its own (`name`), its API on a port where
+    /// nothing listens; the folder is for the test to remove.
+    fn lane_of_10_per_second_in(name: &str) -> (PathBuf, EmbeddedStack) {
+        let dir = std::env::temp_dir().join(format!("paceline-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let text = "[api]\nbase_url = \"http://127.0.0.1:9\"\n[quota]\ntiers = [\"10/s\"]\n[backend]\nkind = \"embedded\"\npath = \"lane.db\"\n";
         let config = Config::parse(text, &dir, &|_| None).unwrap();
         let lane = EmbeddedStack::open(&config).unwrap();
+        (dir, lane)
+    }
+
+    /// A run that ended on an error (a damaged database, a lost lease) printed the error
+    /// alone, not what it had done.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_run_that_fails_says_what_it_did_before_the_error() {
+        let (dir, lane) = lane_of_10_per_second_in("failed-run");
         lane.store.acquire_lease("someone-else", Duration::from_secs(60), SystemClock.now()).await.unwrap();
 
         let Err(failed) = lane.run(true, Some(Duration::from_secs(5)), false).await else { panic!("ran under another's lease") };
@@ -516,11 +523,7 @@ mod tests {
     /// found, but it is being shutdown" on stderr, amid `--log-format json`'s lines.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_run_returns_only_once_the_tasks_it_started_have_ended() {
-        let dir = std::env::temp_dir().join(format!("paceline-run-tasks-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let text = "[api]\nbase_url = \"http://127.0.0.1:9\"\n[quota]\ntiers = [\"10/s\"]\n[backend]\nkind = \"embedded\"\npath = \"lane.db\"\n";
-        let config = Config::parse(text, &dir, &|_| None).unwrap();
-        let lane = EmbeddedStack::open(&config).unwrap();
+        let (dir, lane) = lane_of_10_per_second_in("run-tasks");
         let tasks = || tokio::runtime::Handle::current().metrics().num_alive_tasks();
         let before = tasks();
 
