@@ -581,6 +581,8 @@ impl HiddenJobs {
 pub(crate) struct LanePace {
     pub per_second: f64,
     pub own: bool,
+    /// Its own tiers' pace, however large its share may grow.
+    pub own_per_second: f64,
 }
 
 /// When each batch of a lane's surplus comes back on the queue: [`surplus_timed`] in
@@ -595,7 +597,7 @@ pub(crate) fn surplus_returns(
     visibility: Duration,
     held_for: Duration,
 ) -> Vec<(Vec<String>, Duration)> {
-    in_batches(surplus_timed(surplus, hidden, SurplusTiming { kept, pace, visibility, held_for }))
+    in_batches(surplus_timed(surplus, hidden, SurplusTiming { kept, pace, visibility, held_for, run_left: Duration::MAX }))
 }
 
 /// When each job of a lane's surplus comes back on the queue, soonest first. The lane
@@ -609,8 +611,15 @@ pub(crate) fn surplus_returns(
 /// pace is unknown), and not before the lane may call again (`held_for`: its day spent,
 /// a cool-down). A job is so looked at a few times at most before it goes, not once a
 /// second, and the lane's order holds.
+///
+/// A job timed at a share to come back past the run's end (`timing.run_left`) comes
+/// back no later than it would at the lane's own pace, or at the run's end if that is
+/// sooner: this run brings a job back when its lane runs dry, the next cannot (it does
+/// not hold the receipt). With many jobs given back while 1,000 lanes shared the
+/// quota, a heavy lane went without jobs for 8 s after a hand-over, its next ones timed
+/// for its thousandth of the shared quota and hidden on the queue for minutes.
 fn surplus_timed(surplus: Vec<QueuedMessage>, hidden: &mut HiddenJobs, timing: SurplusTiming) -> Vec<(Duration, QueuedMessage)> {
-    let SurplusTiming { kept, pace, visibility, held_for } = timing;
+    let SurplusTiming { kept, pace, visibility, held_for, run_left } = timing;
     let mut timed: Vec<(Duration, QueuedMessage)> = surplus
         .into_iter()
         .map(|message| {
@@ -623,7 +632,13 @@ fn surplus_timed(surplus: Vec<QueuedMessage>, hidden: &mut HiddenJobs, timing: S
                 if pace.own {
                     due.saturating_sub(visibility / 2)
                 } else {
-                    due.mul_f64(RETURN_EARLY)
+                    let at_share = due.mul_f64(RETURN_EARLY);
+                    if at_share > run_left {
+                        let own_due = Duration::from_secs_f64((position as f64 / pace.own_per_second).min(MAX_RELEASE_DELAY.as_secs_f64()));
+                        at_share.min(own_due.saturating_sub(visibility / 2).max(run_left))
+                    } else {
+                        at_share
+                    }
                 }
             };
             let after = after.max(held_for);
@@ -647,13 +662,15 @@ fn in_batches(timed: Vec<(Duration, QueuedMessage)>) -> Vec<(Vec<String>, Durati
 }
 
 /// When a lane's surplus comes back (see [`surplus_timed`]): the jobs it keeps, its
-/// pace, the visibility timeout, and how long it may not call.
+/// pace, the visibility timeout, how long it may not call, and how long until the run
+/// ends (`Duration::MAX` for a run without an end).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SurplusTiming {
     pub kept: usize,
     pub pace: LanePace,
     pub visibility: Duration,
     pub held_for: Duration,
+    pub run_left: Duration,
 }
 
 /// What a lane gives back: batches of receipts hidden on the queue, each until that much
@@ -677,7 +694,7 @@ mod tests {
     use paceline_shared::quota::chrono_tz;
 
     fn at_share(per_second: f64) -> LanePace {
-        LanePace { per_second, own: false }
+        LanePace { per_second, own: false, own_per_second: f64::INFINITY }
     }
 
     fn queued(id: &str) -> QueuedMessage {
@@ -776,7 +793,7 @@ mod tests {
     #[test]
     fn a_job_of_a_lane_at_its_own_pace_comes_back_half_a_visibility_timeout_before_it_is_due() {
         let mut hidden = hidden_jobs("h", 5_200);
-        let own = LanePace { per_second: 100.0, own: true };
+        let own = LanePace { per_second: 100.0, own: true, own_per_second: 100.0 };
         let returns = surplus_returns(vec![queued("n")], &mut hidden, 4_800, own, Duration::from_secs(30), Duration::ZERO);
         assert_eq!(returns[0].1, Duration::from_millis(85_010));
         let mut hidden = hidden_jobs("h", 5_200);
