@@ -1346,12 +1346,7 @@ impl<'a> StackMachine<'a> {
     /// so that a light lane's jobs behind a heavy lane's are reached (the heavy lane's
     /// surplus goes back to the queue for later, see [`Self::route_received`]).
     fn receive_more(&mut self, now: UnixMillis) -> Option<Action> {
-        // The shared quota's pace as this stack holds it now (a shard's share moves),
-        // read further ahead while the lanes in hand contend for it.
-        let many = self.many.as_ref().expect("many lanes");
-        let shared_pace = many.shared.sustained_per_second();
-        let pace = if many.own_pace_in_hand >= shared_pace { shared_pace * READ_AHEAD_WHILE_CONTENDED } else { shared_pace };
-        let allowed = self.receives_allowed(pace).min(self.receives_ramp);
+        let allowed = self.receives_allowed(self.reading_pace()).min(self.receives_ramp);
         if self.in_flight.receives >= allowed || self.timers.is_pending(Timer::Receive, now) || self.timers.is_pending(Timer::Prefetch, now) {
             return None;
         }
@@ -1365,7 +1360,7 @@ impl<'a> StackMachine<'a> {
         let room = if many.starved > 0 { room.max(RECEIVE_BATCH) } else { room };
         // A receive costs the same for one job as for ten: with jobs in hand, the next
         // waits until there is room for a whole batch, where the pace makes it soon.
-        let batch_soon = pace * BATCH_ROOM_WAIT.as_secs_f64() >= RECEIVE_BATCH as f64;
+        let batch_soon = many.shared.sustained_per_second() * BATCH_ROOM_WAIT.as_secs_f64() >= RECEIVE_BATCH as f64;
         if room == 0 || (room < RECEIVE_BATCH && batch_soon && many.in_hand_total >= RECEIVE_BATCH) {
             return None;
         }
@@ -1481,6 +1476,19 @@ impl<'a> StackMachine<'a> {
         self.pause_probing_if_idle(received_count > 0 && given_back >= received_count && !a_quiet_lane_gave_back, now);
     }
 
+    /// The pace a stack of many lanes reads the queue at: the shared quota's as this
+    /// stack holds it now (a shard's share moves), further ahead while the lanes in hand
+    /// contend for it (see [`READ_AHEAD_WHILE_CONTENDED`]).
+    fn reading_pace(&self) -> f64 {
+        let many = self.many.as_ref().expect("many lanes");
+        let shared_pace = many.shared.sustained_per_second();
+        if many.own_pace_in_hand >= shared_pace {
+            shared_pace * READ_AHEAD_WHILE_CONTENDED
+        } else {
+            shared_pace
+        }
+    }
+
     /// On a fair queue, receives whose every job went back, each to a lane SQS sees as
     /// noisy, found no other lane's job (the queue hands out quiet lanes' jobs first):
     /// after [`IDLE_RECEIVES_BEFORE_PAUSE`] of them, or a whole round where more go at
@@ -1497,7 +1505,7 @@ impl<'a> StackMachine<'a> {
             return;
         }
         self.idle_receives += 1;
-        let round = self.many.as_ref().map_or(MIN_RECEIVES_IN_FLIGHT, |many| self.receives_allowed(many.shared.sustained_per_second()));
+        let round = if self.many.is_some() { self.receives_allowed(self.reading_pace()) } else { MIN_RECEIVES_IN_FLIGHT };
         if self.idle_receives >= IDLE_RECEIVES_BEFORE_PAUSE.max(round) {
             self.timers.set(Timer::Prefetch, now.plus(self.idle_probe));
             self.idle_probe = (self.idle_probe * 2).min(IDLE_PROBE_MAX);
