@@ -613,9 +613,9 @@ pub(crate) fn surplus_returns(
 /// second, and the lane's order holds.
 ///
 /// A job timed at a share to come back past the run's end (`timing.run_left`) comes
-/// back no later than it would at the lane's own pace, or at the run's end if that is
-/// sooner: this run brings a job back when its lane runs dry, the next cannot (it does
-/// not hold the receipt). With many jobs given back while 1,000 lanes shared the
+/// back when it would at the lane's own pace instead, if that is sooner, but not before
+/// the run's end: until then this run brings a job back when its lane runs dry, the
+/// next run cannot (it does not hold the receipt). With many jobs given back while 1,000 lanes shared the
 /// quota, a heavy lane went without jobs for 8 s after a hand-over, its next ones timed
 /// for its thousandth of the shared quota and hidden on the queue for minutes.
 fn surplus_timed(surplus: Vec<QueuedMessage>, hidden: &mut HiddenJobs, timing: SurplusTiming) -> Vec<(Duration, QueuedMessage)> {
