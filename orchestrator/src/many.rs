@@ -615,9 +615,10 @@ pub(crate) fn surplus_returns(
 /// A job timed at a share to come back past the run's end (`timing.run_left`) comes
 /// back when it would at the lane's own pace instead, if that is sooner, but not before
 /// the run's end: until then this run brings a job back when its lane runs dry, the
-/// next run cannot (it does not hold the receipt). With many jobs given back while 1,000 lanes shared the
-/// quota, a heavy lane went without jobs for 8 s after a hand-over, its next ones timed
-/// for its thousandth of the shared quota and hidden on the queue for minutes.
+/// next run cannot (it does not hold the receipt). With many jobs given back while
+/// 1,000 lanes shared the quota, a heavy lane went without jobs for 8 s after a
+/// hand-over, its next ones timed for its thousandth of the shared quota and hidden on
+/// the queue for minutes.
 fn surplus_timed(surplus: Vec<QueuedMessage>, hidden: &mut HiddenJobs, timing: SurplusTiming) -> Vec<(Duration, QueuedMessage)> {
     let SurplusTiming { kept, pace, visibility, held_for, run_left } = timing;
     let mut timed: Vec<(Duration, QueuedMessage)> = surplus
@@ -625,17 +626,17 @@ fn surplus_timed(surplus: Vec<QueuedMessage>, hidden: &mut HiddenJobs, timing: S
         .map(|message| {
             let position = kept + hidden.place_of(&message.message_id) + 1;
             let per_second = pace.per_second;
+            let due_at = |per_second: f64| Duration::from_secs_f64((position as f64 / per_second).min(MAX_RELEASE_DELAY.as_secs_f64()));
             let after = if !per_second.is_finite() || per_second <= 0.0 {
                 visibility
             } else {
-                let due = Duration::from_secs_f64((position as f64 / per_second).min(MAX_RELEASE_DELAY.as_secs_f64()));
+                let due = due_at(per_second);
                 if pace.own {
                     due.saturating_sub(visibility / 2)
                 } else {
                     let at_share = due.mul_f64(RETURN_EARLY);
                     if at_share > run_left {
-                        let own_due = Duration::from_secs_f64((position as f64 / pace.own_per_second).min(MAX_RELEASE_DELAY.as_secs_f64()));
-                        at_share.min(own_due.saturating_sub(visibility / 2).max(run_left))
+                        at_share.min(due_at(pace.own_per_second).saturating_sub(visibility / 2).max(run_left))
                     } else {
                         at_share
                     }
