@@ -207,6 +207,11 @@ pub struct LanesReport {
     pub wait_p99_seconds: f64,
     pub light_wait_p50_seconds: f64,
     pub light_wait_p99_seconds: f64,
+    /// The same for the light lanes' jobs had the shared quota been divided max-min
+    /// fairly from the start, with no lead and no queue (see [`fair_share_times`]): the
+    /// issue asks the light lanes' p99 to be within its fair share's + 2 s.
+    pub light_fair_share_p50_seconds: f64,
+    pub light_fair_share_p99_seconds: f64,
     /// SQS requests per job (receives, deletes, visibility changes, sends: the
     /// orchestrator's), on an SQS queue.
     pub sqs_requests_per_job: Option<f64>,
@@ -792,6 +797,45 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[rank - 1]
 }
 
+/// When each unit of each lane would go, in seconds from the start, were `pace` units a
+/// second divided max-min fairly among the lanes with units left from the start (by
+/// `weights`, none faster than its `own_paces`, a lane that runs out leaving its part to
+/// the others): the fair share a lane's wait is measured against. Fluid: the k-th unit
+/// goes when the lane's part reaches k.
+fn fair_share_times(pace: f64, units: &[u64], own_paces: &[f64], weights: &[f64]) -> Vec<Vec<f64>> {
+    let mut times: Vec<Vec<f64>> = units.iter().map(|n| Vec::with_capacity(usize::try_from(*n).unwrap_or(0))).collect();
+    let mut given = vec![0.0_f64; units.len()];
+    let mut now = 0.0;
+    loop {
+        let open: Vec<usize> = (0..units.len()).filter(|lane| (times[*lane].len() as u64) < units[*lane]).collect();
+        if open.is_empty() {
+            return times;
+        }
+        let caps: Vec<f64> = open.iter().map(|lane| own_paces[*lane]).collect();
+        let open_weights: Vec<f64> = open.iter().map(|lane| weights[*lane]).collect();
+        let rates = fair_shares(pace, &caps, &open_weights);
+        // Until the next lane runs out of units.
+        let step = open.iter().zip(&rates).map(|(lane, rate)| (units[*lane] as f64 - given[*lane]) / rate).fold(f64::INFINITY, f64::min);
+        if !step.is_finite() {
+            // No pace at all, or an unbounded one: what is left goes at once, or never.
+            let at = if pace > 0.0 { now } else { f64::INFINITY };
+            for lane in open {
+                times[lane].resize(usize::try_from(units[lane]).unwrap_or(0), at);
+            }
+            return times;
+        }
+        for (lane, rate) in open.into_iter().zip(rates) {
+            let reached = given[lane] + rate * step;
+            while (times[lane].len() as u64) < units[lane] && (times[lane].len() + 1) as f64 <= reached + 1e-9 {
+                let unit = (times[lane].len() + 1) as f64;
+                times[lane].push(now + (unit - given[lane]) / rate);
+            }
+            given[lane] = reached;
+        }
+        now += step;
+    }
+}
+
 /// The report of `calls`, made by `dispatcher` for the plan's jobs (`job_lanes`).
 fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: Vec<Call>, wall: Duration) -> LanesReport {
     calls.sort_by_key(|call| call.at);
@@ -858,6 +902,11 @@ fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: V
     let mut light: Vec<f64> =
         calls.iter().filter(|call| call.lane < plan.lanes && (jobs_of[call.lane] as f64) < mean).map(|call| call.at.since(SIM_START).as_secs_f64()).collect();
     light.sort_by(f64::total_cmp);
+    let units: Vec<u64> = by_lane.iter().map(|lane_calls| lane_calls.iter().map(|(_, cost)| cost).sum()).collect();
+    let own_paces: Vec<f64> = quotas.iter().map(|quota| own_rate(quota)).collect();
+    let fair_times = fair_share_times(plan.settings.quota.pace_per_second(), &units, &own_paces, &weights);
+    let mut light_fair: Vec<f64> = fair_times.into_iter().enumerate().filter(|(lane, _)| (jobs_of[*lane] as f64) < mean).flat_map(|(_, times)| times).collect();
+    light_fair.sort_by(f64::total_cmp);
     let calls_per_second = plotted_calls(plan, &calls);
     LanesReport {
         calls_per_second,
@@ -878,6 +927,8 @@ fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: V
         wait_p99_seconds: percentile(&waits, 0.99),
         light_wait_p50_seconds: percentile(&light, 0.5),
         light_wait_p99_seconds: percentile(&light, 0.99),
+        light_fair_share_p50_seconds: percentile(&light_fair, 0.5),
+        light_fair_share_p99_seconds: percentile(&light_fair, 0.99),
         sqs_requests_per_job: None,
         dynamodb_requests_per_job: None,
         sqs_most_in_flight: None,
@@ -907,7 +958,7 @@ pub fn render_lanes(reports: &[LanesReport]) -> String {
     let mut header = vec!["".to_owned()];
     header.extend(reports.iter().map(|r| r.dispatcher.clone()));
     let mut table = paceline_shared::table::text_table(&header.iter().map(String::as_str).collect::<Vec<_>>(), &(1..=reports.len()).collect::<Vec<_>>());
-    let rows: [(&str, ReportCell); 17] = [
+    let rows: [(&str, ReportCell); 18] = [
         ("drained in", |r| format!("{:.1} s", r.seconds)),
         ("first call, from the start", |r| format!("{:.2} s", r.first_call_seconds)),
         ("calls over a lane's tier", |r| r.lane_violations.to_string()),
@@ -917,6 +968,7 @@ pub fn render_lanes(reports: &[LanesReport]) -> String {
         ("Jain's index, lowest", |r| optional(r.jain_index_min, 4)),
         ("job wait p50 / p99", |r| format!("{:.1} / {:.1} s", r.wait_p50_seconds, r.wait_p99_seconds)),
         ("light lanes' job wait p50 / p99", |r| format!("{:.1} / {:.1} s", r.light_wait_p50_seconds, r.light_wait_p99_seconds)),
+        ("  at their fair share from the start", |r| format!("{:.1} / {:.1} s", r.light_fair_share_p50_seconds, r.light_fair_share_p99_seconds)),
         ("SQS requests per job", |r| optional(r.sqs_requests_per_job, 3)),
         ("DynamoDB requests per job", |r| optional(r.dynamodb_requests_per_job, 3)),
         ("SQS messages in flight, most (a shard)", |r| r.sqs_most_in_flight.map_or_else(|| "-".to_owned(), |n| n.to_string())),
@@ -949,6 +1001,23 @@ mod tests {
         assert!((shares[0] - 10.0).abs() < 1e-9 && (shares[1] - 30.0).abs() < 1e-9 && (shares[2] - 60.0).abs() < 1e-9, "{shares:?}");
         let even = fair_shares(90.0, &[1e9; 3], &[1.0; 3]);
         assert!(even.iter().all(|s| (s - 30.0).abs() < 1e-9), "{even:?}");
+    }
+
+    #[test]
+    fn at_their_fair_share_lanes_divide_the_pace_until_one_runs_out_and_the_others_take_its_part() {
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        // 10 a second between 10 units and 30: 5 a second each until the first is done
+        // at 2 s, then the second alone at 10 a second, its last unit at 4 s.
+        let times = fair_share_times(10.0, &[10, 30], &[f64::INFINITY; 2], &[1.0; 2]);
+        assert!(close(times[0][0], 0.2) && close(times[0][9], 2.0), "{:?}", times[0]);
+        assert!(close(times[1][9], 2.0) && close(times[1][10], 2.1) && close(times[1][29], 4.0), "{:?}", times[1]);
+        // A lane held to 2 a second by its own tiers leaves 8 to the other; weights 1:3
+        // give the open lanes 2.5 and 7.5.
+        let capped = fair_share_times(10.0, &[4, 16], &[2.0, f64::INFINITY], &[1.0; 2]);
+        assert!(close(capped[0][3], 2.0) && close(capped[1][15], 2.0), "{capped:?}");
+        let weighted = fair_share_times(10.0, &[5, 15], &[f64::INFINITY; 2], &[1.0, 3.0]);
+        assert!(close(weighted[0][4], 2.0) && close(weighted[1][14], 2.0), "{weighted:?}");
+        assert_eq!(fair_share_times(10.0, &[0, 3], &[f64::INFINITY; 2], &[1.0; 2])[0].len(), 0);
     }
 
     /// Fairness is measured against what a lane could still call: with 20 jobs left it is
