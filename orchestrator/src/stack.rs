@@ -2636,14 +2636,14 @@ mod tests {
         assert_eq!(state.many.as_ref().unwrap().recalled_at[heavy], stretch_over, "the recall when the stretch is over");
     }
 
-    /// Under a shared 10,000/s over 1,000 lanes of 100/s (50 jobs each of the 50,000 the
+    /// Under a shared 10,000/s over 1,000 lanes of 100/s (40 jobs each of the 40,000 the
     /// stack may hold), a lane that receives 120 jobs while the stack holds fewer than
-    /// that keeps 100, twice its part, and gives 20 back: jobs come in by chance, and
+    /// that keeps 80, twice its part, and gives 40 back: jobs come in by chance, and
     /// evenly over 1,000 lanes, keeping its part alone, half the lanes gave jobs back at
     /// every receive (0.09 requests a job to hide them, 0.08 to receive them again).
-    /// Once the stack holds more than it may, the lane keeps its 50; near the run's end
+    /// Once the stack holds more than it may, the lane keeps its 40; near the run's end
     /// (the quota uses less than twice the lanes' parts before it), its part of what the
-    /// quota uses by then, 40. Under a shared 200/s, twice the parts go before the
+    /// quota uses by then, 30. Under a shared 200/s, twice the parts go before the
     /// horizon too: 8 of 4 (asked to use twice the 5,000 the stack may hold before it,
     /// the lane kept its 4: at 200/s over 1,000 lanes, 0.84 SQS requests a job, 0.60
     /// kept twice its part).
@@ -2659,16 +2659,16 @@ mod tests {
             state.to_release.len()
         };
         let one_each = || jobs_of_lanes(0, 999, None);
-        assert_eq!(given_back(&mut many_lanes_stack(&settings, &progress), one_each()), 20);
+        assert_eq!(given_back(&mut many_lanes_stack(&settings, &progress), one_each()), 40);
 
         let mut full = many_lanes_stack(&settings, &progress);
         let in_hand_most = full.many.as_ref().unwrap().in_hand_most;
         let crowd = (0..in_hand_most).map(|n| message(&LaneId::parse(&format!("tenant{}", n % 999)).unwrap(), n)).collect();
-        assert_eq!(given_back(&mut full, crowd), 70, "the stack holds more than it may");
+        assert_eq!(given_back(&mut full, crowd), 80, "the stack holds more than it may");
 
         let lease = Lease { holder: "test".into(), epoch: 1, expires_at: T0.plus(Duration::from_secs(30)) };
-        let mut ending = StackMachine::new(&settings, &progress, lease, T0, T0.plus(Duration::from_secs(9)), false).on_fair_queue(true);
-        assert_eq!(given_back(&mut ending, one_each()), 80, "the run stops in 4 s: the lane keeps its part of what the quota uses by then");
+        let mut ending = StackMachine::new(&settings, &progress, lease, T0, T0.plus(Duration::from_secs(8)), false).on_fair_queue(true);
+        assert_eq!(given_back(&mut ending, one_each()), 90, "the run stops in 3 s: the lane keeps its part of what the quota uses by then");
 
         // Under a shared 200/s (its 20 s stretch, 4,000 jobs, is what the stack may hold
         // then, 4 a lane), twice that goes before the horizon: the lane keeps 8.
