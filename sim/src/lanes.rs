@@ -208,7 +208,7 @@ pub struct LanesReport {
     pub light_wait_p50_seconds: f64,
     pub light_wait_p99_seconds: f64,
     /// The same for the light lanes' jobs had the shared quota been divided max-min
-    /// fairly from the start, with no lead and no queue (see [`fair_share_times`]): the
+    /// fairly from the start, with no lead and no queue (see `fair_share_times`): the
     /// issue asks the light lanes' p99 to be within its fair share's + 2 s.
     pub light_fair_share_p50_seconds: f64,
     pub light_fair_share_p99_seconds: f64,
