@@ -1489,9 +1489,8 @@ impl<'a> StackMachine<'a> {
     /// a round trip): a lane's jobs given back come back together, and the receives
     /// that doubled to read them came back empty at the end, 20 to 30 each time.
     fn open_the_ramp(&mut self) {
-        let contended = self.many.as_ref().is_none_or(|many| many.own_pace_in_hand >= many.shared.sustained_per_second());
         self.full_since_the_ramp_opened += 1;
-        if contended || self.full_since_the_ramp_opened >= self.receives_ramp {
+        if self.lanes_in_hand_contend() || self.full_since_the_ramp_opened >= self.receives_ramp {
             self.receives_ramp = (self.receives_ramp + 1).min(MAX_RECEIVES_IN_FLIGHT);
             self.full_since_the_ramp_opened = 0;
         }
@@ -1501,13 +1500,18 @@ impl<'a> StackMachine<'a> {
     /// stack holds it now (a shard's share moves), further ahead while the lanes in hand
     /// contend for it (see [`READ_AHEAD_WHILE_CONTENDED`]).
     fn reading_pace(&self) -> f64 {
-        let many = self.many.as_ref().expect("many lanes");
-        let shared_pace = many.shared.sustained_per_second();
-        if many.own_pace_in_hand >= shared_pace {
+        let shared_pace = self.many.as_ref().expect("many lanes").shared.sustained_per_second();
+        if self.lanes_in_hand_contend() {
             shared_pace * READ_AHEAD_WHILE_CONTENDED
         } else {
             shared_pace
         }
+    }
+
+    /// Whether the lanes with jobs in hand could use all the shared quota at their own
+    /// paces (a stack of one lane: always).
+    fn lanes_in_hand_contend(&self) -> bool {
+        self.many.as_ref().is_none_or(|many| many.own_pace_in_hand >= many.shared.sustained_per_second())
     }
 
     /// On a fair queue, receives whose every job went back, each to a lane SQS sees as
@@ -2292,6 +2296,21 @@ mod tests {
         (0..count).flat_map(|i| jobs_of_lanes(first + i * jobs, first + (i + 1) * jobs, Some(&LaneId::parse(&format!("{name}{i}")).unwrap()))).collect()
     }
 
+    /// Gives `state` a job each of `lanes` lanes, sends a round of receives, answers one
+    /// with three more lanes' jobs (fewer than a batch) and the rest with none, and checks
+    /// that the next receive then goes alone. The round's size.
+    fn a_round_with_one_short_receive(state: &mut StackMachine<'_>, lanes: usize) -> usize {
+        answer_receive(state, jobs_of_lanes(0, lanes, None), T0);
+        let round = receives_sent_at_once(state, T0);
+        answer_receive(state, jobs_of_lanes(lanes, lanes + 3, None), T0);
+        for _ in 1..round {
+            answer_receive(state, Vec::new(), T0);
+        }
+        state.timers.stop(Timer::Prefetch);
+        assert_eq!(receives_sent_at_once(state, T0), 1, "the queue showed fewer than a batch");
+        round
+    }
+
     /// At 10,000 calls/s, with 120 lanes of 100/s in hand (they could use all the shared
     /// quota), a stack of many lanes sends 60 receives at once (20 ms each). After one
     /// that came back with fewer than a batch (the queue shows fewer: a few of the lanes'
@@ -2302,14 +2321,7 @@ mod tests {
     fn after_a_receive_that_found_fewer_than_a_batch_receives_go_one_at_a_time_and_one_more_after_each_full_one() {
         let (settings, progress) = (many_lanes_settings("10000/s", "100/s"), Progress::default());
         let mut state = many_lanes_stack(&settings, &progress);
-        answer_receive(&mut state, jobs_of_lanes(0, 120, None), T0);
-        assert_eq!(receives_sent_at_once(&mut state, T0), 60, "a round");
-        answer_receive(&mut state, jobs_of_lanes(120, 123, None), T0);
-        for _ in 0..59 {
-            answer_receive(&mut state, Vec::new(), T0);
-        }
-        state.timers.stop(Timer::Prefetch);
-        assert_eq!(receives_sent_at_once(&mut state, T0), 1, "the queue showed fewer than a batch");
+        assert_eq!(a_round_with_one_short_receive(&mut state, 120), 60, "a round");
         answer_receive(&mut state, jobs_of_lanes(123, 133, None), T0);
         assert_eq!(receives_sent_at_once(&mut state, T0), 2, "one full: one more");
         answer_receive(&mut state, jobs_of_lanes(133, 143, None), T0);
@@ -2332,14 +2344,7 @@ mod tests {
     fn once_the_lanes_in_hand_cannot_use_the_shared_quota_receives_open_one_more_a_round_trip() {
         let (settings, progress) = (many_lanes_settings("10000/s", "100/s"), Progress::default());
         let mut state = many_lanes_stack(&settings, &progress);
-        answer_receive(&mut state, jobs_of_lanes(0, 10, None), T0);
-        assert_eq!(receives_sent_at_once(&mut state, T0), 40, "a round at the shared quota's pace");
-        answer_receive(&mut state, jobs_of_lanes(10, 13, None), T0);
-        for _ in 0..39 {
-            answer_receive(&mut state, Vec::new(), T0);
-        }
-        state.timers.stop(Timer::Prefetch);
-        assert_eq!(receives_sent_at_once(&mut state, T0), 1, "the queue showed fewer than a batch");
+        assert_eq!(a_round_with_one_short_receive(&mut state, 10), 40, "a round at the shared quota's pace");
         answer_receive(&mut state, jobs_of_lanes(13, 23, None), T0);
         assert_eq!(receives_sent_at_once(&mut state, T0), 2, "one full of one: one more");
         answer_receive(&mut state, jobs_of_lanes(23, 33, None), T0);
