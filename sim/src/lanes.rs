@@ -868,8 +868,10 @@ fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: V
         }
     }
     let capacity = plan.settings.quota.pace_per_second() * WINDOW.as_secs_f64();
-    let mut left: Vec<u64> = by_lane.iter().map(|lane_calls| lane_calls.iter().map(|(_, cost)| cost).sum()).collect();
-    let own_caps: Vec<f64> = quotas.iter().map(|quota| own_rate(quota) * WINDOW.as_secs_f64()).collect();
+    let units: Vec<u64> = by_lane.iter().map(|lane_calls| lane_calls.iter().map(|(_, cost)| cost).sum()).collect();
+    let mut left = units.clone();
+    let own_paces: Vec<f64> = quotas.iter().map(|quota| own_rate(quota)).collect();
+    let own_caps: Vec<f64> = own_paces.iter().map(|pace| pace * WINDOW.as_secs_f64()).collect();
     let (mut indexes, mut used, mut usable) = (Vec::new(), 0.0, 0.0);
     for (w, got) in got.iter().enumerate() {
         let window_end = start.plus(WINDOW * u32::try_from(w + 1).unwrap_or(u32::MAX));
@@ -899,13 +901,12 @@ fn analyse(plan: &LanesPlan, dispatcher: &str, job_lanes: &[usize], mut calls: V
     }
     let lanes_with_jobs = jobs_of.iter().filter(|n| **n > 0).count();
     let mean = job_lanes.len() as f64 / lanes_with_jobs.max(1) as f64;
+    let is_light = |lane: usize| (jobs_of[lane] as f64) < mean;
     let mut light: Vec<f64> =
-        calls.iter().filter(|call| call.lane < plan.lanes && (jobs_of[call.lane] as f64) < mean).map(|call| call.at.since(SIM_START).as_secs_f64()).collect();
+        calls.iter().filter(|call| call.lane < plan.lanes && is_light(call.lane)).map(|call| call.at.since(SIM_START).as_secs_f64()).collect();
     light.sort_by(f64::total_cmp);
-    let units: Vec<u64> = by_lane.iter().map(|lane_calls| lane_calls.iter().map(|(_, cost)| cost).sum()).collect();
-    let own_paces: Vec<f64> = quotas.iter().map(|quota| own_rate(quota)).collect();
     let fair_times = fair_share_times(plan.settings.quota.pace_per_second(), &units, &own_paces, &weights);
-    let mut light_fair: Vec<f64> = fair_times.into_iter().enumerate().filter(|(lane, _)| (jobs_of[*lane] as f64) < mean).flat_map(|(_, times)| times).collect();
+    let mut light_fair: Vec<f64> = fair_times.into_iter().enumerate().filter(|(lane, _)| is_light(*lane)).flat_map(|(_, times)| times).collect();
     light_fair.sort_by(f64::total_cmp);
     let calls_per_second = plotted_calls(plan, &calls);
     LanesReport {
