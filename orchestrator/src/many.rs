@@ -437,17 +437,11 @@ impl<'a> ManyLanes<'a> {
     }
 
     /// How many more jobs a lane may hide on the queue for later at `now`: SQS counts
-    /// them as in flight, with those in hand. On a fair queue, up to what
-    /// [`MOST_IN_FLIGHT`] leaves: the busy lanes' jobs left on the queue are passed over
-    /// for the quiet lanes'. On a standard queue nothing passes them over, and reaching
-    /// the jobs behind them takes receives: a run hides no more than leaves room for all
-    /// it may hold in hand ([`most_hidden`]). Past the room, jobs are sent again.
+    /// them as in flight, with those in hand. Up to what [`MOST_IN_FLIGHT`] leaves, and
+    /// no more than leaves room to receive ([`most_hidden`]). Past the room, jobs are
+    /// sent again.
     pub fn room_to_hide(&mut self, fair_queue: bool, now: UnixMillis) -> usize {
-        let in_flight_room = self.in_flight_room(now);
-        if fair_queue {
-            return in_flight_room;
-        }
-        in_flight_room.min(most_hidden(self.in_hand_most).saturating_sub(self.hidden_on_queue.at(now)))
+        self.in_flight_room(now).min(most_hidden(self.in_hand_most, fair_queue).saturating_sub(self.hidden_on_queue.at(now)))
     }
 
     /// How many more jobs this run may hold in flight at `now`.
@@ -739,12 +733,14 @@ mod tests {
     }
 
     /// A run at 10,000 calls/s may hold 40,000 jobs in hand. With 30,000 in hand, a fair
-    /// queue lets it hide 80,000 for later: the busy lanes' jobs left on the queue are
-    /// passed over for the quiet lanes'. A standard queue hands them out in line, and its
-    /// receives need room to reach the jobs behind them: 70,000, what holding all 40,000
-    /// in hand leaves. Hidden jobs count until they are due.
+    /// queue lets it hide 80,000 for later, what SQS's limit leaves, and 85,000 at most:
+    /// the busy lanes' jobs left on the queue are passed over for the quiet lanes', and
+    /// receives need room for five eighths of what it may hold. A standard queue hands
+    /// them out in line, and its receives need room to reach the jobs behind them:
+    /// 70,000, what holding all 40,000 in hand leaves. Hidden jobs count until they are
+    /// due.
     #[test]
-    fn a_run_hides_up_to_what_sqs_lets_be_in_flight_and_on_a_standard_queue_leaves_room_to_receive() {
+    fn a_run_hides_up_to_what_sqs_lets_be_in_flight_and_leaves_room_to_receive_more_on_a_standard_queue() {
         let quota = Quota::new(vec!["10000/s".parse().unwrap()], chrono_tz::UTC, Duration::ZERO).unwrap();
         let config = LanesConfig::parse_text("tiers = [\"100/s\"]", &quota).unwrap();
         let mut many = ManyLanes::new(&config, &quota);
@@ -755,8 +751,10 @@ mod tests {
         many.hidden_on_queue.hide(t0.plus(Duration::from_secs(30)), 55_000);
         assert_eq!((many.room_to_hide(true, t0), many.room_to_hide(false, t0)), (25_000, 15_000));
         assert_eq!(many.in_flight_room(t0), 25_000, "what receives may bring");
+        many.in_hand_total = 10_000;
+        assert_eq!((many.room_to_hide(true, t0), many.room_to_hide(false, t0)), (30_000, 15_000), "room kept for five eighths of 40,000 / all of it");
         let due = t0.plus(Duration::from_secs(30));
-        assert_eq!((many.room_to_hide(true, due), many.room_to_hide(false, due)), (80_000, 70_000), "visible again: no longer in flight");
+        assert_eq!((many.room_to_hide(true, due), many.room_to_hide(false, due)), (85_000, 70_000), "visible again: no longer in flight");
     }
 
     /// A lane going at its share of the shared quota, 10/s, under its own 100/s, gives
