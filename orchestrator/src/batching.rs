@@ -4,9 +4,10 @@
 //! jobs, or the async invoke's payload limit). Where the pace is more than one worker
 //! should call at (`worker_pace`), several batches gather at once, in stripes: each job
 //! goes to the next, so each worker calls at its share of the pace; where the pace moves
-//! (a shard's share of the shared quota), so does the number of stripes in use. Each job's hand-off is answered when its
-//! batch's invoke is: the drain loop above sees one hand-off per job, as without
-//! batches, and deletes each job's message once Lambda took its batch.
+//! (a shard's share of the shared quota, or the lanes in hand going slower than it at
+//! their own paces), so does the number of stripes in use. Each job's hand-off is
+//! answered when its batch's invoke is: the drain loop above sees one hand-off per job,
+//! as without batches, and deletes each job's message once Lambda took its batch.
 //!
 //! Nothing waits for a batch to fill: a slow lane's job goes at the time it would have
 //! gone alone, in a batch of one (sent as a plain job payload). A batch Lambda refuses as

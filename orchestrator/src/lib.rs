@@ -366,7 +366,8 @@ impl Orchestrator {
             background: JoinSet::new(),
             stop: opts.stop.clone(),
             handed_off_any: false,
-            share_parts: None,
+            // The pace the invoker was built for (`BatchingInvoker::for_settings`).
+            pace_told: Some(self.settings.quota.sustained_per_second()),
             late_start_lead: Duration::ZERO,
         };
         let outcome = match run.hydrate().await {
@@ -393,9 +394,8 @@ struct Executor<'a> {
     stop: Option<tokio::sync::watch::Receiver<bool>>,
     /// Whether the run handed a job off yet (its first is logged).
     handed_off_any: bool,
-    /// In a stack of shards whose shares move: the parts of the shared quota the invoker
-    /// was last told the pace of.
-    share_parts: Option<u64>,
+    /// In a stack of many lanes: the pace the invoker was last told of.
+    pace_told: Option<f64>,
     /// What late starts added to the lead, as the invoker was last told.
     late_start_lead: Duration,
 }
@@ -485,7 +485,7 @@ impl Executor<'_> {
             if let Some(missed) = self.o.missed_slots.as_ref().map(|slots| slots.take()).filter(|m| !m.is_empty()) {
                 self.state.on_event(Event::SlotsMissed(missed), self.o.clock.now())?;
             }
-            self.follow_share();
+            self.follow_pace();
             let action = self.state.next_action(self.o.clock.now());
             self.follow_late_starts();
             match action {
@@ -496,17 +496,13 @@ impl Executor<'_> {
         }
     }
 
-    /// Tells the invoker the pace of this shard's share of the shared quota when it moved
-    /// (its batches' stripes follow it).
-    fn follow_share(&mut self) {
-        let Some(shares) = self.state.shares() else { return };
-        let held = shares.held();
-        if self.share_parts == Some(held) {
-            return;
-        }
-        self.share_parts = Some(held);
-        if let Some(share) = shares.quota() {
-            self.o.invoker.pace_changed(share.sustained_per_second());
+    /// Tells the invoker the pace the stack hands jobs off at when it moved (its batches'
+    /// stripes follow it; see [`StackMachine::hand_off_pace`]).
+    fn follow_pace(&mut self) {
+        let Some(pace) = self.state.hand_off_pace().filter(|pace| *pace > 0.0) else { return };
+        if self.pace_told != Some(pace) {
+            self.pace_told = Some(pace);
+            self.o.invoker.pace_changed(pace);
         }
     }
 

@@ -80,11 +80,6 @@ impl ShareRun {
         quota_of_parts(&self.most, self.held, self.parts)
     }
 
-    /// The parts held now.
-    pub fn held(&self) -> u64 {
-        self.held
-    }
-
     /// The shared quota held a lane back: the shard could use more than it holds.
     pub fn held_back(&mut self) {
         self.held_back = true;

@@ -784,6 +784,15 @@ impl<'a> StackMachine<'a> {
         self.shares.as_ref()
     }
 
+    /// The most jobs a second a stack of many lanes hands off now: the shared quota's pace
+    /// (this shard's share of it), or less where the lanes with jobs in hand add up to
+    /// less at their own paces. The invoker spreads its batches over as many workers as
+    /// that needs. `None` for a stack of one lane, which goes at its quota's pace.
+    pub fn hand_off_pace(&self) -> Option<f64> {
+        let many = self.many.as_ref()?;
+        Some(many.shared.sustained_per_second().min(many.own_pace_in_hand))
+    }
+
     /// Paces the stack's lanes under the share of the shared quota this shard holds now.
     fn apply_share(&mut self) {
         if let (Some(many), Some(shares)) = (&mut self.many, &self.shares) {
@@ -2368,6 +2377,24 @@ mod tests {
         let mut few = many_lanes_stack(&settings, &progress);
         answer_receive(&mut few, jobs_of_lanes(0, 10, None), T0);
         assert_eq!(receives_sent_at_once(&mut few, T0), 40);
+    }
+
+    /// A stack of many lanes hands off at most what its lanes with jobs in hand can go at
+    /// their own paces, under the shared quota's: the invoker spreads its batches over
+    /// the workers that pace needs. A stack of one lane goes at its quota's pace.
+    #[test]
+    fn a_stack_hands_off_at_the_lanes_in_hand_s_own_paces_up_to_the_shared_quota_s() {
+        let (lanes, progress) = (many_lanes_settings("10000/s", "100/s"), Progress::default());
+        let mut few = many_lanes_stack(&lanes, &progress);
+        answer_receive(&mut few, jobs_of_lanes(0, 10, None), T0);
+        assert_eq!(few.hand_off_pace(), Some(1_000.0));
+        let mut contended = many_lanes_stack(&lanes, &progress);
+        answer_receive(&mut contended, jobs_of_lanes(0, 999, None), T0);
+        assert_eq!(contended.hand_off_pace(), Some(10_000.0));
+        let lease = Lease { holder: "test".into(), epoch: 1, expires_at: T0.plus(Duration::from_secs(30)) };
+        let one_lane = settings();
+        let one = StackMachine::new(&one_lane, &progress, lease, T0, T0.plus(Duration::from_secs(60)), false);
+        assert_eq!(one.hand_off_pace(), None);
     }
 
     /// A stack of many lanes with jobs in hand receives a whole batch or none where its

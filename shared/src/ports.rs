@@ -975,8 +975,9 @@ pub trait Invoker: Send + Sync {
     async fn flush(&self) {}
 
     /// The orchestrator's pace changed to `per_second` (a shard's share of the shared
-    /// quota moved): an invoker that spreads its batches over workers by pace follows
-    /// it. Others ignore it.
+    /// quota moved, or the lanes with jobs in hand go slower than it at their own
+    /// paces): an invoker that spreads its batches over workers by pace follows it.
+    /// Others ignore it.
     fn pace_changed(&self, _per_second: f64) {}
 
     /// The orchestrator hands jobs off `extra` earlier than configured from now on

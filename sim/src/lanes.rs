@@ -1259,6 +1259,18 @@ mod tests {
         assert!(steady.iter().all(|units| (990..=1_000).contains(units)), "{per_second:?}");
     }
 
+    /// Ten lanes of 100/s under a shared 10,000/s can go 1,000 calls a second together:
+    /// their batches spread over two workers (500 calls a second each), not over the
+    /// twenty the shared quota's pace would need, so each carries its stripe's 500 ms of
+    /// calls (about 250). Spread over twenty, each batch carried 25: 0.04 invokes a job,
+    /// and by a Zipf law at 40,000 calls/s over 4 shards, whose few heavy lanes go on
+    /// alone for minutes, the account's 1,000 executions were all taken.
+    #[test]
+    fn lanes_that_cannot_use_the_shared_quota_gather_their_batches_over_the_workers_their_own_paces_need() {
+        let report = every_job_called_once_by_lambda_workers(("10000/s", "100/s"), 10, Skew::Zipf(0.0), 10_000, 1, 1_000);
+        assert!(report.lambda_invokes_per_job.is_some_and(|invokes| invokes < 0.01), "{report:?}");
+    }
+
     /// Each lane's state is read before its first job goes, and at the start a hundred
     /// lanes are read one after another. The first lane read took its slots to its whole
     /// lead, the batch window's included (900 ms), while the others were still being

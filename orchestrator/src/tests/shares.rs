@@ -77,9 +77,9 @@ fn busiest_second(both: &[u64]) -> usize {
 async fn a_busy_shard_takes_the_share_an_idle_shard_does_not_use_and_together_they_never_pass_the_shared_tier() {
     let (busy, idle, paces) = run_both(true, 4_000, false).await;
     assert_eq!(idle.len(), 20, "the idle shard's own jobs went");
-    // Its invoker was told each pace its share moved to (its batches' stripes follow):
-    // none before its first report landed, then about half, then nearly all the tier.
-    assert!(paces.first().is_some_and(|pace| *pace <= 60.0) && paces.last().is_some_and(|pace| *pace >= 95.0), "{paces:?}");
+    // Its invoker, built for its half, was told each pace its share moved to (its
+    // batches' stripes follow), none past the tier: nearly all of it at the end.
+    assert!(paces.iter().all(|pace| *pace <= 100.0) && paces.last().is_some_and(|pace| *pace >= 95.0), "{paces:?}");
     let mut both: Vec<u64> = busy.iter().chain(&idle).copied().collect();
     both.sort_unstable();
     assert!(busiest_second(&both) <= 100, "a second held {} calls of the shared 100/s", busiest_second(&both));
