@@ -50,9 +50,6 @@ pub(crate) struct ShareRun {
     reported: bool,
     /// The weight of the lanes the shard holds jobs of, in the book's thousandths.
     weight: u64,
-    /// From when the run's reports weigh the shard by the lanes it holds jobs of; until
-    /// then, by the weight the book has for it (see [`Self::weight_to_report`]).
-    weighs_from: UnixMillis,
 }
 
 impl ShareRun {
@@ -62,14 +59,12 @@ impl ShareRun {
         let most = settings.share_most.as_ref().filter(|_| settings.shard.of > 1)?;
         let parts = parts_of(most)?;
         let window = paceline_shared::shares::longest_window(most);
-        let timing = ShareTiming { window, ahead: settings.furthest_ahead(), valid_for: lease_valid_for };
         Some(Self {
             most: most.clone(),
             parts,
             shard: settings.shard.index,
             shards: settings.shard.of,
-            weighs_from: started.plus(timing.wait_before_reuse()),
-            timing,
+            timing: ShareTiming { window, ahead: settings.furthest_ahead(), valid_for: lease_valid_for },
             held: 0,
             valid_until: started,
             writing: None,
@@ -142,27 +137,12 @@ impl ShareRun {
             // asking for its own pace so far (none) would give it up for a window.
             demand = demand.max(book.held.get(self.shard).map_or(0, |holding| holding.demand));
         }
-        book.weigh(self.shard, self.weight_to_report(&book, now));
+        book.weigh(self.shard, self.weight);
 
         let grant = book.report(self.shard, demand, now, &self.timing);
         self.held = self.held.min(grant.parts);
         self.writing = Some((grant, now, spent, std::mem::take(&mut self.held_back)));
         (book, version)
-    }
-
-    /// The weight this run's report at `now` gives the shard in `book`: the lanes it
-    /// holds jobs of, once it has run as long as a part given up waits before another
-    /// shard may use it; before, the weight the book has for it (its last run's, or one
-    /// lane's in a new book). A run's first lanes in hand follow its line's order, not the
-    /// lanes the line holds: at 40,000 calls/s over 4 shards by a Zipf law, two shards
-    /// whose lines start with their heaviest lanes' jobs held jobs of 79 and 72 lanes a
-    /// second in, against 152 and 169, and gave up 6,017 parts of 40,000 that no shard
-    /// could use for the next 3.25 s.
-    fn weight_to_report(&self, book: &ShareBook, now: UnixMillis) -> u64 {
-        if now >= self.weighs_from {
-            return self.weight;
-        }
-        book.held.get(self.shard).map_or(self.weight, |holding| holding.weight)
     }
 
     /// The report's write landed (`true`) or lost to another shard's (`false`): the grant
@@ -302,30 +282,6 @@ mod tests {
         second.written(true);
         assert_eq!(book.held.iter().map(|h| (h.parts, h.demand)).collect::<Vec<_>>(), vec![(50, 100), (50, 100)], "{book:?}");
         assert_eq!((pace(&first), pace(&second)), (Some(50), Some(50)));
-    }
-
-    /// A run's reports weigh its shard by the lanes it holds jobs of only once it has run
-    /// as long as a part given up waits before another shard may use it; before, by the
-    /// weight the book has for the shard (one lane's in a new book, its last run's after).
-    #[test]
-    fn a_run_weighs_its_shard_by_its_lanes_only_once_it_has_run_as_long_as_parts_wait_to_be_used_again() {
-        let valid_for = Duration::from_secs(24);
-        let mut run = ShareRun::for_settings(&settings(0), valid_for, UnixMillis(0)).unwrap();
-        run.weigh(3.0);
-        let (book, _) = run.report(None, 0, UnixMillis(0));
-        run.written(true);
-        assert_eq!(book.held[0].weight, UNIT_WEIGHT, "a new book's weight at the start");
-        let weighs_from = run.timing.wait_before_reuse().as_millis() as u64;
-        let (book, _) = run.report(Some((book, 1)), 50, UnixMillis(weighs_from - 1));
-        run.written(true);
-        assert_eq!(book.held[0].weight, UNIT_WEIGHT, "still the book's weight");
-        let (book, _) = run.report(Some((book, 2)), 100, UnixMillis(weighs_from));
-        run.written(true);
-        assert_eq!(book.held[0].weight, 3 * UNIT_WEIGHT, "its three lanes'");
-        let mut next_run = ShareRun::for_settings(&settings(0), valid_for, UnixMillis(weighs_from)).unwrap();
-        next_run.weigh(1.0);
-        let (book, _) = next_run.report(Some((book, 3)), 0, UnixMillis(weighs_from + 1_000));
-        assert_eq!(book.held[0].weight, 3 * UNIT_WEIGHT, "the next run starts from the last run's weight");
     }
 
     #[test]

@@ -67,8 +67,7 @@ pub struct ShareTiming {
 impl ShareTiming {
     /// How long a part given up at `now` waits before another shard may use it: until
     /// the calls decided before have gone and left every window.
-    #[must_use]
-    pub fn wait_before_reuse(&self) -> Duration {
+    fn wait_before_reuse(&self) -> Duration {
         self.ahead + self.window + CLOCK_SKEW
     }
 }
