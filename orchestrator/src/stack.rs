@@ -2782,8 +2782,18 @@ mod tests {
         let heavy = (0..state.lanes.len()).find(|index| named(&state, *index, "heavy")).unwrap();
         state.lanes[heavy].release_all();
         state.many.as_mut().unwrap().touch(heavy);
-        let Action::Release(recalled) = next_past_reads(&mut state, T0) else { panic!("the dry heavy lane recalls its jobs") };
-        assert!(recalled.iter().all(|job| job.after.is_zero()), "recalled jobs are visible at once");
+        let recalled = loop {
+            match next(&mut state, T0) {
+                Action::HydrateLanes(indices) => {
+                    let shared =
+                        || SharedState { circuit: Circuit::default(), cool_down: UnixMillis(0), provider_reading: None, call_slots: None, retune: None };
+                    let start = || LaneStart { last_run: LastRun::None, calendar_used: Vec::new(), shared: shared() };
+                    state.on_event(Event::LanesHydrated(indices.into_iter().map(|index| (index, Ok(start()))).collect()), T0).unwrap();
+                }
+                Action::Release(jobs) if jobs.iter().all(|job| job.after.is_zero()) => break jobs,
+                _ => panic!("before the recall, an action other than the lanes' first reads"),
+            }
+        };
         assert!(recalled.len() >= 100, "the heavy lane recalled {}", recalled.len());
         (state, recalled)
     }
