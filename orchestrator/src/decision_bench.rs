@@ -178,7 +178,7 @@ pub fn drain(
                 for message in &messages {
                     queue.release(std::slice::from_ref(&message.receipt), now.plus(message.after));
                 }
-                Event::Released(messages.len(), Ok(()))
+                Event::released(&messages, Ok(()))
             }
             Action::SendAgain(jobs) => {
                 for (message, delay) in &jobs {

@@ -615,7 +615,10 @@ impl Executor<'_> {
             // Visibility changes go in the background: the loop dispatches meanwhile.
             Action::Release(messages) => {
                 let queue = o.queue.clone();
-                self.background.spawn(async move { Event::Released(messages.len(), in_batches(&messages, |batch| queue.release(batch)).await) });
+                self.background.spawn(async move {
+                    let result = in_batches(&messages, |batch| queue.release(batch)).await;
+                    Event::released(&messages, result)
+                });
                 return Ok(());
             }
             Action::SendAgain(jobs) => {
