@@ -121,6 +121,18 @@ pub async fn paceline(args: &[&str], stdin: &str) -> Output {
 
 /// Runs `paceline ARGS` with `stdin` and extra environment variables.
 pub async fn paceline_with_env(args: &[&str], stdin: &str, env: &[(String, String)]) -> Output {
+    paceline_stopped_after(args, stdin, env, None).await
+}
+
+/// Runs `paceline ARGS` with `stdin`, sending it SIGTERM (a clean stop) if it runs
+/// longer than `limit`: a run that hangs ends with its summary and log for the test to
+/// show.
+pub async fn paceline_within(args: &[&str], stdin: &str, limit: std::time::Duration) -> Output {
+    paceline_stopped_after(args, stdin, &[], Some(limit)).await
+}
+
+#[expect(clippy::disallowed_methods, reason = "end-to-end: a real process stopped after real time")]
+async fn paceline_stopped_after(args: &[&str], stdin: &str, env: &[(String, String)], limit: Option<std::time::Duration>) -> Output {
     use tokio::io::AsyncWriteExt;
     let mut child = tokio::process::Command::new(paceline_bin())
         .args(args)
@@ -136,7 +148,17 @@ pub async fn paceline_with_env(args: &[&str], stdin: &str, env: &[(String, Strin
         assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe, "write stdin: {e}");
     }
     drop(input);
-    child.wait_with_output().await.expect("paceline output")
+    let stop = limit.zip(child.id()).map(|(limit, pid)| {
+        tokio::spawn(async move {
+            tokio::time::sleep(limit).await;
+            let _ = tokio::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status().await;
+        })
+    });
+    let output = child.wait_with_output().await.expect("paceline output");
+    if let Some(stop) = stop {
+        stop.abort();
+    }
+    output
 }
 
 /// Parses a command's standard output as JSON, showing its error output if it is not.

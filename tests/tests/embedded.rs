@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use paceline_cli::fake_api::{FakeApi, FakeApiLog, FakeApiSpec};
-use paceline_e2e::{job_lines, json_of, lane_dir, one_lane_at_a_time, paceline, paceline_bin, two_percent_failing_api, write_config};
+use paceline_e2e::{job_lines, json_of, lane_dir, one_lane_at_a_time, paceline, paceline_bin, paceline_within, two_percent_failing_api, write_config};
 use paceline_shared::check::peak_in_any_window;
 use paceline_shared::time::UnixMillis;
 
@@ -919,11 +919,14 @@ async fn ordered_lanes_of_a_stack_keep_each_lane_s_order_through_retries_and_do_
     let enqueued = paceline(&["enqueue", "--config", config, "-"], &lines).await;
     assert!(enqueued.status.success(), "{}", String::from_utf8_lossy(&enqueued.stderr));
 
-    let run = paceline(&["run", "--config", config, "--drain", "--json"], "").await;
+    // About 20 s; a lane once stalled here in CI (lane b held jobs it never called, until
+    // the gate's 20 minutes): stopped after 5, the run's summary and log say what it did.
+    let run = paceline_within(&["run", "--config", config, "--drain", "--json"], "", Duration::from_secs(300)).await;
     let summary = json_of(&run);
     assert!(run.status.success(), "{summary}");
     let log = api.log();
     assert!(log.server_errors >= 15, "about 2% of 1,200 calls failed: {}", log.server_errors);
+    let run_log = String::from_utf8_lossy(&run.stderr);
     for lane in lanes {
         let of_lane: Vec<(u32, bool)> =
             calls_in_order(&log).into_iter().filter(|(id, _)| id.starts_with(lane)).map(|(id, ok)| (id[2..].parse().unwrap(), ok)).collect();
@@ -931,7 +934,7 @@ async fn ordered_lanes_of_a_stack_keep_each_lane_s_order_through_retries_and_do_
         let succeeded: Vec<u32> = of_lane.iter().filter(|(_, ok)| *ok).map(|(n, _)| *n).collect();
         let expected: Vec<u32> = (0..1_200).filter(|n| lanes[*n as usize % 3] == lane).collect();
         assert_eq!(called.windows(2).filter(|pair| pair[1] < pair[0]).count(), 0, "lane {lane}: a call went before one enqueued earlier");
-        assert_eq!(succeeded, expected, "lane {lane}: each job succeeded once, in enqueue order");
+        assert_eq!(succeeded, expected, "lane {lane}: each job succeeded once, in enqueue order; the run's summary {summary} and log:\n{run_log}");
     }
     // One call of a lane at a time, the three lanes' side by side.
     assert!((2..=3).contains(&log.peak_in_flight), "{} calls in flight at once", log.peak_in_flight);
