@@ -50,6 +50,11 @@ pub(crate) struct ShareRun {
     reported: bool,
     /// The weight of the lanes the shard holds jobs of, in the book's thousandths.
     weight: u64,
+    /// The weight the run's last report gave (`None` before its first).
+    weight_reported: Option<u64>,
+    /// Until when a report whose weight grew since the last keeps the parts the shard
+    /// can use (see [`Self::still_weighing`]).
+    weighs_until: UnixMillis,
 }
 
 impl ShareRun {
@@ -59,12 +64,14 @@ impl ShareRun {
         let most = settings.share_most.as_ref().filter(|_| settings.shard.of > 1)?;
         let parts = parts_of(most)?;
         let window = paceline_shared::shares::longest_window(most);
+        let timing = ShareTiming { window, ahead: settings.furthest_ahead(), valid_for: lease_valid_for };
         Some(Self {
             most: most.clone(),
             parts,
             shard: settings.shard.index,
             shards: settings.shard.of,
-            timing: ShareTiming { window, ahead: settings.furthest_ahead(), valid_for: lease_valid_for },
+            weighs_until: started.plus(timing.wait_before_reuse()),
+            timing,
             held: 0,
             valid_until: started,
             writing: None,
@@ -72,6 +79,7 @@ impl ShareRun {
             held_back: false,
             reported: false,
             weight: UNIT_WEIGHT,
+            weight_reported: None,
         })
     }
 
@@ -138,11 +146,24 @@ impl ShareRun {
             demand = demand.max(book.held.get(self.shard).map_or(0, |holding| holding.demand));
         }
         book.weigh(self.shard, self.weight);
-
-        let grant = book.report(self.shard, demand, now, &self.timing);
+        let grant = if self.still_weighing(now) {
+            book.report_while_weighing(self.shard, demand, now, &self.timing)
+        } else {
+            book.report(self.shard, demand, now, &self.timing)
+        };
+        self.weight_reported = Some(self.weight);
         self.held = self.held.min(grant.parts);
         self.writing = Some((grant, now, spent, std::mem::take(&mut self.held_back)));
         (book, version)
+    }
+
+    /// Whether the shard's weight may still be growing at `now`: in the run's first
+    /// [`ShareTiming::wait_before_reuse`], before its first report or while each weighs
+    /// it more than the last. A run's first lanes in hand follow its line's order, not
+    /// the lanes the line holds; weighed by them, a shard gives up parts that no shard
+    /// may use for as long (see `ShareBook::report_while_weighing`).
+    fn still_weighing(&self, now: UnixMillis) -> bool {
+        now < self.weighs_until && self.weight_reported.is_none_or(|reported| self.weight > reported)
     }
 
     /// The report's write landed (`true`) or lost to another shard's (`false`): the grant
@@ -214,6 +235,35 @@ mod tests {
     /// The shared 100/s as the run paces it now (`None`: no call may go).
     fn pace(run: &ShareRun) -> Option<u64> {
         run.quota().map(|quota| quota.tiers()[0].limit)
+    }
+
+    /// A run's reports keep the parts the shard can use while its weight grows in the
+    /// run's first wait before a part given up may be used again (its lanes' first jobs
+    /// coming into hand), and divide by weight as the book says once it stops growing or
+    /// that time is over.
+    #[test]
+    fn a_run_keeps_its_parts_while_its_weight_grows_in_its_first_seconds() {
+        let valid_for = Duration::from_secs(24);
+        let mut book = ShareBook::even(100, 2, UnixMillis(0));
+        book.weigh(1, 3 * UNIT_WEIGHT);
+        book.report(1, 100, UnixMillis(0), &ShareTiming { window: Duration::from_secs(1), ahead: Duration::ZERO, valid_for });
+        // Shard 0, busy (a unit every 10 ms), holds one lane's jobs, then two's, then two's
+        // still; then more, once its first seconds are over, as shard 1 does.
+        let mut run = ShareRun::for_settings(&settings(0), valid_for, UnixMillis(0)).unwrap();
+        let weighs_until = run.weighs_until.0;
+        let mut held_at = |weight: f64, others: u64, now: u64| {
+            run.weigh(weight);
+            book.weigh(1, others * UNIT_WEIGHT);
+            let (written, _) = run.report(Some((book.clone(), 1)), now / 10, UnixMillis(now));
+            run.written(true);
+            book = written;
+            book.held[0].parts
+        };
+        assert_eq!(held_at(1.0, 3, 100), 50, "its first report keeps its half");
+        assert_eq!(held_at(2.0, 3, 200), 50, "its weight grew: it keeps it");
+        assert_eq!(held_at(2.0, 3, 300), 40, "two lanes against three");
+        let past = held_at(2.5, 6, weighs_until);
+        assert!(past < 40, "past its first seconds, a weight that grew keeps nothing: {past}");
     }
 
     /// A report whose write another shard's beat is made again soon after: it measures
