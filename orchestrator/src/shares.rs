@@ -50,8 +50,10 @@ pub(crate) struct ShareRun {
     reported: bool,
     /// The weight of the lanes the shard holds jobs of, in the book's thousandths.
     weight: u64,
-    /// The weight the run's last report gave (`None` before its first).
+    /// The weight of the run's last report that landed (`None` before one did), and of
+    /// the one being written.
     weight_reported: Option<u64>,
+    weight_writing: u64,
     /// Until when a report whose weight grew since the last keeps the parts the shard
     /// can use (see [`Self::still_weighing`]).
     weighs_until: UnixMillis,
@@ -80,6 +82,7 @@ impl ShareRun {
             reported: false,
             weight: UNIT_WEIGHT,
             weight_reported: None,
+            weight_writing: UNIT_WEIGHT,
         })
     }
 
@@ -151,15 +154,16 @@ impl ShareRun {
         } else {
             book.report(self.shard, demand, now, &self.timing)
         };
-        self.weight_reported = Some(self.weight);
+        self.weight_writing = self.weight;
         self.held = self.held.min(grant.parts);
         self.writing = Some((grant, now, spent, std::mem::take(&mut self.held_back)));
         (book, version)
     }
 
     /// Whether the shard's weight may still be growing at `now`: in the run's first
-    /// [`ShareTiming::wait_before_reuse`], before its first report or while each weighs
-    /// it more than the last. A run's first lanes in hand follow its line's order, not
+    /// [`ShareTiming::wait_before_reuse`], before its first report landed or while each
+    /// weighs it more than the last that landed (a report made again after a lost write
+    /// is measured against the one before). A run's first lanes in hand follow its line's order, not
     /// the lanes the line holds; weighed by them, a shard gives up parts that no shard
     /// may use for as long (see `ShareBook::report_while_weighing`).
     fn still_weighing(&self, now: UnixMillis) -> bool {
@@ -180,6 +184,7 @@ impl ShareRun {
         }
         self.last_report = (made_at, spent);
         self.reported = true;
+        self.weight_reported = Some(self.weight_writing);
         self.valid_until = made_at.plus(self.timing.valid_for);
         let before = self.held;
         self.held = grant.parts;
@@ -240,30 +245,36 @@ mod tests {
     /// A run's reports keep the parts the shard can use while its weight grows in the
     /// run's first wait before a part given up may be used again (its lanes' first jobs
     /// coming into hand), and divide by weight as the book says once it stops growing or
-    /// that time is over.
+    /// that time is over. A report made again after a lost write is measured against the
+    /// last that landed.
     #[test]
     fn a_run_keeps_its_parts_while_its_weight_grows_in_its_first_seconds() {
         let valid_for = Duration::from_secs(24);
         let mut book = ShareBook::even(100, 2, UnixMillis(0));
         book.weigh(1, 3 * UNIT_WEIGHT);
         book.report(1, 100, UnixMillis(0), &ShareTiming { window: Duration::from_secs(1), ahead: Duration::ZERO, valid_for });
-        // Shard 0, busy (a unit every 10 ms), holds one lane's jobs, then two's, then two's
+        // Shard 0, busy (a unit every 10 ms), holds one lane's jobs, then two's; then
+        // three's in a report whose write is lost, and 2.2's in the one made again, then
         // still; then more, once its first seconds are over, as shard 1 does.
         let mut run = ShareRun::for_settings(&settings(0), valid_for, UnixMillis(0)).unwrap();
         let weighs_until = run.weighs_until.0;
-        let mut held_at = |weight: f64, others: u64, now: u64| {
+        let mut held_at = |weight: f64, others: u64, now: u64, landed: bool| {
             run.weigh(weight);
             book.weigh(1, others * UNIT_WEIGHT);
             let (written, _) = run.report(Some((book.clone(), 1)), now / 10, UnixMillis(now));
-            run.written(true);
-            book = written;
+            run.written(landed);
+            if landed {
+                book = written;
+            }
             book.held[0].parts
         };
-        assert_eq!(held_at(1.0, 3, 100), 50, "its first report keeps its half");
-        assert_eq!(held_at(2.0, 3, 200), 50, "its weight grew: it keeps it");
-        assert_eq!(held_at(2.0, 3, 300), 40, "two lanes against three");
-        let past = held_at(2.5, 6, weighs_until);
-        assert!(past < 40, "past its first seconds, a weight that grew keeps nothing: {past}");
+        assert_eq!(held_at(1.0, 3, 100, true), 50, "its first report keeps its half");
+        assert_eq!(held_at(2.0, 3, 200, true), 50, "its weight grew: it keeps it");
+        held_at(3.0, 3, 300, false);
+        assert_eq!(held_at(2.2, 3, 320, true), 50, "more than the last report that landed: it keeps it");
+        assert_eq!(held_at(2.2, 3, 400, true), 43, "2.2 lanes against three");
+        let past = held_at(3.0, 6, weighs_until, true);
+        assert!(past < 43, "past its first seconds, a weight that grew keeps nothing: {past}");
     }
 
     /// A report whose write another shard's beat is made again soon after: it measures
