@@ -23,6 +23,17 @@ const HEADROOM: f64 = 1.25;
 /// refused does.
 const SATURATED: f64 = 0.9;
 
+/// A report being written: the grant it asks, when it was made, the shared units spent
+/// by then, whether a lane had been held back, and the weight it gave the shard.
+#[derive(Debug)]
+struct Writing {
+    grant: Grant,
+    made_at: UnixMillis,
+    spent: u64,
+    held_back: bool,
+    weight: u64,
+}
+
 /// The run's share of the shared quota's rolling tiers.
 #[derive(Debug)]
 pub(crate) struct ShareRun {
@@ -37,9 +48,8 @@ pub(crate) struct ShareRun {
     held: u64,
     /// Until when they may be: the lease's validity after the last report that landed.
     valid_until: UnixMillis,
-    /// The report being written: the grant it asks, when it was made, the shared units
-    /// spent by then, and whether a lane had been held back.
-    writing: Option<(Grant, UnixMillis, u64, bool)>,
+    /// The report being written.
+    writing: Option<Writing>,
     /// When the last report that landed was made, and the shared units spent by then:
     /// the shard's pace is measured from it.
     last_report: (UnixMillis, u64),
@@ -50,12 +60,10 @@ pub(crate) struct ShareRun {
     reported: bool,
     /// The weight of the lanes the shard holds jobs of, in the book's thousandths.
     weight: u64,
-    /// The weight of the run's last report that landed (`None` before one did), and of
-    /// the one being written.
+    /// The weight of the run's last report that landed (`None` before one did).
     weight_reported: Option<u64>,
-    weight_writing: u64,
-    /// Until when a report whose weight grew since the last keeps the parts the shard
-    /// can use (see [`Self::still_weighing`]).
+    /// Until when a report whose weight grew since the last that landed keeps the parts
+    /// the shard can use (see [`Self::still_weighing`]).
     weighs_until: UnixMillis,
 }
 
@@ -82,7 +90,6 @@ impl ShareRun {
             reported: false,
             weight: UNIT_WEIGHT,
             weight_reported: None,
-            weight_writing: UNIT_WEIGHT,
         })
     }
 
@@ -154,18 +161,17 @@ impl ShareRun {
         } else {
             book.report(self.shard, demand, now, &self.timing)
         };
-        self.weight_writing = self.weight;
         self.held = self.held.min(grant.parts);
-        self.writing = Some((grant, now, spent, std::mem::take(&mut self.held_back)));
+        self.writing = Some(Writing { grant, made_at: now, spent, held_back: std::mem::take(&mut self.held_back), weight: self.weight });
         (book, version)
     }
 
     /// Whether the shard's weight may still be growing at `now`: in the run's first
     /// [`ShareTiming::wait_before_reuse`], before its first report landed or while each
     /// weighs it more than the last that landed (a report made again after a lost write
-    /// is measured against the one before). A run's first lanes in hand follow its line's order, not
-    /// the lanes the line holds; weighed by them, a shard gives up parts that no shard
-    /// may use for as long (see `ShareBook::report_while_weighing`).
+    /// is measured against the one before). A run's first lanes in hand follow its
+    /// line's order, not the lanes the line holds; weighed by them, a shard gives up
+    /// parts that no shard may use for as long (see `ShareBook::report_while_weighing`).
     fn still_weighing(&self, now: UnixMillis) -> bool {
         now < self.weighs_until && self.weight_reported.is_none_or(|reported| self.weight > reported)
     }
@@ -174,7 +180,7 @@ impl ShareRun {
     /// is the shard's until the lease's validity from when the report was made. `true`
     /// when the parts paced under changed.
     pub fn written(&mut self, landed: bool) -> bool {
-        let Some((grant, made_at, spent, held_back)) = self.writing.take() else { return false };
+        let Some(Writing { grant, made_at, spent, held_back, weight }) = self.writing.take() else { return false };
         if !landed {
             // The next report, soon, measures the pace from the last that landed (over
             // the few milliseconds since this one, it would be anything) and says again
@@ -184,7 +190,7 @@ impl ShareRun {
         }
         self.last_report = (made_at, spent);
         self.reported = true;
-        self.weight_reported = Some(self.weight_writing);
+        self.weight_reported = Some(weight);
         self.valid_until = made_at.plus(self.timing.valid_for);
         let before = self.held;
         self.held = grant.parts;
@@ -205,7 +211,7 @@ impl ShareRun {
 
     /// The write failed: the report is over, the parts stay as lowered.
     pub fn write_failed(&mut self) {
-        if let Some((.., held_back)) = self.writing.take() {
+        if let Some(Writing { held_back, .. }) = self.writing.take() {
             self.held_back |= held_back;
         }
     }
