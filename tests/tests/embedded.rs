@@ -920,7 +920,7 @@ async fn ordered_lanes_of_a_stack_keep_each_lane_s_order_through_retries_and_do_
     assert!(enqueued.status.success(), "{}", String::from_utf8_lossy(&enqueued.stderr));
 
     // About 20 s; a lane once stalled here in CI (lane b held jobs it never called, until
-    // the gate's 20 minutes): stopped after 5, the run's summary and log say what it did.
+    // the gate's 20 minutes): stopped after 5 minutes, its summary and log say what it did.
     let run = paceline_within(&["run", "--config", config, "--drain", "--json"], "", Duration::from_secs(300)).await;
     let summary = json_of(&run);
     assert!(run.status.success(), "{summary}");
