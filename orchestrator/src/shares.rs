@@ -55,12 +55,11 @@ pub(crate) struct ShareRun {
     last_report: (UnixMillis, u64),
     /// The shared quota held a lane back since the last report: the shard could use more.
     held_back: bool,
-    /// Whether a report of the run landed yet: until one does, the run asks for what the
-    /// shard's last run said it could use (it has no pace of its own yet).
-    reported: bool,
     /// The weight of the lanes the shard holds jobs of, in the book's thousandths.
     weight: u64,
-    /// The weight of the run's last report that landed (`None` before one did).
+    /// The weight the run's last report that landed gave the shard; `None` until one
+    /// lands, while the run asks for what the shard's last run said it could use (it has
+    /// no pace of its own yet).
     weight_reported: Option<u64>,
     /// Until when a report whose weight grew since the last that landed keeps the parts
     /// the shard can use (see [`Self::still_weighing`]).
@@ -87,7 +86,6 @@ impl ShareRun {
             writing: None,
             last_report: (started, 0),
             held_back: false,
-            reported: false,
             weight: UNIT_WEIGHT,
             weight_reported: None,
         })
@@ -150,7 +148,7 @@ impl ShareRun {
             None => (ShareBook::even(self.parts, self.shards, now), None),
         };
         let mut demand = self.demand(spent, now);
-        if !self.reported {
+        if self.weight_reported.is_none() {
             // A run that goes on from the last (a relay, the next kick) keeps its share:
             // asking for its own pace so far (none) would give it up for a window.
             demand = demand.max(book.held.get(self.shard).map_or(0, |holding| holding.demand));
@@ -189,7 +187,6 @@ impl ShareRun {
             return false;
         }
         self.last_report = (made_at, spent);
-        self.reported = true;
         self.weight_reported = Some(weight);
         self.valid_until = made_at.plus(self.timing.valid_for);
         let before = self.held;
